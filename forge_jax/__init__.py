@@ -1,0 +1,14 @@
+"""forge_jax: FORGE (Fused On-Register Gradient Elimination) for JAX.
+
+The optimizer step of each linear layer runs inside the backward pass's
+weight-gradient GEMM, so weight gradients are never stored.
+"""
+
+from forge_jax.linen import FORGE_COLLECTION, ForgeDense, wiped_layers
+from forge_jax.ops.fused_dense import (ForgeVariables, FusedDenseSpec,
+                                       forge_dense, init_variables)
+from forge_jax.optimizers import (Adagrad, Adam, ForgeOptimizer, Lion, RAdam,
+                                  RMSprop, SGD, adagrad, adam, adamw, lion,
+                                  nadam, nadamw, radam, rmsprop, sgd)
+
+__version__ = "0.1.0"

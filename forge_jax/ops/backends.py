@@ -1,0 +1,57 @@
+"""Weight-update backends of the fused dense op, and the switch between them.
+
+A backend is a function
+``(spec, x, dy, kernel, opt_state, scalars, apply) -> (kernel, opt_state, skipped)``
+that forms ``dW = x.T @ dy`` (contracting every axis but the last) and applies
+the optimizer rule. ``'xla'`` is the reference: plain XLA ops, the
+specification, and the default where no GPU kernel applies.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from forge_jax.ops.update import apply_update
+
+
+def weight_gradient(x, dy, precision=None):
+  """``dW = x.T @ dy`` in float32, with the dimension numbers autodiff uses."""
+  batch_axes = tuple(range(x.ndim - 1))
+  return lax.dot_general(x, dy, ((batch_axes, batch_axes), ((), ())),
+                         precision=precision,
+                         preferred_element_type=jnp.float32)
+
+
+def xla_update(spec, x, dy, kernel, opt_state, scalars, apply):
+  """Reference backend: ``dW`` through XLA, then the elementwise rule."""
+  grad = weight_gradient(x, dy, spec.precision)
+  new_kernel, new_state, updated = apply_update(
+      spec.optimizer, grad, kernel, opt_state, scalars, apply)
+  return new_kernel, new_state, jnp.sum(jnp.logical_not(updated), dtype=jnp.int32)
+
+
+def _on_gpu() -> bool:
+  return jax.default_backend() == "gpu"
+
+
+def select(implementation: str, x, dy, kernel, optimizer):
+  """The backend for ``implementation``; 'auto' picks the fastest that applies.
+
+  'auto' uses the Pallas-Triton kernel on a GPU when it supports the call,
+  and otherwise falls back to the XLA reference. An explicit
+  'triton' on a machine without a GPU runs the kernel in Pallas interpret
+  mode; where the kernel cannot run the call it raises and says why.
+  """
+  if implementation == "xla":
+    return xla_update
+  from forge_jax.ops import triton_kernel  # pylint: disable=import-outside-toplevel
+  if implementation == "triton":
+    triton_kernel.check_supported(x, dy, kernel, optimizer)
+    return triton_kernel.triton_update
+  if implementation == "auto":
+    if _on_gpu() and triton_kernel.unsupported_reason(x, dy, kernel, optimizer) is None:
+      return triton_kernel.triton_update
+    return xla_update
+  raise ValueError(f"{implementation=} must be 'auto', 'xla' or 'triton'")

@@ -1,0 +1,186 @@
+"""The fused op: ``y = x @ W + b`` whose backward updates W and its state.
+
+``forge_dense`` is a ``jax.custom_vjp``. Its backward computes
+``dx = dy @ W.T`` with the old ``W`` first, then hands ``x`` and ``dy`` to a
+backend that forms ``dW = x.T @ dy`` and applies the optimizer rule, and
+returns the *new* kernel and optimizer state as the cotangents of the old
+ones. A training step that overwrites the variables with these cotangents
+(flax's ``_overwrite_with_gradient`` collection; ``TrainState.apply_gradients``
+does it) has then taken an optimizer step without ever storing ``dW``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.custom_derivatives import SymbolicZero
+from flax.linen import dtypes as flax_dtypes
+
+from forge_jax.optimizers import ForgeOptimizer
+from forge_jax.ops import backends
+
+IMPLEMENTATIONS = ("auto", "xla", "triton")
+
+
+class ForgeVariables(NamedTuple):
+  """What FORGE stores for one dense layer (outside ``params``).
+
+  Attributes:
+    kernel: the weight, ``[in_features, features]``.
+    opt_state: the optimizer's per-element state (kernel-shaped arrays).
+    count: float32 scalar, the number of steps applied to this layer (exact up
+      to 2**24 steps; float because jax.grad only differentiates float leaves).
+    skipped: float32 scalar, the number of kernel elements the last step left
+      untouched because their gradient was not finite.
+    intact: float32 scalar, 1.0 while the variables are ones FORGE wrote. A
+      layer whose output did not reach the loss gets zero cotangents, which an
+      overwrite-with-gradient step writes as zeros; ``intact`` becomes 0.0 and
+      the layer then outputs NaN instead of silently training from zeros.
+  """
+
+  kernel: jax.Array
+  opt_state: Any
+  count: jax.Array
+  skipped: jax.Array
+  intact: jax.Array
+
+
+def init_variables(optimizer: ForgeOptimizer, kernel: jax.Array) -> ForgeVariables:
+  scalar = lambda v: jnp.asarray(v, jnp.float32)
+  return ForgeVariables(kernel=kernel, opt_state=optimizer.init(kernel),
+                        count=scalar(0), skipped=scalar(0), intact=scalar(1))
+
+
+@dataclasses.dataclass(frozen=True)
+class FusedDenseSpec:
+  """Static configuration of one fused dense call (hashable)."""
+
+  optimizer: ForgeOptimizer
+  implementation: str = "auto"
+  precision: Any = None
+  dtype: Any = None
+
+
+def _dense(x, kernel, bias, spec: FusedDenseSpec):
+  """``flax.linen.Dense``'s forward, operation for operation."""
+  x, kernel, bias = flax_dtypes.promote_dtype(x, kernel, bias, dtype=spec.dtype)
+  y = lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())),
+                      precision=spec.precision)
+  if bias is not None:
+    y += jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,))
+  return y
+
+
+def _poison_if_wiped(y, intact):
+  return jnp.where(intact > 0, y, jnp.asarray(jnp.nan, y.dtype))
+
+
+def _validate(x, variables: ForgeVariables, bias, spec: FusedDenseSpec):
+  kernel = variables.kernel
+  if kernel.ndim != 2:
+    raise ValueError(f"{kernel.shape=} must be rank 2 ([in_features, features])")
+  if x.ndim < 1 or x.shape[-1] != kernel.shape[0]:
+    raise ValueError(
+        f"{x.shape=} must end in the kernel's in_features {kernel.shape[0]}")
+  for name, value in (("x", x), ("kernel", kernel)):
+    if not jnp.issubdtype(value.dtype, jnp.floating):
+      raise TypeError(f"{name}.dtype={value.dtype} must be a floating dtype")
+  if bias is not None and bias.shape != (kernel.shape[1],):
+    raise ValueError(f"{bias.shape=} must be ({kernel.shape[1]},)")
+  if spec.implementation not in IMPLEMENTATIONS:
+    raise ValueError(
+        f"{spec.implementation=} must be one of {IMPLEMENTATIONS}")
+  if not isinstance(spec.optimizer, ForgeOptimizer):
+    raise TypeError(_not_elementwise_message(spec.optimizer))
+
+
+def _not_elementwise_message(optimizer) -> str:
+  text = (f"optimizer={optimizer!r} must be a forge_jax optimizer "
+          "(fj.adamw, fj.sgd, ...). FORGE applies the update tile by tile "
+          "inside the weight-gradient GEMM, so only elementwise rules can be "
+          "fused; optax transformations that need the whole gradient "
+          "(clip_by_global_norm, adafactor, ...) cannot.")
+  if "MultiSteps" in type(optimizer).__name__ or "multi_steps" in repr(optimizer):
+    text += (" Gradient accumulation (optax.MultiSteps) cannot work either: "
+             "FORGE never stores the gradient it would have to accumulate. "
+             "Use a larger micro-batch instead; FORGE frees the gradient "
+             "memory to make room for it.")
+  return text
+
+
+def forge_dense(x: jax.Array, variables: ForgeVariables,
+                bias: Optional[jax.Array], spec: FusedDenseSpec) -> jax.Array:
+  """``x @ kernel + bias``; differentiating it w.r.t. ``variables`` steps them.
+
+  Args:
+    x: ``[..., in_features]`` inputs.
+    variables: the layer's :class:`ForgeVariables`.
+    bias: ``[features]`` or None. Its gradient is an ordinary gradient.
+    spec: static configuration (optimizer, implementation, precision, dtype).
+
+  Returns:
+    ``[..., features]``, bit for bit what ``flax.linen.Dense`` computes. The
+    cotangent returned for ``variables`` is the *updated* variables.
+  """
+  _validate(x, variables, bias, spec)
+  return _forge_dense(spec, x, variables, bias)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _forge_dense(spec, x, variables, bias):
+  return _poison_if_wiped(_dense(x, variables.kernel, bias, spec),
+                          variables.intact)
+
+
+def _forge_dense_fwd(spec, x, variables, bias):
+  kernel_perturbed = variables.kernel.perturbed
+  others_perturbed = x.perturbed or (bias is not None and bias.perturbed)
+  if others_perturbed and not kernel_perturbed:
+    raise ValueError(
+        "A ForgeDense kernel is not being differentiated while its inputs or "
+        "bias are: FORGE would silently train nothing. Differentiate with "
+        "respect to all variables, e.g. jax.grad(loss)(variables) with "
+        "variables = {'params': ..., '_overwrite_with_gradient': ...} "
+        "(TrainState.params when created from the whole variables dict), "
+        "not variables['params'] alone.")
+  x, variables, bias = jax.tree.map(
+      lambda p: p.value, (x, variables, bias),
+      is_leaf=lambda p: isinstance(p, jax.custom_derivatives.CustomVJPPrimal))
+  y = _forge_dense(spec, x, variables, bias)
+  return y, (x, variables, bias)
+
+
+def _forge_dense_bwd(spec, residuals, dy):
+  x, variables, bias = residuals
+  if isinstance(dy, SymbolicZero):
+    dy = jnp.zeros(dy.shape, dy.dtype)
+  # dx and dbias exactly as autodiff of flax.linen.Dense, with the old kernel.
+  _, dense_vjp = jax.vjp(lambda x, b: _dense(x, variables.kernel, b, spec),
+                         x, bias)
+  dx, dbias = dense_vjp(dy)
+
+  apply = jnp.all(jnp.isfinite(dy))
+  count = variables.count.astype(jnp.int32)
+  scalars = spec.optimizer.scalars(count)
+  x_c, kernel_c, _ = flax_dtypes.promote_dtype(x, variables.kernel, None,
+                                               dtype=spec.dtype)
+  del kernel_c
+  backend = backends.select(spec.implementation, x_c, dy, variables.kernel,
+                            spec.optimizer)
+  new_kernel, new_state, skipped = backend(
+      spec, x_c, dy, variables.kernel, variables.opt_state, scalars, apply)
+  new_variables = ForgeVariables(
+      kernel=new_kernel,
+      opt_state=new_state,
+      count=variables.count + apply.astype(jnp.float32),
+      skipped=skipped.astype(jnp.float32),
+      intact=jnp.ones_like(variables.intact))
+  return dx, new_variables, dbias
+
+
+_forge_dense.defvjp(_forge_dense_fwd, _forge_dense_bwd, symbolic_zeros=True)

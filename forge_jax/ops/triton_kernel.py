@@ -1,0 +1,171 @@
+"""Pallas kernel (Triton lowering): dW tiles in float32 registers, update fused.
+
+One program per ``block_k x block_n`` tile of the kernel. It accumulates
+``dW_tile = x[:, k-block].T @ dy[:, n-block]`` over the token axis in a
+float32 accumulator, loads the kernel and state tiles, applies the optimizer
+rule (:func:`forge_jax.ops.update.apply_update`, the function the XLA
+reference applies to the whole array), and stores the new kernel and state
+tiles over the old ones (``input_output_aliases``). ``dW`` never reaches
+device memory. Edges (any K, N, T) are masked.
+
+Off-GPU the same kernel runs in Pallas interpret mode, which is how the tests
+check it on CPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from forge_jax.ops.update import apply_update
+
+_SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+
+
+@dataclasses.dataclass(frozen=True)
+class TritonConfig:
+  """Tile shape and launch parameters of the fused kernel (powers of two)."""
+
+  block_k: int = 128
+  block_n: int = 128
+  block_t: int = 32
+  num_warps: int = 8
+  num_stages: int = 3
+
+  def __post_init__(self):
+    for name in ("block_k", "block_n", "block_t"):
+      value = getattr(self, name)
+      if value < 1 or value & (value - 1):
+        raise ValueError(f"{name}={value} must be a power of two")
+
+
+def default_config(tokens: int, k: int, n: int) -> TritonConfig:
+  """A tile shape that fits the problem: full 128x128 tiles where they fit,
+  smaller ones for tiny layers (8 outputs, say) so few elements are masked."""
+  pow2 = lambda v, cap: max(16, min(cap, 1 << max(0, (v - 1).bit_length())))
+  return TritonConfig(block_k=pow2(k, 128), block_n=pow2(n, 128),
+                      block_t=pow2(tokens, 32))
+
+
+def unsupported_reason(x, dy, kernel, optimizer) -> Optional[str]:
+  """Why the kernel cannot run this call, or None if it can."""
+  for name, value in (("x", x), ("dy", dy), ("kernel", kernel)):
+    if jnp.dtype(value.dtype) not in map(jnp.dtype, _SUPPORTED_DTYPES):
+      return f"{name}.dtype={value.dtype} must be float32, bfloat16 or float16"
+  state = jax.eval_shape(optimizer.init, kernel)
+  for leaf in jax.tree.leaves(state):
+    if jnp.dtype(leaf.dtype) not in map(jnp.dtype, _SUPPORTED_DTYPES):
+      return f"optimizer state dtype {leaf.dtype} is not supported by the kernel"
+  if math.prod(x.shape[:-1]) == 0:
+    return f"{x.shape=} has no tokens"
+  return None
+
+
+def check_supported(x, dy, kernel, optimizer):
+  reason = unsupported_reason(x, dy, kernel, optimizer)
+  if reason is not None:
+    raise ValueError(f"implementation='triton' cannot run this call: {reason}")
+
+
+def _fused_kernel(scalars_ref, x_ref, dy_ref, w_ref, *refs, optimizer,
+                  state_treedef, scalars_treedef, num_scalars, tokens, k, n,
+                  config: TritonConfig, dot_precision):
+  num_state = state_treedef.num_leaves
+  state_refs = refs[:num_state]
+  w_out_ref = refs[num_state]
+  state_out_refs = refs[num_state + 1:2 * num_state + 1]
+  skipped_ref = refs[2 * num_state + 1]
+  bk, bn, bt = config.block_k, config.block_n, config.block_t
+  pid_k, pid_n = pl.program_id(0), pl.program_id(1)
+
+  rows = pid_k * bk + lax.broadcasted_iota(jnp.int32, (bk, bn), 0)
+  cols = pid_n * bn + lax.broadcasted_iota(jnp.int32, (bk, bn), 1)
+  tile_mask = (rows < k) & (cols < n)
+  k_idx = pid_k * bk + lax.broadcasted_iota(jnp.int32, (bt, bk), 1)
+  n_idx = pid_n * bn + lax.broadcasted_iota(jnp.int32, (bt, bn), 1)
+
+  def accumulate(t, acc):
+    t_x = t * bt + lax.broadcasted_iota(jnp.int32, (bt, bk), 0)
+    t_dy = t * bt + lax.broadcasted_iota(jnp.int32, (bt, bn), 0)
+    x = plgpu.load(x_ref.at[pl.ds(t * bt, bt), pl.ds(pid_k * bk, bk)],
+                   mask=(t_x < tokens) & (k_idx < k), other=0.0)
+    dy = plgpu.load(dy_ref.at[pl.ds(t * bt, bt), pl.ds(pid_n * bn, bn)],
+                    mask=(t_dy < tokens) & (n_idx < n), other=0.0)
+    return acc + pl.dot(x, dy, trans_a=True, precision=dot_precision)
+
+  grad = lax.fori_loop(0, pl.cdiv(tokens, bt), accumulate,
+                       jnp.zeros((bk, bn), jnp.float32))
+
+  tile = lambda ref: ref.at[pl.ds(pid_k * bk, bk), pl.ds(pid_n * bn, bn)]
+  w = plgpu.load(tile(w_ref), mask=tile_mask, other=0.0)
+  state = jax.tree.unflatten(
+      state_treedef,
+      [plgpu.load(tile(r), mask=tile_mask, other=0.0) for r in state_refs])
+  scalar_values = [scalars_ref[i] for i in range(num_scalars + 1)]
+  scalars = jax.tree.unflatten(scalars_treedef, scalar_values[:num_scalars])
+  apply = scalar_values[num_scalars] > 0.5
+
+  new_w, new_state, updated = apply_update(optimizer, grad, w, state, scalars,
+                                           apply)
+  plgpu.store(tile(w_out_ref), new_w, mask=tile_mask)
+  for ref, value in zip(state_out_refs, jax.tree.leaves(new_state)):
+    plgpu.store(tile(ref), value, mask=tile_mask)
+  # Masked-out elements loaded as 0 have a finite gradient: never counted.
+  skipped = jnp.sum(jnp.where(tile_mask & ~updated, 1, 0).astype(jnp.int32))
+  skipped_ref[pid_k * pl.num_programs(1) + pid_n] = skipped
+
+
+def triton_update(spec, x, dy, kernel, opt_state, scalars, apply,
+                  config: Optional[TritonConfig] = None,
+                  interpret: Optional[bool] = None):
+  """Backend entry point: same contract as ``backends.xla_update``."""
+  optimizer = spec.optimizer
+  k, n = kernel.shape
+  x2 = x.reshape(-1, k)
+  dy2 = dy.reshape(-1, n)
+  tokens = x2.shape[0]
+  if config is None:
+    config = default_config(tokens, k, n)
+  if interpret is None:
+    interpret = jax.default_backend() != "gpu"
+
+  state_leaves, state_treedef = jax.tree.flatten(opt_state)
+  scalar_leaves, scalars_treedef = jax.tree.flatten(scalars)
+  scalar_vector = jnp.stack(
+      [jnp.asarray(s, jnp.float32) for s in scalar_leaves]
+      + [apply.astype(jnp.float32)])
+
+  grid = (pl.cdiv(k, config.block_k), pl.cdiv(n, config.block_n))
+  both_f32 = x2.dtype == jnp.float32 and dy2.dtype == jnp.float32
+  kernel_fn = functools.partial(
+      _fused_kernel, optimizer=optimizer, state_treedef=state_treedef,
+      scalars_treedef=scalars_treedef, num_scalars=len(scalar_leaves),
+      tokens=tokens, k=k, n=n, config=config,
+      dot_precision=lax.Precision.HIGHEST if both_f32 else None)
+  out_shape = (
+      [jax.ShapeDtypeStruct(kernel.shape, kernel.dtype)]
+      + [jax.ShapeDtypeStruct(s.shape, s.dtype) for s in state_leaves]
+      + [jax.ShapeDtypeStruct((grid[0] * grid[1],), jnp.int32)])
+  # Inputs: scalars, x, dy, kernel, *state. Kernel and state update in place.
+  aliases = {3 + i: i for i in range(1 + len(state_leaves))}
+  outputs = pl.pallas_call(
+      kernel_fn,
+      out_shape=out_shape,
+      grid=grid,
+      input_output_aliases=aliases,
+      interpret=interpret,
+      compiler_params=plgpu.CompilerParams(num_warps=config.num_warps,
+                                           num_stages=config.num_stages),
+      name="forge_fused_dense_update",
+  )(scalar_vector, x2, dy2, kernel, *state_leaves)
+  new_kernel = outputs[0]
+  new_state = jax.tree.unflatten(state_treedef, outputs[1:-1])
+  return new_kernel, new_state, jnp.sum(outputs[-1])

@@ -1,0 +1,566 @@
+"""Elementwise optimizer rules that FORGE fuses into the weight-gradient GEMM.
+
+Each optimizer mirrors the optax alias of the same name (arguments, defaults,
+state, and the order of floating-point operations), split into three pure
+pieces so that every backend (XLA reference, Pallas kernels) shares one
+definition of the math:
+
+* ``init(kernel)``: the per-element state, a NamedTuple of kernel-shaped arrays.
+* ``scalars(count)``: per-step scalars (learning rate, bias corrections, ...),
+  computed once per step from ``count``, the number of updates applied so far.
+* ``update(grad, kernel, state, scalars)``: the elementwise rule on float32
+  arrays of any shape (a whole kernel or one register tile).
+
+``to_optax()`` returns the optax alias with the same arguments, for the
+parameters that FORGE does not own (biases, norms, embeddings), so the
+optimizer is stated once.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import functools
+from typing import Any, Callable, NamedTuple, Optional, Union
+
+import jax
+import jax.numpy as jnp
+import optax
+
+ScalarOrSchedule = Union[float, Callable[[jax.Array], jax.Array]]
+Mask = Optional[Union[Any, Callable[[Any], Any]]]
+
+
+class EmptyState(NamedTuple):
+  """State of a rule that keeps no per-element state (plain SGD)."""
+
+
+# ---------------------------------------------------------------------------
+# Helpers that reproduce optax's scalar arithmetic bit for bit.
+
+
+def _schedule_value(value: ScalarOrSchedule, count: jax.Array) -> jax.Array:
+  """``value(count)`` for a schedule, else the constant, as a float32 scalar."""
+  if callable(value):
+    return jnp.asarray(value(count), jnp.float32)
+  return jnp.asarray(value, jnp.float32)
+
+
+def _neg_learning_rate(learning_rate: ScalarOrSchedule, count: jax.Array):
+  """optax.scale_by_learning_rate: the schedule sees the pre-increment count."""
+  if callable(learning_rate):
+    return jnp.asarray(-1 * learning_rate(count), jnp.float32)
+  return jnp.asarray(-1 * learning_rate, jnp.float32)
+
+
+def _bias_correction(decay: float, count_inc: jax.Array) -> jax.Array:
+  """``1 - decay**t`` in float32, as optax.tree.bias_correction computes it."""
+  return jnp.asarray(1 - decay**count_inc, jnp.float32)
+
+
+def _validate_count_dtype(count):
+  if not jnp.issubdtype(count.dtype, jnp.integer):
+    raise TypeError(f"{count.dtype=} must be an integer dtype")
+
+
+# ---------------------------------------------------------------------------
+# Base class.
+
+
+@dataclasses.dataclass(frozen=True)
+class ForgeOptimizer(abc.ABC):
+  """An elementwise optimizer rule that FORGE can fuse into a backward GEMM.
+
+  Subclasses are frozen dataclasses (hashable, so they can be static arguments
+  of ``jax.jit`` and ``jax.custom_vjp``) whose fields are the optax alias's
+  keyword arguments.
+  """
+
+  @abc.abstractmethod
+  def init(self, kernel: jax.Array) -> NamedTuple:
+    """Per-element optimizer state for ``kernel`` (no step count)."""
+
+  @abc.abstractmethod
+  def scalars(self, count: jax.Array) -> NamedTuple:
+    """Per-step float32 scalars from ``count`` (int32, updates applied so far)."""
+
+  @abc.abstractmethod
+  def update(self, grad, kernel, state, scalars) -> tuple[jax.Array, NamedTuple]:
+    """Elementwise rule on float32 arrays; returns the new kernel and state."""
+
+  @abc.abstractmethod
+  def to_optax(self) -> optax.GradientTransformation:
+    """The optax alias with the same arguments (for non-FORGE parameters)."""
+
+
+# ---------------------------------------------------------------------------
+# Adam family: adam, adamw, nadam, nadamw.
+
+
+class AdamState(NamedTuple):
+  mu: jax.Array
+  nu: jax.Array
+
+
+class AdamScalars(NamedTuple):
+  neg_lr: jax.Array
+  weight_decay: jax.Array
+  bc1: jax.Array       # 1 - b1**t
+  bc2: jax.Array       # 1 - b2**t
+  bc1_next: jax.Array  # 1 - b1**(t+1), for Nesterov
+
+
+@dataclasses.dataclass(frozen=True)
+class Adam(ForgeOptimizer):
+  r"""Adam / AdamW / NAdam / NAdamW, as ``optax.adamw`` computes them.
+
+  With :math:`t = count + 1`:
+
+  .. math::
+    m &\leftarrow (1-\beta_1) g + \beta_1 m, \qquad
+    v \leftarrow (1-\beta_2) g^2 + \beta_2 v \\
+    \hat m &= m / (1-\beta_1^t) \quad\text{or, with Nesterov,}\quad
+    \beta_1 \frac{m}{1-\beta_1^{t+1}} + (1-\beta_1)\frac{g}{1-\beta_1^t} \\
+    \hat v &= v / (1-\beta_2^t) \\
+    w &\leftarrow w - \eta_{count}\left(
+      \frac{\hat m}{\sqrt{\hat v + \epsilon_{root}} + \epsilon}
+      + \lambda_{count} w\right)
+  """
+
+  learning_rate: ScalarOrSchedule = 1e-3
+  b1: float = 0.9
+  b2: float = 0.999
+  eps: float = 1e-8
+  eps_root: float = 0.0
+  mu_dtype: Any = None
+  weight_decay: ScalarOrSchedule = 0.0
+  mask: Mask = dataclasses.field(default=None, compare=False)
+  nesterov: bool = False
+  decoupled: bool = False  # adamw/nadamw (chain with add_decayed_weights)
+
+  def init(self, kernel):
+    mu_dtype = kernel.dtype if self.mu_dtype is None else self.mu_dtype
+    return AdamState(
+        mu=jnp.zeros(kernel.shape, mu_dtype), nu=jnp.zeros_like(kernel))
+
+  def scalars(self, count):
+    _validate_count_dtype(count)
+    count_inc = optax.safe_increment(count)
+    return AdamScalars(
+        neg_lr=_neg_learning_rate(self.learning_rate, count),
+        weight_decay=_schedule_value(self.weight_decay, count),
+        bc1=_bias_correction(self.b1, count_inc),
+        bc2=_bias_correction(self.b2, count_inc),
+        bc1_next=_bias_correction(self.b1, optax.safe_increment(count_inc)),
+    )
+
+  def update(self, grad, kernel, state, s):
+    b1, b2 = self.b1, self.b2
+    mu = (1 - b1) * grad + b1 * state.mu
+    nu = (1 - b2) * (grad**2) + b2 * state.nu
+    if self.nesterov:
+      mu_hat = b1 * (mu / s.bc1_next) + (1 - b1) * (grad / s.bc1)
+    else:
+      mu_hat = mu / s.bc1
+    nu_hat = nu / s.bc2
+    u = mu_hat / (jnp.sqrt(nu_hat + self.eps_root) + self.eps)
+    if _has_weight_decay(self.weight_decay):
+      u = u + s.weight_decay * kernel
+    return kernel + s.neg_lr * u, AdamState(mu=mu, nu=nu)
+
+  def to_optax(self):
+    if self.decoupled:
+      return optax.adamw(
+          self.learning_rate, b1=self.b1, b2=self.b2, eps=self.eps,
+          eps_root=self.eps_root, mu_dtype=self.mu_dtype,
+          weight_decay=self.weight_decay, mask=self.mask,
+          nesterov=self.nesterov)
+    return optax.adam(
+        self.learning_rate, b1=self.b1, b2=self.b2, eps=self.eps,
+        eps_root=self.eps_root, mu_dtype=self.mu_dtype, nesterov=self.nesterov)
+
+
+def _has_weight_decay(weight_decay) -> bool:
+  # optax.add_decayed_weights skips a constant zero; a schedule always applies.
+  return callable(weight_decay) or weight_decay != 0.0
+
+
+# ---------------------------------------------------------------------------
+# RAdam.
+
+
+class RAdamScalars(NamedTuple):
+  neg_lr: jax.Array
+  bc1: jax.Array
+  bc2: jax.Array
+  bc1_next: jax.Array
+  rect: jax.Array     # the rectification factor r_t (only used when rectify)
+  rectify: jax.Array  # 1.0 where rho_t >= threshold, else 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class RAdam(ForgeOptimizer):
+  r"""Rectified Adam, as ``optax.radam`` computes it.
+
+  With :math:`\rho_\infty = 2/(1-\beta_2) - 1` and
+  :math:`\rho_t = \rho_\infty - 2 t \beta_2^t / (1-\beta_2^t)`, the step is
+  :math:`r_t \hat m / (\sqrt{\hat v + \epsilon_{root}} + \epsilon)` when
+  :math:`\rho_t \ge` ``threshold`` and :math:`\hat m` otherwise, with
+  :math:`r_t = \sqrt{\frac{(\rho_t-4)(\rho_t-2)\rho_\infty}
+  {(\rho_\infty-4)(\rho_\infty-2)\rho_t}}`.
+  """
+
+  learning_rate: ScalarOrSchedule = 1e-3
+  b1: float = 0.9
+  b2: float = 0.999
+  eps: float = 1e-8
+  eps_root: float = 0.0
+  threshold: float = 5.0
+  nesterov: bool = False
+
+  def init(self, kernel):
+    return AdamState(mu=jnp.zeros_like(kernel), nu=jnp.zeros_like(kernel))
+
+  def scalars(self, count):
+    _validate_count_dtype(count)
+    b2 = self.b2
+    count_inc = optax.safe_increment(count)
+    ro_inf = 2.0 / (1.0 - b2) - 1.0
+    b2t = b2**count_inc
+    ro = ro_inf - 2 * count_inc * b2t / (1 - b2t)
+    rectify = ro >= self.threshold
+    # r_t is the square root of a negative number for rho_t < 4: only
+    # evaluate it where it is used.
+    safe_ro = jnp.where(rectify, ro, ro_inf)
+    rect = jnp.sqrt((safe_ro - 4.0) * (safe_ro - 2.0) * ro_inf
+                    / ((ro_inf - 4.0) * (ro_inf - 2.0) * safe_ro))
+    return RAdamScalars(
+        neg_lr=_neg_learning_rate(self.learning_rate, count),
+        bc1=_bias_correction(self.b1, count_inc),
+        bc2=_bias_correction(b2, count_inc),
+        bc1_next=_bias_correction(self.b1, optax.safe_increment(count_inc)),
+        rect=jnp.asarray(rect, jnp.float32),
+        rectify=rectify.astype(jnp.float32),
+    )
+
+  def update(self, grad, kernel, state, s):
+    b1, b2 = self.b1, self.b2
+    mu = (1 - b1) * grad + b1 * state.mu
+    nu = (1 - b2) * (grad**2) + b2 * state.nu
+    if self.nesterov:
+      mu_hat = b1 * (mu / s.bc1_next) + (1 - b1) * (grad / s.bc1)
+    else:
+      mu_hat = mu / s.bc1
+    nu_hat = nu / s.bc2
+    rectified = s.rect * mu_hat / (jnp.sqrt(nu_hat + self.eps_root) + self.eps)
+    u = jnp.where(s.rectify > 0.5, rectified, mu_hat)
+    return kernel + s.neg_lr * u, AdamState(mu=mu, nu=nu)
+
+  def to_optax(self):
+    return optax.radam(
+        self.learning_rate, b1=self.b1, b2=self.b2, eps=self.eps,
+        eps_root=self.eps_root, threshold=self.threshold,
+        nesterov=self.nesterov)
+
+
+# ---------------------------------------------------------------------------
+# Lion.
+
+
+class LionState(NamedTuple):
+  mu: jax.Array
+
+
+class LionScalars(NamedTuple):
+  neg_lr: jax.Array
+  weight_decay: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class Lion(ForgeOptimizer):
+  r"""Lion, as ``optax.lion`` computes it (``sign(0) = 0``).
+
+  .. math::
+    u = \operatorname{sign}((1-\beta_1) g + \beta_1 m), \quad
+    m \leftarrow (1-\beta_2) g + \beta_2 m, \quad
+    w \leftarrow w - \eta (u + \lambda w)
+  """
+
+  learning_rate: ScalarOrSchedule = 1e-4
+  b1: float = 0.9
+  b2: float = 0.99
+  mu_dtype: Any = None
+  weight_decay: ScalarOrSchedule = 1e-3
+  mask: Mask = dataclasses.field(default=None, compare=False)
+
+  def init(self, kernel):
+    mu_dtype = kernel.dtype if self.mu_dtype is None else self.mu_dtype
+    return LionState(mu=jnp.zeros(kernel.shape, mu_dtype))
+
+  def scalars(self, count):
+    _validate_count_dtype(count)
+    return LionScalars(
+        neg_lr=_neg_learning_rate(self.learning_rate, count),
+        weight_decay=_schedule_value(self.weight_decay, count))
+
+  def update(self, grad, kernel, state, s):
+    u = jnp.sign((1.0 - self.b1) * grad + self.b1 * state.mu)
+    mu = (1 - self.b2) * grad + self.b2 * state.mu
+    if _has_weight_decay(self.weight_decay):
+      u = u + s.weight_decay * kernel
+    return kernel + s.neg_lr * u, LionState(mu=mu)
+
+  def to_optax(self):
+    return optax.lion(
+        self.learning_rate, b1=self.b1, b2=self.b2, mu_dtype=self.mu_dtype,
+        weight_decay=self.weight_decay, mask=self.mask)
+
+
+# ---------------------------------------------------------------------------
+# RMSprop.
+
+
+class RMSpropState(NamedTuple):
+  nu: jax.Array
+  mu: Optional[jax.Array] = None     # centered only
+  trace: Optional[jax.Array] = None  # momentum only
+
+
+class RMSpropScalars(NamedTuple):
+  neg_lr: jax.Array
+  bc: jax.Array  # 1 - decay**t (1.0 without bias correction)
+
+
+@dataclasses.dataclass(frozen=True)
+class RMSprop(ForgeOptimizer):
+  r"""RMSprop, as ``optax.rmsprop`` computes it.
+
+  .. math::
+    v \leftarrow (1-\rho) g^2 + \rho v, \quad
+    u = -\eta\, g / \sqrt{\hat v + \epsilon}
+    \ \text{(or } -\eta\, g / (\sqrt{\hat v} + \epsilon)
+    \text{ with eps_in_sqrt=False)}
+
+  ``centered`` subtracts the squared mean :math:`\hat m^2` inside the root;
+  ``momentum`` then accumulates the learning-rate-scaled step:
+  :math:`\tau \leftarrow u + \mu\tau`, applying :math:`\tau`
+  (or :math:`u + \mu\tau` with Nesterov).
+  """
+
+  learning_rate: ScalarOrSchedule = 1e-3
+  decay: float = 0.9
+  eps: float = 1e-8
+  initial_scale: float = 0.0
+  eps_in_sqrt: bool = True
+  centered: bool = False
+  momentum: Optional[float] = None
+  nesterov: bool = False
+  bias_correction: bool = False
+
+  def init(self, kernel):
+    return RMSpropState(
+        nu=jnp.full_like(kernel, self.initial_scale),
+        mu=jnp.zeros_like(kernel) if self.centered else None,
+        trace=jnp.zeros_like(kernel) if self.momentum is not None else None)
+
+  def scalars(self, count):
+    _validate_count_dtype(count)
+    if self.bias_correction:
+      bc = _bias_correction(self.decay, optax.safe_increment(count))
+    else:
+      bc = jnp.ones([], jnp.float32)
+    return RMSpropScalars(
+        neg_lr=_neg_learning_rate(self.learning_rate, count), bc=bc)
+
+  def update(self, grad, kernel, state, s):
+    decay = self.decay
+    nu = (1 - decay) * (grad**2) + decay * state.nu
+    nu_hat = nu / s.bc if self.bias_correction else nu
+    mu = None
+    if self.centered:
+      mu = (1 - decay) * grad + decay * state.mu
+      mu_hat = mu / s.bc if self.bias_correction else mu
+      var = nu_hat - mu_hat * mu_hat
+    else:
+      var = nu_hat
+    if self.eps_in_sqrt:
+      scaling = jax.lax.rsqrt(var + self.eps)
+    else:
+      scaling = 1 / (jnp.sqrt(var) + self.eps)
+    u = s.neg_lr * (scaling * grad)
+    trace = None
+    if self.momentum is not None:
+      trace = u + self.momentum * state.trace
+      u = u + self.momentum * trace if self.nesterov else trace
+    return kernel + u, RMSpropState(nu=nu, mu=mu, trace=trace)
+
+  def to_optax(self):
+    return optax.rmsprop(
+        self.learning_rate, decay=self.decay, eps=self.eps,
+        initial_scale=self.initial_scale, eps_in_sqrt=self.eps_in_sqrt,
+        centered=self.centered, momentum=self.momentum,
+        nesterov=self.nesterov, bias_correction=self.bias_correction)
+
+
+# ---------------------------------------------------------------------------
+# AdaGrad.
+
+
+class AdagradState(NamedTuple):
+  sum_of_squares: jax.Array
+
+
+class LearningRateScalars(NamedTuple):
+  neg_lr: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class Adagrad(ForgeOptimizer):
+  r"""AdaGrad, as ``optax.adagrad`` computes it.
+
+  .. math::
+    s \leftarrow s + g^2, \quad
+    w \leftarrow w - \eta\, g / \sqrt{s + \epsilon}\ \ (0 \text{ where } s = 0)
+  """
+
+  learning_rate: ScalarOrSchedule = 1e-2
+  initial_accumulator_value: float = 0.1
+  eps: float = 1e-7
+
+  def init(self, kernel):
+    return AdagradState(
+        sum_of_squares=jnp.full_like(kernel, self.initial_accumulator_value))
+
+  def scalars(self, count):
+    _validate_count_dtype(count)
+    return LearningRateScalars(
+        neg_lr=_neg_learning_rate(self.learning_rate, count))
+
+  def update(self, grad, kernel, state, s):
+    sum_of_squares = grad * grad + state.sum_of_squares
+    inv_sqrt = jnp.where(
+        sum_of_squares > 0, jax.lax.rsqrt(sum_of_squares + self.eps), 0.0)
+    return (kernel + s.neg_lr * (inv_sqrt * grad),
+            AdagradState(sum_of_squares=sum_of_squares))
+
+  def to_optax(self):
+    return optax.adagrad(
+        self.learning_rate,
+        initial_accumulator_value=self.initial_accumulator_value, eps=self.eps)
+
+
+# ---------------------------------------------------------------------------
+# SGD.
+
+
+class TraceState(NamedTuple):
+  trace: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class SGD(ForgeOptimizer):
+  r"""SGD with optional (Nesterov) momentum, as ``optax.sgd`` computes it.
+
+  .. math::
+    \tau \leftarrow g + \mu \tau, \quad
+    w \leftarrow w - \eta\,\tau \ \ (\text{or } w - \eta (g + \mu\tau)
+    \text{ with Nesterov})
+  """
+
+  learning_rate: ScalarOrSchedule = 1e-2
+  momentum: Optional[float] = None
+  nesterov: bool = False
+  accumulator_dtype: Any = None
+
+  def init(self, kernel):
+    if self.momentum is None:
+      return EmptyState()
+    dtype = kernel.dtype if self.accumulator_dtype is None else self.accumulator_dtype
+    return TraceState(trace=jnp.zeros(kernel.shape, dtype))
+
+  def scalars(self, count):
+    _validate_count_dtype(count)
+    return LearningRateScalars(
+        neg_lr=_neg_learning_rate(self.learning_rate, count))
+
+  def update(self, grad, kernel, state, s):
+    if self.momentum is None:
+      return kernel + s.neg_lr * grad, EmptyState()
+    trace = grad + self.momentum * state.trace
+    u = grad + self.momentum * trace if self.nesterov else trace
+    return kernel + s.neg_lr * u, TraceState(trace=trace)
+
+  def to_optax(self):
+    return optax.sgd(
+        self.learning_rate, momentum=self.momentum, nesterov=self.nesterov,
+        accumulator_dtype=self.accumulator_dtype)
+
+
+# ---------------------------------------------------------------------------
+# The public constructors: the optax aliases' names, arguments and defaults.
+
+
+def adam(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999,
+         eps: float = 1e-8, eps_root: float = 0.0, mu_dtype: Any = None, *,
+         nesterov: bool = False) -> Adam:
+  """FORGE version of :func:`optax.adam`."""
+  return Adam(learning_rate, b1, b2, eps, eps_root, mu_dtype,
+              nesterov=nesterov)
+
+
+def adamw(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999,
+          eps: float = 1e-8, eps_root: float = 0.0, mu_dtype: Any = None,
+          weight_decay: ScalarOrSchedule = 1e-4, mask: Mask = None, *,
+          nesterov: bool = False) -> Adam:
+  """FORGE version of :func:`optax.adamw`.
+
+  ``mask`` is handed to the optax equivalent (``to_optax()``) for the
+  parameters optax owns; every ForgeDense kernel is decayed.
+  """
+  return Adam(learning_rate, b1, b2, eps, eps_root, mu_dtype,
+              weight_decay=weight_decay, mask=mask, nesterov=nesterov,
+              decoupled=True)
+
+
+nadam = functools.partial(adam, nesterov=True)
+nadam.__doc__ = "FORGE version of :func:`optax.nadam`."
+nadamw = functools.partial(adamw, nesterov=True)
+nadamw.__doc__ = "FORGE version of :func:`optax.nadamw`."
+
+
+def radam(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999,
+          eps: float = 1e-8, eps_root: float = 0.0, threshold: float = 5.0, *,
+          nesterov: bool = False) -> RAdam:
+  """FORGE version of :func:`optax.radam`."""
+  return RAdam(learning_rate, b1, b2, eps, eps_root, threshold,
+               nesterov=nesterov)
+
+
+def lion(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.99,
+         mu_dtype: Any = None, weight_decay: ScalarOrSchedule = 1e-3,
+         mask: Mask = None) -> Lion:
+  """FORGE version of :func:`optax.lion` (``mask`` as for :func:`adamw`)."""
+  return Lion(learning_rate, b1, b2, mu_dtype, weight_decay, mask)
+
+
+def rmsprop(learning_rate: ScalarOrSchedule, decay: float = 0.9,
+            eps: float = 1e-8, initial_scale: float = 0.0,
+            eps_in_sqrt: bool = True, centered: bool = False,
+            momentum: Optional[float] = None, nesterov: bool = False,
+            bias_correction: bool = False) -> RMSprop:
+  """FORGE version of :func:`optax.rmsprop`."""
+  return RMSprop(learning_rate, decay, eps, initial_scale, eps_in_sqrt,
+                 centered, momentum, nesterov, bias_correction)
+
+
+def adagrad(learning_rate: ScalarOrSchedule,
+            initial_accumulator_value: float = 0.1,
+            eps: float = 1e-7) -> Adagrad:
+  """FORGE version of :func:`optax.adagrad`."""
+  return Adagrad(learning_rate, initial_accumulator_value, eps)
+
+
+def sgd(learning_rate: ScalarOrSchedule, momentum: Optional[float] = None,
+        nesterov: bool = False, accumulator_dtype: Any = None) -> SGD:
+  """FORGE version of :func:`optax.sgd`."""
+  return SGD(learning_rate, momentum, nesterov, accumulator_dtype)
