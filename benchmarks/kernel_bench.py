@@ -1,0 +1,302 @@
+"""FORGE's fused weight update against XLA, side by side in one run.
+
+For each weight shape K x N, token count T and optimizer, three things are
+timed on the device (profiler kernel time, median of repeats):
+
+  (a) gemm:    dW = x.T @ dy through XLA (bf16 inputs, float32 dW);
+  (b) unfused: the same GEMM, then the optax alias's update, jitted with the
+               weights and state donated (the standard two-phase step);
+  (c) fused:   FORGE's Pallas kernel: dW tiles in float32 registers, the
+               update applied in the epilogue, W and state written in place.
+
+Weights and optimizer states are float32, x and dy bfloat16. It also checks
+the fused kernel against the XLA reference backend for every optimizer at
+Llama-3.1-8B layer shapes, sweeps tile configurations, and reads the compiled
+memory of the fused step (aliasing). Results: JSON (see --out).
+
+  python benchmarks/kernel_bench.py --suite full --out results.json
+  python benchmarks/kernel_bench.py --suite tiny   # CPU, interpret mode
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import optax
+
+import forge_jax as fj
+from forge_jax.ops import backends, triton_kernel
+from forge_jax.ops.fused_dense import FusedDenseSpec
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from timing import device_time_ms, metadata  # pylint: disable=wrong-import-position
+
+LLAMA_SHAPES = [(4096, 4096), (4096, 1024), (4096, 14336), (14336, 4096),
+                (4096, 128256)]
+
+BENCH_OPTIMIZERS = {
+    "adamw": fj.adamw(1e-3, weight_decay=0.1),
+    "sgd_momentum": fj.sgd(1e-2, momentum=0.9),
+    "lion": fj.lion(1e-4),
+}
+
+CHECK_OPTIMIZERS = {
+    "adam": fj.adam(1e-3),
+    "adamw": fj.adamw(optax.cosine_decay_schedule(1e-3, 100), weight_decay=0.1),
+    "nadam": fj.nadam(1e-3),
+    "nadamw": fj.nadamw(1e-3, weight_decay=0.1),
+    "radam": fj.radam(1e-3, b2=0.9),
+    "lion": fj.lion(1e-4),
+    "rmsprop": fj.rmsprop(1e-3),
+    "rmsprop_centered_momentum": fj.rmsprop(1e-3, centered=True, momentum=0.9,
+                                            nesterov=True),
+    "adagrad": fj.adagrad(1e-2),
+    "sgd": fj.sgd(1e-2),
+    "sgd_momentum": fj.sgd(1e-2, momentum=0.9),
+    "sgd_nesterov": fj.sgd(1e-2, momentum=0.9, nesterov=True),
+}
+
+
+def make_inputs(key, tokens, k, n, act_dtype=jnp.bfloat16):
+  kx, kdy, kw = jax.random.split(key, 3)
+  x = jax.random.normal(kx, (tokens, k), jnp.float32).astype(act_dtype)
+  dy = (jax.random.normal(kdy, (tokens, n), jnp.float32) * 1e-2).astype(act_dtype)
+  w = jax.random.normal(kw, (k, n), jnp.float32) * 0.02
+  return x, dy, w
+
+
+def fused_step(optimizer, config, interpret=None):
+  spec = FusedDenseSpec(optimizer=optimizer, implementation="triton")
+
+  def step(w, state, count, x, dy):
+    scalars = optimizer.scalars(count)
+    apply = jnp.all(jnp.isfinite(dy))
+    new_w, new_state, skipped = triton_kernel.triton_update(
+        spec, x, dy, w, state, scalars, apply, config=config,
+        interpret=interpret)
+    return new_w, new_state, skipped
+  return jax.jit(step, donate_argnums=(0, 1))
+
+
+def reference_step(optimizer):
+  spec = FusedDenseSpec(optimizer=optimizer, implementation="xla")
+
+  def step(w, state, count, x, dy):
+    scalars = optimizer.scalars(count)
+    apply = jnp.all(jnp.isfinite(dy))
+    return backends.xla_update(spec, x, dy, w, state, scalars, apply)
+  return jax.jit(step)
+
+
+def unfused_step(optimizer):
+  tx = optimizer.to_optax()
+
+  def step(w, tx_state, x, dy):
+    grad = backends.weight_gradient(x, dy)
+    updates, tx_state = tx.update(grad, tx_state, w)
+    return optax.apply_updates(w, updates), tx_state
+  return jax.jit(step, donate_argnums=(0, 1)), tx
+
+
+def rel_err(a, b):
+  a = jnp.asarray(a, jnp.float32)
+  b = jnp.asarray(b, jnp.float32)
+  return float(jnp.linalg.norm(a - b) / jnp.maximum(jnp.linalg.norm(b), 1e-30))
+
+
+def check_case(name, optimizer, k, n, tokens, config, seed, interpret=None):
+  """Fused kernel vs XLA reference: one step from a non-trivial state."""
+  key = jax.random.key(seed)
+  x, dy, w = make_inputs(key, tokens, k, n)
+  state = jax.tree.map(
+      lambda s: s + 1e-3 * jax.random.uniform(jax.random.fold_in(key, 7), s.shape)
+      if s is not None else None, optimizer.init(w))
+  count = jnp.asarray(3, jnp.int32)
+  ref_w, ref_state, ref_skipped = reference_step(optimizer)(w, state, count, x, dy)
+  # Poison: the fused step writes over copies, so stale values would show.
+  fused_w, fused_state, skipped = fused_step(optimizer, config, interpret)(
+      jnp.copy(w), jax.tree.map(jnp.copy, state), count, x, dy)
+  result = {
+      "optimizer": name, "k": k, "n": n, "tokens": tokens,
+      # The update itself (new - old), not W, which would hide its errors.
+      "update_rel_err": rel_err(fused_w - w, ref_w - w),
+      "state_rel_err": {
+          str(i): rel_err(a, b) for i, (a, b) in enumerate(
+              zip(jax.tree.leaves(fused_state), jax.tree.leaves(ref_state)))},
+      "skipped": int(skipped), "ref_skipped": int(ref_skipped),
+      "finite": bool(jnp.all(jnp.isfinite(fused_w))),
+  }
+  return result
+
+
+def bench_case(opt_name, optimizer, k, n, tokens, config, seed=0,
+               calls=10, repeats=5):
+  key = jax.random.key(seed)
+  x, dy, w = make_inputs(key, tokens, k, n)
+  flops = 2.0 * tokens * k * n
+  out = {"optimizer": opt_name, "k": k, "n": n, "tokens": tokens,
+         "config": dataclasses.asdict(config)}
+
+  gemm = jax.jit(backends.weight_gradient)
+  out["gemm"] = device_time_ms(lambda: gemm(x, dy), calls=calls, repeats=repeats)
+
+  unfused, tx = unfused_step(optimizer)
+  carry = {"w": jnp.copy(w), "s": tx.init(w)}
+
+  def run_unfused():
+    carry["w"], carry["s"] = unfused(carry["w"], carry["s"], x, dy)
+    return carry["w"]
+  out["unfused"] = device_time_ms(run_unfused, calls=calls, repeats=repeats)
+  del carry["w"], carry["s"]
+
+  fused = fused_step(optimizer, config)
+  count = jnp.asarray(0, jnp.int32)
+  fcarry = {"w": jnp.copy(w), "s": optimizer.init(w)}
+  memory = fused.lower(fcarry["w"], fcarry["s"], count, x, dy).compile().memory_analysis()
+  if memory is not None:
+    out["fused_memory"] = {
+        "temp_bytes": memory.temp_size_in_bytes,
+        "alias_bytes": memory.alias_size_in_bytes,
+        "weight_and_state_bytes": sum(
+            a.size * a.dtype.itemsize for a in jax.tree.leaves((fcarry["w"], fcarry["s"]))),
+    }
+
+  def run_fused():
+    fcarry["w"], fcarry["s"], _ = fused(fcarry["w"], fcarry["s"], count, x, dy)
+    return fcarry["w"]
+  out["fused"] = device_time_ms(run_fused, calls=calls, repeats=repeats)
+  del fcarry["w"], fcarry["s"]
+
+  for variant in ("gemm", "unfused", "fused"):
+    out[variant]["tflops"] = flops / (out[variant]["ms"] * 1e-3) / 1e12
+  out["fused_over_gemm"] = out["fused"]["ms"] / out["gemm"]["ms"]
+  out["unfused_over_fused"] = out["unfused"]["ms"] / out["fused"]["ms"]
+  return out
+
+
+SWEEP_CONFIGS = [
+    triton_kernel.TritonConfig(128, 128, 32, 4, 3),
+    triton_kernel.TritonConfig(128, 128, 32, 8, 3),
+    triton_kernel.TritonConfig(128, 128, 64, 8, 3),
+    triton_kernel.TritonConfig(128, 128, 64, 4, 4),
+    triton_kernel.TritonConfig(128, 256, 32, 8, 3),
+    triton_kernel.TritonConfig(256, 128, 32, 8, 3),
+    triton_kernel.TritonConfig(64, 128, 64, 4, 4),
+    triton_kernel.TritonConfig(128, 64, 64, 4, 4),
+]
+
+
+def print_table(rows):
+  print(f"{'opt':>13} {'K':>6} {'N':>7} {'T':>6} | {'gemm ms':>8} {'unfused':>8} "
+        f"{'fused':>8} | {'fused TF/s':>10} | {'fused/gemm':>10} {'unf/fused':>9}")
+  for r in rows:
+    print(f"{r['optimizer']:>13} {r['k']:>6} {r['n']:>7} {r['tokens']:>6} | "
+          f"{r['gemm']['ms']:8.3f} {r['unfused']['ms']:8.3f} {r['fused']['ms']:8.3f} | "
+          f"{r['fused']['tflops']:10.1f} | {r['fused_over_gemm']:10.3f} "
+          f"{r['unfused_over_fused']:9.3f}", flush=True)
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--suite", default="quick",
+                      choices=["tiny", "quick", "sweep", "full"])
+  parser.add_argument("--out", default="kernel_bench.json")
+  parser.add_argument("--config", default=None,
+                      help="block_k,block_n,block_t,num_warps,num_stages")
+  parser.add_argument("--time-budget-s", type=float, default=500.0,
+                      help="stop starting new cases after this many seconds")
+  args = parser.parse_args()
+  started = time.time()
+  result = {"meta": metadata(), "suite": args.suite, "checks": [],
+            "sweep": [], "bench": []}
+
+  def save():
+    with open(args.out, "w") as f:
+      json.dump(result, f, indent=1)
+
+  config = (triton_kernel.TritonConfig(*map(int, args.config.split(",")))
+            if args.config else triton_kernel.TritonConfig())
+  if args.suite == "tiny":
+    config = triton_kernel.TritonConfig(16, 16, 16, 4, 1)
+    for name, opt in CHECK_OPTIMIZERS.items():
+      result["checks"].append(check_case(name, opt, 40, 24, 37, config, 0))
+    result["bench"].append(bench_case("adamw", BENCH_OPTIMIZERS["adamw"], 64, 32,
+                                      64, config, calls=2, repeats=2))
+    print_table(result["bench"])
+    save()
+    return
+
+  # 1. Correctness at Llama-3.1-8B layer shapes, every optimizer.
+  for name, opt in CHECK_OPTIMIZERS.items():
+    for k, n in ((4096, 4096), (4096, 14336)):
+      r = check_case(name, opt, k, n, 2048, config, seed=len(result["checks"]))
+      result["checks"].append(r)
+      print(f"check {name:>26} {k}x{n}: update rel err {r['update_rel_err']:.2e} "
+            f"state {max(r['state_rel_err'].values(), default=0):.2e} "
+            f"skipped {r['skipped']}/{r['ref_skipped']}", flush=True)
+  save()
+
+  # 2. Tile sweep on one shape.
+  if args.suite in ("sweep", "full", "quick"):
+    sweep = SWEEP_CONFIGS if args.suite != "quick" else SWEEP_CONFIGS[:4]
+    for cfg in sweep:
+      try:
+        r = bench_case("adamw", BENCH_OPTIMIZERS["adamw"], 4096, 4096, 8192, cfg,
+                       calls=5, repeats=3)
+      except Exception as e:  # a config the compiler rejects (shared memory)
+        r = {"config": dataclasses.asdict(cfg), "error": repr(e)[:300]}
+      result["sweep"].append(r)
+      if "error" not in r:
+        print(f"sweep {cfg}: fused {r['fused']['ms']:.3f} ms, gemm "
+              f"{r['gemm']['ms']:.3f}", flush=True)
+      save()
+    ok = [r for r in result["sweep"] if "error" not in r]
+    if ok and args.config is None:
+      best = min(ok, key=lambda r: r["fused"]["ms"])
+      config = triton_kernel.TritonConfig(**best["config"])
+      result["best_config"] = best["config"]
+
+  # 3. The benchmark table.
+  cases = []
+  tokens_list = (8192,) if args.suite == "quick" else (2048, 8192, 32768)
+  for tokens in tokens_list:
+    for k, n in LLAMA_SHAPES:
+      cases.append(("adamw", k, n, tokens))
+  if args.suite == "full":
+    for opt_name in ("sgd_momentum", "lion"):
+      for tokens in (2048, 8192):
+        for k, n in LLAMA_SHAPES[:4]:
+          cases.append((opt_name, k, n, tokens))
+  for opt_name, k, n, tokens in cases:
+    if time.time() - started > args.time_budget_s:
+      result["truncated"] = f"time budget reached before {opt_name} {k}x{n} T={tokens}"
+      break
+    result["bench"].append(bench_case(opt_name, BENCH_OPTIMIZERS[opt_name], k, n,
+                                      tokens, config))
+    print_table(result["bench"][-1:])
+    save()
+
+  summary = {}
+  for tokens in sorted({r["tokens"] for r in result["bench"]}):
+    rows = [r for r in result["bench"] if r["tokens"] == tokens and r["optimizer"] == "adamw"]
+    if rows:
+      summary[str(tokens)] = {
+          "median_fused_over_gemm": statistics.median(r["fused_over_gemm"] for r in rows),
+          "median_unfused_over_fused": statistics.median(r["unfused_over_fused"] for r in rows),
+      }
+  result["summary_adamw"] = summary
+  save()
+  print_table(result["bench"])
+  print(json.dumps(summary, indent=1))
+
+
+if __name__ == "__main__":
+  main()
