@@ -99,7 +99,9 @@ def _fused_kernel(scalars_ref, x_ref, dy_ref, w_ref, *refs, optimizer,
                    mask=(t_x < tokens) & (k_idx < k), other=0.0)
     dy = plgpu.load(dy_ref.at[pl.ds(t * bt, bt), pl.ds(pid_n * bn, bn)],
                     mask=(t_dy < tokens) & (n_idx < n), other=0.0)
-    return acc + pl.dot(x, dy, trans_a=True, precision=dot_precision)
+    return acc + lax.dot_general(x, dy, (((0,), (0,)), ((), ())),
+                                 precision=dot_precision,
+                                 preferred_element_type=jnp.float32)
 
   grad = lax.fori_loop(0, pl.cdiv(tokens, bt), accumulate,
                        jnp.zeros((bk, bn), jnp.float32))
