@@ -36,15 +36,20 @@ class TritonConfig:
 
   block_k: int = 128
   block_n: int = 128
-  block_t: int = 32
+  block_t: int = 64
   num_warps: int = 8
   num_stages: int = 3
+  #: Consecutive programs sweep ``group_k`` K-blocks for each N-block, so
+  #: the x and dy blocks they stream are shared through L2.
+  group_k: int = 8
 
   def __post_init__(self):
     for name in ("block_k", "block_n", "block_t"):
       value = getattr(self, name)
       if value < 1 or value & (value - 1):
         raise ValueError(f"{name}={value} must be a power of two")
+    if self.group_k < 1:
+      raise ValueError(f"group_k={self.group_k} must be positive")
 
 
 def default_config(tokens: int, k: int, n: int) -> TritonConfig:
@@ -52,7 +57,7 @@ def default_config(tokens: int, k: int, n: int) -> TritonConfig:
   smaller ones for tiny layers (8 outputs, say) so few elements are masked."""
   pow2 = lambda v, cap: max(16, min(cap, 1 << max(0, (v - 1).bit_length())))
   return TritonConfig(block_k=pow2(k, 128), block_n=pow2(n, 128),
-                      block_t=pow2(tokens, 32))
+                      block_t=pow2(tokens, 64))
 
 
 def unsupported_reason(x, dy, kernel, optimizer) -> Optional[str]:
@@ -84,7 +89,8 @@ def _fused_kernel(scalars_ref, x_ref, dy_ref, w_ref, *refs, optimizer,
   state_out_refs = refs[num_state + 1:2 * num_state + 1]
   skipped_ref = refs[2 * num_state + 1]
   bk, bn, bt = config.block_k, config.block_n, config.block_t
-  pid_k, pid_n = pl.program_id(0), pl.program_id(1)
+  pid_k, pid_n = _tile_indices(pl.program_id(0), pl.cdiv(k, bk), pl.cdiv(n, bn),
+                               config.group_k)
 
   rows = pid_k * bk + lax.broadcasted_iota(jnp.int32, (bk, bn), 0)
   cols = pid_n * bn + lax.broadcasted_iota(jnp.int32, (bk, bn), 1)
@@ -122,7 +128,17 @@ def _fused_kernel(scalars_ref, x_ref, dy_ref, w_ref, *refs, optimizer,
     plgpu.store(tile(ref), value, mask=tile_mask)
   # Masked-out elements loaded as 0 have a finite gradient: never counted.
   skipped = jnp.sum(jnp.where(tile_mask & ~updated, 1, 0).astype(jnp.int32))
-  skipped_ref[pid_k * pl.num_programs(1) + pid_n] = skipped
+  skipped_ref[pl.program_id(0)] = skipped
+
+
+def _tile_indices(pid, num_k, num_n, group_k):
+  """Grouped launch order: ``group_k`` K-blocks per N-block, then the next."""
+  programs_per_group = group_k * num_n
+  first_k = (pid // programs_per_group) * group_k
+  group_size = jnp.minimum(num_k - first_k, group_k)
+  pid_k = first_k + (pid % programs_per_group) % group_size
+  pid_n = (pid % programs_per_group) // group_size
+  return pid_k, pid_n
 
 
 def triton_update(spec, x, dy, kernel, opt_state, scalars, apply,
@@ -145,7 +161,7 @@ def triton_update(spec, x, dy, kernel, opt_state, scalars, apply,
       [jnp.asarray(s, jnp.float32) for s in scalar_leaves]
       + [apply.astype(jnp.float32)])
 
-  grid = (pl.cdiv(k, config.block_k), pl.cdiv(n, config.block_n))
+  grid = (pl.cdiv(k, config.block_k) * pl.cdiv(n, config.block_n),)
   both_f32 = x2.dtype == jnp.float32 and dy2.dtype == jnp.float32
   kernel_fn = functools.partial(
       _fused_kernel, optimizer=optimizer, state_treedef=state_treedef,
@@ -155,7 +171,7 @@ def triton_update(spec, x, dy, kernel, opt_state, scalars, apply,
   out_shape = (
       [jax.ShapeDtypeStruct(kernel.shape, kernel.dtype)]
       + [jax.ShapeDtypeStruct(s.shape, s.dtype) for s in state_leaves]
-      + [jax.ShapeDtypeStruct((grid[0] * grid[1],), jnp.int32)])
+      + [jax.ShapeDtypeStruct(grid, jnp.int32)])
   # Inputs: scalars, x, dy, kernel, *state. Kernel and state update in place.
   aliases = {3 + i: i for i in range(1 + len(state_leaves))}
   outputs = pl.pallas_call(
