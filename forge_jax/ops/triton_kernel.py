@@ -36,7 +36,7 @@ class TritonConfig:
 
   block_k: int = 128
   block_n: int = 128
-  block_t: int = 64
+  block_t: int = 128
   num_warps: int = 8
   num_stages: int = 3
   #: Consecutive programs sweep ``group_k`` K-blocks for each N-block, so
@@ -57,7 +57,7 @@ def default_config(tokens: int, k: int, n: int) -> TritonConfig:
   smaller ones for tiny layers (8 outputs, say) so few elements are masked."""
   pow2 = lambda v, cap: max(16, min(cap, 1 << max(0, (v - 1).bit_length())))
   return TritonConfig(block_k=pow2(k, 128), block_n=pow2(n, 128),
-                      block_t=pow2(tokens, 64))
+                      block_t=pow2(tokens, 128))
 
 
 def unsupported_reason(x, dy, kernel, optimizer) -> Optional[str]:
