@@ -185,14 +185,14 @@ def bench_case(opt_name, optimizer, k, n, tokens, config, seed=0,
 
 
 SWEEP_CONFIGS = [
-    triton_kernel.TritonConfig(128, 128, 64, 8, 3, group_k=1),
-    triton_kernel.TritonConfig(128, 128, 64, 8, 3, group_k=8),
-    triton_kernel.TritonConfig(128, 256, 64, 8, 3),
-    triton_kernel.TritonConfig(256, 128, 64, 8, 3),
-    triton_kernel.TritonConfig(128, 256, 32, 8, 4),
-    triton_kernel.TritonConfig(256, 128, 32, 8, 4),
     triton_kernel.TritonConfig(128, 128, 128, 8, 3),
-    triton_kernel.TritonConfig(128, 128, 64, 4, 4),
+    triton_kernel.TritonConfig(128, 128, 128, 8, 3, epilogue_split=2),
+    triton_kernel.TritonConfig(128, 128, 64, 8, 3, epilogue_split=2),
+    triton_kernel.TritonConfig(128, 128, 64, 8, 2, epilogue_split=4),
+    triton_kernel.TritonConfig(128, 128, 64, 4, 3, epilogue_split=4),
+    triton_kernel.TritonConfig(128, 128, 32, 8, 3, epilogue_split=2),
+    triton_kernel.TritonConfig(64, 128, 128, 4, 3, epilogue_split=2),
+    triton_kernel.TritonConfig(128, 64, 128, 4, 3),
 ]
 
 

@@ -42,6 +42,9 @@ class TritonConfig:
   #: Consecutive programs sweep ``group_k`` K-blocks for each N-block, so
   #: the x and dy blocks they stream are shared through L2.
   group_k: int = 8
+  #: The epilogue (optimizer update) processes the tile in this many column
+  #: chunks, to lower its register pressure.
+  epilogue_split: int = 1
 
   def __post_init__(self):
     for name in ("block_k", "block_n", "block_t"):
@@ -50,6 +53,9 @@ class TritonConfig:
         raise ValueError(f"{name}={value} must be a power of two")
     if self.group_k < 1:
       raise ValueError(f"group_k={self.group_k} must be positive")
+    if self.epilogue_split not in (1, 2, 4) or self.block_n % (16 * self.epilogue_split):
+      raise ValueError(f"epilogue_split={self.epilogue_split} must be 1, 2 or 4 "
+                       f"and leave chunks of block_n={self.block_n} of at least 16")
 
 
 def default_config(tokens: int, k: int, n: int) -> TritonConfig:
@@ -92,9 +98,6 @@ def _fused_kernel(scalars_ref, x_ref, dy_ref, w_ref, *refs, optimizer,
   pid_k, pid_n = _tile_indices(pl.program_id(0), pl.cdiv(k, bk), pl.cdiv(n, bn),
                                config.group_k)
 
-  rows = pid_k * bk + lax.broadcasted_iota(jnp.int32, (bk, bn), 0)
-  cols = pid_n * bn + lax.broadcasted_iota(jnp.int32, (bk, bn), 1)
-  tile_mask = (rows < k) & (cols < n)
   k_idx = pid_k * bk + lax.broadcasted_iota(jnp.int32, (bt, bk), 1)
   n_idx = pid_n * bn + lax.broadcasted_iota(jnp.int32, (bt, bn), 1)
 
@@ -112,22 +115,31 @@ def _fused_kernel(scalars_ref, x_ref, dy_ref, w_ref, *refs, optimizer,
   grad = lax.fori_loop(0, pl.cdiv(tokens, bt), accumulate,
                        jnp.zeros((bk, bn), jnp.float32))
 
-  tile = lambda ref: ref.at[pl.ds(pid_k * bk, bk), pl.ds(pid_n * bn, bn)]
-  w = plgpu.load(tile(w_ref), mask=tile_mask, other=0.0)
-  state = jax.tree.unflatten(
-      state_treedef,
-      [plgpu.load(tile(r), mask=tile_mask, other=0.0) for r in state_refs])
   scalar_values = [scalars_ref[i] for i in range(num_scalars + 1)]
   scalars = jax.tree.unflatten(scalars_treedef, scalar_values[:num_scalars])
   apply = scalar_values[num_scalars] > 0.5
 
-  new_w, new_state, updated = apply_update(optimizer, grad, w, state, scalars,
-                                           apply)
-  plgpu.store(tile(w_out_ref), new_w, mask=tile_mask)
-  for ref, value in zip(state_out_refs, jax.tree.leaves(new_state)):
-    plgpu.store(tile(ref), value, mask=tile_mask)
-  # Masked-out elements loaded as 0 have a finite gradient: never counted.
-  skipped = jnp.sum(jnp.where(tile_mask & ~updated, 1, 0).astype(jnp.int32))
+  # The epilogue runs on column chunks of the accumulator: fewer live
+  # registers (W and every state tile are float32 beside it).
+  chunk = bn // config.epilogue_split
+  skipped = jnp.zeros((), jnp.int32)
+  for c, grad_chunk in enumerate(jnp.split(grad, config.epilogue_split, axis=1)):
+    col0 = pid_n * bn + c * chunk
+    rows = pid_k * bk + lax.broadcasted_iota(jnp.int32, (bk, chunk), 0)
+    cols = col0 + lax.broadcasted_iota(jnp.int32, (bk, chunk), 1)
+    mask = (rows < k) & (cols < n)
+    tile = lambda ref: ref.at[pl.ds(pid_k * bk, bk), pl.ds(col0, chunk)]  # pylint: disable=cell-var-from-loop
+    w = plgpu.load(tile(w_ref), mask=mask, other=0.0)
+    state = jax.tree.unflatten(
+        state_treedef,
+        [plgpu.load(tile(r), mask=mask, other=0.0) for r in state_refs])
+    new_w, new_state, updated = apply_update(optimizer, grad_chunk, w, state,
+                                             scalars, apply)
+    plgpu.store(tile(w_out_ref), new_w, mask=mask)
+    for ref, value in zip(state_out_refs, jax.tree.leaves(new_state)):
+      plgpu.store(tile(ref), value, mask=mask)
+    # Masked-out elements loaded as 0 have a finite gradient: never counted.
+    skipped += jnp.sum(jnp.where(mask & ~updated, 1, 0).astype(jnp.int32))
   skipped_ref[pl.program_id(0)] = skipped
 
 
