@@ -44,7 +44,7 @@ class TritonConfig:
   group_k: int = 8
   #: The epilogue (optimizer update) processes the tile in this many column
   #: chunks, to lower its register pressure.
-  epilogue_split: int = 1
+  epilogue_split: int = 2
 
   def __post_init__(self):
     for name in ("block_k", "block_n", "block_t"):
@@ -62,8 +62,10 @@ def default_config(tokens: int, k: int, n: int) -> TritonConfig:
   """A tile shape that fits the problem: full 128x128 tiles where they fit,
   smaller ones for tiny layers (8 outputs, say) so few elements are masked."""
   pow2 = lambda v, cap: max(16, min(cap, 1 << max(0, (v - 1).bit_length())))
-  return TritonConfig(block_k=pow2(k, 128), block_n=pow2(n, 128),
-                      block_t=pow2(tokens, 128))
+  block_n = pow2(n, 128)
+  return TritonConfig(block_k=pow2(k, 128), block_n=block_n,
+                      block_t=pow2(tokens, 128),
+                      epilogue_split=2 if block_n >= 32 else 1)
 
 
 def unsupported_reason(x, dy, kernel, optimizer) -> Optional[str]:
