@@ -1,0 +1,149 @@
+"""Regenerate the README's result tables and plots from benchmarks/results/.
+
+Tables sit between ``<!-- BEGIN name -->`` and ``<!-- END name -->`` markers;
+nothing inside them is typed by hand. Run after adding results:
+
+  python benchmarks/make_readme.py
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+import statistics
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join(ROOT, "benchmarks", "results")
+PLOTS = os.path.join(ROOT, "benchmarks", "plots")
+
+
+def _load(pattern):
+  runs = []
+  for path in sorted(glob.glob(os.path.join(RESULTS, pattern))):
+    with open(path) as f:
+      data = json.load(f)
+    data["_file"] = os.path.relpath(path, ROOT)
+    runs.append(data)
+  return runs
+
+
+def _latest_kernel_run():
+  runs = [r for r in _load("kernel_*.json") if r.get("bench")]
+  if not runs:
+    return None
+  return max(runs, key=lambda r: r["meta"]["date"])
+
+
+def _provenance(run) -> str:
+  meta = run["meta"]
+  return (f"{meta['device']}, JAX {meta['jax_version']}, commit "
+          f"`{meta['commit'][:10]}`, {meta['date'][:10]}; from "
+          f"`{run['_file']}`")
+
+
+def kernel_table(run) -> str:
+  lines = [
+      "| optimizer | K x N | T | XLA dW GEMM (ms) | GEMM + optax (ms) | "
+      "FORGE fused (ms) | fused / GEMM | unfused / fused |",
+      "|---|---|---|---|---|---|---|---|"]
+  for r in sorted(run["bench"], key=lambda r: (r["optimizer"], r["tokens"], r["k"], r["n"])):
+    lines.append(
+        f"| {r['optimizer']} | {r['k']} x {r['n']} | {r['tokens']} | "
+        f"{r['gemm']['ms']:.3f} | {r['unfused']['ms']:.3f} | "
+        f"{r['fused']['ms']:.3f} | {r['fused_over_gemm']:.2f} | "
+        f"{r['unfused_over_fused']:.2f} |")
+  summary = run.get("summary_adamw", {})
+  lines.append("")
+  for tokens, s in sorted(summary.items(), key=lambda kv: int(kv[0])):
+    lines.append(
+        f"- AdamW, T = {tokens}, median over shapes: fused / GEMM "
+        f"**{s['median_fused_over_gemm']:.2f}**, unfused / fused "
+        f"**{s['median_unfused_over_fused']:.2f}**.")
+  config = run.get("best_config") or (run["bench"][0].get("config"))
+  lines.append(f"- Kernel config: `{config}`.")
+  lines.append(f"- {_provenance(run)}. Device time from the JAX profiler "
+               "(sum of kernel durations per call, median of repeats).")
+  return "\n".join(lines)
+
+
+def check_table(run) -> str:
+  checks = run.get("checks") or []
+  if not checks:
+    return "_No GPU correctness run recorded yet._"
+  by_opt = {}
+  for c in checks:
+    worst = max([c["update_rel_err"], *c["state_rel_err"].values()])
+    by_opt[c["optimizer"]] = max(by_opt.get(c["optimizer"], 0.0), worst)
+  shapes = sorted({f"{c['k']}x{c['n']}" for c in checks})
+  lines = ["| optimizer | worst relative error vs XLA reference |", "|---|---|"]
+  lines += [f"| {name} | {err:.1e} |" for name, err in by_opt.items()]
+  lines.append("")
+  lines.append(f"- Shapes {', '.join(shapes)}, T = {checks[0]['tokens']}; "
+               "error of the update (new W − old W) and of each state leaf, "
+               "‖a − b‖ / ‖b‖. " + _provenance(run) + ".")
+  return "\n".join(lines)
+
+
+def kernel_plot(run) -> str | None:
+  try:
+    import matplotlib  # pylint: disable=import-outside-toplevel
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  except ImportError:
+    return None
+  rows = [r for r in run["bench"] if r["optimizer"] == "adamw"]
+  token_counts = sorted({r["tokens"] for r in rows})
+  fig, axes = plt.subplots(1, len(token_counts), figsize=(5 * len(token_counts), 4),
+                           squeeze=False)
+  for ax, tokens in zip(axes[0], token_counts):
+    sub = [r for r in rows if r["tokens"] == tokens]
+    labels = [f"{r['k']}x{r['n']}" for r in sub]
+    xs = range(len(sub))
+    for offset, (key, name) in enumerate(
+        (("gemm", "XLA GEMM"), ("unfused", "GEMM + optax"), ("fused", "FORGE fused"))):
+      ax.bar([x + (offset - 1) * 0.27 for x in xs],
+             [r[key]["ms"] / r["gemm"]["ms"] for r in sub], width=0.27, label=name)
+    ax.set_xticks(list(xs), labels, rotation=30, fontsize=8)
+    ax.set_title(f"AdamW, T = {tokens}")
+    ax.set_ylabel("time / XLA GEMM time")
+  axes[0][0].legend(fontsize=8)
+  fig.suptitle(f"{run['meta']['device']}, JAX {run['meta']['jax_version']}")
+  fig.tight_layout()
+  os.makedirs(PLOTS, exist_ok=True)
+  path = os.path.join(PLOTS, "kernel_speed.png")
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+  return os.path.relpath(path, ROOT)
+
+
+def replace_section(text: str, name: str, body: str) -> str:
+  pattern = re.compile(rf"(<!-- BEGIN {name} -->\n).*?(<!-- END {name} -->)", re.S)
+  if not pattern.search(text):
+    raise ValueError(f"README has no section {name!r}")
+  return pattern.sub(lambda m: m.group(1) + body + "\n" + m.group(2), text)
+
+
+def main():
+  readme_path = os.path.join(ROOT, "README.md")
+  with open(readme_path) as f:
+    text = f.read()
+  run = _latest_kernel_run()
+  if run is not None:
+    body = kernel_table(run)
+    plot = kernel_plot(run)
+    if plot:
+      body = f"![fused vs unfused]({plot})\n\n" + body
+    text = replace_section(text, "kernel-perf", body)
+    checks_run = max((r for r in _load("kernel_*.json") if r.get("checks")),
+                     key=lambda r: r["meta"]["date"], default=None)
+    if checks_run is not None:
+      text = replace_section(text, "kernel-checks", check_table(checks_run))
+  with open(readme_path, "w") as f:
+    f.write(text)
+  print(f"README regenerated from {RESULTS}")
+
+
+if __name__ == "__main__":
+  main()
