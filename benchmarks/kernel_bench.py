@@ -227,7 +227,7 @@ def main():
   config = (triton_kernel.TritonConfig(*map(int, args.config.split(",")))
             if args.config else triton_kernel.TritonConfig())
   if args.suite == "tiny":
-    config = triton_kernel.TritonConfig(16, 16, 16, 4, 1)
+    config = triton_kernel.TritonConfig(16, 16, 16, 4, 1, epilogue_split=1)
     for name, opt in CHECK_OPTIMIZERS.items():
       result["checks"].append(check_case(name, opt, 40, 24, 37, config, 0))
     result["bench"].append(bench_case("adamw", BENCH_OPTIMIZERS["adamw"], 64, 32,

@@ -8,8 +8,12 @@ definition of the math:
 * ``init(kernel)``: the per-element state, a NamedTuple of kernel-shaped arrays.
 * ``scalars(count)``: per-step scalars (learning rate, bias corrections, ...),
   computed once per step from ``count``, the number of updates applied so far.
-* ``update(grad, kernel, state, scalars)``: the elementwise rule on float32
-  arrays of any shape (a whole kernel or one register tile).
+* ``update_state(grad, kernel, state, scalars)`` and
+  ``update_kernel(grad, kernel, state, scalars)``: the elementwise rule on
+  float32 arrays of any shape (a whole kernel or one register tile), in two
+  halves. The kernel half reads the state as this step stored it (or, for
+  Lion, as it was before), so an XLA backend can overwrite every buffer in
+  place.
 
 ``to_optax()`` returns the optax alias with the same arguments, for the
 parameters that FORGE does not own (biases, norms, embeddings), so the
@@ -21,7 +25,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import functools
-from typing import Any, Callable, NamedTuple, Optional, Union
+from typing import Any, Callable, ClassVar, NamedTuple, Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -84,9 +88,24 @@ class ForgeOptimizer(abc.ABC):
   def scalars(self, count: jax.Array) -> NamedTuple:
     """Per-step float32 scalars from ``count`` (int32, updates applied so far)."""
 
+  #: Whether ``update_kernel`` reads the state from before this step's
+  #: ``update_state`` (Lion) rather than the updated one (everything else).
+  kernel_reads_old_state: ClassVar[bool] = False
+
   @abc.abstractmethod
+  def update_state(self, grad, kernel, state, scalars) -> NamedTuple:
+    """This step's new optimizer state (float32, elementwise)."""
+
+  @abc.abstractmethod
+  def update_kernel(self, grad, kernel, state, scalars) -> jax.Array:
+    """The new kernel (float32, elementwise), from the new state, or the old
+    one if ``kernel_reads_old_state``."""
+
   def update(self, grad, kernel, state, scalars) -> tuple[jax.Array, NamedTuple]:
-    """Elementwise rule on float32 arrays; returns the new kernel and state."""
+    """Both halves of the rule: ``(new_kernel, new_state)``."""
+    new_state = self.update_state(grad, kernel, state, scalars)
+    read = state if self.kernel_reads_old_state else new_state
+    return self.update_kernel(grad, kernel, read, scalars), new_state
 
   @abc.abstractmethod
   def to_optax(self) -> optax.GradientTransformation:
@@ -154,19 +173,16 @@ class Adam(ForgeOptimizer):
         bc1_next=_bias_correction(self.b1, optax.safe_increment(count_inc)),
     )
 
-  def update(self, grad, kernel, state, s):
-    b1, b2 = self.b1, self.b2
-    mu = (1 - b1) * grad + b1 * state.mu
-    nu = (1 - b2) * (grad**2) + b2 * state.nu
-    if self.nesterov:
-      mu_hat = b1 * (mu / s.bc1_next) + (1 - b1) * (grad / s.bc1)
-    else:
-      mu_hat = mu / s.bc1
-    nu_hat = nu / s.bc2
+  def update_state(self, grad, kernel, state, s):
+    return _adam_moments(self.b1, self.b2, grad, state)
+
+  def update_kernel(self, grad, kernel, state, s):
+    mu_hat = _adam_mu_hat(self.b1, self.nesterov, grad, state.mu, s)
+    nu_hat = state.nu / s.bc2
     u = mu_hat / (jnp.sqrt(nu_hat + self.eps_root) + self.eps)
     if _has_weight_decay(self.weight_decay):
       u = u + s.weight_decay * kernel
-    return kernel + s.neg_lr * u, AdamState(mu=mu, nu=nu)
+    return kernel + s.neg_lr * u
 
   def to_optax(self):
     if self.decoupled:
@@ -178,6 +194,17 @@ class Adam(ForgeOptimizer):
     return optax.adam(
         self.learning_rate, b1=self.b1, b2=self.b2, eps=self.eps,
         eps_root=self.eps_root, mu_dtype=self.mu_dtype, nesterov=self.nesterov)
+
+
+def _adam_moments(b1, b2, grad, state) -> AdamState:
+  return AdamState(mu=(1 - b1) * grad + b1 * state.mu,
+                   nu=(1 - b2) * (grad**2) + b2 * state.nu)
+
+
+def _adam_mu_hat(b1, nesterov, grad, mu, s):
+  if nesterov:
+    return b1 * (mu / s.bc1_next) + (1 - b1) * (grad / s.bc1)
+  return mu / s.bc1
 
 
 def _has_weight_decay(weight_decay) -> bool:
@@ -243,18 +270,15 @@ class RAdam(ForgeOptimizer):
         rectify=rectify.astype(jnp.float32),
     )
 
-  def update(self, grad, kernel, state, s):
-    b1, b2 = self.b1, self.b2
-    mu = (1 - b1) * grad + b1 * state.mu
-    nu = (1 - b2) * (grad**2) + b2 * state.nu
-    if self.nesterov:
-      mu_hat = b1 * (mu / s.bc1_next) + (1 - b1) * (grad / s.bc1)
-    else:
-      mu_hat = mu / s.bc1
-    nu_hat = nu / s.bc2
+  def update_state(self, grad, kernel, state, s):
+    return _adam_moments(self.b1, self.b2, grad, state)
+
+  def update_kernel(self, grad, kernel, state, s):
+    mu_hat = _adam_mu_hat(self.b1, self.nesterov, grad, state.mu, s)
+    nu_hat = state.nu / s.bc2
     rectified = s.rect * mu_hat / (jnp.sqrt(nu_hat + self.eps_root) + self.eps)
     u = jnp.where(s.rectify > 0.5, rectified, mu_hat)
-    return kernel + s.neg_lr * u, AdamState(mu=mu, nu=nu)
+    return kernel + s.neg_lr * u
 
   def to_optax(self):
     return optax.radam(
@@ -303,12 +327,16 @@ class Lion(ForgeOptimizer):
         neg_lr=_neg_learning_rate(self.learning_rate, count),
         weight_decay=_schedule_value(self.weight_decay, count))
 
-  def update(self, grad, kernel, state, s):
+  kernel_reads_old_state: ClassVar[bool] = True
+
+  def update_state(self, grad, kernel, state, s):
+    return LionState(mu=(1 - self.b2) * grad + self.b2 * state.mu)
+
+  def update_kernel(self, grad, kernel, state, s):
     u = jnp.sign((1.0 - self.b1) * grad + self.b1 * state.mu)
-    mu = (1 - self.b2) * grad + self.b2 * state.mu
     if _has_weight_decay(self.weight_decay):
       u = u + s.weight_decay * kernel
-    return kernel + s.neg_lr * u, LionState(mu=mu)
+    return kernel + s.neg_lr * u
 
   def to_optax(self):
     return optax.lion(
@@ -372,13 +400,10 @@ class RMSprop(ForgeOptimizer):
     return RMSpropScalars(
         neg_lr=_neg_learning_rate(self.learning_rate, count), bc=bc)
 
-  def update(self, grad, kernel, state, s):
-    decay = self.decay
-    nu = (1 - decay) * (grad**2) + decay * state.nu
+  def _step(self, grad, nu, mu, s):
+    """The learning-rate-scaled step before momentum, from the new moments."""
     nu_hat = nu / s.bc if self.bias_correction else nu
-    mu = None
     if self.centered:
-      mu = (1 - decay) * grad + decay * state.mu
       mu_hat = mu / s.bc if self.bias_correction else mu
       var = nu_hat - mu_hat * mu_hat
     else:
@@ -387,12 +412,22 @@ class RMSprop(ForgeOptimizer):
       scaling = jax.lax.rsqrt(var + self.eps)
     else:
       scaling = 1 / (jnp.sqrt(var) + self.eps)
-    u = s.neg_lr * (scaling * grad)
+    return s.neg_lr * (scaling * grad)
+
+  def update_state(self, grad, kernel, state, s):
+    decay = self.decay
+    nu = (1 - decay) * (grad**2) + decay * state.nu
+    mu = (1 - decay) * grad + decay * state.mu if self.centered else None
     trace = None
     if self.momentum is not None:
-      trace = u + self.momentum * state.trace
-      u = u + self.momentum * trace if self.nesterov else trace
-    return kernel + u, RMSpropState(nu=nu, mu=mu, trace=trace)
+      trace = self._step(grad, nu, mu, s) + self.momentum * state.trace
+    return RMSpropState(nu=nu, mu=mu, trace=trace)
+
+  def update_kernel(self, grad, kernel, state, s):
+    u = self._step(grad, state.nu, state.mu, s)
+    if self.momentum is not None:
+      u = u + self.momentum * state.trace if self.nesterov else state.trace
+    return kernel + u
 
   def to_optax(self):
     return optax.rmsprop(
@@ -436,12 +471,14 @@ class Adagrad(ForgeOptimizer):
     return LearningRateScalars(
         neg_lr=_neg_learning_rate(self.learning_rate, count))
 
-  def update(self, grad, kernel, state, s):
-    sum_of_squares = grad * grad + state.sum_of_squares
+  def update_state(self, grad, kernel, state, s):
+    return AdagradState(sum_of_squares=grad * grad + state.sum_of_squares)
+
+  def update_kernel(self, grad, kernel, state, s):
+    sum_of_squares = state.sum_of_squares
     inv_sqrt = jnp.where(
         sum_of_squares > 0, jax.lax.rsqrt(sum_of_squares + self.eps), 0.0)
-    return (kernel + s.neg_lr * (inv_sqrt * grad),
-            AdagradState(sum_of_squares=sum_of_squares))
+    return kernel + s.neg_lr * (inv_sqrt * grad)
 
   def to_optax(self):
     return optax.adagrad(
@@ -483,12 +520,16 @@ class SGD(ForgeOptimizer):
     return LearningRateScalars(
         neg_lr=_neg_learning_rate(self.learning_rate, count))
 
-  def update(self, grad, kernel, state, s):
+  def update_state(self, grad, kernel, state, s):
     if self.momentum is None:
-      return kernel + s.neg_lr * grad, EmptyState()
-    trace = grad + self.momentum * state.trace
-    u = grad + self.momentum * trace if self.nesterov else trace
-    return kernel + s.neg_lr * u, TraceState(trace=trace)
+      return EmptyState()
+    return TraceState(trace=grad + self.momentum * state.trace)
+
+  def update_kernel(self, grad, kernel, state, s):
+    if self.momentum is None:
+      return kernel + s.neg_lr * grad
+    u = grad + self.momentum * state.trace if self.nesterov else state.trace
+    return kernel + s.neg_lr * u
 
   def to_optax(self):
     return optax.sgd(

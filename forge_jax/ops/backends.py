@@ -28,7 +28,8 @@ def xla_update(spec, x, dy, kernel, opt_state, scalars, apply):
   """Reference backend: ``dW`` through XLA, then the elementwise rule."""
   grad = weight_gradient(x, dy, spec.precision)
   new_kernel, new_state, updated = apply_update(
-      spec.optimizer, grad, kernel, opt_state, scalars, apply)
+      spec.optimizer, grad, kernel, opt_state, scalars, apply,
+      order_in_place=True)
   return new_kernel, new_state, jnp.sum(jnp.logical_not(updated), dtype=jnp.int32)
 
 

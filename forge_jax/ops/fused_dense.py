@@ -39,8 +39,9 @@ class ForgeVariables(NamedTuple):
       untouched because their gradient was not finite.
     intact: float32 scalar, 1.0 while the variables are ones FORGE wrote. A
       layer whose output did not reach the loss gets zero cotangents, which an
-      overwrite-with-gradient step writes as zeros; ``intact`` becomes 0.0 and
-      the layer then outputs NaN instead of silently training from zeros.
+      overwrite-with-gradient step writes as zeros; ``intact`` becomes 0.0,
+      and the layer's next backward pass writes a NaN kernel (so the loss
+      turns NaN) instead of silently training on from zeros.
   """
 
   kernel: jax.Array
@@ -74,10 +75,6 @@ def _dense(x, kernel, bias, spec: FusedDenseSpec):
   if bias is not None:
     y += jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,))
   return y
-
-
-def _poison_if_wiped(y, intact):
-  return jnp.where(intact > 0, y, jnp.asarray(jnp.nan, y.dtype))
 
 
 def _validate(x, variables: ForgeVariables, bias, spec: FusedDenseSpec):
@@ -133,8 +130,7 @@ def forge_dense(x: jax.Array, variables: ForgeVariables,
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _forge_dense(spec, x, variables, bias):
-  return _poison_if_wiped(_dense(x, variables.kernel, bias, spec),
-                          variables.intact)
+  return _dense(x, variables.kernel, bias, spec)
 
 
 def _forge_dense_fwd(spec, x, variables, bias):
@@ -163,10 +159,20 @@ def _forge_dense_bwd(spec, residuals, dy):
   _, dense_vjp = jax.vjp(lambda x, b: _dense(x, variables.kernel, b, spec),
                          x, bias)
   dx, dbias = dense_vjp(dy)
+  # The update overwrites the kernel in place: order it after dx, the last
+  # reader of the old kernel, or XLA copies the kernel to keep both alive.
+  dx, kernel = lax.optimization_barrier((dx, variables.kernel))
+  variables = variables._replace(kernel=kernel)
 
   apply = jnp.all(jnp.isfinite(dy))
   count = variables.count.astype(jnp.int32)
   scalars = spec.optimizer.scalars(count)
+  # A wiped layer (zeros written over it) gets a NaN learning rate: its
+  # kernel turns NaN, and so does the loss, from the next step on. Poisoning
+  # a per-step scalar costs nothing; poisoning the output would cost a pass
+  # over the activations.
+  scalars = scalars._replace(neg_lr=scalars.neg_lr * jnp.where(
+      variables.intact > 0, 1.0, jnp.nan).astype(scalars.neg_lr.dtype))
   x_c, kernel_c, _ = flax_dtypes.promote_dtype(x, variables.kernel, None,
                                                dtype=spec.dtype)
   del kernel_c
@@ -179,7 +185,7 @@ def _forge_dense_bwd(spec, residuals, dy):
       opt_state=new_state,
       count=variables.count + apply.astype(jnp.float32),
       skipped=skipped.astype(jnp.float32),
-      intact=jnp.ones_like(variables.intact))
+      intact=variables.intact)
   return dx, new_variables, dbias
 
 
