@@ -226,6 +226,7 @@ def main():
 
   config = (triton_kernel.TritonConfig(*map(int, args.config.split(",")))
             if args.config else triton_kernel.TritonConfig())
+  result["config"] = dataclasses.asdict(config)
   if args.suite == "tiny":
     config = triton_kernel.TritonConfig(16, 16, 16, 4, 1, epilogue_split=1)
     for name, opt in CHECK_OPTIMIZERS.items():
@@ -247,8 +248,8 @@ def main():
   save()
 
   # 2. Tile sweep on one shape.
-  if args.suite in ("sweep", "full", "quick"):
-    sweep = SWEEP_CONFIGS if args.suite != "quick" else SWEEP_CONFIGS[:4]
+  if args.suite == "sweep":
+    sweep = SWEEP_CONFIGS
     sweep_cases = [("adamw", cfg) for cfg in sweep]
     # Plain SGD touches only W in the epilogue: the gap to adamw is the cost
     # of the state traffic; the gap to the gemm is the main loop's.

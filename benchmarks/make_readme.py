@@ -61,7 +61,7 @@ def kernel_table(run) -> str:
         f"- AdamW, T = {tokens}, median over shapes: fused / GEMM "
         f"**{s['median_fused_over_gemm']:.2f}**, unfused / fused "
         f"**{s['median_unfused_over_fused']:.2f}**.")
-  config = run.get("best_config") or (run["bench"][0].get("config"))
+  config = run.get("best_config") or run["bench"][0]["config"]
   lines.append(f"- Kernel config: `{config}`.")
   lines.append(f"- {_provenance(run)}. Device time from the JAX profiler "
                "(sum of kernel durations per call, median of repeats).")
