@@ -58,14 +58,31 @@ class TritonConfig:
                        f"and leave chunks of block_n={self.block_n} of at least 16")
 
 
-def default_config(tokens: int, k: int, n: int) -> TritonConfig:
+#: Shared memory the main loop's pipeline may take (H100/H200 have 227 KB a
+#: block; the rest is left to Triton's layout conversions).
+SHARED_MEMORY_BUDGET = 200 * 1024
+
+
+def pipeline_shared_memory(config: TritonConfig, itemsize: int) -> int:
+  """Bytes of shared memory for ``num_stages`` buffered x and dy blocks."""
+  return (config.num_stages * config.block_t
+          * (config.block_k + config.block_n) * itemsize)
+
+
+def default_config(tokens: int, k: int, n: int, itemsize: int = 2) -> TritonConfig:
   """A tile shape that fits the problem: full 128x128 tiles where they fit,
-  smaller ones for tiny layers (8 outputs, say) so few elements are masked."""
+  smaller ones for tiny layers (8 outputs, say) so few elements are masked,
+  and a token block whose pipeline fits in shared memory for ``itemsize``-
+  byte activations (float32 halves it)."""
   pow2 = lambda v, cap: max(16, min(cap, 1 << max(0, (v - 1).bit_length())))
   block_n = pow2(n, 128)
-  return TritonConfig(block_k=pow2(k, 128), block_n=block_n,
-                      block_t=pow2(tokens, 128),
-                      epilogue_split=2 if block_n >= 32 else 1)
+  config = TritonConfig(block_k=pow2(k, 128), block_n=block_n,
+                        block_t=pow2(tokens, 128),
+                        epilogue_split=2 if block_n >= 32 else 1)
+  while (pipeline_shared_memory(config, itemsize) > SHARED_MEMORY_BUDGET
+         and config.block_t > 16):
+    config = dataclasses.replace(config, block_t=config.block_t // 2)
+  return config
 
 
 def unsupported_reason(x, dy, kernel, optimizer) -> Optional[str]:
@@ -165,7 +182,8 @@ def triton_update(spec, x, dy, kernel, opt_state, scalars, apply,
   dy2 = dy.reshape(-1, n)
   tokens = x2.shape[0]
   if config is None:
-    config = default_config(tokens, k, n)
+    config = default_config(tokens, k, n,
+                            max(x2.dtype.itemsize, dy2.dtype.itemsize))
   if interpret is None:
     interpret = jax.default_backend() != "gpu"
 
