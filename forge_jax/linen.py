@@ -7,6 +7,7 @@ from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import flax.linen as nn
 from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
 
@@ -115,11 +116,18 @@ def wiped_layers(variables) -> list[str]:
 
   A layer whose output does not reach the loss in a step receives zero
   cotangents; an overwrite-with-gradient step then stores zeros, and the
-  layer outputs NaN from then on. Call this on the host to name them.
+  layer's next backward pass makes its kernel NaN. Call this on the host to
+  name them. Layers stacked by ``nn.scan`` are named ``path[i]``.
   """
   collection = variables.get(FORGE_COLLECTION, {})
   wiped = []
   for path, leaf in jax.tree_util.tree_flatten_with_path(collection)[0]:
-    if path and getattr(path[-1], "key", None) == "intact" and float(leaf) == 0.0:
-      wiped.append("/".join(str(getattr(k, "key", k)) for k in path[:-1]))
+    if not path or getattr(path[-1], "key", None) != "intact":
+      continue
+    name = "/".join(str(getattr(k, "key", k)) for k in path[:-1])
+    flags = np.asarray(jax.device_get(leaf))
+    if flags.ndim == 0:
+      wiped += [name] if flags == 0.0 else []
+    else:
+      wiped += [f"{name}[{i}]" for i in np.flatnonzero(flags.reshape(-1) == 0.0)]
   return wiped

@@ -256,7 +256,7 @@ def main(argv=None) -> dict:
   kernel_rel_diff = max(
       float(jnp.max(jnp.abs(kf[p] - kb[p])) / jnp.max(jnp.abs(kb[p])))
       for p in kb)
-  wiped = train_lib.wiped_layers(states["forge"].params)
+  wiped = fj.wiped_layers(states["forge"].params)
   timed = max(args.steps - 1, 1)
   wall = time.time() - t_start
 

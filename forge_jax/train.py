@@ -15,7 +15,6 @@ from typing import Any, Callable, Optional
 import jax
 import jax.numpy as jnp
 import flax.linen as nn
-import numpy as np
 import optax
 from flax.training.train_state import TrainState
 
@@ -136,24 +135,3 @@ def memory_stats(compiled) -> dict[str, Optional[int]]:
         stats["temp_size_in_bytes"] + stats["argument_size_in_bytes"]
         + stats["output_size_in_bytes"] - stats["alias_size_in_bytes"])
   return stats
-
-
-def wiped_layers(variables) -> list[str]:
-  """Like ``forge_jax.wiped_layers``, also for ``nn.scan``-stacked layers.
-
-  ``fj.wiped_layers`` calls ``float()`` on each ``intact`` leaf, which raises
-  for the ``[num_layers]`` vectors of a scanned stack; here a stacked layer is
-  named ``path[i]`` for each wiped index ``i``.
-  """
-  collection = variables.get(FORGE_COLLECTION, {})
-  wiped = []
-  for path, leaf in jax.tree_util.tree_flatten_with_path(collection)[0]:
-    if not path or getattr(path[-1], "key", None) != "intact":
-      continue
-    name = "/".join(str(getattr(k, "key", k)) for k in path[:-1])
-    flags = np.asarray(jax.device_get(leaf)).reshape(-1)
-    if flags.size == 1 and np.ndim(leaf) == 0:
-      wiped += [name] if flags[0] == 0.0 else []
-    else:
-      wiped += [f"{name}[{i}]" for i in np.flatnonzero(flags == 0.0)]
-  return wiped
