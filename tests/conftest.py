@@ -1,0 +1,274 @@
+"""Shared fixtures and helpers of the forge_jax test suite (CPU, fast).
+
+* ``MLP``: a tiny MLP whose layers are ``fj.ForgeDense`` or ``nn.Dense`` with
+  the same explicit names (``fc1``, ``fc2``, ...), so the two variants load the
+  same weights by path and can be compared leaf by leaf.
+* ``run_steps``: N jitted, donated ``TrainState`` steps; returns host copies
+  of the state after every step, the losses, and what was traced/compiled.
+* ``seed``: a fresh random seed per test (distinct per test id; set
+  ``FORGE_TEST_SEED`` to shuffle every test's inputs; the seed is printed on
+  failure so a failing case can be rerun).
+* ``poison``: NaN (or another value) written into chosen elements.
+* ``gpu`` marker: skipped unless ``jax.default_backend() == 'gpu'``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import zlib
+from typing import Any, Callable, Optional, Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax.training.train_state import TrainState
+
+import forge_jax as fj
+
+COLL = fj.FORGE_COLLECTION  # '_overwrite_with_gradient'
+
+
+# ---------------------------------------------------------------------------
+# pytest plumbing.
+
+
+def pytest_configure(config):
+  config.addinivalue_line("markers", "gpu: needs a GPU; skipped elsewhere")
+
+
+def pytest_collection_modifyitems(config, items):
+  del config
+  if jax.default_backend() == "gpu":
+    return
+  skip = pytest.mark.skip(reason="needs a GPU (jax.default_backend() != 'gpu')")
+  for item in items:
+    if "gpu" in item.keywords:
+      item.add_marker(skip)
+
+
+@pytest.fixture
+def seed(request):
+  """A seed of its own for every test (and every parameterization)."""
+  base = os.environ.get("FORGE_TEST_SEED", "0")
+  value = zlib.crc32(f"{base}:{request.node.nodeid}".encode()) & 0x7FFFFFFF
+  request.node.user_properties.append(("seed", value))
+  return value
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+  outcome = yield
+  report = outcome.get_result()
+  if report.when == "call" and report.failed:
+    seeds = [v for k, v in item.user_properties if k == "seed"]
+    if seeds:
+      report.sections.append(
+          ("seed", f"seed={seeds[0]} (FORGE_TEST_SEED="
+           f"{os.environ.get('FORGE_TEST_SEED', '0')})"))
+
+
+# ---------------------------------------------------------------------------
+# Models.
+
+
+class MLP(nn.Module):
+  """``fc1 -> gelu -> fc2 -> ... -> fcN`` with ForgeDense or nn.Dense layers."""
+
+  features: Sequence[int]
+  optimizer: Any = None          # None: nn.Dense layers (the reference)
+  implementation: str = "xla"
+  use_bias: bool = True
+
+  @nn.compact
+  def __call__(self, x):
+    for i, width in enumerate(self.features):
+      if self.optimizer is None:
+        layer = nn.Dense(width, use_bias=self.use_bias, name=f"fc{i + 1}")
+      else:
+        layer = fj.ForgeDense(width, optimizer=self.optimizer,
+                              implementation=self.implementation,
+                              use_bias=self.use_bias, name=f"fc{i + 1}")
+      x = layer(x)
+      if i + 1 < len(self.features):
+        x = nn.gelu(x)
+    return x
+
+
+def make_batch(seed: int, shape: Sequence[int], classes: int):
+  """Random inputs of ``shape`` (any rank >= 1) and integer labels."""
+  kx, ky = jax.random.split(jax.random.key(seed))
+  x = jax.random.normal(kx, tuple(shape), jnp.float32)
+  y = jax.random.randint(ky, tuple(shape[:-1]), 0, classes)
+  return x, y
+
+
+def cross_entropy(apply_fn, variables, batch):
+  x, y = batch
+  logits = apply_fn(variables, x)
+  return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+
+def make_batches(seed: int, steps: int, shape: Sequence[int], classes: int):
+  """A different batch for every step (so moments see varying gradients)."""
+  return [make_batch(seed + 7919 * i, shape, classes) for i in range(steps)]
+
+
+# ---------------------------------------------------------------------------
+# Running jitted, donated train steps.
+
+
+@contextlib.contextmanager
+def count_backend_compiles():
+  """Counts XLA backend compilations inside the block (a list of one int)."""
+  counter = [0]
+
+  def listener(event, duration, **kwargs):
+    del duration, kwargs
+    if event == "/jax/core/compile/backend_compile_duration":
+      counter[0] += 1
+
+  jax.monitoring.register_event_duration_secs_listener(listener)
+  try:
+    yield counter
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listener)
+
+
+def host_copy(tree):
+  """A numpy copy of every array leaf (survives donation of the original)."""
+  return jax.tree.map(lambda a: np.array(a, copy=True), tree)
+
+
+@dataclasses.dataclass
+class StepRun:
+  states: list          # host copies of the TrainState after every step
+  losses: list          # host floats, one per step
+  traces: int           # how often the step function was traced
+  compiles_after_first: int  # backend compilations during steps 2..N
+  alias_bytes: int      # memory_analysis().alias_size_in_bytes of the step
+  donated_deleted: bool  # the first step's input kernel buffers were freed
+  final_state: Any      # the last (device) TrainState
+
+
+def make_train_step(counter: Optional[list] = None,
+                    loss: Callable = cross_entropy):
+  def train_step(state, batch):
+    if counter is not None:
+      counter[0] += 1  # Python side effect: runs once per trace only
+    value, grads = jax.value_and_grad(
+        lambda p: loss(state.apply_fn, p, batch))(state.params)
+    return state.apply_gradients(grads=grads), value
+  return train_step
+
+
+def run_steps(model: nn.Module, variables, tx: optax.GradientTransformation,
+              batches, loss: Callable = cross_entropy) -> StepRun:
+  """``len(batches)`` steps of ``jax.jit(train_step, donate_argnums=0)``."""
+  state = TrainState.create(apply_fn=model.apply, params=variables, tx=tx)
+  traces = [0]
+  train_step = jax.jit(make_train_step(traces, loss), donate_argnums=0)
+  # Lowering and compiling ahead of time uses (and fills) the same caches as
+  # the calls below: the first call does not compile again.
+  compiled = train_step.lower(state, batches[0]).compile()
+  alias_bytes = compiled.memory_analysis().alias_size_in_bytes
+
+  first_inputs = [leaf for layer in state.params.get(COLL, {}).values()
+                  for leaf in jax.tree.leaves((layer["kernel"],
+                                               layer["opt_state"]))]
+  states, losses = [], []
+  compiles_after_first = 0
+  for i, batch in enumerate(batches):
+    if i == 0:
+      state, value = train_step(state, batch)
+      jax.block_until_ready(value)
+      donated_deleted = bool(first_inputs) and all(
+          a.is_deleted() for a in first_inputs)
+    else:
+      with count_backend_compiles() as compiles:
+        state, value = train_step(state, batch)
+        jax.block_until_ready(value)
+      compiles_after_first += compiles[0]
+    states.append(host_copy(state))
+    losses.append(float(value))
+  return StepRun(states=states, losses=losses, traces=traces[0],
+                 compiles_after_first=compiles_after_first,
+                 alias_bytes=alias_bytes, donated_deleted=donated_deleted,
+                 final_state=state)
+
+
+def forge_bytes(variables) -> int:
+  """Bytes of every ForgeDense kernel and optimizer state in ``variables``."""
+  total = 0
+  for layer in variables.get(COLL, {}).values():
+    for leaf in jax.tree.leaves((layer["kernel"], layer["opt_state"])):
+      total += leaf.size * leaf.dtype.itemsize
+  return total
+
+
+# ---------------------------------------------------------------------------
+# Comparisons.
+
+
+def rel_err(actual, expected) -> float:
+  """``||actual - expected|| / ||expected||`` in float64 (0 if both are 0)."""
+  a = np.asarray(actual, np.float64)
+  e = np.asarray(expected, np.float64)
+  assert a.shape == e.shape, (a.shape, e.shape)
+  num = np.linalg.norm((a - e).ravel())
+  den = np.linalg.norm(e.ravel())
+  if den == 0:
+    return 0.0 if num == 0 else float("inf")
+  return float(num / den)
+
+
+def assert_rel_close(actual, expected, rtol, what=""):
+  assert np.all(np.isfinite(np.asarray(actual, np.float64))), f"{what}: non-finite"
+  err = rel_err(actual, expected)
+  assert err <= rtol, f"{what}: relative error {err:.3g} > {rtol:g}"
+
+
+def bits(a) -> np.ndarray:
+  """The raw bit patterns of ``a`` (bit-for-bit comparisons, NaN included)."""
+  a = np.asarray(a)
+  return a.view(np.dtype(f"u{a.dtype.itemsize}"))
+
+
+def assert_bitwise_equal(actual, expected, what=""):
+  actual, expected = np.asarray(actual), np.asarray(expected)
+  assert actual.dtype == expected.dtype, (what, actual.dtype, expected.dtype)
+  assert actual.shape == expected.shape, (what, actual.shape, expected.shape)
+  diff = bits(actual) != bits(expected)
+  assert not diff.any(), f"{what}: {diff.sum()} of {diff.size} elements differ"
+
+
+def ulp_distance(actual, expected) -> np.ndarray:
+  """Distance in units in the last place between same-dtype float arrays."""
+  actual, expected = np.asarray(actual), np.asarray(expected)
+  assert actual.dtype == expected.dtype
+  width = actual.dtype.itemsize * 8
+  signed = np.dtype(f"i{actual.dtype.itemsize}")
+
+  def ordered(a):
+    # Map the sign-magnitude float bit pattern onto a monotonic integer line.
+    i = a.view(signed).astype(np.int64)
+    return np.where(i < 0, -(i & ((1 << (width - 1)) - 1)), i)
+
+  return np.abs(ordered(actual) - ordered(expected))
+
+
+def poison(x, where=None, value=np.nan):
+  """``x`` with ``value`` (NaN by default) at ``where`` (everywhere if None).
+
+  ``where`` is a boolean mask or an index expression (``np.s_[...]``).
+  """
+  out = np.array(x, copy=True)
+  if where is None:
+    out[...] = value
+  else:
+    out[where] = value
+  return jnp.asarray(out, dtype=jnp.asarray(x).dtype)
