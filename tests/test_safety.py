@@ -63,15 +63,7 @@ def test_called_twice_in_one_forward_raises(seed):
                  id="MultiSteps"),
     pytest.param(
         optax.MultiSteps(optax.adam(1e-3), 4).gradient_transformation(),
-        "micro-batch", id="MultiSteps.gradient_transformation()",
-        marks=pytest.mark.xfail(
-            strict=True, raises=AssertionError,
-            reason="BUG (forge_jax.ops.fused_dense._not_elementwise_message): "
-                   "the MultiSteps hint is keyed on type(...).__name__ or "
-                   "'multi_steps' in repr(); the GradientTransformation that "
-                   "MultiSteps.gradient_transformation() returns has neither "
-                   "(its repr says 'MultiSteps.init'), so the TypeError lacks "
-                   "the micro-batch advice")),
+        "micro-batch", id="MultiSteps.gradient_transformation()"),
 ])
 def test_non_forge_optimizer_raises_type_error(optimizer, extra, seed):
   x, _ = make_batch(seed, (4, 6), 4)

@@ -102,7 +102,7 @@ def _not_elementwise_message(optimizer) -> str:
           "inside the weight-gradient GEMM, so only elementwise rules can be "
           "fused; optax transformations that need the whole gradient "
           "(clip_by_global_norm, adafactor, ...) cannot.")
-  if "MultiSteps" in type(optimizer).__name__ or "multi_steps" in repr(optimizer):
+  if "MultiSteps" in type(optimizer).__name__ or "MultiSteps" in repr(optimizer):
     text += (" Gradient accumulation (optax.MultiSteps) cannot work either: "
              "FORGE never stores the gradient it would have to accumulate. "
              "Use a larger micro-batch instead; FORGE frees the gradient "
