@@ -29,6 +29,7 @@ import numpy as np
 
 from forge_jax.linen import FORGE_COLLECTION, ForgeDense
 from forge_jax.optimizers import ForgeOptimizer
+from forge_jax.scan import scan_layers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,7 +47,8 @@ class LlamaConfig:
     dtype: the compute dtype (activations, matmul inputs).
     param_dtype: the storage dtype of the weights.
     max_len: the longest sequence the model accepts.
-    remat: rematerialize each block in the backward pass.
+    remat: rematerialize each block in the backward pass (FORGE's scan,
+      used when both scan_layers and forge_optimizer are set, always does).
     scan_layers: stack the layers with ``nn.scan`` instead of a Python loop.
     forge_optimizer: a forge_jax optimizer (``fj.adamw(...)``); when set, every
       projection is a ForgeDense trained by it, else an nn.Dense.
@@ -246,7 +248,12 @@ class Llama(nn.Module):
                  name="embed")(tokens)
     cos, sin = rope_tables(c, tokens.shape[-1])
     block = nn.remat(Block, prevent_cse=not c.scan_layers) if c.remat else Block
-    if c.scan_layers:
+    if c.scan_layers and c.forge_optimizer is not None:
+      # FORGE's scan: the backward walks the layers in reverse, recomputes
+      # each one and updates the stacked kernels and states in place.
+      x, _ = scan_layers(Block, c.num_layers, num_broadcast_args=2)(
+          c, name="layers")(x, cos, sin)
+    elif c.scan_layers:
       # variable_axes={True: 0}: every collection (params and FORGE's
       # _overwrite_with_gradient) is stacked along a leading layer axis.
       stack = nn.scan(block, variable_axes={True: 0},
