@@ -1,0 +1,107 @@
+"""Peak GPU memory and step time of a whole train step: FORGE against optax.
+
+One configuration per process (peak memory is a process-wide high-water
+mark), so run it once per variant:
+
+  python benchmarks/model_memory.py --config llama-3.1-8b --variant optax --out optax.json
+  python benchmarks/model_memory.py --config llama-3.1-8b --variant forge --out forge.json
+
+The model is the package's Llama-style decoder (scan over layers with remat;
+FORGE uses fj.scan_layers), bf16 weights and bf16 optimizer states in both
+variants, AdamW. Peak memory is ``memory_stats()['peak_bytes_in_use']``
+after the timed steps; step time is the median wall time of jitted, donated
+steps (each blocked on), after two warm-up steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import forge_jax as fj
+from forge_jax import train as train_lib
+from forge_jax.models import llama
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from timing import metadata  # pylint: disable=wrong-import-position
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--config", default="llama-3.1-8b")
+  parser.add_argument("--variant", choices=["forge", "optax"], required=True)
+  parser.add_argument("--batch", type=int, default=1)
+  parser.add_argument("--seq", type=int, default=2048)
+  parser.add_argument("--steps", type=int, default=5)
+  parser.add_argument("--layers", type=int, default=None,
+                      help="override the number of layers (smoke tests)")
+  parser.add_argument("--implementation", default="auto")
+  parser.add_argument("--out", required=True)
+  args = parser.parse_args()
+
+  optimizer = fj.adamw(1e-4, weight_decay=0.1, mu_dtype=jnp.bfloat16)
+  overrides = dict(param_dtype=jnp.bfloat16, dtype=jnp.bfloat16,
+                   scan_layers=True, remat=True,
+                   implementation=args.implementation)
+  if args.layers:
+    overrides["num_layers"] = args.layers
+  if args.variant == "forge":
+    overrides["forge_optimizer"] = optimizer
+  model = llama.make_model(args.config, **overrides)
+  config = model.config
+
+  key = jax.random.key(0)
+  batch = jax.random.randint(key, (args.batch, args.seq + 1), 0,
+                             config.vocab_size, dtype=jnp.int32)
+  state = jax.jit(lambda key: train_lib.create_train_state(
+      model, optimizer.to_optax(), key, batch))(key)
+  step = train_lib.make_train_step()
+  device = jax.local_devices()[0]
+  compiled = step.lower(state, batch).compile()
+  analysis = compiled.memory_analysis()
+
+  times = []
+  for i in range(args.steps + 2):
+    start = time.perf_counter()
+    state, loss = compiled(state, batch)
+    loss = float(loss)
+    if i >= 2:
+      times.append(time.perf_counter() - start)
+  stats = device.memory_stats() or {}
+  kernels = llama.kernels(state.params)
+  kernel_bytes = sum(k.size * k.dtype.itemsize for k in kernels.values())
+  result = {
+      "meta": metadata(),
+      "config": args.config, "variant": args.variant,
+      "num_layers": config.num_layers, "batch": args.batch, "seq": args.seq,
+      "param_dtype": "bfloat16", "state_dtype": "bfloat16",
+      "num_params": config.num_params(),
+      "peak_bytes_in_use": stats.get("peak_bytes_in_use"),
+      "bytes_in_use_after": stats.get("bytes_in_use"),
+      "projection_kernel_bytes": kernel_bytes,
+      "compiled_temp_bytes": analysis.temp_size_in_bytes,
+      "compiled_argument_bytes": analysis.argument_size_in_bytes,
+      "compiled_alias_bytes": analysis.alias_size_in_bytes,
+      "step_ms_median": 1e3 * statistics.median(times),
+      "step_ms_all": [1e3 * t for t in times],
+      "final_loss": loss,
+      "loss_finite": bool(np.isfinite(loss)),
+  }
+  with open(args.out, "w") as f:
+    json.dump(result, f, indent=1)
+  gib = lambda b: (b or 0) / 2**30
+  print(f"{args.variant} {args.config} L={config.num_layers} B={args.batch} "
+        f"T={args.seq}: peak {gib(result['peak_bytes_in_use']):.2f} GiB, "
+        f"temp {gib(analysis.temp_size_in_bytes):.2f} GiB, step "
+        f"{result['step_ms_median']:.1f} ms, loss {loss:.3f}", flush=True)
+
+
+if __name__ == "__main__":
+  main()
