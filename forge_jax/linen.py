@@ -11,6 +11,7 @@ import numpy as np
 import flax.linen as nn
 from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
 
+from forge_jax import quantization
 from forge_jax.optimizers import ForgeOptimizer
 from forge_jax.ops.fused_dense import (ForgeVariables, FusedDenseSpec,
                                        forge_dense, init_variables,
@@ -44,6 +45,8 @@ class ForgeDense(nn.Module):
     bias_init: initializer for the bias.
     implementation: 'auto' (the fastest backend that applies), 'xla' (the
       reference) or 'triton' (the Pallas kernel; interpret mode off-GPU).
+    layer_id: static id that seeds stochastic rounding (an optimizer with
+      ``weight_rounding='stochastic'``); None: a CRC-32 of the module path.
   """
 
   features: int
@@ -55,6 +58,7 @@ class ForgeDense(nn.Module):
   kernel_init: Any = nn.initializers.lecun_normal()
   bias_init: Any = nn.initializers.zeros_init()
   implementation: str = "auto"
+  layer_id: Optional[int] = None
 
   @nn.compact
   def __call__(self, inputs: jax.Array) -> jax.Array:
@@ -80,8 +84,16 @@ class ForgeDense(nn.Module):
     self._check_single_use(kernel)
     spec = FusedDenseSpec(optimizer=self.optimizer,
                           implementation=self.implementation,
-                          precision=self.precision, dtype=self.dtype)
+                          precision=self.precision, dtype=self.dtype,
+                          layer_id=self._layer_id())
     return forge_dense(inputs, variables, bias, spec)
+
+  def _layer_id(self) -> int:
+    if self.optimizer.weight_rounding != "stochastic":
+      return 0  # unused: keep the spec (and its jit cache key) as before
+    if self.layer_id is not None:
+      return int(self.layer_id) & 0xFFFFFFFF
+    return quantization.layer_id_from_path(self.path)
 
   def _check_variables(self, variables: ForgeVariables,
                        expected: ForgeVariables):

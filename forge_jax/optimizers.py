@@ -18,6 +18,18 @@ definition of the math:
 ``to_optax()`` returns the optax alias with the same arguments, for the
 parameters that FORGE does not own (biases, norms, embeddings), so the
 optimizer is stated once.
+
+Every optimizer also takes three keyword-only storage options (see
+:mod:`forge_jax.quantization`), which apply to the ForgeDense kernels it
+trains and not to ``to_optax()``:
+
+* ``state_dtype``: None (the optax alias's dtypes: the kernel's, or
+  ``mu_dtype``), ``'float32'``, ``'bfloat16'``, ``'float16'`` or ``'int8'``
+  (blocks of 64 with absmax scales; second moments stored as their square
+  root).
+* ``weight_rounding``: ``'nearest'`` (default) or ``'stochastic'`` (bfloat16
+  kernels written with unbiased stochastic rounding).
+* ``rounding_seed``: the seed of the stochastic rounding (uint32).
 """
 
 from __future__ import annotations
@@ -30,6 +42,8 @@ from typing import Any, Callable, ClassVar, NamedTuple, Optional, Union
 import jax
 import jax.numpy as jnp
 import optax
+
+from forge_jax import quantization
 
 ScalarOrSchedule = Union[float, Callable[[jax.Array], jax.Array]]
 Mask = Optional[Union[Any, Callable[[Any], Any]]]
@@ -77,8 +91,48 @@ class ForgeOptimizer(abc.ABC):
 
   Subclasses are frozen dataclasses (hashable, so they can be static arguments
   of ``jax.jit`` and ``jax.custom_vjp``) whose fields are the optax alias's
-  keyword arguments.
+  keyword arguments, plus the keyword-only storage options below.
+
+  Attributes:
+    state_dtype: storage of every per-element state leaf: None (as optax:
+      the kernel's dtype, or ``mu_dtype``), 'float32', 'bfloat16', 'float16'
+      or 'int8' (:mod:`forge_jax.quantization`: 64-element blocks along the
+      output axis, an absmax scale each; second moments as ``sqrt``).
+    weight_rounding: 'nearest' (round to nearest even, the default) or
+      'stochastic' (bfloat16 kernels only; float32 kernels need no rounding).
+    rounding_seed: seed of the stochastic rounding's hash (0 .. 2**32 - 1).
   """
+
+  state_dtype: Any = dataclasses.field(default=None, kw_only=True)
+  weight_rounding: str = dataclasses.field(default="nearest", kw_only=True)
+  rounding_seed: int = dataclasses.field(default=0, kw_only=True)
+
+  #: State fields that are non-negative second moments (int8: sqrt encoding).
+  nonnegative_state: ClassVar[tuple[str, ...]] = ()
+
+  def __post_init__(self):
+    object.__setattr__(self, "state_dtype",
+                       quantization.canonical_state_dtype(self.state_dtype))
+    if self.weight_rounding not in quantization.WEIGHT_ROUNDINGS:
+      raise ValueError(f"weight_rounding={self.weight_rounding!r} must be one "
+                       f"of {quantization.WEIGHT_ROUNDINGS}")
+    if not 0 <= int(self.rounding_seed) < 2**32:
+      raise ValueError(f"rounding_seed={self.rounding_seed} must be in "
+                       "[0, 2**32)")
+    for name in ("mu_dtype", "accumulator_dtype"):
+      if self.state_dtype is not None and getattr(self, name, None) is not None:
+        raise ValueError(f"give state_dtype or {name}, not both "
+                         f"(state_dtype={self.state_dtype!r}, "
+                         f"{name}={getattr(self, name)!r})")
+
+  def _stored(self, state: NamedTuple) -> NamedTuple:
+    """``state`` (as the optax alias initializes it) in ``state_dtype``."""
+    if self.state_dtype is None:
+      return state
+    return type(state)(**{
+        name: quantization.store(value, self.state_dtype,
+                                 name in self.nonnegative_state)
+        for name, value in state._asdict().items()})
 
   @abc.abstractmethod
   def init(self, kernel: jax.Array) -> NamedTuple:
@@ -157,10 +211,12 @@ class Adam(ForgeOptimizer):
   nesterov: bool = False
   decoupled: bool = False  # adamw/nadamw (chain with add_decayed_weights)
 
+  nonnegative_state: ClassVar[tuple[str, ...]] = ("nu",)
+
   def init(self, kernel):
     mu_dtype = kernel.dtype if self.mu_dtype is None else self.mu_dtype
-    return AdamState(
-        mu=jnp.zeros(kernel.shape, mu_dtype), nu=jnp.zeros_like(kernel))
+    return self._stored(AdamState(
+        mu=jnp.zeros(kernel.shape, mu_dtype), nu=jnp.zeros_like(kernel)))
 
   def scalars(self, count):
     _validate_count_dtype(count)
@@ -245,8 +301,11 @@ class RAdam(ForgeOptimizer):
   threshold: float = 5.0
   nesterov: bool = False
 
+  nonnegative_state: ClassVar[tuple[str, ...]] = ("nu",)
+
   def init(self, kernel):
-    return AdamState(mu=jnp.zeros_like(kernel), nu=jnp.zeros_like(kernel))
+    return self._stored(
+        AdamState(mu=jnp.zeros_like(kernel), nu=jnp.zeros_like(kernel)))
 
   def scalars(self, count):
     _validate_count_dtype(count)
@@ -319,7 +378,7 @@ class Lion(ForgeOptimizer):
 
   def init(self, kernel):
     mu_dtype = kernel.dtype if self.mu_dtype is None else self.mu_dtype
-    return LionState(mu=jnp.zeros(kernel.shape, mu_dtype))
+    return self._stored(LionState(mu=jnp.zeros(kernel.shape, mu_dtype)))
 
   def scalars(self, count):
     _validate_count_dtype(count)
@@ -385,11 +444,21 @@ class RMSprop(ForgeOptimizer):
   nesterov: bool = False
   bias_correction: bool = False
 
+  nonnegative_state: ClassVar[tuple[str, ...]] = ("nu",)
+
+  def __post_init__(self):
+    super().__post_init__()
+    if self.centered and self.state_dtype == "int8":
+      raise ValueError(
+          "rmsprop(centered=True) cannot keep int8 states: the variance "
+          "nu - mu**2 of separately quantized moments can turn negative. Use "
+          "state_dtype='bfloat16' or 'float32'.")
+
   def init(self, kernel):
-    return RMSpropState(
+    return self._stored(RMSpropState(
         nu=jnp.full_like(kernel, self.initial_scale),
         mu=jnp.zeros_like(kernel) if self.centered else None,
-        trace=jnp.zeros_like(kernel) if self.momentum is not None else None)
+        trace=jnp.zeros_like(kernel) if self.momentum is not None else None))
 
   def scalars(self, count):
     _validate_count_dtype(count)
@@ -462,9 +531,11 @@ class Adagrad(ForgeOptimizer):
   initial_accumulator_value: float = 0.1
   eps: float = 1e-7
 
+  nonnegative_state: ClassVar[tuple[str, ...]] = ("sum_of_squares",)
+
   def init(self, kernel):
-    return AdagradState(
-        sum_of_squares=jnp.full_like(kernel, self.initial_accumulator_value))
+    return self._stored(AdagradState(
+        sum_of_squares=jnp.full_like(kernel, self.initial_accumulator_value)))
 
   def scalars(self, count):
     _validate_count_dtype(count)
@@ -513,7 +584,7 @@ class SGD(ForgeOptimizer):
     if self.momentum is None:
       return EmptyState()
     dtype = kernel.dtype if self.accumulator_dtype is None else self.accumulator_dtype
-    return TraceState(trace=jnp.zeros(kernel.shape, dtype))
+    return self._stored(TraceState(trace=jnp.zeros(kernel.shape, dtype)))
 
   def scalars(self, count):
     _validate_count_dtype(count)
@@ -543,24 +614,28 @@ class SGD(ForgeOptimizer):
 
 def adam(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999,
          eps: float = 1e-8, eps_root: float = 0.0, mu_dtype: Any = None, *,
-         nesterov: bool = False) -> Adam:
-  """FORGE version of :func:`optax.adam`."""
+         nesterov: bool = False, state_dtype: Any = None,
+         weight_rounding: str = "nearest", rounding_seed: int = 0) -> Adam:
+  """FORGE version of :func:`optax.adam` (storage options: ForgeOptimizer)."""
   return Adam(learning_rate, b1, b2, eps, eps_root, mu_dtype,
-              nesterov=nesterov)
+              nesterov=nesterov, state_dtype=state_dtype, weight_rounding=weight_rounding,
+              rounding_seed=rounding_seed)
 
 
 def adamw(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999,
           eps: float = 1e-8, eps_root: float = 0.0, mu_dtype: Any = None,
           weight_decay: ScalarOrSchedule = 1e-4, mask: Mask = None, *,
-          nesterov: bool = False) -> Adam:
-  """FORGE version of :func:`optax.adamw`.
+          nesterov: bool = False, state_dtype: Any = None,
+          weight_rounding: str = "nearest", rounding_seed: int = 0) -> Adam:
+  """FORGE version of :func:`optax.adamw` (storage options: ForgeOptimizer).
 
   ``mask`` is handed to the optax equivalent (``to_optax()``) for the
   parameters optax owns; every ForgeDense kernel is decayed.
   """
   return Adam(learning_rate, b1, b2, eps, eps_root, mu_dtype,
               weight_decay=weight_decay, mask=mask, nesterov=nesterov,
-              decoupled=True)
+              decoupled=True, state_dtype=state_dtype, weight_rounding=weight_rounding,
+              rounding_seed=rounding_seed)
 
 
 nadam = functools.partial(adam, nesterov=True)
@@ -571,37 +646,57 @@ nadamw.__doc__ = "FORGE version of :func:`optax.nadamw`."
 
 def radam(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999,
           eps: float = 1e-8, eps_root: float = 0.0, threshold: float = 5.0, *,
-          nesterov: bool = False) -> RAdam:
-  """FORGE version of :func:`optax.radam`."""
+          nesterov: bool = False, state_dtype: Any = None,
+          weight_rounding: str = "nearest", rounding_seed: int = 0) -> RAdam:
+  """FORGE version of :func:`optax.radam` (storage options: ForgeOptimizer)."""
   return RAdam(learning_rate, b1, b2, eps, eps_root, threshold,
-               nesterov=nesterov)
+               nesterov=nesterov, state_dtype=state_dtype, weight_rounding=weight_rounding,
+              rounding_seed=rounding_seed)
 
 
 def lion(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.99,
          mu_dtype: Any = None, weight_decay: ScalarOrSchedule = 1e-3,
-         mask: Mask = None) -> Lion:
-  """FORGE version of :func:`optax.lion` (``mask`` as for :func:`adamw`)."""
-  return Lion(learning_rate, b1, b2, mu_dtype, weight_decay, mask)
+         mask: Mask = None, *, state_dtype: Any = None,
+         weight_rounding: str = "nearest", rounding_seed: int = 0) -> Lion:
+  """FORGE version of :func:`optax.lion` (``mask`` as for :func:`adamw`;
+  storage options: ForgeOptimizer)."""
+  return Lion(learning_rate, b1, b2, mu_dtype, weight_decay, mask,
+              state_dtype=state_dtype, weight_rounding=weight_rounding,
+              rounding_seed=rounding_seed)
 
 
 def rmsprop(learning_rate: ScalarOrSchedule, decay: float = 0.9,
             eps: float = 1e-8, initial_scale: float = 0.0,
             eps_in_sqrt: bool = True, centered: bool = False,
             momentum: Optional[float] = None, nesterov: bool = False,
-            bias_correction: bool = False) -> RMSprop:
-  """FORGE version of :func:`optax.rmsprop`."""
+            bias_correction: bool = False, *, state_dtype: Any = None,
+            weight_rounding: str = "nearest",
+            rounding_seed: int = 0) -> RMSprop:
+  """FORGE version of :func:`optax.rmsprop` (storage options:
+  ForgeOptimizer)."""
   return RMSprop(learning_rate, decay, eps, initial_scale, eps_in_sqrt,
-                 centered, momentum, nesterov, bias_correction)
+                 centered, momentum, nesterov, bias_correction,
+                 state_dtype=state_dtype, weight_rounding=weight_rounding,
+              rounding_seed=rounding_seed)
 
 
 def adagrad(learning_rate: ScalarOrSchedule,
             initial_accumulator_value: float = 0.1,
-            eps: float = 1e-7) -> Adagrad:
-  """FORGE version of :func:`optax.adagrad`."""
-  return Adagrad(learning_rate, initial_accumulator_value, eps)
+            eps: float = 1e-7, *, state_dtype: Any = None,
+            weight_rounding: str = "nearest",
+            rounding_seed: int = 0) -> Adagrad:
+  """FORGE version of :func:`optax.adagrad` (storage options:
+  ForgeOptimizer)."""
+  return Adagrad(learning_rate, initial_accumulator_value, eps,
+                 state_dtype=state_dtype, weight_rounding=weight_rounding,
+              rounding_seed=rounding_seed)
 
 
 def sgd(learning_rate: ScalarOrSchedule, momentum: Optional[float] = None,
-        nesterov: bool = False, accumulator_dtype: Any = None) -> SGD:
-  """FORGE version of :func:`optax.sgd`."""
-  return SGD(learning_rate, momentum, nesterov, accumulator_dtype)
+        nesterov: bool = False, accumulator_dtype: Any = None, *,
+        state_dtype: Any = None, weight_rounding: str = "nearest",
+        rounding_seed: int = 0) -> SGD:
+  """FORGE version of :func:`optax.sgd` (storage options: ForgeOptimizer)."""
+  return SGD(learning_rate, momentum, nesterov, accumulator_dtype,
+             state_dtype=state_dtype, weight_rounding=weight_rounding,
+              rounding_seed=rounding_seed)

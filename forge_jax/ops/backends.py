@@ -1,7 +1,8 @@
 """Weight-update backends of the fused dense op, and the switch between them.
 
 A backend is a function
-``(spec, x, dy, kernel, opt_state, scalars, apply) -> (kernel, opt_state, skipped)``
+``(spec, x, dy, kernel, opt_state, scalars, apply, *, step=None) -> (kernel,
+opt_state, skipped)``
 that forms ``dW = x.T @ dy`` (contracting every axis but the last) and applies
 the optimizer rule. ``'xla'`` is the reference: plain XLA ops, the
 specification, and the default where no GPU kernel applies.
@@ -24,12 +25,16 @@ def weight_gradient(x, dy, precision=None):
                          preferred_element_type=jnp.float32)
 
 
-def xla_update(spec, x, dy, kernel, opt_state, scalars, apply):
-  """Reference backend: ``dW`` through XLA, then the elementwise rule."""
+def xla_update(spec, x, dy, kernel, opt_state, scalars, apply, *, step=None):
+  """Reference backend: ``dW`` through XLA, then the elementwise rule.
+
+  ``step`` (the layer's count, an integer scalar; None: 0) and
+  ``spec.layer_id`` seed stochastic rounding.
+  """
   grad = weight_gradient(x, dy, spec.precision)
   new_kernel, new_state, updated = apply_update(
       spec.optimizer, grad, kernel, opt_state, scalars, apply,
-      order_in_place=True)
+      order_in_place=True, step=step, layer_id=getattr(spec, "layer_id", 0))
   return new_kernel, new_state, jnp.sum(jnp.logical_not(updated), dtype=jnp.int32)
 
 

@@ -65,6 +65,8 @@ class FusedDenseSpec:
   implementation: str = "auto"
   precision: Any = None
   dtype: Any = None
+  #: Static id of the layer, one input of stochastic rounding's hash.
+  layer_id: int = 0
 
 
 def _dense(x, kernel, bias, spec: FusedDenseSpec):
@@ -184,7 +186,8 @@ def _forge_dense_bwd(spec, residuals, dy):
   backend = backends.select(spec.implementation, x_c, dy, variables.kernel,
                             spec.optimizer)
   new_kernel, new_state, skipped = backend(
-      spec, x_c, dy, variables.kernel, variables.opt_state, scalars, apply)
+      spec, x_c, dy, variables.kernel, variables.opt_state, scalars, apply,
+      step=variables.count.astype(jnp.int32))
   new_variables = ForgeVariables(
       kernel=new_kernel,
       opt_state=new_state,

@@ -10,6 +10,14 @@ device memory. Edges (any K, N, T) are masked.
 
 Off-GPU the same kernel runs in Pallas interpret mode, which is how the tests
 check it on CPU.
+
+Low-precision storage (:mod:`forge_jax.quantization`): int8 state leaves
+arrive as int8 codes (bitcast from their float8 container outside the
+kernel) and float32 scales, one per 64 columns of a row; the epilogue's
+column chunk is exactly one such block (``block_n / epilogue_split == 64``),
+so a block never straddles a chunk or a tile, and the scale tile is
+``block_k x 1``. Stochastic rounding takes the global row and column of each
+element (tile offset + iota) and the layer's step (passed with the scalars).
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from forge_jax import quantization
 from forge_jax.ops.update import apply_update
 
 _SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
@@ -69,16 +78,21 @@ def pipeline_shared_memory(config: TritonConfig, itemsize: int) -> int:
           * (config.block_k + config.block_n) * itemsize)
 
 
-def default_config(tokens: int, k: int, n: int, itemsize: int = 2) -> TritonConfig:
+def default_config(tokens: int, k: int, n: int, itemsize: int = 2, *,
+                   state_block: Optional[int] = None) -> TritonConfig:
   """A tile shape that fits the problem: full 128x128 tiles where they fit,
   smaller ones for tiny layers (8 outputs, say) so few elements are masked,
   and a token block whose pipeline fits in shared memory for ``itemsize``-
-  byte activations (float32 halves it)."""
+  byte activations (float32 halves it). With block-quantized states
+  (``state_block`` = 64 columns) the epilogue chunks are one block wide."""
   pow2 = lambda v, cap: max(16, min(cap, 1 << max(0, (v - 1).bit_length())))
   block_n = pow2(n, 128)
+  split = 2 if block_n >= 32 else 1
+  if state_block is not None:
+    block_n = max(block_n, state_block)
+    split = block_n // state_block
   config = TritonConfig(block_k=pow2(k, 128), block_n=block_n,
-                        block_t=pow2(tokens, 128),
-                        epilogue_split=2 if block_n >= 32 else 1)
+                        block_t=pow2(tokens, 128), epilogue_split=split)
   while (pipeline_shared_memory(config, itemsize) > SHARED_MEMORY_BUDGET
          and config.block_t > 16):
     config = dataclasses.replace(config, block_t=config.block_t // 2)
@@ -91,8 +105,9 @@ def unsupported_reason(x, dy, kernel, optimizer) -> Optional[str]:
     if jnp.dtype(value.dtype) not in map(jnp.dtype, _SUPPORTED_DTYPES):
       return f"{name}.dtype={value.dtype} must be float32, bfloat16 or float16"
   state = jax.eval_shape(optimizer.init, kernel)
+  state = jax.eval_shape(quantization.codes_as_int8, state)
   for leaf in jax.tree.leaves(state):
-    if jnp.dtype(leaf.dtype) not in map(jnp.dtype, _SUPPORTED_DTYPES):
+    if jnp.dtype(leaf.dtype) not in map(jnp.dtype, _SUPPORTED_DTYPES + (jnp.int8,)):
       return f"optimizer state dtype {leaf.dtype} is not supported by the kernel"
   if math.prod(x.shape[:-1]) == 0:
     return f"{x.shape=} has no tokens"
@@ -105,9 +120,23 @@ def check_supported(x, dy, kernel, optimizer):
     raise ValueError(f"implementation='triton' cannot run this call: {reason}")
 
 
+def check_config(config: TritonConfig, quantized: bool):
+  """Quantization blocks must not straddle the epilogue's column chunks."""
+  chunk = config.block_n // config.epilogue_split
+  if quantized and chunk != quantization.BLOCK_SIZE:
+    raise ValueError(
+        f"int8 optimizer states are quantized in blocks of "
+        f"{quantization.BLOCK_SIZE} consecutive columns, and the kernel's "
+        f"epilogue works on chunks of block_n / epilogue_split = "
+        f"{config.block_n} / {config.epilogue_split} = {chunk} columns: a "
+        f"block would straddle chunks or tiles. Use block_n = "
+        f"{quantization.BLOCK_SIZE} * epilogue_split (e.g. block_n=128, "
+        f"epilogue_split=2).")
+
+
 def _fused_kernel(scalars_ref, x_ref, dy_ref, w_ref, *refs, optimizer,
                   state_treedef, scalars_treedef, num_scalars, tokens, k, n,
-                  config: TritonConfig, dot_precision):
+                  config: TritonConfig, dot_precision, scale_leaves, layer_id):
   num_state = state_treedef.num_leaves
   state_refs = refs[:num_state]
   w_out_ref = refs[num_state]
@@ -134,29 +163,47 @@ def _fused_kernel(scalars_ref, x_ref, dy_ref, w_ref, *refs, optimizer,
   grad = lax.fori_loop(0, pl.cdiv(tokens, bt), accumulate,
                        jnp.zeros((bk, bn), jnp.float32))
 
-  scalar_values = [scalars_ref[i] for i in range(num_scalars + 1)]
+  scalar_values = [scalars_ref[i] for i in range(num_scalars + 2)]
   scalars = jax.tree.unflatten(scalars_treedef, scalar_values[:num_scalars])
   apply = scalar_values[num_scalars] > 0.5
+  step = scalar_values[num_scalars + 1].astype(jnp.int32)
 
   # The epilogue runs on column chunks of the accumulator: fewer live
   # registers (W and every state tile are float32 beside it).
   chunk = bn // config.epilogue_split
+  block = quantization.BLOCK_SIZE
+  num_blocks = pl.cdiv(n, block)
   skipped = jnp.zeros((), jnp.int32)
   for c, grad_chunk in enumerate(jnp.split(grad, config.epilogue_split, axis=1)):
     col0 = pid_n * bn + c * chunk
+    row_idx = pid_k * bk + lax.broadcasted_iota(jnp.int32, (bk, 1), 0)
+    col_idx = col0 + lax.broadcasted_iota(jnp.int32, (1, chunk), 1)
     rows = pid_k * bk + lax.broadcasted_iota(jnp.int32, (bk, chunk), 0)
     cols = col0 + lax.broadcasted_iota(jnp.int32, (bk, chunk), 1)
     mask = (rows < k) & (cols < n)
     tile = lambda ref: ref.at[pl.ds(pid_k * bk, bk), pl.ds(col0, chunk)]  # pylint: disable=cell-var-from-loop
+    # A chunk is one quantization block: its scales are a [bk, 1] column.
+    block0 = pid_n * (bn // block) + c
+    scale_mask = (row_idx < k) & (block0 < num_blocks)
+    scale_tile = lambda ref: ref.at[pl.ds(pid_k * bk, bk), pl.ds(block0, 1)]  # pylint: disable=cell-var-from-loop
+    load = lambda ref, is_scale: (  # pylint: disable=cell-var-from-loop
+        plgpu.load(scale_tile(ref), mask=scale_mask, other=0.0) if is_scale
+        else plgpu.load(tile(ref), mask=mask,
+                        other=0 if ref.dtype == jnp.int8 else 0.0))
     w = plgpu.load(tile(w_ref), mask=mask, other=0.0)
     state = jax.tree.unflatten(
         state_treedef,
-        [plgpu.load(tile(r), mask=mask, other=0.0) for r in state_refs])
-    new_w, new_state, updated = apply_update(optimizer, grad_chunk, w, state,
-                                             scalars, apply)
+        [load(r, is_scale) for r, is_scale in zip(state_refs, scale_leaves)])
+    new_w, new_state, updated = apply_update(
+        optimizer, grad_chunk, w, state, scalars, apply, step=step,
+        layer_id=layer_id, indices=(row_idx, col_idx), valid=mask)
     plgpu.store(tile(w_out_ref), new_w, mask=mask)
-    for ref, value in zip(state_out_refs, jax.tree.leaves(new_state)):
-      plgpu.store(tile(ref), value, mask=mask)
+    for ref, value, is_scale in zip(state_out_refs, jax.tree.leaves(new_state),
+                                    scale_leaves):
+      if is_scale:
+        plgpu.store(scale_tile(ref), value, mask=scale_mask)
+      else:
+        plgpu.store(tile(ref), value, mask=mask)
     # Masked-out elements loaded as 0 have a finite gradient: never counted.
     skipped += jnp.sum(jnp.where(mask & ~updated, 1, 0).astype(jnp.int32))
   skipped_ref[pl.program_id(0)] = skipped
@@ -174,24 +221,33 @@ def _tile_indices(pid, num_k, num_n, group_k):
 
 def triton_update(spec, x, dy, kernel, opt_state, scalars, apply,
                   config: Optional[TritonConfig] = None,
-                  interpret: Optional[bool] = None):
+                  interpret: Optional[bool] = None, *, step=None):
   """Backend entry point: same contract as ``backends.xla_update``."""
   optimizer = spec.optimizer
   k, n = kernel.shape
   x2 = x.reshape(-1, k)
   dy2 = dy.reshape(-1, n)
   tokens = x2.shape[0]
+  quantized = any(quantization.is_quantized(leaf) for leaf in jax.tree.leaves(
+      opt_state, is_leaf=quantization.is_quantized))
   if config is None:
-    config = default_config(tokens, k, n,
-                            max(x2.dtype.itemsize, dy2.dtype.itemsize))
+    config = default_config(
+        tokens, k, n, max(x2.dtype.itemsize, dy2.dtype.itemsize),
+        state_block=quantization.BLOCK_SIZE if quantized else None)
+  check_config(config, quantized)
   if interpret is None:
     interpret = jax.default_backend() != "gpu"
 
-  state_leaves, state_treedef = jax.tree.flatten(opt_state)
+  # int8 codes travel as int8 (their float8 container is for jax.grad only).
+  kernel_state = quantization.codes_as_int8(opt_state)
+  scale_leaves = tuple(quantization.scale_leaf_mask(kernel_state))
+  state_leaves, state_treedef = jax.tree.flatten(kernel_state)
   scalar_leaves, scalars_treedef = jax.tree.flatten(scalars)
+  # The step is exact in float32 up to 2**24 (as the layer's float32 count).
+  step = jnp.zeros((), jnp.float32) if step is None else step
   scalar_vector = jnp.stack(
       [jnp.asarray(s, jnp.float32) for s in scalar_leaves]
-      + [apply.astype(jnp.float32)])
+      + [apply.astype(jnp.float32), jnp.asarray(step).astype(jnp.float32)])
 
   grid = (pl.cdiv(k, config.block_k) * pl.cdiv(n, config.block_n),)
   both_f32 = x2.dtype == jnp.float32 and dy2.dtype == jnp.float32
@@ -199,7 +255,8 @@ def triton_update(spec, x, dy, kernel, opt_state, scalars, apply,
       _fused_kernel, optimizer=optimizer, state_treedef=state_treedef,
       scalars_treedef=scalars_treedef, num_scalars=len(scalar_leaves),
       tokens=tokens, k=k, n=n, config=config,
-      dot_precision=lax.Precision.HIGHEST if both_f32 else None)
+      dot_precision=lax.Precision.HIGHEST if both_f32 else None,
+      scale_leaves=scale_leaves, layer_id=getattr(spec, "layer_id", 0))
   out_shape = (
       [jax.ShapeDtypeStruct(kernel.shape, kernel.dtype)]
       + [jax.ShapeDtypeStruct(s.shape, s.dtype) for s in state_leaves]
@@ -218,4 +275,6 @@ def triton_update(spec, x, dy, kernel, opt_state, scalars, apply,
   )(scalar_vector, x2, dy2, kernel, *state_leaves)
   new_kernel = outputs[0]
   new_state = jax.tree.unflatten(state_treedef, outputs[1:-1])
+  if quantized:
+    new_state = quantization.codes_as_container(new_state)
   return new_kernel, new_state, jnp.sum(outputs[-1])

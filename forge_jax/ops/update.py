@@ -2,29 +2,40 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
+from forge_jax import quantization
 from forge_jax.optimizers import ForgeOptimizer
-
-
-def _as_f32(tree):
-  return jax.tree.map(lambda x: x.astype(jnp.float32), tree)
 
 
 def apply_update(optimizer: ForgeOptimizer, grad: jax.Array, kernel: jax.Array,
                  state: NamedTuple, scalars: NamedTuple, apply: jax.Array, *,
-                 order_in_place: bool = False):
-  """One optimizer step on ``kernel`` (any shape), skipping non-finite grads.
+                 order_in_place: bool = False,
+                 step: Optional[jax.Array] = None, layer_id: int = 0,
+                 indices: Optional[tuple] = None,
+                 valid: Optional[jax.Array] = None):
+  """One optimizer step on ``kernel`` (2-D: a kernel or a tile of one),
+  skipping non-finite grads.
 
   The rule runs in float32 whatever the storage dtypes, and its kernel half
-  reads the state as stored (rounded to its storage dtype), so every backend
-  computes the same bits. Elements whose gradient is not finite, and every
-  element when ``apply`` is false, keep their old kernel and state bit for
-  bit.
+  reads the state as stored (rounded to its storage dtype, or int8-quantized
+  and dequantized), so every backend computes the same bits. Elements whose
+  gradient is not finite, and every element when ``apply`` is false, keep
+  their old kernel and state bit for bit (int8 states: see
+  :func:`forge_jax.quantization.update`).
+
+  Storage (:mod:`forge_jax.quantization`, the one place that rounds,
+  quantizes and dequantizes): state leaves are read with ``load`` and written
+  with ``update``; the new kernel is rounded with ``round_weights``
+  (stochastic rounding draws its bits from ``(optimizer.rounding_seed,
+  layer_id, step, row, column)``, the global ``indices`` of the elements:
+  ``(rows, cols)`` broadcastable to ``kernel``, default a whole-kernel
+  iota). ``valid`` masks the elements of a tile that exist (quantization
+  blocks count the others as zero).
 
   ``order_in_place`` (for whole-array XLA backends) puts an optimization
   barrier between the two halves of the rule, so that no fusion needs a
@@ -41,14 +52,17 @@ def apply_update(optimizer: ForgeOptimizer, grad: jax.Array, kernel: jax.Array,
   barrier = lax.optimization_barrier if order_in_place else (lambda x: x)
 
   def new_kernel_from(read_state):
-    new = optimizer.update_kernel(grad, kernel_f32, _as_f32(read_state), scalars)
-    return jnp.where(ok, new, kernel_f32).astype(kernel.dtype)
+    new = optimizer.update_kernel(grad, kernel_f32,
+                                  quantization.load_state(read_state), scalars)
+    return quantization.round_weights(
+        jnp.where(ok, new, kernel_f32), kernel.dtype,
+        rounding=optimizer.weight_rounding, seed=optimizer.rounding_seed,
+        layer_id=layer_id, step=step, indices=indices)
 
   def new_state_from(old_state):
-    new = optimizer.update_state(grad, kernel_f32, _as_f32(old_state), scalars)
-    return jax.tree.map(
-        lambda n, o: jnp.where(ok, n, o.astype(jnp.float32)).astype(o.dtype),
-        new, old_state)
+    new = optimizer.update_state(grad, kernel_f32,
+                                 quantization.load_state(old_state), scalars)
+    return quantization.update_state(new, old_state, ok, valid)
 
   if optimizer.kernel_reads_old_state:
     new_kernel = new_kernel_from(state)

@@ -1,0 +1,112 @@
+"""Save and restore a training state (FORGE variables included), bit for bit.
+
+A FORGE training state keeps everything in ``TrainState.params``: kernels
+(bfloat16 or float32), optimizer states (float leaves, or int8 codes in their
+``float8_e4m3fnuz`` container plus float32 block scales), and each layer's
+``count``, which seeds stochastic rounding. A checkpoint must bring all of it
+back with the same dtypes and bits, or training does not resume where it
+stopped (a quantized state silently cast to bf16 on reload would also no
+longer match the optimizer's structure).
+
+    from forge_jax import checkpoint
+    checkpoint.save("/tmp/run/step_100", state)
+    state = checkpoint.restore("/tmp/run/step_100", abstract_state)
+
+``abstract_state`` is a state of the same structure (e.g. a freshly
+initialized one, or ``jax.eval_shape`` of the function that creates it); its
+static fields (``apply_fn``, ``tx``) are kept, its arrays only give shapes,
+dtypes and shardings. Restoring checks every leaf's dtype and shape against
+it and raises instead of casting. Uses orbax (``pip install
+forge_jax[checkpoint]``).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import jax
+import numpy as np
+
+
+def _checkpointer():
+  import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
+  return ocp.StandardCheckpointer()
+
+
+def _abstract(tree):
+  def leaf(x):
+    if isinstance(x, jax.ShapeDtypeStruct):
+      return x
+    if not hasattr(x, "dtype"):  # a Python scalar (TrainState.step at 0)
+      x = np.asarray(x)
+    sharding = getattr(x, "sharding", None)
+    return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sharding)
+  return jax.tree.map(leaf, tree)
+
+
+def save(path: str, state: Any, *, force: bool = False) -> str:
+  """Write ``state`` (a TrainState or any pytree of arrays) to ``path``.
+
+  Blocks until the checkpoint is complete. ``force`` overwrites an existing
+  checkpoint at ``path``. Returns the absolute path.
+  """
+  path = os.path.abspath(path)
+  checkpointer = _checkpointer()
+  checkpointer.save(path, state, force=force)
+  checkpointer.wait_until_finished()
+  return path
+
+
+def _key_name(key) -> str:
+  for attr in ("key", "name", "idx"):
+    if hasattr(key, attr):
+      return str(getattr(key, attr))
+  return str(key)
+
+
+def _path_name(path) -> str:
+  return "/".join(_key_name(k) for k in path)
+
+
+def saved_dtypes(path: str) -> dict[str, Any]:
+  """``{'params/.../opt_state/mu/codes': dtype, ...}`` as saved at ``path``."""
+  metadata = _checkpointer().metadata(os.path.abspath(path))
+  tree = getattr(metadata, "item_metadata", metadata)
+  tree = getattr(tree, "tree", tree)
+  return {_path_name(p): np.dtype(leaf.dtype)
+          for p, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def restore(path: str, abstract_state: Any) -> Any:
+  """The state saved at ``path``, in the structure of ``abstract_state``.
+
+  orbax casts every array to the dtype of the target it is given; this
+  refuses instead: the saved dtypes (from the checkpoint's metadata) must be
+  the abstract state's.
+
+  Raises:
+    TypeError: a saved leaf's dtype differs from the abstract state's, or a
+      leaf of the abstract state is not in the checkpoint.
+  """
+  path = os.path.abspath(path)
+  saved = saved_dtypes(path)
+  flat, treedef = jax.tree_util.tree_flatten_with_path(abstract_state)
+  problems, leaves = [], []
+  for key, value in flat:
+    name = _path_name(key)
+    want = _abstract(value)
+    if name not in saved:
+      problems.append(f"{name}: not in the checkpoint")
+    elif not hasattr(value, "dtype"):
+      # A Python scalar (TrainState.step before the first step): it has no
+      # dtype of its own, so it takes the saved one.
+      want = jax.ShapeDtypeStruct(want.shape, saved[name])
+    elif saved[name] != np.dtype(want.dtype):
+      problems.append(f"{name}: saved as {saved[name]}, the abstract state "
+                      f"wants {np.dtype(want.dtype)}")
+    leaves.append(want)
+  if problems:
+    raise TypeError(f"checkpoint {path} does not match the abstract state "
+                    "(nothing is cast): " + "; ".join(problems))
+  return _checkpointer().restore(path, jax.tree.unflatten(treedef, leaves))

@@ -1,0 +1,488 @@
+"""Low-precision storage: stochastically rounded bf16 weights, int8 states.
+
+Everything here is elementwise (or reduces within one block of 64 elements
+of a row), so the XLA reference applies it to whole arrays and the Pallas
+kernel to its register tiles through the same functions, called from
+:func:`forge_jax.ops.update.apply_update` only.
+
+**Stochastic rounding** (``weight_rounding='stochastic'``) writes a float32
+weight ``w`` to bfloat16 as one of its two bf16 neighbours, the upper one
+with probability ``(w - lower) / (upper - lower)``, so that ``E[round(w)] =
+w``: an update smaller than half a bf16 ulp is not lost, it lands in
+expectation. The random bits are a counter-based hash of ``(seed, layer,
+step, row, column)`` computed with uint32 multiplies, xors and shifts, so the
+XLA reference, Pallas interpret mode and the GPU kernel draw the same bits
+for the same element, whatever the tiling. ``step`` is the layer's ``count``
+(a new draw every step); ``layer`` is static (``ForgeDense.layer_id``, by
+default a CRC-32 of the module path).
+
+**int8 block states** (``state_dtype='int8'``): each row of a state leaf is
+cut into blocks of :data:`BLOCK_SIZE` = 64 consecutive columns (the
+contiguous axis of the ``[in, out]`` kernel); a block is stored as 64 int8
+codes and one float32 scale. The Pallas kernel's epilogue handles column
+chunks of exactly one block, so a block never straddles a tile.
+
+* Signed states (first moments, momentum traces): ``x ~ q * s`` with ``q`` in
+  ``[-127, 127]`` and ``s = absmax / 127`` (:class:`QuantizedBlocks`).
+* Non-negative second moments (``nu``, ``sum_of_squares``): stored as
+  ``sqrt(v) ~ L * s`` with ``L`` in ``[0, 254]`` (all 255 non-NaN codes, as
+  ``q = L - 127``) and ``s >= sqrt(max v) / 254``; every ``v > 0`` keeps
+  ``L >= 1`` (:class:`QuantizedSqrtBlocks`). Why: absmax-linear int8 of ``v``
+  maps every ``v < max(v) / 254`` of a block to zero, and an element whose
+  ``v`` is rounded to zero while its ``m`` is not takes the step ``m / eps``
+  (the "zero-point problem" of low-bit Adam states). The square root halves
+  the dynamic range in decibels (``v`` down to ``max / 64516`` keeps a
+  non-zero code, ``max / 258064`` with rounding), the error of ``sqrt(v)`` is
+  the error of Adam's denominator directly, and the floor at ``L = 1`` makes
+  an underflowing ``v`` err on the large side (a smaller step, never
+  ``m / eps``). Measured on the moments of the demo LM
+  (``benchmarks/fidelity.py``, ``moment_encodings`` in its JSON): see
+  :data:`ENCODING_NOTE`.
+
+The quantizer is bit-exact across backends without trusting division or
+square roots (Triton lowers float32 ``/`` to an approximate ``div.full``):
+a code is first *estimated* with ``x * (1 / s)``, then corrected by one
+step against thresholds ``(q ± 0.5) * s`` that use only correctly rounded
+multiplies and comparisons; the sqrt-domain scale is the smallest value on
+the bfloat16 grid with ``(254 s)^2 >= max v``, found the same way. Any
+backend whose estimate is within one code gets the same bits.
+
+Storage. JAX differentiates floating leaves only (``jax.grad`` refuses
+int8), and FORGE returns the new state as a cotangent, so the int8 codes are
+carried in a one-byte *floating* container dtype, ``float8_e4m3fnuz``, bit
+for bit (:func:`int8_codes` views them as int8). Of its 256 bit patterns only
+``0x80`` (int8 -128, never used) is NaN, and it has no -0, so every code is a
+distinct finite value and any value-preserving op (copies, ``x + 0`` from
+autodiff, checkpoints) preserves the bits.
+
+Non-finite values: a block whose state holds a NaN or inf is stored with a
+NaN scale (all 64 elements read back NaN), the same in every backend.
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import NamedTuple, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+#: Elements per quantization block (consecutive columns of one row).
+BLOCK_SIZE = 64
+#: Largest code magnitude: codes are in [-127, 127]; -128 is never written.
+CODE_MAX = 127
+#: Levels of the sqrt-domain (non-negative) encoding: L = q + 127 in [0, 254].
+SQRT_LEVELS = 2 * CODE_MAX
+#: The floating one-byte dtype that carries int8 codes bit for bit.
+CODES_CONTAINER = jnp.dtype(jnp.float8_e4m3fnuz)
+#: Blocks whose absmax is below this are stored as zeros (1 / scale would
+#: overflow float32 for denormal scales).
+TINY = 2.0**-100
+
+STATE_DTYPES = ("float32", "bfloat16", "float16", "int8")
+WEIGHT_ROUNDINGS = ("nearest", "stochastic")
+
+#: What the encodings of Adam's second moment cost on real moments; written by
+#: ``benchmarks/fidelity.py --moments`` (see its JSON) and summarized here.
+ENCODING_NOTE = """
+Adam moments of the 'small' demo LM (fp32 FORGE, 150 steps, every kernel),
+error of the Adam direction m / (sqrt(v) + eps) after an int8 round trip of
+(m, v), relative (L2) to the fp32 direction; zero-point = share of elements
+with v > 0 read back as 0:
+  linear v, 127 levels:          see benchmarks/results/fidelity_*.json
+  sqrt(v), 255 levels, L>=1:     (chosen)
+"""
+
+
+class QuantizedBlocks(NamedTuple):
+  """A signed state leaf as int8 codes and a float32 scale per 64-block.
+
+  Attributes:
+    codes: ``[K, N]`` int8 codes (``float8_e4m3fnuz`` container in the
+      variables; int8 inside the kernel).
+    scale: ``[K, ceil(N / 64)]`` float32, ``absmax / 127`` of each block.
+  """
+
+  codes: jax.Array
+  scale: jax.Array
+
+
+class QuantizedSqrtBlocks(NamedTuple):
+  """A non-negative state leaf stored as ``sqrt(v) ~ (codes + 127) * scale``.
+
+  Attributes:
+    codes: ``[K, N]`` int8 codes, ``L - 127`` for levels ``L`` in [0, 254].
+    scale: ``[K, ceil(N / 64)]`` float32, on the bfloat16 grid.
+  """
+
+  codes: jax.Array
+  scale: jax.Array
+
+
+QUANTIZED_TYPES = (QuantizedBlocks, QuantizedSqrtBlocks)
+
+
+def is_quantized(x) -> bool:
+  return isinstance(x, QUANTIZED_TYPES)
+
+
+def canonical_state_dtype(state_dtype) -> Optional[str]:
+  """``None`` or one of :data:`STATE_DTYPES` (accepts dtypes and names)."""
+  if state_dtype is None:
+    return None
+  if isinstance(state_dtype, str) and state_dtype in STATE_DTYPES:
+    return state_dtype
+  try:
+    name = jnp.dtype(state_dtype).name
+  except TypeError:
+    name = None
+  if name not in STATE_DTYPES:
+    raise ValueError(f"state_dtype={state_dtype!r} must be None or one of "
+                     f"{STATE_DTYPES}")
+  return name
+
+
+# ---------------------------------------------------------------------------
+# int8 codes <-> their floating container.
+
+
+def int8_codes(codes: jax.Array) -> jax.Array:
+  """The int8 view of codes (a container or already int8)."""
+  if codes.dtype == jnp.int8:
+    return codes
+  if codes.dtype != CODES_CONTAINER:
+    raise TypeError(f"codes of dtype {codes.dtype} are neither int8 nor "
+                    f"{CODES_CONTAINER}")
+  return lax.bitcast_convert_type(codes, jnp.int8)
+
+
+def container_codes(codes: jax.Array) -> jax.Array:
+  """int8 codes in their ``float8_e4m3fnuz`` container (bit for bit)."""
+  if codes.dtype == CODES_CONTAINER:
+    return codes
+  return lax.bitcast_convert_type(codes.astype(jnp.int8), CODES_CONTAINER)
+
+
+def _codes_like(codes_int8, like):
+  return codes_int8 if like.dtype == jnp.int8 else container_codes(codes_int8)
+
+
+def codes_as_int8(state):
+  """``state`` with every quantized leaf's codes viewed as int8."""
+  return jax.tree.map(
+      lambda q: q._replace(codes=int8_codes(q.codes)) if is_quantized(q) else q,
+      state, is_leaf=is_quantized)
+
+
+def codes_as_container(state):
+  """Inverse of :func:`codes_as_int8`."""
+  return jax.tree.map(
+      lambda q: (q._replace(codes=container_codes(q.codes))
+                 if is_quantized(q) else q),
+      state, is_leaf=is_quantized)
+
+
+def scale_leaf_mask(state) -> list[bool]:
+  """For each leaf of ``jax.tree.leaves(state)``: is it a block scale?"""
+  marks = jax.tree.map(
+      lambda q: type(q)(codes=False, scale=True) if is_quantized(q) else False,
+      state, is_leaf=is_quantized)
+  return list(jax.tree.leaves(marks))
+
+
+# ---------------------------------------------------------------------------
+# Block helpers. ``x`` is [R, C] with C a multiple of the block (the kernel's
+# chunk is exactly one block, so no reshape reaches Triton).
+
+
+def _blocks_max(x, block):
+  """``[R, C] -> [R, C / block]``: the maximum of each block of a row."""
+  rows, cols = x.shape
+  if cols == block:
+    return jnp.max(x, axis=1, keepdims=True)
+  return jnp.max(x.reshape(rows, cols // block, block), axis=2)
+
+
+def _expand(per_block, block, cols):
+  """``[R, nb] -> [R, cols]`` (``[R, 1]``, to broadcast, when nb == 1)."""
+  if per_block.shape[1] == 1:
+    return per_block
+  return jnp.repeat(per_block, block, axis=1,
+                    total_repeat_length=per_block.shape[1] * block)[:, :cols]
+
+
+def _pad_cols(x, block):
+  cols = x.shape[1]
+  padded = -(-cols // block) * block
+  if padded == cols:
+    return x
+  return jnp.pad(x, ((0, 0), (0, padded - cols)))
+
+
+def _check_2d(x, what):
+  if x.ndim != 2:
+    raise ValueError(f"{what} must be 2-D ([rows, columns]), got {x.shape}")
+
+
+def _corrected_round(x, s, estimate, square: bool):
+  """The integer ``q`` nearest ``x / s`` (``sqrt(x) / s`` when ``square``),
+  from an ``estimate`` within one of it, using correctly rounded multiplies
+  and comparisons only: with ``t(q) = (q + 0.5) * s`` (squared when
+  ``square``), ``q`` moves up if ``x >= t(q)`` and down if ``x < t(q - 1)``."""
+  def threshold(q):
+    t = (q + 0.5) * s
+    return t * t if square else t
+  up = (x >= threshold(estimate)).astype(jnp.float32)
+  down = (x < threshold(estimate - 1.0)).astype(jnp.float32)
+  return estimate + up - down
+
+
+def _bf16_grid(x, offset: int):
+  """``x >= 0`` rounded up to the bfloat16 grid, then moved ``offset`` grid
+  steps (as float32)."""
+  bits = lax.bitcast_convert_type(x, jnp.uint32)
+  up = (bits + jnp.uint32(0xFFFF)) & jnp.uint32(0xFFFF0000)
+  if offset > 0:
+    up = up + jnp.uint32(offset << 16)
+  elif offset < 0:
+    up = up - jnp.uint32((-offset) << 16)
+  return lax.bitcast_convert_type(up, jnp.float32)
+
+
+def quantize(x: jax.Array, *, block: int = BLOCK_SIZE, sqrt: bool = False,
+             valid: Optional[jax.Array] = None):
+  """Blockwise absmax int8 quantization of ``x`` along its last axis.
+
+  Args:
+    x: ``[R, C]`` (any C; the last block is zero-padded).
+    block: elements per block (64 in stored states; other sizes for tests).
+    sqrt: encode ``sqrt(x)`` of a non-negative ``x`` on 255 levels (second
+      moments), else ``x`` on 255 signed levels.
+    valid: optional mask of the elements that exist (the kernel's masked
+      tile edges); the others count as zero.
+
+  Returns:
+    ``(codes, scale)``: int8 ``[R, C]`` and float32 ``[R, ceil(C / block)]``.
+  """
+  _check_2d(x, "quantize's input")
+  x = x.astype(jnp.float32)
+  if valid is not None:
+    x = jnp.where(valid, x, 0.0)
+  cols = x.shape[1]
+  xp = _pad_cols(x, block)
+  finite = jnp.isfinite(xp)
+  mag = jnp.where(finite, jnp.abs(xp), 0.0)
+  # NaN and inf are handled explicitly: Triton's max ignores NaN, XLA's
+  # propagates it.
+  bad = _blocks_max(jnp.where(finite, 0.0, 1.0), block) > 0.0
+  amax = _blocks_max(mag, block)
+  if sqrt:
+    scale, levels = _quantize_sqrt(mag, amax, block)
+    codes = levels - float(CODE_MAX)
+  else:
+    scale, codes = _quantize_linear(jnp.where(finite, xp, 0.0), amax, block)
+  codes = jnp.where(_expand(bad, block, xp.shape[1]), 0.0, codes)
+  scale = jnp.where(bad, jnp.float32(jnp.nan), scale)
+  codes = codes[:, :cols].astype(jnp.int32).astype(jnp.int8)
+  return codes, scale
+
+
+def _quantize_linear(x, amax, block):
+  keep = amax >= TINY
+  scale = jnp.where(keep, amax * np.float32(1.0 / CODE_MAX), 0.0)
+  inv = jnp.where(keep, 1.0 / jnp.where(keep, scale, 1.0), 0.0)
+  s = _expand(scale, block, x.shape[1])
+  estimate = jnp.floor(x * _expand(inv, block, x.shape[1]) + 0.5)
+  q = _corrected_round(x, s, estimate, square=False)
+  q = jnp.clip(q, -float(CODE_MAX), float(CODE_MAX))
+  return scale, jnp.where(s > 0, q, 0.0)
+
+
+def _sqrt_scale(vmax):
+  """Smallest ``s`` on the bfloat16 grid with ``(254 s)^2 >= vmax`` (0 where
+  ``vmax == 0``). The square root only estimates it; the result is exact."""
+  levels = np.float32(SQRT_LEVELS)
+  ok = lambda s: (s * levels) * (s * levels) >= vmax
+  estimate = jnp.sqrt(vmax) * np.float32(1.0 / SQRT_LEVELS)
+  below, grid, above = (_bf16_grid(estimate, d) for d in (-1, 0, 1))
+  s = jnp.where(ok(below), below, jnp.where(ok(grid), grid, above))
+  return jnp.where(vmax > 0, s, 0.0)
+
+
+def _quantize_sqrt(mag, vmax, block):
+  scale = _sqrt_scale(vmax)
+  inv = jnp.where(scale > 0, 1.0 / jnp.where(scale > 0, scale, 1.0), 0.0)
+  s = _expand(scale, block, mag.shape[1])
+  estimate = jnp.floor(jnp.sqrt(mag) * _expand(inv, block, mag.shape[1]) + 0.5)
+  levels = _corrected_round(mag, s, estimate, square=True)
+  levels = jnp.clip(levels, 0.0, float(SQRT_LEVELS))
+  # No v > 0 reads back as 0 (Adam would step m / eps there).
+  levels = jnp.where(mag > 0, jnp.maximum(levels, 1.0), levels)
+  return scale, jnp.where(s > 0, levels, 0.0)
+
+
+def dequantize(codes: jax.Array, scale: jax.Array, *, block: int = BLOCK_SIZE,
+               sqrt: bool = False) -> jax.Array:
+  """float32 values of ``(codes, scale)``: one rounded multiply each (the
+  sqrt encoding squares ``(codes + 127) * scale``)."""
+  q = int8_codes(codes).astype(jnp.float32)
+  _check_2d(q, "codes")
+  s = _expand(scale, block, q.shape[1])
+  if sqrt:
+    r = (q + float(CODE_MAX)) * s
+    return r * r
+  return q * s
+
+
+# ---------------------------------------------------------------------------
+# State leaves: what init stores, what the rule reads, what a step writes.
+
+
+def store(x: jax.Array, state_dtype: Optional[str], nonnegative: bool):
+  """A freshly initialized state leaf in its storage form."""
+  if state_dtype is None or x is None:
+    return x
+  if state_dtype != "int8":
+    return x.astype(state_dtype)
+  codes, scale = quantize(x, sqrt=nonnegative)
+  cls = QuantizedSqrtBlocks if nonnegative else QuantizedBlocks
+  return cls(codes=container_codes(codes), scale=scale)
+
+
+def load(leaf) -> jax.Array:
+  """A stored state leaf (or a kernel tile of one) as float32 values."""
+  if isinstance(leaf, QuantizedSqrtBlocks):
+    return dequantize(leaf.codes, leaf.scale, sqrt=True)
+  if isinstance(leaf, QuantizedBlocks):
+    return dequantize(leaf.codes, leaf.scale, sqrt=False)
+  return leaf.astype(jnp.float32)
+
+
+def load_state(state):
+  """:func:`load` over a state NamedTuple."""
+  return jax.tree.map(load, state, is_leaf=is_quantized)
+
+
+def update(new: jax.Array, old, ok: jax.Array,
+           valid: Optional[jax.Array] = None):
+  """The stored form of a step's new float32 state leaf ``new``.
+
+  Elements where ``ok`` is false keep their old value: bit for bit for
+  float leaves; for int8 leaves a block in which no (valid) element is
+  ``ok`` keeps its codes and scale bit for bit, and in a partly skipped block
+  the skipped elements keep their old value re-quantized in the block's new
+  scale (the same codes while the scale stays).
+  """
+  if not is_quantized(old):
+    return jnp.where(ok, new, old.astype(jnp.float32)).astype(old.dtype)
+  sqrt = isinstance(old, QuantizedSqrtBlocks)
+  values = jnp.where(ok, new, load(old))
+  codes, scale = quantize(values, sqrt=sqrt, valid=valid)
+  touched = ok if valid is None else jnp.logical_and(ok, valid)
+  touched = jnp.broadcast_to(touched, values.shape).astype(jnp.float32)
+  changed = _blocks_max(_pad_cols(touched, BLOCK_SIZE), BLOCK_SIZE) > 0.0
+  codes = jnp.where(_expand(changed, BLOCK_SIZE, codes.shape[1]), codes,
+                    int8_codes(old.codes))
+  scale = jnp.where(changed, scale, old.scale)
+  return type(old)(codes=_codes_like(codes, old.codes), scale=scale)
+
+
+def update_state(new_state, old_state, ok, valid=None):
+  """:func:`update` over a state NamedTuple (quantized nodes whole)."""
+  return jax.tree.map(lambda n, o: update(n, o, ok, valid), new_state,
+                      old_state)
+
+
+# ---------------------------------------------------------------------------
+# Stochastic rounding to bfloat16.
+
+_M1, _M2 = np.uint32(0x7FEB352D), np.uint32(0x846CA68B)
+_GOLDEN = np.uint32(0x9E3779B9)
+
+
+def mix32(h):
+  """A 32-bit integer hash with full avalanche ("lowbias32"), for numpy or
+  jax uint32 values: shifts, xors and wrapping multiplies only."""
+  h = h ^ (h >> 16)
+  h = h * _M1
+  h = h ^ (h >> 15)
+  h = h * _M2
+  return h ^ (h >> 16)
+
+
+def layer_key(seed: int, layer_id: int) -> int:
+  """Static per-(seed, layer) key (a Python int, computed with numpy)."""
+  with np.errstate(over="ignore"):
+    h = mix32(np.uint32(seed & 0xFFFFFFFF) ^ _GOLDEN)
+    h = mix32(h ^ np.uint32(layer_id & 0xFFFFFFFF))
+  return int(h)
+
+
+def layer_id_from_path(path: Sequence[str]) -> int:
+  """A stable layer id: CRC-32 of ``'/'.join(path)`` (not Python's hash)."""
+  return zlib.crc32("/".join(map(str, path)).encode()) & 0xFFFFFFFF
+
+
+def random_bits(key: int, step: jax.Array, rows: jax.Array,
+                cols: jax.Array) -> jax.Array:
+  """uint32 random bits for elements ``(rows, cols)`` (broadcastable int
+  arrays of global indices) at ``step`` (an integer scalar)."""
+  step_key = mix32(jnp.uint32(key) ^ jnp.asarray(step).astype(jnp.uint32))
+  row_key = mix32(step_key ^ rows.astype(jnp.uint32))
+  return mix32(row_key ^ (cols.astype(jnp.uint32) * _GOLDEN))
+
+
+def stochastic_round_bf16(x: jax.Array, bits: jax.Array) -> jax.Array:
+  """float32 ``x`` to bfloat16, rounding up with probability equal to the
+  discarded fraction: add the top 16 random bits below the kept mantissa and
+  truncate. Non-finite values round to nearest (stay NaN/inf)."""
+  x = x.astype(jnp.float32)
+  pattern = lax.bitcast_convert_type(x, jnp.uint32)
+  rounded = (pattern + (bits >> 16)) & jnp.uint32(0xFFFF0000)
+  out = lax.bitcast_convert_type(rounded, jnp.float32)
+  return jnp.where(jnp.isfinite(x), out, x).astype(jnp.bfloat16)
+
+
+def round_weights(new: jax.Array, dtype, *, rounding: str, seed: int,
+                  layer_id: int, step: Optional[jax.Array],
+                  indices: Optional[tuple] = None) -> jax.Array:
+  """Float32 weights to their storage ``dtype`` with ``rounding``.
+
+  ``indices``: ``(rows, cols)`` global element indices broadcastable to
+  ``new`` (a tile's offset plus an iota); None for a whole 2-D kernel.
+  """
+  dtype = jnp.dtype(dtype)
+  if rounding == "nearest" or dtype == jnp.float32:
+    return new.astype(dtype)
+  if rounding != "stochastic":
+    raise ValueError(f"weight_rounding={rounding!r} must be one of "
+                     f"{WEIGHT_ROUNDINGS}")
+  if dtype != jnp.bfloat16:
+    raise ValueError(f"stochastic rounding writes bfloat16 (or float32) "
+                     f"weights, not {dtype}")
+  if indices is None:
+    if new.ndim != 2:
+      raise ValueError(f"stochastic rounding needs a 2-D kernel, got {new.shape}")
+    rows = lax.broadcasted_iota(jnp.int32, (new.shape[0], 1), 0)
+    cols = lax.broadcasted_iota(jnp.int32, (1, new.shape[1]), 1)
+  else:
+    rows, cols = indices
+  step = jnp.zeros((), jnp.int32) if step is None else step
+  bits = random_bits(layer_key(seed, layer_id), step, rows, cols)
+  return stochastic_round_bf16(new, jnp.broadcast_to(bits, new.shape))
+
+
+def state_bytes(state) -> int:
+  """Bytes of a state tree as stored (codes, scales, float leaves)."""
+  return sum(int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize
+             for x in jax.tree.leaves(state))
+
+
+__all__ = [
+    "BLOCK_SIZE", "QuantizedBlocks", "QuantizedSqrtBlocks", "quantize",
+    "dequantize", "int8_codes", "container_codes", "stochastic_round_bf16",
+    "random_bits", "round_weights", "layer_id_from_path", "store", "load",
+    "update",
+]
