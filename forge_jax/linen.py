@@ -10,7 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 import flax.linen as nn
 from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
+from jax.sharding import PartitionSpec as P
 
+from forge_jax import parallel
 from forge_jax import quantization
 from forge_jax.optimizers import ForgeOptimizer
 from forge_jax.ops.fused_dense import (ForgeVariables, FusedDenseSpec,
@@ -47,6 +49,31 @@ class ForgeDense(nn.Module):
       reference) or 'triton' (the Pallas kernel; interpret mode off-GPU).
     layer_id: static id that seeds stochastic rounding (an optimizer with
       ``weight_rounding='stochastic'``); None: a CRC-32 of the module path.
+    mesh: the device mesh for tensor / sequence parallelism; None: the
+      ``mesh`` of the kernel's partitioning metadata, else the mesh set with
+      ``jax.set_mesh``. Without any mesh the partitioning is inert (as for
+      ``nn.Dense``) and the layer runs as on one device.
+    input_partitioning: names of the input's dimensions (mesh axes, or
+      logical names when the kernel uses ``nn.with_logical_partitioning``,
+      resolved with the same rules). None: tokens not sharded, features
+      sharded like the kernel's in_features. Tokens sharded over the
+      kernel's feature axis are all-gathered (sequence parallelism).
+    output_partitioning: names of the output's dimensions. None: tokens as
+      the input's after the gather, features like the kernel's; a token
+      dimension that adds the kernel's in_features axis receives a
+      reduce-scatter instead of an all-reduce (sequence parallelism).
+    data_parallel: 'error' (default) refuses tokens sharded over a mesh axis
+      that does not shard the kernel; 'psum' all-reduces ``dW`` over such
+      axes inside the backward pass (materializes ``dW``). See
+      :mod:`forge_jax.parallel`.
+
+  Partitioning works as for ``nn.Dense``:
+  ``kernel_init=nn.with_partitioning(init, (None, 'model'))`` (or
+  ``nn.with_logical_partitioning`` and a rules table). Every kernel-shaped
+  optimizer state leaf gets the kernel's partitioning metadata, so
+  ``nn.get_partition_spec`` gives it the kernel's spec; the scalars are
+  replicated. Under a mesh the layer then runs per shard with
+  ``jax.shard_map`` (:func:`forge_jax.parallel.forge_dense_sharded`).
   """
 
   features: int
@@ -59,6 +86,10 @@ class ForgeDense(nn.Module):
   bias_init: Any = nn.initializers.zeros_init()
   implementation: str = "auto"
   layer_id: Optional[int] = None
+  mesh: Optional[Any] = None
+  input_partitioning: Optional[tuple] = None
+  output_partitioning: Optional[tuple] = None
+  data_parallel: str = "error"
 
   @nn.compact
   def __call__(self, inputs: jax.Array) -> jax.Array:
@@ -66,12 +97,13 @@ class ForgeDense(nn.Module):
       raise TypeError(_not_elementwise_message(self.optimizer))
     in_features = jnp.shape(inputs)[-1]
     kernel_shape = (in_features, self.features)
+    kernel_meta = self._kernel_metadata(kernel_shape)
     kernel = self.variable(
         FORGE_COLLECTION, "kernel",
         lambda: self.kernel_init(self.make_rng("params"), kernel_shape,
                                  self.param_dtype)).value
     opt_state = self.variable(FORGE_COLLECTION, "opt_state",
-                              self.optimizer.init, kernel).value
+                              self._init_state, kernel, kernel_meta).value
     count, skipped, intact = (
         self.variable(FORGE_COLLECTION, name, jnp.full, (), value, jnp.float32).value
         for name, value in (("count", 0.0), ("skipped", 0.0), ("intact", 1.0)))
@@ -86,7 +118,55 @@ class ForgeDense(nn.Module):
                           implementation=self.implementation,
                           precision=self.precision, dtype=self.dtype,
                           layer_id=self._layer_id())
-    return forge_dense(inputs, variables, bias, spec)
+    layout = self._layout(inputs, kernel_meta)
+    if layout is None:
+      return forge_dense(inputs, variables, bias, spec)
+    return parallel.forge_dense_sharded(inputs, variables, bias, spec, layout,
+                                        where=f"ForgeDense {self.path!r}")
+
+  def _kernel_metadata(self, kernel_shape):
+    """The partitioning box ``kernel_init`` wraps the kernel in, or None."""
+    boxed = jax.eval_shape(lambda: self.kernel_init(
+        jax.random.key(0), kernel_shape, self.param_dtype))
+    return boxed if isinstance(boxed, nn.Partitioned) else None
+
+  def _init_state(self, kernel, kernel_meta):
+    """The optimizer state; with the kernel's partitioning box on every
+    kernel-shaped leaf, so that it is sharded exactly like the kernel."""
+    state = self.optimizer.init(kernel)
+    if kernel_meta is None:
+      return state
+    return jax.tree.map(
+        lambda leaf: (kernel_meta.replace_boxed(leaf)
+                      if jnp.shape(leaf) == jnp.shape(kernel) else leaf), state)
+
+  def _layout(self, inputs, kernel_meta) -> Optional[parallel.ShardedLayout]:
+    """The per-shard layout, or None for the single-device op."""
+    if (kernel_meta is None and self.mesh is None
+        and self.input_partitioning is None
+        and self.output_partitioning is None):
+      return None
+    mesh = self.mesh if self.mesh is not None else getattr(kernel_meta, "mesh", None)
+    if mesh is None:
+      context = jax.sharding.get_abstract_mesh()
+      if context.empty:
+        return None  # no mesh: inert annotations, as for nn.Dense
+      mesh = context
+    if isinstance(kernel_meta, nn.LogicallyPartitioned):
+      resolve = lambda names: nn.logical_to_mesh_axes(names, kernel_meta.rules)
+    else:
+      resolve = lambda names: P(*names)
+    kernel_spec = resolve(kernel_meta.names) if kernel_meta is not None else P(None, None)
+    x_spec, y_spec = (None if names is None else resolve(tuple(names))
+                      for names in (self.input_partitioning,
+                                    self.output_partitioning))
+    if x_spec is None and parallel.is_explicit(mesh):
+      # Explicit axes: the input's type says how it is sharded.
+      x_spec = getattr(jax.typeof(inputs).sharding, "spec", None)
+    return parallel.plan_layout(mesh, jnp.ndim(inputs), kernel_spec, x_spec,
+                                y_spec,
+                                self.data_parallel,
+                                where=f"ForgeDense {self.path!r}")
 
   def _layer_id(self) -> int:
     if self.optimizer.weight_rounding != "stochastic":

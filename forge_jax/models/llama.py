@@ -53,6 +53,21 @@ class LlamaConfig:
     forge_optimizer: a forge_jax optimizer (``fj.adamw(...)``); when set, every
       projection is a ForgeDense trained by it, else an nn.Dense.
     implementation: ForgeDense's backend, 'auto', 'xla' or 'triton'.
+    tensor_axis: mesh axis for Megatron-style tensor parallelism, or None (no
+      partitioning annotations). q/k/v/gate/up and lm_head (on the vocab)
+      are column-parallel, o/down row-parallel; attention heads are split
+      over the axis (``num_kv_heads`` must be a multiple of its size).
+    batch_axis: mesh axis the batch is sharded over, or None. For FORGE an
+      axis of size > 1 is data parallelism: refused unless
+      ``forge_data_parallel='psum'`` (see :mod:`forge_jax.parallel`).
+    sequence_parallel: shard the sequence over ``tensor_axis`` outside the
+      tensor-parallel regions (norms, residual stream).
+    mesh: the device mesh; None: the one set with ``jax.set_mesh``.
+    forge_data_parallel: ForgeDense's ``data_parallel`` ('error' or 'psum').
+
+  With ``tensor_axis`` set, every kernel carries logical partitioning
+  metadata (``nn.with_logical_partitioning``) resolved by
+  :meth:`axis_rules`; see :func:`forge_jax.parallel.shard_variables`.
   """
 
   vocab_size: int = 256
@@ -73,6 +88,11 @@ class LlamaConfig:
   scan_layers: bool = False
   forge_optimizer: Optional[ForgeOptimizer] = None
   implementation: str = "auto"
+  tensor_axis: Optional[str] = None
+  batch_axis: Optional[str] = None
+  sequence_parallel: bool = False
+  mesh: Optional[Any] = None
+  forge_data_parallel: str = "error"
 
   def __post_init__(self):
     if self.num_heads % self.num_kv_heads:
@@ -84,6 +104,25 @@ class LlamaConfig:
         self.forge_optimizer, ForgeOptimizer):
       raise TypeError(f"forge_optimizer={self.forge_optimizer!r} must be a "
                       "forge_jax optimizer (fj.adamw(...), ...)")
+    if self.sequence_parallel and self.tensor_axis is None:
+      raise ValueError("sequence_parallel=True needs a tensor_axis")
+
+  @property
+  def partitioned(self) -> bool:
+    return self.tensor_axis is not None or self.batch_axis is not None
+
+  def axis_rules(self) -> tuple:
+    """Logical axis name -> mesh axis (Megatron-style TP, optional SP).
+
+    ``act_seq`` is the sequence outside the tensor-parallel regions (sharded
+    on the tensor axis under sequence parallelism), ``seq`` inside them.
+    """
+    tp = self.tensor_axis
+    return (("batch", self.batch_axis),
+            ("act_seq", tp if self.sequence_parallel else None),
+            ("heads", tp), ("kv_heads", tp), ("mlp", tp), ("vocab", tp),
+            ("seq", None), ("embed", None), ("head_dim", None),
+            ("layers", None))
 
   def num_params(self) -> int:
     """Trainable parameters (kernels, embedding, norm scales)."""
@@ -122,14 +161,65 @@ PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                "down_proj", "lm_head")
 
 
+#: Logical names of each projection: (kernel, input, output). Column-parallel
+#: layers read the (possibly sequence-sharded) residual stream and write
+#: head/feature-sharded activations; row-parallel ones the reverse.
+_COLUMN_IN = ("batch", "act_seq", "embed")
+_ROW_OUT = ("batch", "act_seq", "embed")
+_PARTITIONING = {
+    "q_proj": (("embed", "heads"), _COLUMN_IN, ("batch", "seq", "heads")),
+    "k_proj": (("embed", "kv_heads"), _COLUMN_IN, ("batch", "seq", "kv_heads")),
+    "v_proj": (("embed", "kv_heads"), _COLUMN_IN, ("batch", "seq", "kv_heads")),
+    "o_proj": (("heads", "embed"), ("batch", "seq", "heads"), _ROW_OUT),
+    "gate_proj": (("embed", "mlp"), _COLUMN_IN, ("batch", "seq", "mlp")),
+    "up_proj": (("embed", "mlp"), _COLUMN_IN, ("batch", "seq", "mlp")),
+    "down_proj": (("mlp", "embed"), ("batch", "seq", "mlp"), _ROW_OUT),
+    "lm_head": (("embed", "vocab"), _COLUMN_IN, ("batch", "seq", "vocab")),
+}
+
+
 def _dense(config: LlamaConfig, features: int, name: str) -> nn.Module:
+  kernel_init = nn.initializers.lecun_normal()
+  extra = {}
+  if config.partitioned:
+    kernel_axes, in_axes, out_axes = _PARTITIONING[name]
+    kernel_init = nn.with_logical_partitioning(
+        kernel_init, kernel_axes, mesh=config.mesh, rules=config.axis_rules())
+    extra = dict(input_partitioning=in_axes, output_partitioning=out_axes,
+                 mesh=config.mesh, data_parallel=config.forge_data_parallel)
   if config.forge_optimizer is not None:
     return ForgeDense(features, optimizer=config.forge_optimizer,
                       use_bias=False, dtype=config.dtype,
                       param_dtype=config.param_dtype,
-                      implementation=config.implementation, name=name)
+                      implementation=config.implementation, name=name,
+                      kernel_init=kernel_init, **extra)
   return nn.Dense(features, use_bias=False, dtype=config.dtype,
-                  param_dtype=config.param_dtype, name=name)
+                  param_dtype=config.param_dtype, name=name,
+                  kernel_init=kernel_init)
+
+
+def _constrain(config: LlamaConfig, x, *names):
+  """Shard an activation by logical names (no-op unless partitioned)."""
+  if not config.partitioned:
+    return x
+  return nn.with_logical_constraint(x, names, rules=config.axis_rules(),
+                                    mesh=config.mesh)
+
+
+def _check_heads(config: LlamaConfig):
+  if config.tensor_axis is None:
+    return
+  mesh = config.mesh if config.mesh is not None else jax.sharding.get_abstract_mesh()
+  if mesh.empty or config.tensor_axis not in mesh.axis_names:
+    return
+  tp = dict(zip(mesh.axis_names, mesh.axis_sizes))[config.tensor_axis]
+  for what, n in (("num_kv_heads", config.num_kv_heads),
+                  ("ffn_dim", config.ffn_dim), ("vocab_size", config.vocab_size)):
+    if n % tp:
+      raise ValueError(
+          f"{what}={n} must be a multiple of the tensor-parallel size {tp} "
+          f"(mesh axis {config.tensor_axis!r}); replicating KV heads is not "
+          "implemented")
 
 
 class RMSNorm(nn.Module):
@@ -197,6 +287,9 @@ class Attention(nn.Module):
     q = q.reshape(b, t, c.num_heads, c.head_dim)
     k = k.reshape(b, t, c.num_kv_heads, c.head_dim)
     v = v.reshape(b, t, c.num_kv_heads, c.head_dim)
+    q = _constrain(c, q, "batch", "seq", "heads", "head_dim")
+    k = _constrain(c, k, "batch", "seq", "kv_heads", "head_dim")
+    v = _constrain(c, v, "batch", "seq", "kv_heads", "head_dim")
     if c.qk_norm:
       q = RMSNorm(c.norm_eps, c.dtype, c.param_dtype, name="q_norm")(q)
       k = RMSNorm(c.norm_eps, c.dtype, c.param_dtype, name="k_norm")(k)
@@ -204,7 +297,9 @@ class Attention(nn.Module):
     # GQA: jax.nn.dot_product_attention shares each K/V head among
     # num_heads // num_kv_heads query heads; softmax is in float32.
     out = jax.nn.dot_product_attention(q, k, v.astype(q.dtype), is_causal=True)
+    out = _constrain(c, out, "batch", "seq", "heads", "head_dim")
     out = out.reshape(b, t, c.num_heads * c.head_dim)
+    out = _constrain(c, out, "batch", "seq", "heads")
     return _dense(c, c.dim, "o_proj")(out)
 
 
@@ -218,7 +313,8 @@ class MLP(nn.Module):
     c = self.config
     gate = _dense(c, c.ffn_dim, "gate_proj")(x)
     up = _dense(c, c.ffn_dim, "up_proj")(x)
-    return _dense(c, c.dim, "down_proj")(nn.silu(gate) * up)
+    hidden = _constrain(c, nn.silu(gate) * up, "batch", "seq", "mlp")
+    return _dense(c, c.dim, "down_proj")(hidden)
 
 
 class Block(nn.Module):
@@ -231,7 +327,9 @@ class Block(nn.Module):
     c = self.config
     norm = lambda name: RMSNorm(c.norm_eps, c.dtype, c.param_dtype, name=name)
     x = x + Attention(c, name="attn")(norm("attn_norm")(x), cos, sin)
+    x = _constrain(c, x, *_ROW_OUT)
     x = x + MLP(c, name="mlp")(norm("mlp_norm")(x))
+    x = _constrain(c, x, *_ROW_OUT)
     return x, None
 
 
@@ -246,6 +344,8 @@ class Llama(nn.Module):
     x = nn.Embed(c.vocab_size, c.dim, dtype=c.dtype, param_dtype=c.param_dtype,
                  embedding_init=nn.initializers.normal(stddev=0.02),
                  name="embed")(tokens)
+    _check_heads(c)
+    x = _constrain(c, x, *_ROW_OUT)
     cos, sin = rope_tables(c, tokens.shape[-1])
     block = nn.remat(Block, prevent_cse=not c.scan_layers) if c.remat else Block
     if c.scan_layers and c.forge_optimizer is not None:
@@ -259,13 +359,15 @@ class Llama(nn.Module):
       stack = nn.scan(block, variable_axes={True: 0},
                       split_rngs={"params": True},
                       in_axes=(nn.broadcast, nn.broadcast),
-                      length=c.num_layers)
+                      length=c.num_layers,
+                      metadata_params={nn.PARTITION_NAME: "layers"})
       x, _ = stack(c, name="layers")(x, cos, sin)
     else:
       for i in range(c.num_layers):
         x, _ = block(c, name=f"layers_{i}")(x, cos, sin)
     x = RMSNorm(c.norm_eps, c.dtype, c.param_dtype, name="norm")(x)
     logits = _dense(c, c.vocab_size, "lm_head")(x)
+    logits = _constrain(c, logits, "batch", "seq", "vocab")
     return logits.astype(jnp.float32)
 
 

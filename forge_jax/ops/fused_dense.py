@@ -127,6 +127,8 @@ def forge_dense(x: jax.Array, variables: ForgeVariables,
     cotangent returned for ``variables`` is the *updated* variables.
   """
   _validate(x, variables, bias, spec)
+  from forge_jax import parallel  # pylint: disable=import-outside-toplevel
+  parallel.check_unpartitioned(x, variables)
   return _forge_dense(spec, x, variables, bias)
 
 
@@ -135,7 +137,11 @@ def _forge_dense(spec, x, variables, bias):
   return _dense(x, variables.kernel, bias, spec)
 
 
-def _forge_dense_fwd(spec, x, variables, bias):
+def check_differentiated(x, variables, bias):
+  """Raise when inputs or bias are differentiated but the kernel is not.
+
+  Takes the ``CustomVJPPrimal`` wrappers a ``symbolic_zeros`` fwd rule sees.
+  """
   kernel_perturbed = variables.kernel.perturbed
   others_perturbed = x.perturbed or (bias is not None and bias.perturbed)
   if others_perturbed and not kernel_perturbed:
@@ -146,11 +152,48 @@ def _forge_dense_fwd(spec, x, variables, bias):
         "variables = {'params': ..., '_overwrite_with_gradient': ...} "
         "(TrainState.params when created from the whole variables dict), "
         "not variables['params'] alone.")
-  x, variables, bias = jax.tree.map(
-      lambda p: p.value, (x, variables, bias),
+
+
+def primal_values(tree):
+  """The values inside a fwd rule's ``CustomVJPPrimal`` wrappers."""
+  return jax.tree.map(
+      lambda p: p.value, tree,
       is_leaf=lambda p: isinstance(p, jax.custom_derivatives.CustomVJPPrimal))
+
+
+def _forge_dense_fwd(spec, x, variables, bias):
+  check_differentiated(x, variables, bias)
+  x, variables, bias = primal_values((x, variables, bias))
   y = _forge_dense(spec, x, variables, bias)
   return y, (x, variables, bias)
+
+
+def order_after(dx):
+  """A scalar True that depends on ``dx`` (True if ``dx`` is None).
+
+  The update overwrites the kernel in place, so it must run after dx, the
+  last reader of the old kernel; XLA copies the kernel unless a data
+  dependency says so (optimization barriers are gone by copy insertion).
+  ``isnan(d) | ~isnan(d)`` is always true, and costs one scalar.
+  """
+  if dx is None:
+    return True
+  first = dx.reshape(-1)[0]
+  return jnp.logical_or(jnp.isnan(first), jnp.logical_not(jnp.isnan(first)))
+
+
+def step_scalars(spec: FusedDenseSpec, variables: ForgeVariables):
+  """This step's optimizer scalars, the learning rate poisoned if wiped.
+
+  A wiped layer (zeros written over it) gets a NaN learning rate: its
+  kernel turns NaN, and so does the loss, from the next step on. Poisoning
+  a per-step scalar costs nothing; poisoning the output would cost a pass
+  over the activations.
+  """
+  count = variables.count.astype(jnp.int32)
+  scalars = spec.optimizer.scalars(count)
+  return scalars._replace(neg_lr=scalars.neg_lr * jnp.where(
+      variables.intact > 0, 1.0, jnp.nan).astype(scalars.neg_lr.dtype))
 
 
 def _forge_dense_bwd(spec, residuals, dy):
@@ -161,25 +204,9 @@ def _forge_dense_bwd(spec, residuals, dy):
   _, dense_vjp = jax.vjp(lambda x, b: _dense(x, variables.kernel, b, spec),
                          x, bias)
   dx, dbias = dense_vjp(dy)
-  # The update overwrites the kernel in place, so it must run after dx, the
-  # last reader of the old kernel; XLA copies the kernel unless a data
-  # dependency says so (optimization barriers are gone by copy insertion).
-  # `isnan(d) | ~isnan(d)` is always true, and costs one scalar.
-  if dx is not None:
-    first = dx.reshape(-1)[0]
-    after_dx = jnp.logical_or(jnp.isnan(first), jnp.logical_not(jnp.isnan(first)))
-  else:
-    after_dx = True
-
+  after_dx = order_after(dx)
   apply = jnp.logical_and(jnp.all(jnp.isfinite(dy)), after_dx)
-  count = variables.count.astype(jnp.int32)
-  scalars = spec.optimizer.scalars(count)
-  # A wiped layer (zeros written over it) gets a NaN learning rate: its
-  # kernel turns NaN, and so does the loss, from the next step on. Poisoning
-  # a per-step scalar costs nothing; poisoning the output would cost a pass
-  # over the activations.
-  scalars = scalars._replace(neg_lr=scalars.neg_lr * jnp.where(
-      variables.intact > 0, 1.0, jnp.nan).astype(scalars.neg_lr.dtype))
+  scalars = step_scalars(spec, variables)
   x_c, kernel_c, _ = flax_dtypes.promote_dtype(x, variables.kernel, None,
                                                dtype=spec.dtype)
   del kernel_c

@@ -1,0 +1,653 @@
+"""Tensor and sequence parallelism for FORGE, with ``jax.shard_map``.
+
+FORGE stays exact under tensor parallelism (TP) because every shard's weight
+gradient is complete at backward time:
+
+* column-parallel (kernel sharded on N): ``dW_shard = Xᵀ · dY_shard``;
+* row-parallel (kernel sharded on K): ``dW_shard = X_shardᵀ · dY``;
+* with sequence parallelism (SP) the activations outside the TP region are
+  sharded on the sequence over the TP axis; they are all-gathered before a
+  column-parallel layer and reduce-scattered after a row-parallel one, so
+  the local ``dW`` still sees every token.
+
+The fused op cannot be left to XLA's partitioner (the Pallas kernel is
+opaque to it, and a partitioner that gathers a weight defeats the point), so
+:func:`forge_dense_sharded` runs the layer per shard inside ``jax.shard_map``
+with its collectives written out:
+
+================  ==========================  ===============================
+where             forward                     backward
+================  ==========================  ===============================
+x tokens on an    all-gather x (SP)           reduce-scatter dx
+axis of N
+kernel K sharded  psum y, or reduce-scatter   all-gather dy if y was
+                  y onto a token axis (SP)    reduce-scattered
+kernel N sharded  (y stays N-sharded)         psum dx (or reduce-scatter,
+                                              above)
+every shard       --                          dW from local, complete
+                                              tokens; the optimizer update
+                                              of the local kernel and state
+================  ==========================  ===============================
+
+The whole layer is one ``jax.custom_vjp`` over *global* arrays whose forward
+and backward rules are each a ``shard_map``: JAX never transposes the
+``shard_map``, so no cotangent is implicitly summed over devices, and the
+updated kernel shards come back with exactly the kernel's sharding.
+
+**Data parallelism is refused by default.** FORGE applies the update inside
+the backward pass, from the gradient of the tokens the shard sees. If tokens
+are sharded over a mesh axis that does not shard the kernel (the batch over
+``'data'`` with a replicated kernel), every replica would apply a different,
+partial update; under a user's ``shard_map`` the replicas' new kernels would
+even be summed. :class:`DataParallelError` is raised at trace time instead.
+``data_parallel='psum'`` opts in to a correct but unfused alternative: the
+backward forms ``dW`` for the local tokens in float32, all-reduces it over the
+data axes, and applies the update from the reduced gradient. That costs what
+plain data parallelism costs (a float32 ``dW`` buffer per layer shard and an
+all-reduce of it); the FORGE memory saving is lost for that layer, the
+update is still fused into the backward pass.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import math
+from typing import Any, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.custom_derivatives import SymbolicZero
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+import flax.linen as nn
+from flax.linen import dtypes as flax_dtypes
+
+from forge_jax.ops import backends
+from forge_jax.ops.fused_dense import (ForgeVariables, FusedDenseSpec, _dense,
+                                       _validate, check_differentiated,
+                                       order_after, primal_values, step_scalars)
+from forge_jax.ops.update import apply_update
+
+DATA_PARALLEL_MODES = ("error", "psum")
+
+Axes = tuple  # a tuple of mesh axis names (empty: not sharded)
+
+
+class DataParallelError(ValueError):
+  """Tokens are sharded over a mesh axis that does not shard the kernel."""
+
+
+def make_mesh(model: int, data: int = 1, devices: Optional[Sequence] = None,
+              axis_names: tuple = ("data", "model")) -> Mesh:
+  """A ``(data, model)`` mesh with Auto axes over the first ``data * model``
+  devices.
+
+  ``jax.make_mesh`` makes Explicit axes by default in recent JAX; Flax's
+  partitioning metadata (``nn.with_partitioning``) and the Llama model here
+  work with Auto axes (sharding constraints, XLA's propagation between
+  layers).
+  """
+  devices = list(jax.devices() if devices is None else devices)
+  if data * model > len(devices):
+    raise ValueError(f"a {data}x{model} mesh needs {data * model} devices, "
+                     f"{len(devices)} available")
+  grid = np.empty((data, model), dtype=object)
+  for i, device in enumerate(devices[:data * model]):
+    grid[i // model, i % model] = device
+  return Mesh(grid, axis_names, axis_types=(AxisType.Auto,) * len(axis_names))
+
+
+# ---------------------------------------------------------------------------
+# Layout: what each dimension is sharded over, and which collectives follow.
+
+
+def _axes(entry) -> Axes:
+  """A PartitionSpec entry (None, a name, or a tuple of names) as a tuple."""
+  if entry is None:
+    return ()
+  if isinstance(entry, str):
+    return (entry,)
+  out = []
+  for e in entry:
+    out.extend(_axes(e))
+  return tuple(out)
+
+
+def _entry(axes: Axes):
+  """The PartitionSpec entry for a tuple of axis names."""
+  if not axes:
+    return None
+  return axes[0] if len(axes) == 1 else tuple(axes)
+
+
+def _spec(dims: Sequence[Axes]) -> P:
+  return P(*(_entry(a) for a in dims))
+
+
+def _mesh_sizes(mesh) -> dict:
+  return dict(zip(mesh.axis_names, mesh.axis_sizes))
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardedLayout:
+  """How one ForgeDense call is sharded (static and hashable).
+
+  Attributes:
+    mesh: the ``Mesh`` (or ``AbstractMesh``) the op runs on.
+    x: mesh axes of every dimension of the input ``[..., K]``.
+    kernel: mesh axes of the kernel's ``(K, N)`` dimensions.
+    y: mesh axes of every dimension of the output ``[..., N]``.
+    gather: ``(dim, axes)``: input token dimension all-gathered over axes of
+      the kernel's N (sequence parallelism into a column-parallel layer), or
+      None.
+    scatter: ``(dim, axes)``: output token dimension that the partial sums
+      over the kernel's K axes are reduce-scattered onto (sequence
+      parallelism out of a row-parallel layer), or None.
+    data_axes: mesh axes (of size > 1) that shard the tokens but not the
+      kernel: data parallelism.
+    data_parallel: 'error' or 'psum' (see the module docstring).
+  """
+
+  mesh: Any
+  x: tuple
+  kernel: tuple
+  y: tuple
+  gather: Optional[tuple] = None
+  scatter: Optional[tuple] = None
+  data_axes: Axes = ()
+  data_parallel: str = "error"
+
+  @property
+  def k_axes(self) -> Axes:
+    return self.kernel[0]
+
+  @property
+  def n_axes(self) -> Axes:
+    return self.kernel[1]
+
+  def kernel_spec(self) -> P:
+    return _spec(self.kernel)
+
+
+def plan_layout(mesh, x_ndim: int, kernel_spec, x_spec=None, y_spec=None,
+                data_parallel: str = "error", where: str = "ForgeDense"
+                ) -> ShardedLayout:
+  """The :class:`ShardedLayout` of a dense layer, validated.
+
+  Args:
+    mesh: a ``jax.sharding.Mesh`` or ``AbstractMesh``.
+    x_ndim: rank of the input.
+    kernel_spec: the kernel's PartitionSpec (or tuple of 2 entries).
+    x_spec: the input's PartitionSpec (one entry per dimension); None: the
+      tokens are not sharded and the features are sharded like the kernel's K.
+    y_spec: the output's PartitionSpec; None: derived (tokens as the input's
+      after any gather, features like the kernel's N, partial sums over the
+      kernel's K all-reduced).
+    data_parallel: 'error' (raise :class:`DataParallelError` when tokens are
+      sharded over an axis that does not shard the kernel) or 'psum'.
+    where: the layer's name for error messages.
+  """
+  if data_parallel not in DATA_PARALLEL_MODES:
+    raise ValueError(f"{where}: data_parallel={data_parallel!r} must be one of "
+                     f"{DATA_PARALLEL_MODES}")
+  sizes = _mesh_sizes(mesh)
+  kernel = tuple(_axes(e) for e in tuple(kernel_spec))
+  if len(kernel) != 2:
+    raise ValueError(f"{where}: the kernel's partitioning {kernel_spec} must "
+                     "have 2 entries (in_features, features)")
+  k_axes, n_axes = kernel
+  if x_spec is None:
+    x = ((),) * (x_ndim - 1) + (k_axes,)
+  else:
+    x = tuple(_axes(e) for e in tuple(x_spec))
+    x = x + ((),) * (x_ndim - len(x))
+  if len(x) != x_ndim:
+    raise ValueError(f"{where}: input partitioning {x_spec} has more entries "
+                     f"than the input has dimensions ({x_ndim})")
+  for axes in x + kernel:
+    for a in axes:
+      if a not in sizes:
+        raise ValueError(f"{where}: mesh axis {a!r} is not in the mesh "
+                         f"{tuple(sizes)}")
+  if x[-1] != k_axes:
+    raise ValueError(
+        f"{where}: the input's features are sharded over {_entry(x[-1])} but "
+        f"the kernel's in_features over {_entry(k_axes)}; they must match (a "
+        "row-parallel layer takes its input sharded on the features like its "
+        "kernel; a column-parallel one takes it unsharded on the features)")
+  if set(k_axes) & set(n_axes):
+    raise ValueError(f"{where}: kernel partitioning {kernel_spec} uses an axis "
+                     "twice")
+
+  # Token dimensions: gathered over N axes, or data-parallel.
+  gather = None
+  data_axes = []
+  tokens = []
+  for dim, axes in enumerate(x[:-1]):
+    on_n = tuple(a for a in axes if a in n_axes)
+    rest = tuple(a for a in axes if a not in n_axes)
+    if on_n:
+      if axes[len(axes) - len(on_n):] != on_n:
+        raise ValueError(
+            f"{where}: input dimension {dim} is sharded over {axes}; the axes "
+            f"it shares with the kernel's features {on_n} must come last")
+      if gather is not None:
+        raise ValueError(f"{where}: only one input dimension can be sharded "
+                         f"over the kernel's feature axes {n_axes}")
+      gather = (dim, on_n)
+    data_axes.extend(a for a in rest if sizes[a] > 1)
+    tokens.append(rest)
+  data_axes = tuple(dict.fromkeys(data_axes))
+  if data_axes and data_parallel == "error":
+    raise DataParallelError(_data_parallel_message(where, data_axes, sizes,
+                                                   kernel_spec))
+
+  # The output: tokens as gathered, features like the kernel's N, partial
+  # sums over K all-reduced or reduce-scattered onto one token dimension.
+  default_y = tuple(tokens) + (n_axes,)
+  scatter = None
+  if y_spec is None:
+    y = default_y
+  else:
+    y = tuple(_axes(e) for e in tuple(y_spec))
+    y = y + ((),) * (x_ndim - len(y))
+    if len(y) != x_ndim:
+      raise ValueError(f"{where}: output partitioning {y_spec} has more "
+                       f"entries than the output has dimensions ({x_ndim})")
+    for dim, (want, have) in enumerate(zip(y[:-1], default_y[:-1])):
+      if want == have:
+        continue
+      extra = want[len(have):]
+      if (want[:len(have)] == have and extra and scatter is None
+          and set(extra) <= set(k_axes)):
+        scatter = (dim, extra)
+        continue
+      raise ValueError(
+          f"{where}: output dimension {dim} cannot be sharded over "
+          f"{_entry(want)}: it is {_entry(have)} after the layer, and only "
+          f"the kernel's in_features axes {_entry(k_axes)} can be added to "
+          "one token dimension (a reduce-scatter, sequence parallelism)")
+    if y[-1] != n_axes:
+      raise ValueError(
+          f"{where}: the output's features must be sharded like the kernel's "
+          f"features ({_entry(n_axes)}), not {_entry(y[-1])}")
+  return ShardedLayout(mesh=mesh, x=x, kernel=kernel, y=y, gather=gather,
+                       scatter=scatter, data_axes=data_axes,
+                       data_parallel=data_parallel)
+
+
+def _data_parallel_message(where, data_axes, sizes, kernel_spec) -> str:
+  names = ", ".join(f"{a!r} (size {sizes[a]})" for a in data_axes)
+  return (
+      f"{where}: the input's tokens are sharded over mesh axis {names}, over "
+      f"which the kernel (partitioning {tuple(kernel_spec)}) is replicated. "
+      "That is data parallelism, which FORGE does not support as published: "
+      "the update is applied inside the backward pass, from the gradient of "
+      "the tokens a shard sees, so each replica would apply a different "
+      "partial update (or, under shard_map, the replicas' new weights would "
+      "be summed). Do one of: shard the batch only over axes that also shard "
+      "the kernel (tensor / sequence parallelism); keep the batch replicated "
+      "over that axis (a mesh axis of size 1, or no batch axis in the input "
+      "partitioning); train this layer with nn.Dense + optax; or opt in with "
+      "ForgeDense(data_parallel='psum'), which all-reduces dW over the data "
+      "axes inside the backward pass before the update (it materializes a "
+      "float32 dW per shard: the cost of ordinary data parallelism).")
+
+
+# ---------------------------------------------------------------------------
+# Variables: every kernel-shaped leaf is sharded like the kernel.
+
+
+def variables_specs(variables: ForgeVariables, kernel_spec: P):
+  """PartitionSpecs for a :class:`ForgeVariables`: the kernel's for every
+  kernel-shaped leaf, replicated for scalars."""
+  shape = jnp.shape(variables.kernel)
+
+  def leaf_spec(leaf):
+    if jnp.shape(leaf) == shape:
+      return kernel_spec
+    if jnp.ndim(leaf) == 0:
+      return P()
+    raise NotImplementedError(
+        f"an optimizer state leaf of shape {jnp.shape(leaf)} (kernel "
+        f"{shape}): only kernel-shaped and scalar state leaves can be sharded "
+        "yet (int8 block states keep per-block scales); under tensor "
+        "parallelism use state_dtype=None, 'float32' or 'bfloat16'")
+
+  return jax.tree.map(leaf_spec, variables)
+
+
+def _check_divisible(where, name, shape, dims, sizes):
+  for d, (n, axes) in enumerate(zip(shape, dims)):
+    parts = math.prod(sizes[a] for a in axes)
+    if n % parts:
+      raise ValueError(f"{where}: {name} dimension {d} of size {n} is sharded "
+                       f"over {axes} ({parts} shards) and must divide evenly")
+
+
+# ---------------------------------------------------------------------------
+# The op.
+
+
+def forge_dense_sharded(x: jax.Array, variables: ForgeVariables,
+                        bias: Optional[jax.Array], spec: FusedDenseSpec,
+                        layout: ShardedLayout, where: str = "forge_dense") -> jax.Array:
+  """:func:`forge_jax.forge_dense`, run per shard as ``layout`` says.
+
+  ``x``, ``variables`` and ``bias`` are global arrays; the backward pass
+  returns the updated variables (their cotangent) with the kernel's
+  sharding on every kernel-shaped leaf, replicated scalars.
+  """
+  _validate(x, variables, bias, spec)
+  sizes = _mesh_sizes(layout.mesh)
+  manual = _manual_axes()
+  if manual:
+    raise NotImplementedError(
+        f"{where}: a partitioned ForgeDense inside shard_map (manual axes "
+        f"{manual}) is not supported: ForgeDense runs its own shard_map; call "
+        "it from jit over the whole mesh")
+  if jnp.ndim(x) != len(layout.x):
+    raise ValueError(f"{where}: the input has rank {jnp.ndim(x)} but its "
+                     f"layout {layout.x} rank {len(layout.x)}")
+  _check_divisible(where, "input", jnp.shape(x), layout.x, sizes)
+  _check_divisible(where, "kernel", jnp.shape(variables.kernel), layout.kernel,
+                   sizes)
+  variables_specs(variables, layout.kernel_spec())  # raises on odd leaves
+  if is_explicit(layout.mesh):
+    x = _reshard(x, layout.mesh, _spec(layout.x))
+    variables = jax.tree.map(
+        lambda v, s: _reshard(v, layout.mesh, s), variables,
+        variables_specs(variables, layout.kernel_spec()))
+    if bias is not None:
+      bias = _reshard(bias, layout.mesh, _spec((layout.n_axes,)))
+  return _sharded_op(spec, layout, x, variables, bias)
+
+
+def is_explicit(mesh) -> bool:
+  """Whether any axis of ``mesh`` is Explicit (sharding in types)."""
+  return any(t == AxisType.Explicit for t in mesh.axis_types)
+
+
+def _reshard(value, mesh, spec):
+  return jax.sharding.reshard(value, NamedSharding(mesh, spec))
+
+
+def _manual_axes() -> tuple:
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return ()
+  return tuple(mesh.manual_axes)
+
+
+def _shard_map(fn, layout, in_specs, out_specs):
+  return jax.shard_map(fn, mesh=layout.mesh, in_specs=in_specs,
+                       out_specs=out_specs, check_vma=False)
+
+
+def _specs(layout, variables, bias):
+  x = _spec(layout.x)
+  v = variables_specs(variables, layout.kernel_spec())
+  b = None if bias is None else _spec((layout.n_axes,))
+  return x, v, b
+
+
+# Collectives on optional axes (an empty tuple of axes is the identity).
+
+
+def _psum(value, axes):
+  return lax.psum(value, axes) if axes else value
+
+
+def _all_gather(value, where):
+  if where is None:
+    return value
+  dim, axes = where
+  return lax.all_gather(value, axes, axis=dim, tiled=True)
+
+
+def _reduce(value, axes, scatter):
+  """Sum partials over ``axes``; reduce-scatter the ``scatter`` part."""
+  if scatter is None:
+    return _psum(value, axes)
+  dim, scattered = scatter
+  value = _psum(value, tuple(a for a in axes if a not in scattered))
+  return lax.psum_scatter(value, scattered, scatter_dimension=dim, tiled=True)
+
+
+def _add_bias(y, bias, spec):
+  if bias is None:
+    return y
+  _, _, bias = flax_dtypes.promote_dtype(y, y, bias, dtype=spec.dtype)
+  return y + jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,))
+
+
+def _local_forward(spec, layout, x, kernel, bias):
+  x = _all_gather(x, layout.gather)
+  y = _dense(x, kernel, None, spec)
+  y = _reduce(y, layout.k_axes, layout.scatter)
+  return _add_bias(y, bias, spec)
+
+
+def _forward(spec, layout, x, variables, bias):
+  x_s, v_s, b_s = _specs(layout, variables, bias)
+  fn = functools.partial(_local_forward, spec, layout)
+  return _shard_map(fn, layout, (x_s, v_s.kernel, b_s), _spec(layout.y))(
+      x, variables.kernel, bias)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _sharded_op(spec, layout, x, variables, bias):
+  return _forward(spec, layout, x, variables, bias)
+
+
+def _sharded_op_fwd(spec, layout, x, variables, bias):
+  check_differentiated(x, variables, bias)
+  x, variables, bias = primal_values((x, variables, bias))
+  return _forward(spec, layout, x, variables, bias), (x, variables, bias)
+
+
+def _local_backward(spec, layout, x, variables, bias, dy):
+  kernel = variables.kernel
+  all_axes = tuple(layout.mesh.axis_names)
+  x = _all_gather(x, layout.gather)      # the tokens the forward used
+  dy = _all_gather(dy, layout.scatter)   # transpose of the reduce-scatter
+  # dx with the old kernel, as autodiff of the local matmul, then the sum
+  # of the partials over the kernel's N axes.
+  _, dense_vjp = jax.vjp(lambda x: _dense(x, kernel, None, spec), x)
+  (dx,) = dense_vjp(dy)
+  dx = _reduce(dx, layout.n_axes, layout.gather)
+  dbias = None
+  if bias is not None:
+    _, bias_vjp = jax.vjp(lambda b: _add_bias(jnp.zeros_like(dy), b, spec), bias)
+    (dbias,) = bias_vjp(dy)
+    dbias = _psum(dbias, layout.data_axes)
+
+  after_dx = order_after(dx)
+  # One decision for the whole layer: skip it when any shard's dY is not
+  # finite. (pmin of the same value over axes it does not vary on is itself.)
+  finite = jnp.all(jnp.isfinite(dy)).astype(jnp.int32)
+  finite = lax.pmin(finite, all_axes) > 0
+  apply = jnp.logical_and(finite, after_dx)
+  scalars = step_scalars(spec, variables)
+  x_c, _, _ = flax_dtypes.promote_dtype(x, kernel, None, dtype=spec.dtype)
+  step = variables.count.astype(jnp.int32)
+  if layout.data_axes:  # data_parallel == 'psum'
+    grad = backends.weight_gradient(x_c, dy, spec.precision)
+    grad = lax.psum(grad, layout.data_axes)
+    extra = _accepted(apply_update, step=step,
+                      layer_id=getattr(spec, "layer_id", 0))
+    new_kernel, new_state, updated = apply_update(
+        spec.optimizer, grad, kernel, variables.opt_state, scalars, apply,
+        order_in_place=True, **extra)
+    skipped = jnp.sum(jnp.logical_not(updated), dtype=jnp.int32)
+  else:
+    backend = backends.select(spec.implementation, x_c, dy, kernel,
+                              spec.optimizer)
+    new_kernel, new_state, skipped = backend(
+        spec, x_c, dy, kernel, variables.opt_state, scalars, apply,
+        **_accepted(backend, step=step))
+  skipped = _psum(skipped, layout.k_axes + layout.n_axes)
+  new_variables = ForgeVariables(
+      kernel=new_kernel,
+      opt_state=new_state,
+      count=variables.count + apply.astype(jnp.float32),
+      skipped=skipped.astype(jnp.float32),
+      intact=variables.intact)
+  return dx, new_variables, dbias
+
+
+def _accepted(fn, **kwargs) -> dict:
+  """The keyword arguments ``fn`` takes (backends that take the layer's step
+  count get it, as on the single-device path)."""
+  try:
+    params = inspect.signature(fn).parameters
+  except (TypeError, ValueError):
+    return {}
+  return {k: v for k, v in kwargs.items() if k in params}
+
+
+def _sharded_op_bwd(spec, layout, residuals, dy):
+  x, variables, bias = residuals
+  if isinstance(dy, SymbolicZero):
+    dy = jnp.zeros(dy.shape, dy.dtype)
+  x_s, v_s, b_s = _specs(layout, variables, bias)
+  fn = functools.partial(_local_backward, spec, layout)
+  return _shard_map(fn, layout, (x_s, v_s, b_s, _spec(layout.y)),
+                    (x_s, v_s, b_s))(x, variables, bias, dy)
+
+
+_sharded_op.defvjp(_sharded_op_fwd, _sharded_op_bwd, symbolic_zeros=True)
+
+
+# ---------------------------------------------------------------------------
+# The guard for the unpartitioned op inside a user's shard_map.
+
+
+def _varying(value) -> Optional[frozenset]:
+  """The manual mesh axes ``value`` varies over (None: not known)."""
+  aval = jax.typeof(value)
+  mat = getattr(aval, "manual_axis_type", None)
+  if mat is not None and hasattr(mat, "varying"):
+    return frozenset(mat.varying)
+  vma = getattr(aval, "vma", None)
+  return None if vma is None else frozenset(vma)
+
+
+def check_unpartitioned(x: jax.Array, variables: ForgeVariables,
+                        where: str = "forge_dense"):
+  """Refuse data parallelism that the unpartitioned op would get wrong.
+
+  * Inside a ``shard_map`` whose manual axis shards the input but not the
+    kernel, the shard_map's transpose sums the kernel's cotangent over the
+    axis: every replica's *new* kernel would be added together. When JAX
+    tracks varying axes (``check_vma=True``) the input's and kernel's types
+    say so; when it does not, a replicated kernel cannot be told apart from
+    a sharded one and the call is refused too.
+  * Under Explicit mesh axes the input's type says how its tokens are
+    sharded; tokens sharded over an axis the kernel is not sharded over are
+    data parallelism.
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return
+  sizes = _mesh_sizes(mesh)
+  manual = [a for a in mesh.manual_axes if sizes.get(a, 1) > 1]
+  for axis in manual:
+    x_vary, k_vary = _varying(x), _varying(variables.kernel)
+    tracked = x_vary is not None and axis in (_varying(lax.axis_index(axis))
+                                              or frozenset())
+    if tracked and axis in k_vary:
+      continue  # the kernel is sharded over the axis: a per-shard kernel
+    if tracked and axis not in x_vary:
+      continue  # input and kernel replicated: every device does the same
+    reason = ("varies over it while the kernel is replicated" if tracked else
+              "may vary over it (shard_map(check_vma=False) does not say) and "
+              "the kernel may be replicated")
+    raise DataParallelError(
+        f"{where}: called inside shard_map over mesh axis {axis!r} (size "
+        f"{sizes[axis]}), and the input {reason}. shard_map's transpose sums "
+        "a replicated input's cotangent over the axis, and FORGE's cotangent "
+        "is the updated kernel: the replicas' new weights would be added "
+        "together. Use a partitioned ForgeDense under jit instead "
+        "(kernel_init=nn.with_partitioning(...), see forge_jax.parallel); for "
+        "data parallelism, nn.Dense + optax, or "
+        "ForgeDense(data_parallel='psum').")
+  explicit = [a for a, t in zip(mesh.axis_names, mesh.axis_types)
+              if t == AxisType.Explicit and sizes[a] > 1]
+  if explicit:
+    x_spec = getattr(jax.typeof(x).sharding, "spec", None)
+    k_spec = getattr(jax.typeof(variables.kernel).sharding, "spec", None)
+    if x_spec is None or k_spec is None:
+      return
+    kernel_axes = {a for e in tuple(k_spec) for a in _axes(e)}
+    token_axes = {a for e in tuple(x_spec)[:-1] for a in _axes(e)}
+    bad = tuple(a for a in explicit if a in token_axes - kernel_axes)
+    if bad:
+      raise DataParallelError(_data_parallel_message(
+          where, bad, sizes, tuple(k_spec)) + " Under Explicit mesh axes, "
+          "give ForgeDense its partitioning (kernel_init="
+          "nn.with_partitioning(...)) so that it runs per shard.")
+
+
+# ---------------------------------------------------------------------------
+# Variables of a partitioned model.
+
+
+def _is_box(value) -> bool:
+  return isinstance(value, nn.Partitioned)
+
+
+def partition_specs(variables, rules=None):
+  """Mesh PartitionSpecs of a (boxed) variables tree, e.g. ``jax.eval_shape``
+  of ``model.init``.
+
+  ``nn.Partitioned`` leaves give their names; ``nn.LogicallyPartitioned``
+  ones their names resolved with their own rules (else ``rules``, else the
+  ``nn.logical_axis_rules`` context); unboxed leaves are replicated. For a
+  ForgeDense that is the kernel's spec on the kernel and on every
+  kernel-shaped optimizer state leaf, and ``P()`` on the scalars.
+  """
+  def spec(leaf):
+    if isinstance(leaf, nn.LogicallyPartitioned):
+      return nn.logical_to_mesh_axes(
+          leaf.names, leaf.rules if leaf.rules is not None else rules)
+    if _is_box(leaf):
+      return leaf.get_partition_spec()
+    return P()
+  return jax.tree.map(spec, variables, is_leaf=_is_box)
+
+
+def strip_boxes(variables):
+  """The values of a boxed variables tree (no sharding constraint applied)."""
+  return jax.tree.map(lambda v: v.value if _is_box(v) else v, variables,
+                      is_leaf=_is_box)
+
+
+def init_sharded(init_fn, mesh, *args, rules=None):
+  """``init_fn(*args)`` (e.g. ``model.init``) jitted under ``mesh`` with every
+  variable created directly in its sharding; returns unboxed arrays.
+
+  Equivalent to Flax's recipe: ``jax.eval_shape``, the partition specs of
+  the boxes, ``jax.jit(init_fn, out_shardings=...)``. On a mesh with
+  Explicit axes (where Flax's boxes cannot constrain freshly initialized
+  values) init runs on the same devices with Auto axes and the results are
+  given the explicit mesh's shardings (no data moves).
+  """
+  init_mesh = mesh
+  if is_explicit(mesh):
+    init_mesh = Mesh(mesh.devices, mesh.axis_names,
+                     axis_types=(AxisType.Auto,) * len(mesh.axis_names))
+  with jax.set_mesh(init_mesh):
+    abstract = jax.eval_shape(init_fn, *args)
+    specs = partition_specs(abstract, rules)
+    shardings = jax.tree.map(lambda s: NamedSharding(init_mesh, s), specs,
+                             is_leaf=lambda s: isinstance(s, P))
+    variables = strip_boxes(jax.jit(init_fn, out_shardings=shardings)(*args))
+  if init_mesh is not mesh:
+    variables = jax.tree.map(
+        lambda v, s: jax.device_put(v, NamedSharding(mesh, s)), variables,
+        specs, is_leaf=lambda s: isinstance(s, P))
+  return variables

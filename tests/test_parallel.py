@@ -1,0 +1,604 @@
+"""Tensor and sequence parallelism (forge_jax.parallel) on 8 CPU devices.
+
+The device count must be set before JAX initializes its backends. Run alone
+(``pytest tests/test_parallel.py``) this module sets it itself; in a session
+where another module already initialized JAX with fewer devices (the whole
+suite), ``test_suite_in_subprocess`` reruns this file in a fresh process with
+8 CPU devices and the tests below are skipped in the parent.
+
+Everything is float32 with tiny shapes; "exact" means ≤ 1e-5 relative
+(‖a − b‖ / ‖b‖ per leaf) after several steps: the only differences are the
+summation orders of the sharded GEMMs and collectives.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import re
+import subprocess
+import sys
+
+import jax
+
+NUM_DEVICES = 8
+try:
+  jax.config.update("jax_num_cpu_devices", NUM_DEVICES)
+except RuntimeError:
+  pass  # backends already initialized: see test_suite_in_subprocess
+
+import flax.linen as nn  # pylint: disable=g-import-not-at-top
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import traverse_util
+from flax.training.train_state import TrainState
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import forge_jax as fj
+from forge_jax import parallel
+from forge_jax.models.llama import Block, Llama, LlamaConfig, kernels, rope_tables
+from forge_jax.train import loss_fn
+
+COLL = fj.FORGE_COLLECTION
+ENOUGH = jax.device_count() >= NUM_DEVICES
+needs_devices = pytest.mark.skipif(
+    not ENOUGH, reason=f"needs {NUM_DEVICES} devices: run by "
+    "test_suite_in_subprocess")
+
+OPT = fj.adamw(learning_rate=1e-2, weight_decay=0.1)
+# Heads, KV heads, ffn and vocab divide by 8: TP up to 8 splits every head.
+CFG = LlamaConfig(vocab_size=64, dim=32, num_layers=2, num_heads=16,
+                  num_kv_heads=8, head_dim=4, ffn_dim=64, max_len=64,
+                  implementation="xla")
+B, T, STEPS = 2, 16, 3
+RTOL = 1e-5
+
+
+@pytest.mark.skipif(ENOUGH or os.environ.get("FORGE_PARALLEL_CHILD") == "1",
+                    reason="the tests run in this process")
+def test_suite_in_subprocess():
+  env = dict(os.environ, FORGE_PARALLEL_CHILD="1", JAX_PLATFORMS="cpu")
+  proc = subprocess.run(
+      [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+       os.path.abspath(__file__)],
+      env=env, capture_output=True, text=True, timeout=900,
+      cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  assert proc.returncode == 0, proc.stdout[-20000:] + proc.stderr[-5000:]
+  last = proc.stdout.strip().splitlines()[-1]
+  assert " passed" in last and "failed" not in last and "error" not in last, (
+      proc.stdout[-3000:])
+
+
+# ---------------------------------------------------------------------------
+# Helpers.
+
+
+def _rel(a, b) -> float:
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  den = np.linalg.norm(b.ravel())
+  num = np.linalg.norm((a - b).ravel())
+  return float(num / den) if den else float(num)
+
+
+def _assert_trees_close(actual, expected, rtol=RTOL, what=""):
+  flat_a = jax.tree_util.tree_flatten_with_path(actual)[0]
+  flat_e = jax.tree_util.tree_flatten_with_path(expected)[0]
+  assert [p for p, _ in flat_a] == [p for p, _ in flat_e]
+  for (path, a), (_, e) in zip(flat_a, flat_e):
+    assert np.all(np.isfinite(np.asarray(a))), (what, path)
+    err = _rel(a, e)
+    assert err <= rtol, f"{what} {jax.tree_util.keystr(path)}: {err:.3g} > {rtol}"
+
+
+def _non_kernels(params):
+  flat = traverse_util.flatten_dict(params, sep="/")
+  return {k: v for k, v in flat.items() if not k.endswith("/kernel")}
+
+
+def _host(tree):
+  return jax.tree.map(lambda a: np.array(a, copy=True), tree)
+
+
+def _config(forge: bool, tp: int = 0, sp: bool = False, **overrides):
+  kw = dict(forge_optimizer=OPT if forge else None)
+  if tp:
+    kw.update(tensor_axis="model", batch_axis="data", sequence_parallel=sp)
+  return dataclasses.replace(CFG, **kw, **overrides)
+
+
+class BlockLoss(nn.Module):
+  """One Llama block on float inputs (its own RoPE tables)."""
+
+  config: LlamaConfig
+
+  @nn.compact
+  def __call__(self, x):
+    cos, sin = rope_tables(self.config, x.shape[1])
+    y, _ = Block(self.config, name="block")(x, cos, sin)
+    return y
+
+
+def _block_loss(variables, apply_fn, batch):
+  x, target = batch
+  return jnp.mean((apply_fn(variables, x) - target) ** 2)
+
+
+def _model_loss(variables, apply_fn, batch):
+  return loss_fn(variables, apply_fn, batch)
+
+
+def _batches(kind: str):
+  key = jax.random.key(7)
+  if kind == "model":
+    return [jax.random.randint(k, (B, T + 1), 0, CFG.vocab_size)
+            for k in jax.random.split(key, STEPS)]
+  out = []
+  for k in jax.random.split(key, STEPS):
+    kx, ky = jax.random.split(k)
+    out.append((jax.random.normal(kx, (B, T, CFG.dim)),
+                jax.random.normal(ky, (B, T, CFG.dim))))
+  return out
+
+
+def _model(kind, config):
+  return Llama(config) if kind == "model" else BlockLoss(config)
+
+
+def _init_args(kind, batch):
+  return batch[:, :-1] if kind == "model" else batch[0]
+
+
+def _step_fn(kind):
+  loss = _model_loss if kind == "model" else _block_loss
+
+  def step(state, batch):
+    value, grads = jax.value_and_grad(loss)(state.params, state.apply_fn, batch)
+    return state.apply_gradients(grads=grads), value
+  return step
+
+
+@dataclasses.dataclass
+class Run:
+  params: dict          # host copy of all variables after the last step
+  losses: list
+  hlo: str = ""
+  shardings_before: dict = None
+  shardings_after: dict = None
+
+
+def _batch_shardings(kind, mesh, sp):
+  if kind == "model":
+    return NamedSharding(mesh, P("data", None))
+  act = NamedSharding(mesh, P("data", "model" if sp else None, None))
+  return (act, act)
+
+
+@functools.lru_cache(maxsize=None)
+def _init_values(kind: str, forge: bool):
+  """The variables on one device (the partitioning does not change them)."""
+  model = _model(kind, _config(forge))
+  return jax.jit(model.init)(jax.random.key(0), _init_args(kind, _batches(kind)[0]))
+
+
+def _run(kind: str, config: LlamaConfig, mesh=None, sp=False) -> Run:
+  """STEPS jitted steps on one device (mesh None) or sharded over ``mesh``.
+
+  Sharded runs place the one-device initial values in the shardings that
+  the model's partitioning metadata gives (``parallel.init_sharded``, which
+  compiles init under the mesh, is tested separately).
+  """
+  model = _model(kind, config)
+  batches = _batches(kind)
+  forge = config.forge_optimizer is not None
+  variables = _init_values(kind, forge)
+  step = jax.jit(_step_fn(kind))
+  if mesh is None:
+    state = TrainState.create(apply_fn=model.apply, params=variables,
+                              tx=OPT.to_optax())
+    losses = []
+    for batch in batches:
+      state, loss = step(state, batch)
+      losses.append(float(loss))
+    return Run(_host(state.params), losses)
+
+  with jax.set_mesh(mesh):
+    abstract = jax.eval_shape(model.init, jax.random.key(0),
+                              _init_args(kind, batches[0]))
+  specs = parallel.partition_specs(abstract)
+  variables = jax.tree.map(lambda v, s: jax.device_put(v, NamedSharding(mesh, s)),
+                           variables, specs)
+  before = jax.tree.map(lambda a: a.sharding, variables)
+  with jax.set_mesh(mesh):
+    state = TrainState.create(apply_fn=model.apply, params=variables,
+                              tx=OPT.to_optax())
+    batches = [jax.device_put(b, _batch_shardings(kind, mesh, sp))
+               for b in batches]
+    compiled = step.lower(state, batches[0]).compile()
+    losses = []
+    for batch in batches:
+      state, loss = compiled(state, batch)
+      losses.append(float(loss))
+  after = jax.tree.map(lambda a: a.sharding, state.params)
+  return Run(_host(state.params), losses, compiled.as_text(), before, after)
+
+
+@functools.lru_cache(maxsize=None)
+def _single(kind: str, forge: bool) -> Run:
+  return _run(kind, _config(forge))
+
+
+def _all_gather_shapes(hlo: str) -> list[tuple]:
+  shapes = []
+  for m in re.finditer(r"=\s*\(?(\w+)\[([\d,]*)\][^=]*?\ball-gather(?:-start)?\(",
+                       hlo):
+    shapes.append(tuple(int(d) for d in m.group(2).split(",") if d))
+  return shapes
+
+
+def _check_forge_shardings(run: Run):
+  """Weights and states keep their shardings; states shard like kernels."""
+  flat_b = jax.tree_util.tree_flatten_with_path(run.shardings_before)[0]
+  flat_a = jax.tree.leaves(run.shardings_after)
+  arrays = jax.tree.leaves(run.params)
+  assert len(flat_b) == len(flat_a) == len(arrays)
+  for (path, b), a, array in zip(flat_b, flat_a, arrays):
+    assert a.is_equivalent_to(b, array.ndim), (jax.tree_util.keystr(path), b, a)
+  for layer_path, layer in _forge_layers(run.shardings_after[COLL]):
+    kernel = layer["kernel"]
+    assert not kernel.is_fully_replicated, layer_path
+    for leaf in jax.tree.leaves(layer["opt_state"]):
+      assert leaf.is_equivalent_to(kernel, 2), (layer_path, leaf, kernel)
+    for name in ("count", "skipped", "intact"):
+      assert layer[name].is_fully_replicated, (layer_path, name)
+
+
+def _forge_layers(tree, prefix=()):
+  if isinstance(tree, dict) and "kernel" in tree and "opt_state" in tree:
+    yield "/".join(prefix), tree
+    return
+  if isinstance(tree, dict):
+    for k, v in tree.items():
+      yield from _forge_layers(v, prefix + (k,))
+
+
+def _kernel_shapes(params) -> set:
+  shapes = set()
+  for _, layer in _forge_layers(params.get(COLL, {})):
+    shape = tuple(layer["kernel"].shape)
+    shapes |= {shape, shape[::-1]}
+  return shapes
+
+
+# ---------------------------------------------------------------------------
+# Exactness: TP x SP against one device and against nn.Dense + optax.
+
+TP_SP = [(tp, sp) for tp in (2, 4, 8) for sp in (False, True)]
+
+
+@needs_devices
+@pytest.mark.parametrize("kind", ["block", "model"])
+@pytest.mark.parametrize("tp,sp", TP_SP, ids=[f"tp{t}-{'sp' if s else 'nosp'}"
+                                              for t, s in TP_SP])
+def test_tensor_parallel_matches_one_device_and_optax(kind, tp, sp):
+  mesh = parallel.make_mesh(tp)
+  forge = _run(kind, _config(True, tp, sp), mesh, sp)
+  baseline = _run(kind, _config(False, tp, sp), mesh, sp)
+
+  # FORGE under TP (+SP) == FORGE on one device: every weight, state, count.
+  _assert_trees_close(forge.params, _single(kind, True).params,
+                      what="forge TP vs one device")
+  np.testing.assert_allclose(forge.losses, _single(kind, True).losses, rtol=RTOL)
+  # == nn.Dense + optax under the same sharding: kernels and other params.
+  fk, bk = kernels(forge.params), kernels(baseline.params)
+  assert sorted(fk) == sorted(bk) and fk
+  for path in bk:
+    assert _rel(fk[path], bk[path]) <= RTOL, path
+  _assert_trees_close(_non_kernels(forge.params["params"]),
+                      _non_kernels(baseline.params["params"]),
+                      what="params vs optax")
+  np.testing.assert_allclose(forge.losses, baseline.losses, rtol=RTOL)
+  # The baseline itself is exact against one device.
+  _assert_trees_close(baseline.params, _single(kind, False).params,
+                      what="optax TP vs one device")
+
+  # Shardings unchanged by the steps; states sharded exactly like kernels.
+  _check_forge_shardings(forge)
+  # No all-gather of a whole weight or state in the compiled FORGE step.
+  gathered = _all_gather_shapes(forge.hlo)
+  assert not set(gathered) & _kernel_shapes(forge.params), gathered
+  if sp:
+    assert gathered, "sequence parallelism all-gathers the activations"
+  else:
+    assert not gathered, gathered
+
+
+# ---------------------------------------------------------------------------
+# Partition specs of the variables.
+
+
+@needs_devices
+@pytest.mark.parametrize("optimizer", [
+    fj.adamw(1e-3), fj.lion(1e-4), fj.sgd(1e-2, momentum=0.9), fj.sgd(1e-2),
+    fj.rmsprop(1e-3, centered=True, momentum=0.9), fj.radam(1e-3)],
+    ids=["adamw", "lion", "sgd_momentum", "sgd", "rmsprop", "radam"])
+def test_partition_specs_of_states_are_the_kernels(optimizer):
+  mesh = parallel.make_mesh(4)
+  init = nn.initializers.lecun_normal()
+
+  class Net(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      h = fj.ForgeDense(16, optimizer=optimizer,
+                        kernel_init=nn.with_partitioning(init, (None, "model")),
+                        name="col")(x)
+      return fj.ForgeDense(8, optimizer=optimizer,
+                           kernel_init=nn.with_partitioning(init, ("model", None)),
+                           input_partitioning=(None, "model"), name="row")(h)
+
+  x = jnp.ones((4, 8))
+  with jax.set_mesh(mesh):
+    abstract = jax.eval_shape(Net().init, jax.random.key(0), x)
+  specs = nn.get_partition_spec(abstract)[COLL]
+  for name, kernel_spec in (("col", P(None, "model")), ("row", P("model", None))):
+    layer = specs[name]
+    assert layer["kernel"] == kernel_spec
+    for leaf in jax.tree.leaves(layer["opt_state"],
+                                is_leaf=lambda s: isinstance(s, P)):
+      assert leaf == kernel_spec, (name, layer["opt_state"])
+    for scalar in ("count", "skipped", "intact"):
+      assert layer[scalar] == P(), (name, scalar)
+  variables = parallel.init_sharded(Net().init, mesh, jax.random.key(0), x)
+  for name, kernel_spec in (("col", P(None, "model")), ("row", P("model", None))):
+    layer = variables[COLL][name]
+    want = NamedSharding(mesh, kernel_spec)
+    for leaf in jax.tree.leaves((layer["kernel"], layer["opt_state"])):
+      assert leaf.sharding.is_equivalent_to(want, 2), (name, leaf.sharding)
+    assert layer["count"].sharding.is_fully_replicated
+
+
+@needs_devices
+def test_logical_partitioning_with_rules():
+  """Logical names and a rules table, as for nn.Dense; the model's rules."""
+  mesh = parallel.make_mesh(2)
+  rules = (("embed", None), ("mlp", "model"), ("batch", "data"))
+  init = nn.initializers.lecun_normal()
+
+  class Net(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      h = fj.ForgeDense(16, optimizer=OPT, kernel_init=nn.with_logical_partitioning(
+          init, ("embed", "mlp")), input_partitioning=("batch", "embed"),
+                        name="up")(x)
+      return fj.ForgeDense(8, optimizer=OPT, kernel_init=nn.with_logical_partitioning(
+          init, ("mlp", "embed")), input_partitioning=("batch", "mlp"),
+                           name="down")(h)
+
+  x = jax.random.normal(jax.random.key(1), (4, 8))
+  with nn.logical_axis_rules(rules), jax.set_mesh(mesh):
+    abstract = jax.eval_shape(Net().init, jax.random.key(0), x)
+    logical = nn.get_partition_spec(abstract)[COLL]
+    assert logical["up"]["opt_state"].mu == P("embed", "mlp")
+    mesh_specs = parallel.partition_specs(abstract)[COLL]
+    assert mesh_specs["up"]["opt_state"].nu == P(None, "model")
+    assert mesh_specs["down"]["kernel"] == P("model", None)
+    variables = parallel.init_sharded(Net().init, mesh, jax.random.key(0), x)
+
+    def loss(v):
+      return jnp.sum(Net().apply(v, x) ** 2)
+    new = jax.jit(jax.grad(loss))(variables)
+  single = Net().init(jax.random.key(0), x)
+  single = parallel.strip_boxes(single)
+  want = jax.grad(lambda v: jnp.sum(Net().apply(v, x) ** 2))(single)
+  _assert_trees_close(_host(new[COLL]), _host(want[COLL]))
+  assert new[COLL]["down"]["opt_state"].mu.sharding.is_equivalent_to(
+      NamedSharding(mesh, P("model", None)), 2)
+
+
+# ---------------------------------------------------------------------------
+# The Pallas kernel per shard; the XLA reference under the same sharding.
+
+
+@needs_devices
+def test_triton_kernel_per_shard_matches_xla_reference():
+  mesh = parallel.make_mesh(2)
+  runs = {impl: _run("block", _config(True, 2, True, implementation=impl,
+                                      num_layers=1), mesh, sp=True)
+          for impl in ("xla", "triton")}
+  _assert_trees_close(runs["triton"].params, runs["xla"].params, rtol=1e-6,
+                      what="triton vs xla under TP=2+SP")
+  assert "forge_fused_dense_update" not in runs["xla"].hlo
+
+
+# ---------------------------------------------------------------------------
+# Data parallelism: refused by default, exact with data_parallel='psum'.
+
+
+def _mlp(data_parallel="error", batch_axis="data"):
+  init = nn.initializers.lecun_normal()
+
+  class Net(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      h = fj.ForgeDense(32, optimizer=OPT, data_parallel=data_parallel,
+                        kernel_init=nn.with_partitioning(init, (None, "model")),
+                        input_partitioning=(batch_axis, None, None),
+                        name="up")(x)
+      return fj.ForgeDense(16, optimizer=OPT, data_parallel=data_parallel,
+                           kernel_init=nn.with_partitioning(init, ("model", None)),
+                           input_partitioning=(batch_axis, None, "model"),
+                           name="down")(nn.gelu(h))
+  return Net()
+
+
+@needs_devices
+def test_data_parallel_is_refused_with_advice():
+  mesh = parallel.make_mesh(model=4, data=2)
+  x = jnp.ones((4, 8, 16))
+  with pytest.raises(parallel.DataParallelError) as info:
+    parallel.init_sharded(_mlp().init, mesh, jax.random.key(0), x)
+  text = str(info.value)
+  for needle in ("'data' (size 2)", "replicated", "data_parallel='psum'",
+                 "nn.Dense", "tensor / sequence parallelism"):
+    assert needle in text, (needle, text)
+  # The Llama model: a batch axis of size > 1 is data parallelism too.
+  config = _config(True, tp=4)
+  tokens = jnp.zeros((B, T), jnp.int32)
+  with pytest.raises(parallel.DataParallelError, match="data_parallel='psum'"):
+    parallel.init_sharded(Llama(config).init, mesh, jax.random.key(0), tokens)
+  # A data axis of size 1 is fine (the tests above use it).
+  parallel.init_sharded(_mlp().init, parallel.make_mesh(4), jax.random.key(0), x)
+
+
+@needs_devices
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_data_parallel_under_user_shard_map_is_refused(check_vma):
+  """shard_map's transpose would sum the replicas' new kernels."""
+  mesh = parallel.make_mesh(model=1, data=2)
+  spec = fj.FusedDenseSpec(fj.sgd(0.1), "xla")
+  variables = fj.init_variables(fj.sgd(0.1), jnp.ones((4, 3)))
+  x = jnp.ones((8, 4))
+
+  def step(v, x):
+    return jax.grad(lambda v: fj.forge_dense(x, v, None, spec).sum())(v)
+
+  f = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), P("data")),
+                            out_specs=P(), check_vma=check_vma))
+  with pytest.raises(parallel.DataParallelError, match="summed|added together"):
+    f(variables, x)
+  # Inside shard_map with a replicated input the update is the same
+  # everywhere and nothing is summed (known only when check_vma tracks it).
+  if check_vma:
+    g = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), P()),
+                              out_specs=P(), check_vma=True))(variables, x)
+    want = step(variables, x)
+    _assert_trees_close(_host(g), _host(want), rtol=0)
+
+
+@needs_devices
+def test_data_parallel_under_explicit_mesh_is_refused():
+  from jax.sharding import AxisType  # pylint: disable=import-outside-toplevel
+  mesh = jax.make_mesh((2,), ("data",), axis_types=(AxisType.Explicit,),
+                       devices=jax.devices()[:2])
+  spec = fj.FusedDenseSpec(fj.sgd(0.1), "xla")
+  variables = jax.device_put(fj.init_variables(fj.sgd(0.1), jnp.ones((4, 3))),
+                             NamedSharding(mesh, P()))
+  x = jax.device_put(jnp.ones((8, 4)), NamedSharding(mesh, P("data")))
+  with jax.set_mesh(mesh):
+    with pytest.raises(parallel.DataParallelError, match="data_parallel='psum'"):
+      jax.jit(jax.grad(lambda v: fj.forge_dense(x, v, None, spec).sum()))(
+          variables)
+
+
+@needs_devices
+def test_explicit_mesh_layout_from_the_input_types():
+  """Explicit axes: an undeclared input layout is read from the input's
+  type: sequence-sharded -> gathered (exact); batch-sharded -> refused."""
+  from jax.sharding import AxisType  # pylint: disable=import-outside-toplevel
+  mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+  init = nn.initializers.lecun_normal()
+
+  class Net(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      h = fj.ForgeDense(32, optimizer=OPT, name="up", kernel_init=nn.with_partitioning(
+          init, (None, "model")))(x)
+      return fj.ForgeDense(16, optimizer=OPT, name="down",
+                           kernel_init=nn.with_partitioning(init, ("model", None)),
+                           input_partitioning=(None, None, "model"),
+                           output_partitioning=(None, "model", None))(nn.gelu(h))
+
+  x = jax.random.normal(jax.random.key(1), (2, 8, 16))
+  loss = lambda v, x: jnp.sum(Net().apply(v, x) ** 2)
+  single = parallel.strip_boxes(Net().init(jax.random.key(0), x))
+  want = jax.grad(loss)(single, x)
+  variables = parallel.init_sharded(Net().init, mesh, jax.random.key(0), x)
+  with jax.set_mesh(mesh):
+    x_sp = jax.device_put(x, NamedSharding(mesh, P(None, "model", None)))
+    got = jax.jit(jax.grad(loss))(variables, x_sp)
+    _assert_trees_close(_host(got), _host(want))
+    assert got[COLL]["down"]["opt_state"].nu.sharding.is_equivalent_to(
+        NamedSharding(mesh, P("model", None)), 2)
+    x_dp = jax.device_put(x, NamedSharding(mesh, P("data", None, None)))
+    with pytest.raises(parallel.DataParallelError, match="'data' \\(size 2\\)"):
+      jax.jit(jax.grad(loss))(variables, x_dp)
+
+
+@needs_devices
+def test_data_parallel_psum_opt_in_is_exact():
+  """dp=2 x tp=4 with data_parallel='psum' == one device on the whole batch."""
+  mesh = parallel.make_mesh(model=4, data=2)
+  net = _mlp("psum")
+  x = jax.random.normal(jax.random.key(1), (4, 8, 16))
+
+  def loss(v, x):
+    return jnp.mean(net.apply(v, x) ** 2)
+
+  def step(v, x):
+    grads = jax.grad(loss)(v, x)  # FORGE's cotangents are the new variables
+    params = jax.tree.map(lambda p, g: p - 0.1 * g, v["params"], grads["params"])
+    return {"params": params, COLL: grads[COLL]}
+
+  single = parallel.strip_boxes(net.init(jax.random.key(0), x))
+  want = single
+  for _ in range(STEPS):
+    want = jax.jit(step)(want, x)
+  variables = parallel.init_sharded(net.init, mesh, jax.random.key(0), x)
+  with jax.set_mesh(mesh):
+    xs = jax.device_put(x, NamedSharding(mesh, P("data", None, None)))
+    got = variables
+    for _ in range(STEPS):
+      got = jax.jit(step)(got, xs)
+  _assert_trees_close(_host(got), _host(want))
+  assert got[COLL]["up"]["kernel"].sharding.is_equivalent_to(
+      NamedSharding(mesh, P(None, "model")), 2)
+
+
+# ---------------------------------------------------------------------------
+# Safety under sharding.
+
+
+@needs_devices
+def test_nonfinite_dy_on_one_shard_skips_the_whole_layer():
+  """One shard's NaN must not let the other shards update."""
+  mesh = parallel.make_mesh(4)
+  net = fj.ForgeDense(32, optimizer=OPT, kernel_init=nn.with_partitioning(
+      nn.initializers.lecun_normal(), (None, "model")))
+  x = jax.random.normal(jax.random.key(1), (2, 8, 16))
+  variables = parallel.init_sharded(net.init, mesh, jax.random.key(0), x)
+  before = _host(variables)
+  # dY is NaN in output column 3 only: on the first of 4 shards.
+  weight = jnp.ones((32,)).at[3].set(jnp.nan)
+  with jax.set_mesh(mesh):
+    new = jax.jit(jax.grad(lambda v: jnp.sum(net.apply(v, x) * weight)))(
+        variables)
+  new = _host(new)
+  np.testing.assert_array_equal(new[COLL]["kernel"], before[COLL]["kernel"])
+  for leaf, old in zip(jax.tree.leaves(new[COLL]["opt_state"]),
+                       jax.tree.leaves(before[COLL]["opt_state"])):
+    np.testing.assert_array_equal(leaf, old)
+  assert float(new[COLL]["count"]) == 0.0
+  # The same layer with a finite dY on every shard does update.
+  with jax.set_mesh(mesh):
+    new = jax.jit(jax.grad(lambda v: jnp.sum(net.apply(v, x))))(variables)
+  assert float(new[COLL]["count"]) == 1.0
+
+
+def test_layout_errors_are_clear():
+  mesh = jax.sharding.AbstractMesh((2, 2), ("data", "model"))
+  with pytest.raises(ValueError, match="features are sharded over model but "
+                     "the kernel's in_features over None"):
+    parallel.plan_layout(mesh, 3, P(None, "model"), x_spec=(None, None, "model"))
+  with pytest.raises(ValueError, match="only the kernel's in_features"):
+    parallel.plan_layout(mesh, 3, P(None, "model"), y_spec=(None, "model", "model"))
+  with pytest.raises(ValueError, match="not in the mesh"):
+    parallel.plan_layout(mesh, 2, P(None, "tensor"))
+  layout = parallel.plan_layout(mesh, 3, P("model", None),
+                                x_spec=(None, None, "model"),
+                                y_spec=(None, "model", None))
+  assert layout.scatter == (1, ("model",)) and layout.gather is None
+  layout = parallel.plan_layout(mesh, 3, P(None, "model"),
+                                x_spec=(None, "model", None))
+  assert layout.gather == (1, ("model",)) and layout.y == ((), (), ("model",))
