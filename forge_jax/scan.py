@@ -25,7 +25,8 @@ from forge_jax.linen import FORGE_COLLECTION
 
 
 def scan_layers(block: type[nn.Module], length: int,
-                num_broadcast_args: int = 0) -> type[nn.Module]:
+                num_broadcast_args: int = 0,
+                metadata_params: dict | None = None) -> type[nn.Module]:
   """``nn.scan`` over ``block`` with FORGE's in-place backward pass.
 
   Use it where you would write::
@@ -34,6 +35,8 @@ def scan_layers(block: type[nn.Module], length: int,
             split_rngs={'params': True},
             in_axes=(nn.broadcast,) * num_broadcast_args, length=length)
 
+  ``metadata_params`` is nn.scan's (e.g. ``{nn.PARTITION_NAME: 'layers'}``
+  to name the stacking axis in partitioned variables' metadata).
   ``block(...)(carry, *broadcast_args)`` must return ``(carry, None)``. The
   variables have exactly nn.scan's layout, so checkpoints move between the
   two. Each layer is recomputed in the backward pass (nn.remat's default:
@@ -43,7 +46,7 @@ def scan_layers(block: type[nn.Module], length: int,
   scanned = nn.scan(block, variable_axes={True: 0},
                     split_rngs={"params": True},
                     in_axes=(nn.broadcast,) * num_broadcast_args,
-                    length=length)
+                    length=length, metadata_params=metadata_params or {})
 
   class ForgeScan(scanned):  # pylint: disable=missing-class-docstring
     def __call__(self, carry, *broadcast_args):

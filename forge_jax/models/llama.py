@@ -351,8 +351,9 @@ class Llama(nn.Module):
     if c.scan_layers and c.forge_optimizer is not None:
       # FORGE's scan: the backward walks the layers in reverse, recomputes
       # each one and updates the stacked kernels and states in place.
-      x, _ = scan_layers(Block, c.num_layers, num_broadcast_args=2)(
-          c, name="layers")(x, cos, sin)
+      x, _ = scan_layers(Block, c.num_layers, num_broadcast_args=2,
+                         metadata_params={nn.PARTITION_NAME: "layers"})(
+                             c, name="layers")(x, cos, sin)
     elif c.scan_layers:
       # variable_axes={True: 0}: every collection (params and FORGE's
       # _overwrite_with_gradient) is stacked along a leading layer axis.
