@@ -511,3 +511,43 @@ def test_resumed_training_takes_the_same_steps(tmp_path, seed):
     assert resumed_loss == loss
     for a, b in zip(jax.tree.leaves(resumed.params), jax.tree.leaves(params)):
       assert_bitwise_equal(np.atleast_1d(a), np.atleast_1d(b), "params")
+
+
+# ---------------------------------------------------------------------------
+# On a GPU: the compiled Triton kernel.
+
+
+def _lowp_kernel_check():
+  import importlib.util  # pylint: disable=import-outside-toplevel
+  import os  # pylint: disable=import-outside-toplevel
+  path = os.path.join(os.path.dirname(__file__), "..", "benchmarks",
+                      "lowp_kernel_check.py")
+  spec = importlib.util.spec_from_file_location("lowp_kernel_check", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+@pytest.mark.gpu
+def test_compiled_storage_primitives_match_xla_bits_on_gpu():
+  """Stochastic rounding, int8 quantization and dequantization inside a
+  compiled Triton kernel give XLA's bits on the same float32 inputs."""
+  result = _lowp_kernel_check().check_primitives(256, 512, interpret=False)
+  assert all(r["identical"] == 1.0 for r in result.values()), result
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["adamw", "lion", "sgd_momentum"])
+def test_compiled_lowp_kernel_matches_reference_on_gpu(name):
+  """Fused steps with exact dW: only the rule's float32 arithmetic may differ
+  (FMA contraction, Triton's division), moving a rare element across a
+  rounding boundary: one bf16 ulp or one int8 code at most."""
+  case = _lowp_kernel_check().check_fused(name, 512, 384, 256, 2,
+                                          interpret=False)
+  for step in case["steps"]:
+    assert step["skipped"] == [0, 0]
+    for leaf, r in step["leaves"].items():
+      assert r["identical"] >= 0.999, (leaf, r)
+      assert r.get("max_ulp", 0) <= 1 and r.get("max_code_distance", 0) <= 1, (
+          leaf, r)
+      assert r.get("max_rel_diff", 0.0) <= 1e-5, (leaf, r)
