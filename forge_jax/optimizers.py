@@ -11,9 +11,8 @@ definition of the math:
 * ``update_state(grad, kernel, state, scalars)`` and
   ``update_kernel(grad, kernel, state, scalars)``: the elementwise rule on
   float32 arrays of any shape (a whole kernel or one register tile), in two
-  halves. The kernel half reads the state as this step stored it (or, for
-  Lion, as it was before), so an XLA backend can overwrite every buffer in
-  place.
+  halves. The kernel half reads the state this step computed (or, for
+  Lion, the state from before the step).
 
 ``to_optax()`` returns the optax alias with the same arguments, for the
 parameters that FORGE does not own (biases, norms, embeddings), so the

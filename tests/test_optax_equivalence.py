@@ -57,15 +57,11 @@ def _row(name, shape=RANK3, marks=(), **kwargs):
 
 
 # bfloat16 optimizer state (mu_dtype / accumulator_dtype) with float32
-# weights: FORGE runs the whole rule in float32 and its kernel half reads the
-# new state as stored (rounded to bf16), on every backend (so the XLA
-# reference can update each buffer in place, and the kernels compute the
-# same bits). optax instead computes ``decay * t`` in bf16 and updates the
-# kernel from the unrounded moments. The two differ by up to a bf16 rounding
-# of the state (measured: ~5e-5 relative on Adam/SGD kernels, ~5e-4 on
-# Lion's kernel, ~2e-3 on Lion's mu after 8 steps), so these rows are held
-# to two bf16 ulps (2**-6: the roundings compound over 8 steps) instead of
-# RTOL. README documents the difference.
+# weights: FORGE runs the whole rule in float32 and rounds the state only to
+# store it; optax computes ``decay * t`` in bf16. The two differ by up to a
+# bf16 rounding of the state per step, so these rows are held to two bf16
+# ulps (2**-6: the roundings compound over 8 steps) instead of RTOL. README
+# documents the difference.
 BF16_STATE_RTOL = 2.0**-6
 
 

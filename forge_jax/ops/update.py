@@ -6,7 +6,6 @@ from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from forge_jax import quantization
 from forge_jax.optimizers import ForgeOptimizer
@@ -21,11 +20,11 @@ def apply_update(optimizer: ForgeOptimizer, grad: jax.Array, kernel: jax.Array,
   """One optimizer step on ``kernel`` (2-D: a kernel or a tile of one),
   skipping non-finite grads.
 
-  The rule runs in float32 whatever the storage dtypes, and its kernel half
-  reads the state as stored (rounded to its storage dtype, or int8-quantized
-  and dequantized), so every backend computes the same bits. Elements whose
-  gradient is not finite, and every element when ``apply`` is false, keep
-  their old kernel and state bit for bit (int8 states: see
+  The rule runs in float32 whatever the storage dtypes; its kernel half
+  reads this step's new state in float32, before it is rounded or quantized
+  for storage (as optax does), and every backend computes the same bits.
+  Elements whose gradient is not finite, and every element when ``apply`` is
+  false, keep their old kernel and state bit for bit (int8 states: see
   :func:`forge_jax.quantization.update`).
 
   Storage (:mod:`forge_jax.quantization`, the one place that rounds,
@@ -37,10 +36,9 @@ def apply_update(optimizer: ForgeOptimizer, grad: jax.Array, kernel: jax.Array,
   iota). ``valid`` masks the elements of a tile that exist (quantization
   blocks count the others as zero).
 
-  ``order_in_place`` (for whole-array XLA backends) puts an optimization
-  barrier between the two halves of the rule, so that no fusion needs a
-  value another fusion overwrote and XLA can update every donated buffer in
-  place instead of copying it.
+  ``order_in_place`` (for whole-array XLA backends) orders the state's
+  stores after the kernel's fusion, which reads the old state, so XLA can
+  update every donated buffer in place instead of copying it.
 
   Returns:
     ``(new_kernel, new_state, updated)``, where ``updated`` is a boolean
@@ -49,26 +47,24 @@ def apply_update(optimizer: ForgeOptimizer, grad: jax.Array, kernel: jax.Array,
   grad = grad.astype(jnp.float32)
   kernel_f32 = kernel.astype(jnp.float32)
   ok = jnp.logical_and(jnp.isfinite(grad), apply)
-  barrier = lax.optimization_barrier if order_in_place else (lambda x: x)
-
-  def new_kernel_from(read_state):
-    new = optimizer.update_kernel(grad, kernel_f32,
-                                  quantization.load_state(read_state), scalars)
-    return quantization.round_weights(
-        jnp.where(ok, new, kernel_f32), kernel.dtype,
-        rounding=optimizer.weight_rounding, seed=optimizer.rounding_seed,
-        layer_id=layer_id, step=step, indices=indices)
-
-  def new_state_from(old_state):
-    new = optimizer.update_state(grad, kernel_f32,
-                                 quantization.load_state(old_state), scalars)
-    return quantization.update_state(new, old_state, ok, valid)
-
-  if optimizer.kernel_reads_old_state:
-    new_kernel = new_kernel_from(state)
-    new_kernel, state = barrier((new_kernel, state))
-    new_state = new_state_from(state)
-  else:
-    new_state = barrier(new_state_from(state))
-    new_kernel = new_kernel_from(new_state)
+  old_state = quantization.load_state(state)
+  new_state_f32 = optimizer.update_state(grad, kernel_f32, old_state, scalars)
+  read = old_state if optimizer.kernel_reads_old_state else new_state_f32
+  new_kernel = quantization.round_weights(
+      jnp.where(ok, optimizer.update_kernel(grad, kernel_f32, read, scalars),
+                kernel_f32),
+      kernel.dtype, rounding=optimizer.weight_rounding,
+      seed=optimizer.rounding_seed, layer_id=layer_id, step=step,
+      indices=indices)
+  store_ok = ok
+  if order_in_place:
+    # The kernel's fusion reads the old state; the state's fusions overwrite
+    # it. A data dependency (an always-true predicate on a reduction of the
+    # new kernel, which XLA cannot fold or duplicate) orders the writes
+    # after the read, so XLA updates every buffer in place instead of
+    # copying the old state to keep it alive.
+    total = jnp.sum(new_kernel.astype(jnp.float32))
+    store_ok = jnp.logical_and(
+        ok, jnp.logical_or(jnp.isnan(total), jnp.logical_not(jnp.isnan(total))))
+  new_state = quantization.update_state(new_state_f32, state, store_ok, valid)
   return new_kernel, new_state, ok

@@ -1,0 +1,106 @@
+"""No gradient floor: compiled memory of FORGE train steps (CPU).
+
+``memory_analysis()`` of jitted, donated train steps of the package's
+Llama-style model, unrolled and scanned, with and without remat.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import traverse_util
+
+import forge_jax as fj
+from forge_jax import train as train_lib
+from forge_jax.models import llama
+
+BATCH, SEQ = 2, 32
+CONFIG = dataclasses.replace(llama.CONFIGS["small"], num_layers=6, dim=128,
+                             ffn_dim=512, head_dim=32)
+OPT = fj.adamw(1e-3, weight_decay=0.1)
+
+
+def _model(config, forge):
+  return llama.Llama(dataclasses.replace(
+      config, forge_optimizer=OPT if forge else None))
+
+
+def _abstract_state(model, tokens):
+  return jax.eval_shape(lambda: train_lib.create_train_state(
+      model, OPT.to_optax(), jax.random.key(0), tokens))
+
+
+def _step_memory(config, forge):
+  model = _model(config, forge)
+  tokens = jnp.zeros((BATCH, SEQ + 1), jnp.int32)
+  state = _abstract_state(model, tokens)
+  compiled = train_lib.make_train_step().lower(state, tokens).compile()
+  return compiled.memory_analysis(), state
+
+
+def _activation_floor(config) -> int:
+  """Temp bytes of the nn.Dense model's backward with the kernels frozen:
+  the activations (and input gradients) any train step must hold."""
+  model = _model(config, forge=False)
+  tokens = jnp.zeros((BATCH, SEQ + 1), jnp.int32)
+  params = _abstract_state(model, tokens).params["params"]
+  flat = traverse_util.flatten_dict(params)
+  frozen = {k: v for k, v in flat.items() if k[-1] == "kernel"}
+  trained = {k: v for k, v in flat.items() if k[-1] != "kernel"}
+
+  def grads(trained, frozen, tokens):
+    def loss(trained):
+      variables = {"params": traverse_util.unflatten_dict({**trained, **frozen})}
+      return train_lib.loss_fn(variables, model.apply, tokens)
+    return jax.grad(loss)(trained)
+
+  compiled = jax.jit(grads).lower(trained, frozen, tokens).compile()
+  return compiled.memory_analysis().temp_size_in_bytes
+
+
+def _nbytes(tree) -> int:
+  return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+
+def _growth(config, forge, layers=(4, 8)):
+  """Temp bytes, kernel bytes and the activation floor at two depths."""
+  rows = []
+  for num_layers in layers:
+    c = dataclasses.replace(config, num_layers=num_layers)
+    memory, state = _step_memory(c, forge)
+    rows.append((memory, state, _activation_floor(c),
+                 _nbytes(llama.kernels(state.params))))
+  return rows
+
+
+@pytest.mark.parametrize("remat", [False, True], ids=["no-remat", "remat"])
+@pytest.mark.parametrize("scan_layers", [False, True], ids=["unrolled", "scan"])
+def test_no_temp_memory_grows_with_the_kernels(scan_layers, remat):
+  """Doubling the depth adds the activations it must, never the gradients.
+
+  optax's scanned step holds every kernel's stacked gradient: its temp grows
+  by (at least 90% of) the added kernel bytes. FORGE's scanned step grows
+  only by the added activations (fj.scan_layers updates the stacks in place,
+  slice by slice). Unrolled, XLA already interleaves optax's updates with
+  the backward pass, and FORGE must grow no faster than optax.
+  """
+  config = dataclasses.replace(CONFIG, scan_layers=scan_layers, remat=remat)
+  (f4, state4, floor4, k4), (f8, state8, floor8, k8) = _growth(config, True)
+  (o4, _, _, _), (o8, _, _, _) = _growth(config, False)
+  kernel_growth = k8 - k4
+  forge_growth = f8.temp_size_in_bytes - f4.temp_size_in_bytes
+  optax_growth = o8.temp_size_in_bytes - o4.temp_size_in_bytes
+  floor_growth = floor8 - floor4
+  if scan_layers:
+    assert optax_growth >= 0.9 * kernel_growth, (optax_growth, kernel_growth)
+    assert forge_growth <= floor_growth + 0.1 * kernel_growth, (
+        forge_growth, floor_growth, kernel_growth)
+    assert f8.temp_size_in_bytes < o8.temp_size_in_bytes
+  else:
+    assert forge_growth <= optax_growth + 0.01 * kernel_growth, (
+        forge_growth, optax_growth)
+  # Every donated kernel and optimizer state is updated in place.
+  for memory, state in ((f4, state4), (f8, state8)):
+    assert memory.alias_size_in_bytes >= _nbytes(
+        state.params[fj.FORGE_COLLECTION])
