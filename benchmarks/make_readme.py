@@ -121,6 +121,30 @@ def model_memory_table(runs) -> str:
   return "\n".join(lines)
 
 
+def memory_sweep_table(runs) -> str:
+  """Compiled temp memory as the model grows (latest sweep)."""
+  if not runs:
+    return "_No memory sweep recorded yet._"
+  run = max(runs, key=lambda r: r["meta"]["date"])
+  mib = lambda b: b / 2**20
+  pairs = {}
+  for r in run["rows"]:
+    pairs.setdefault((r["dim"], r["num_layers"]), {})[r["variant"]] = r
+  lines = ["| width | layers | kernel bytes (MiB) | optax temp (MiB) | "
+           "FORGE temp (MiB) |", "|---|---|---|---|---|"]
+  for (dim, layers), pair in sorted(pairs.items()):
+    lines.append(f"| {dim} | {layers} | {mib(pair['forge']['kernel_bytes']):.1f} | "
+                 f"{mib(pair['optax']['temp_bytes']):.1f} | "
+                 f"{mib(pair['forge']['temp_bytes']):.1f} |")
+  meta = run["meta"]
+  lines.append("")
+  lines.append(f"- {meta['device']} (`memory_analysis()` of the compiled, donated "
+               f"step; float32, scan over layers with remat; XLA reference "
+               f"backend), JAX {meta['jax_version']}, commit `{meta['commit'][:10]}`; "
+               f"`{run['_file']}`.")
+  return "\n".join(lines)
+
+
 def kernel_plot(run) -> str | None:
   try:
     import matplotlib  # pylint: disable=import-outside-toplevel
@@ -177,6 +201,8 @@ def main():
       text = replace_section(text, "kernel-checks", check_table(checks_run))
   text = replace_section(text, "model-memory",
                          model_memory_table(_load("model_memory_*.json")))
+  text = replace_section(text, "memory-sweep",
+                         memory_sweep_table(_load("memory_sweep_*.json")))
   with open(readme_path, "w") as f:
     f.write(text)
   print(f"README regenerated from {RESULTS}")
