@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
 import math
 from typing import Any, Optional, Sequence
 
@@ -69,7 +68,6 @@ from forge_jax.ops import backends
 from forge_jax.ops.fused_dense import (ForgeVariables, FusedDenseSpec, _dense,
                                        _validate, check_differentiated,
                                        order_after, primal_values, step_scalars)
-from forge_jax.ops.update import apply_update
 
 DATA_PARALLEL_MODES = ("error", "psum")
 
@@ -477,18 +475,13 @@ def _local_backward(spec, layout, x, variables, bias, dy):
   if layout.data_axes:  # data_parallel == 'psum'
     grad = backends.weight_gradient(x_c, dy, spec.precision)
     grad = lax.psum(grad, layout.data_axes)
-    extra = _accepted(apply_update, step=step,
-                      layer_id=getattr(spec, "layer_id", 0))
-    new_kernel, new_state, updated = apply_update(
-        spec.optimizer, grad, kernel, variables.opt_state, scalars, apply,
-        order_in_place=True, **extra)
-    skipped = jnp.sum(jnp.logical_not(updated), dtype=jnp.int32)
+    new_kernel, new_state, skipped = backends.apply_gradient(
+        spec, grad, kernel, variables.opt_state, scalars, apply, step=step)
   else:
     backend = backends.select(spec.implementation, x_c, dy, kernel,
                               spec.optimizer)
     new_kernel, new_state, skipped = backend(
-        spec, x_c, dy, kernel, variables.opt_state, scalars, apply,
-        **_accepted(backend, step=step))
+        spec, x_c, dy, kernel, variables.opt_state, scalars, apply, step=step)
   skipped = _psum(skipped, layout.k_axes + layout.n_axes)
   new_variables = ForgeVariables(
       kernel=new_kernel,
@@ -497,16 +490,6 @@ def _local_backward(spec, layout, x, variables, bias, dy):
       skipped=skipped.astype(jnp.float32),
       intact=variables.intact)
   return dx, new_variables, dbias
-
-
-def _accepted(fn, **kwargs) -> dict:
-  """The keyword arguments ``fn`` takes (backends that take the layer's step
-  count get it, as on the single-device path)."""
-  try:
-    params = inspect.signature(fn).parameters
-  except (TypeError, ValueError):
-    return {}
-  return {k: v for k, v in kwargs.items() if k in params}
 
 
 def _sharded_op_bwd(spec, layout, residuals, dy):

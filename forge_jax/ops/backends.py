@@ -31,10 +31,16 @@ def xla_update(spec, x, dy, kernel, opt_state, scalars, apply, *, step=None):
   ``step`` (the layer's count, an integer scalar; None: 0) and
   ``spec.layer_id`` seed stochastic rounding.
   """
-  grad = weight_gradient(x, dy, spec.precision)
+  return apply_gradient(spec, weight_gradient(x, dy, spec.precision), kernel,
+                        opt_state, scalars, apply, step=step)
+
+
+def apply_gradient(spec, grad, kernel, opt_state, scalars, apply, *, step=None):
+  """The elementwise rule on a whole float32 ``grad``, updating in place:
+  ``(new_kernel, new_state, skipped)``."""
   new_kernel, new_state, updated = apply_update(
       spec.optimizer, grad, kernel, opt_state, scalars, apply,
-      order_in_place=True, step=step, layer_id=getattr(spec, "layer_id", 0))
+      order_in_place=True, step=step, layer_id=spec.layer_id)
   return new_kernel, new_state, jnp.sum(jnp.logical_not(updated), dtype=jnp.int32)
 
 

@@ -256,7 +256,7 @@ def triton_update(spec, x, dy, kernel, opt_state, scalars, apply,
       scalars_treedef=scalars_treedef, num_scalars=len(scalar_leaves),
       tokens=tokens, k=k, n=n, config=config,
       dot_precision=lax.Precision.HIGHEST if both_f32 else None,
-      scale_leaves=scale_leaves, layer_id=getattr(spec, "layer_id", 0))
+      scale_leaves=scale_leaves, layer_id=spec.layer_id)
   out_shape = (
       [jax.ShapeDtypeStruct(kernel.shape, kernel.dtype)]
       + [jax.ShapeDtypeStruct(s.shape, s.dtype) for s in state_leaves]
