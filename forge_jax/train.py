@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -57,19 +57,13 @@ def eval_step(state: TrainState, batch: jax.Array) -> jax.Array:
   return loss_fn(state.params, state.apply_fn, batch)
 
 
-def make_train_step(model: Optional[nn.Module] = None,
-                    optimizer: Any = None, *, donate: bool = True,
-                    jit: bool = True) -> Callable:
+def make_train_step(*, donate: bool = True) -> Callable:
   """The jitted ``train_step`` (state donated when ``donate``).
 
-  ``model`` and ``optimizer`` are accepted for symmetry with the variant
-  builders: the step reads the model from ``state.apply_fn`` and the optax
-  transformation from ``state.tx``, and FORGE's optimizer lives inside the
-  model's ForgeDense layers, so one step function serves both variants.
+  One step function serves both variants: it reads the model from
+  ``state.apply_fn`` and the optax transformation from ``state.tx``, and
+  FORGE's optimizer lives inside the model's ForgeDense layers.
   """
-  del model, optimizer
-  if not jit:
-    return train_step
   return jax.jit(train_step, donate_argnums=(0,) if donate else ())
 
 
@@ -94,7 +88,7 @@ class Variant:
     return create_train_state(self.model, self.tx, key, batch)
 
   def train_step(self, donate: bool = True) -> Callable:
-    return make_train_step(self.model, donate=donate)
+    return make_train_step(donate=donate)
 
 
 def build_variants(config, optimizer: ForgeOptimizer,
