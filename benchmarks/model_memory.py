@@ -43,10 +43,16 @@ def main():
   parser.add_argument("--layers", type=int, default=None,
                       help="override the number of layers (smoke tests)")
   parser.add_argument("--implementation", default="auto")
+  parser.add_argument("--state-dtype", default="bfloat16",
+                      choices=["bfloat16", "int8"],
+                      help="FORGE's optimizer state storage (optax: bf16)")
+  parser.add_argument("--weight-rounding", default="nearest",
+                      choices=["nearest", "stochastic"])
   parser.add_argument("--out", required=True)
   args = parser.parse_args()
 
-  optimizer = fj.adamw(1e-4, weight_decay=0.1, mu_dtype=jnp.bfloat16)
+  optimizer = fj.adamw(1e-4, weight_decay=0.1, state_dtype=args.state_dtype,
+                       weight_rounding=args.weight_rounding)
   overrides = dict(param_dtype=jnp.bfloat16, dtype=jnp.bfloat16,
                    scan_layers=True, remat=True,
                    implementation=args.implementation)
@@ -81,7 +87,9 @@ def main():
       "meta": metadata(),
       "config": args.config, "variant": args.variant,
       "num_layers": config.num_layers, "batch": args.batch, "seq": args.seq,
-      "param_dtype": "bfloat16", "state_dtype": "bfloat16",
+      "param_dtype": "bfloat16",
+      "state_dtype": args.state_dtype if args.variant == "forge" else "bfloat16",
+      "weight_rounding": args.weight_rounding if args.variant == "forge" else "nearest",
       "num_params": config.num_params(),
       "peak_bytes_in_use": stats.get("peak_bytes_in_use"),
       "bytes_in_use_after": stats.get("bytes_in_use"),
