@@ -91,20 +91,24 @@ def model_memory_table(runs) -> str:
   if not runs:
     return "_No whole-model run recorded yet._"
   gib = lambda b: b / 2**30
-  lines = ["| model | B x T | variant | peak memory (GiB) | compiled temp (GiB) | "
-           "step (ms) |", "|---|---|---|---|---|---|"]
+  lines = ["| model | B x T | variant | weights / states | peak memory (GiB) | "
+           "compiled temp (GiB) | step (ms) |", "|---|---|---|---|---|---|---|"]
   for r in sorted(runs, key=lambda r: (r["config"], r["batch"], r["seq"],
                                        r["variant"] != "optax")):
     lines.append(
         f"| {r['config']} ({r['num_layers']} layers) | {r['batch']} x {r['seq']} | "
-        f"{r['variant']} | {gib(r['peak_bytes_in_use']):.2f} | "
+        f"{r['variant']} | bf16{' + SR' if r.get('weight_rounding') == 'stochastic' else ''}"
+        f" / {r.get('state_dtype', 'bfloat16').replace('bfloat16', 'bf16')} | "
+        f"{gib(r['peak_bytes_in_use']):.2f} | "
         f"{gib(r['compiled_temp_bytes']):.2f} | {r['step_ms_median']:.1f} |")
   lines.append("")
   grads = {(r["config"], r["batch"], r["seq"]): r["projection_kernel_bytes"]
            for r in runs}
   for key, kernel_bytes in sorted(grads.items()):
+    # Same weight and state precision on both sides.
     pair = {r["variant"]: r for r in runs
-            if (r["config"], r["batch"], r["seq"]) == key}
+            if (r["config"], r["batch"], r["seq"]) == key
+            and r.get("state_dtype", "bfloat16") == "bfloat16"}
     if {"optax", "forge"} <= set(pair):
       saved = pair["optax"]["peak_bytes_in_use"] - pair["forge"]["peak_bytes_in_use"]
       lines.append(
@@ -114,10 +118,12 @@ def model_memory_table(runs) -> str:
           f"{gib(kernel_bytes):.2f} GiB that the projection kernels' bf16 "
           f"gradients take; step time {pair['forge']['step_ms_median'] / pair['optax']['step_ms_median']:.2f}x optax's.")
   meta = runs[0]["meta"]
-  lines.append(f"- {meta['device']}, JAX {meta['jax_version']}, commit "
-               f"`{meta['commit'][:10]}`; bf16 weights and AdamW states in both "
-               "variants, scan over layers with remat; one process per row; "
-               "`benchmarks/model_memory.py`.")
+  commits = ", ".join(sorted({f"`{r['meta']['commit'][:7]}`" for r in runs}))
+  lines.append(f"- {meta['device']}, JAX {meta['jax_version']}, commits "
+               f"{commits}; AdamW, scan over layers "
+               "with remat; one process per row; `benchmarks/model_memory.py` "
+               "(`--state-dtype int8 --weight-rounding stochastic` for the "
+               "int8 row).")
   return "\n".join(lines)
 
 
