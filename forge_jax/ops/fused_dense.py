@@ -23,6 +23,7 @@ from flax.linen import dtypes as flax_dtypes
 
 from forge_jax.optimizers import ForgeOptimizer
 from forge_jax.ops import backends
+from forge_jax.ops.update import true_after
 
 IMPLEMENTATIONS = ("auto", "xla", "triton")
 
@@ -172,14 +173,12 @@ def order_after(dx):
   """A scalar True that depends on ``dx`` (True if ``dx`` is None).
 
   The update overwrites the kernel in place, so it must run after dx, the
-  last reader of the old kernel; XLA copies the kernel unless a data
-  dependency says so (optimization barriers are gone by copy insertion).
-  ``isnan(d) | ~isnan(d)`` is always true, and costs one scalar.
+  last reader of the old kernel, or XLA copies the kernel. dx comes from a
+  dot, which XLA does not duplicate: one element of it is enough.
   """
   if dx is None:
     return True
-  first = dx.reshape(-1)[0]
-  return jnp.logical_or(jnp.isnan(first), jnp.logical_not(jnp.isnan(first)))
+  return true_after(dx.reshape(-1)[0])
 
 
 def step_scalars(spec: FusedDenseSpec, variables: ForgeVariables):
@@ -207,9 +206,8 @@ def _forge_dense_bwd(spec, residuals, dy):
   after_dx = order_after(dx)
   apply = jnp.logical_and(jnp.all(jnp.isfinite(dy)), after_dx)
   scalars = step_scalars(spec, variables)
-  x_c, kernel_c, _ = flax_dtypes.promote_dtype(x, variables.kernel, None,
-                                               dtype=spec.dtype)
-  del kernel_c
+  x_c, _, _ = flax_dtypes.promote_dtype(x, variables.kernel, None,
+                                       dtype=spec.dtype)
   backend = backends.select(spec.implementation, x_c, dy, variables.kernel,
                             spec.optimizer)
   new_kernel, new_state, skipped = backend(

@@ -11,6 +11,16 @@ from forge_jax import quantization
 from forge_jax.optimizers import ForgeOptimizer
 
 
+def true_after(value: jax.Array) -> jax.Array:
+  """A boolean True that XLA must compute after the scalar ``value``.
+
+  ``isnan(v) | ~isnan(v)`` is always true and XLA does not fold it: AND it
+  into a predicate to order an in-place write after a read that has no
+  other data dependency (optimization barriers are gone by then).
+  """
+  return jnp.logical_or(jnp.isnan(value), jnp.logical_not(jnp.isnan(value)))
+
+
 def apply_update(optimizer: ForgeOptimizer, grad: jax.Array, kernel: jax.Array,
                  state: NamedTuple, scalars: NamedTuple, apply: jax.Array, *,
                  order_in_place: bool = False,
@@ -59,12 +69,10 @@ def apply_update(optimizer: ForgeOptimizer, grad: jax.Array, kernel: jax.Array,
   store_ok = ok
   if order_in_place:
     # The kernel's fusion reads the old state; the state's fusions overwrite
-    # it. A data dependency (an always-true predicate on a reduction of the
-    # new kernel, which XLA cannot fold or duplicate) orders the writes
-    # after the read, so XLA updates every buffer in place instead of
-    # copying the old state to keep it alive.
-    total = jnp.sum(new_kernel.astype(jnp.float32))
+    # it. Depending on a reduction of the new kernel (which XLA cannot
+    # duplicate into the state's fusions) orders the writes after the read,
+    # so XLA updates every buffer in place instead of copying the old state.
     store_ok = jnp.logical_and(
-        ok, jnp.logical_or(jnp.isnan(total), jnp.logical_not(jnp.isnan(total))))
+        ok, true_after(jnp.sum(new_kernel.astype(jnp.float32))))
   new_state = quantization.update_state(new_state_f32, state, store_ok, valid)
   return new_kernel, new_state, ok
