@@ -12,7 +12,6 @@ import glob
 import json
 import os
 import re
-import statistics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "benchmarks", "results")

@@ -21,7 +21,6 @@ import sys
 import jax
 import jax.numpy as jnp
 import flax.linen as nn
-import optax
 from flax.training.train_state import TrainState
 
 import forge_jax as fj

@@ -293,8 +293,7 @@ def main(argv=None):
     for variant in ("optax", "forge"):
       result[variant] = _child(["--part", "measure", "--variant", variant], args)
     sys.path.insert(0, HERE)
-    jax = _setup_jax(args)
-    del jax
+    _setup_jax(args)  # metadata() reads the devices
     from timing import metadata  # pylint: disable=import-outside-toplevel
     result["meta"] = metadata()
     f, o = result["forge"], result["optax"]

@@ -9,7 +9,6 @@ install FORGE's updated kernels from ``_overwrite_with_gradient``.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Callable, Optional
 
 import jax
@@ -18,7 +17,6 @@ import flax.linen as nn
 import optax
 from flax.training.train_state import TrainState
 
-from forge_jax.linen import FORGE_COLLECTION
 from forge_jax.optimizers import ForgeOptimizer
 
 

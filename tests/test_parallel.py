@@ -31,7 +31,6 @@ except RuntimeError:
 import flax.linen as nn  # pylint: disable=g-import-not-at-top
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 from flax import traverse_util
 from flax.training.train_state import TrainState

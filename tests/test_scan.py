@@ -6,8 +6,6 @@ import jax
 import jax.numpy as jnp
 import flax.linen as nn
 import numpy as np
-import optax
-import pytest
 from flax.training.train_state import TrainState
 
 import forge_jax as fj
