@@ -67,7 +67,8 @@ from flax.linen import dtypes as flax_dtypes
 from forge_jax.ops import backends
 from forge_jax.ops.fused_dense import (ForgeVariables, FusedDenseSpec, _dense,
                                        _validate, check_differentiated,
-                                       order_after, primal_values, step_scalars)
+                                       order_after, primal_values, step_scalars,
+                                       stepped)
 
 DATA_PARALLEL_MODES = ("error", "psum")
 
@@ -483,13 +484,7 @@ def _local_backward(spec, layout, x, variables, bias, dy):
     new_kernel, new_state, skipped = backend(
         spec, x_c, dy, kernel, variables.opt_state, scalars, apply, step=step)
   skipped = _psum(skipped, layout.k_axes + layout.n_axes)
-  new_variables = ForgeVariables(
-      kernel=new_kernel,
-      opt_state=new_state,
-      count=variables.count + apply.astype(jnp.float32),
-      skipped=skipped.astype(jnp.float32),
-      intact=variables.intact)
-  return dx, new_variables, dbias
+  return dx, stepped(variables, new_kernel, new_state, skipped, apply), dbias
 
 
 def _sharded_op_bwd(spec, layout, residuals, dy):

@@ -195,6 +195,17 @@ def step_scalars(spec: FusedDenseSpec, variables: ForgeVariables):
       variables.intact > 0, 1.0, jnp.nan).astype(scalars.neg_lr.dtype))
 
 
+def stepped(variables: ForgeVariables, new_kernel, new_state, skipped,
+            apply) -> ForgeVariables:
+  """The layer's variables after a step (``count`` advances if applied)."""
+  return ForgeVariables(
+      kernel=new_kernel,
+      opt_state=new_state,
+      count=variables.count + apply.astype(jnp.float32),
+      skipped=skipped.astype(jnp.float32),
+      intact=variables.intact)
+
+
 def _forge_dense_bwd(spec, residuals, dy):
   x, variables, bias = residuals
   if isinstance(dy, SymbolicZero):
@@ -213,13 +224,7 @@ def _forge_dense_bwd(spec, residuals, dy):
   new_kernel, new_state, skipped = backend(
       spec, x_c, dy, variables.kernel, variables.opt_state, scalars, apply,
       step=variables.count.astype(jnp.int32))
-  new_variables = ForgeVariables(
-      kernel=new_kernel,
-      opt_state=new_state,
-      count=variables.count + apply.astype(jnp.float32),
-      skipped=skipped.astype(jnp.float32),
-      intact=variables.intact)
-  return dx, new_variables, dbias
+  return dx, stepped(variables, new_kernel, new_state, skipped, apply), dbias
 
 
 _forge_dense.defvjp(_forge_dense_fwd, _forge_dense_bwd, symbolic_zeros=True)
