@@ -6,6 +6,7 @@ from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from forge_jax import quantization
 from forge_jax.optimizers import ForgeOptimizer
@@ -74,5 +75,10 @@ def apply_update(optimizer: ForgeOptimizer, grad: jax.Array, kernel: jax.Array,
     # so XLA updates every buffer in place instead of copying the old state.
     store_ok = jnp.logical_and(
         ok, true_after(jnp.sum(new_kernel.astype(jnp.float32))))
+  if order_in_place:
+    # Recompute the new state for the stores from barrier-separated inputs:
+    # no float32 copy of it stays alive between the two fusions.
+    grad_s, kernel_s, old_s = lax.optimization_barrier((grad, kernel_f32, old_state))
+    new_state_f32 = optimizer.update_state(grad_s, kernel_s, old_s, scalars)
   new_state = quantization.update_state(new_state_f32, state, store_ok, valid)
   return new_kernel, new_state, ok
