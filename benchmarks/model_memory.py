@@ -19,7 +19,6 @@ import argparse
 import json
 import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -30,7 +29,7 @@ from forge_jax import train as train_lib
 from forge_jax.models import llama
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from timing import metadata  # pylint: disable=wrong-import-position
+from timing import metadata, time_steps  # pylint: disable=wrong-import-position
 
 
 def main():
@@ -73,13 +72,7 @@ def main():
   compiled = step.lower(state, batch).compile()
   analysis = compiled.memory_analysis()
 
-  times = []
-  for i in range(args.steps + 2):
-    start = time.perf_counter()
-    state, loss = compiled(state, batch)
-    loss = float(loss)
-    if i >= 2:
-      times.append(time.perf_counter() - start)
+  state, loss, times = time_steps(compiled, state, batch, args.steps)
   stats = device.memory_stats() or {}
   kernels = llama.kernels(state.params)
   kernel_bytes = sum(k.size * k.dtype.itemsize for k in kernels.values())

@@ -41,6 +41,22 @@ def metadata() -> dict:
   }
 
 
+def time_steps(step, state, batch, steps: int, warmup: int = 2):
+  """Run ``warmup + steps`` train steps, each blocked on (``float(loss)``).
+
+  Returns ``(state, loss, seconds)``: the last state and loss, and the wall
+  time of each of the last ``steps`` steps.
+  """
+  seconds = []
+  for i in range(warmup + steps):
+    start = time.perf_counter()
+    state, loss = step(state, batch)
+    loss = float(loss)
+    if i >= warmup:
+      seconds.append(time.perf_counter() - start)
+  return state, loss, seconds
+
+
 def _device_events(trace_dir: str):
   from jax.profiler import ProfileData  # pylint: disable=import-outside-toplevel
   paths = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)

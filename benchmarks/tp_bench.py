@@ -40,7 +40,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -191,6 +190,8 @@ def measure(args) -> dict:
   import forge_jax as fj  # pylint: disable=import-outside-toplevel
   from forge_jax import parallel, train  # pylint: disable=import-outside-toplevel
   from forge_jax.models import llama  # pylint: disable=import-outside-toplevel
+  sys.path.insert(0, HERE)
+  from timing import time_steps  # pylint: disable=import-outside-toplevel
 
   optimizer = fj.adamw(1e-4, weight_decay=0.1, mu_dtype=jnp.bfloat16)
   overrides = dict(param_dtype=jnp.bfloat16, dtype=jnp.bfloat16,
@@ -218,13 +219,7 @@ def measure(args) -> dict:
     compiled = step.lower(state, batch).compile()
     analysis = compiled.memory_analysis()
     hlo = compiled.as_text()
-    times = []
-    for i in range(args.steps + 2):
-      start = time.perf_counter()
-      state, loss = compiled(state, batch)
-      loss = float(loss)
-      if i >= 2:
-        times.append(time.perf_counter() - start)
+    state, loss, times = time_steps(compiled, state, batch, args.steps)
   kernels = llama.kernels(state.params)
   shapes = {tuple(k.shape) for k in kernels.values()}
   shapes |= {s[::-1] for s in shapes}
