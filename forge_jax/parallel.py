@@ -103,6 +103,15 @@ def make_mesh(model: int, data: int = 1, devices: Optional[Sequence] = None,
 # Layout: what each dimension is sharded over, and which collectives follow.
 
 
+def _entries(spec, ndim: int, where: str, what: str) -> tuple:
+  """``spec``'s mesh axes per dimension, padded with () to ``ndim``."""
+  entries = tuple(_axes(e) for e in tuple(spec))
+  if len(entries) > ndim:
+    raise ValueError(f"{where}: {what} partitioning {spec} has more entries "
+                     f"than the {what} has dimensions ({ndim})")
+  return entries + ((),) * (ndim - len(entries))
+
+
 def _axes(entry) -> Axes:
   """A PartitionSpec entry (None, a name, or a tuple of names) as a tuple."""
   if entry is None:
@@ -201,11 +210,7 @@ def plan_layout(mesh, x_ndim: int, kernel_spec, x_spec=None, y_spec=None,
   if x_spec is None:
     x = ((),) * (x_ndim - 1) + (k_axes,)
   else:
-    x = tuple(_axes(e) for e in tuple(x_spec))
-    x = x + ((),) * (x_ndim - len(x))
-  if len(x) != x_ndim:
-    raise ValueError(f"{where}: input partitioning {x_spec} has more entries "
-                     f"than the input has dimensions ({x_ndim})")
+    x = _entries(x_spec, x_ndim, where, "input")
   for axes in x + kernel:
     for a in axes:
       if a not in sizes:
@@ -251,11 +256,7 @@ def plan_layout(mesh, x_ndim: int, kernel_spec, x_spec=None, y_spec=None,
   if y_spec is None:
     y = default_y
   else:
-    y = tuple(_axes(e) for e in tuple(y_spec))
-    y = y + ((),) * (x_ndim - len(y))
-    if len(y) != x_ndim:
-      raise ValueError(f"{where}: output partitioning {y_spec} has more "
-                       f"entries than the output has dimensions ({x_ndim})")
+    y = _entries(y_spec, x_ndim, where, "output")
     for dim, (want, have) in enumerate(zip(y[:-1], default_y[:-1])):
       if want == have:
         continue

@@ -118,14 +118,17 @@ def test_state_of_another_optimizer_raises_type_error(seed):
 # Differentiating w.r.t. params only.
 
 
+def _params_only_loss(model, variables, batch):
+  """The loss as a function of ``params`` alone (the collection held fixed)."""
+  return lambda params: cross_entropy(
+      model.apply, {"params": params, COLL: variables[COLL]}, batch)
+
+
 def test_grad_of_params_only_raises_at_trace_time(seed):
   model = MLP((8, 4), optimizer=OPT)
   variables, batch = _init(model, seed)
 
-  def loss(params):
-    return cross_entropy(model.apply, {"params": params, COLL: variables[COLL]},
-                         batch)
-
+  loss = _params_only_loss(model, variables, batch)
   with pytest.raises(ValueError, match=COLL):
     jax.grad(loss)(variables["params"])
   with pytest.raises(ValueError, match=COLL):
@@ -149,10 +152,7 @@ def test_grad_of_params_only_raises_for_first_layer_without_bias(seed):
   model = NoBiasFirst()
   variables, batch = _init(model, seed)
 
-  def loss(params):
-    return cross_entropy(model.apply, {"params": params, COLL: variables[COLL]},
-                         batch)
-
+  loss = _params_only_loss(model, variables, batch)
   with pytest.raises(ValueError, match=COLL):
     jax.grad(loss)(variables["params"])
 
