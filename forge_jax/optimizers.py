@@ -335,7 +335,9 @@ class RAdam(ForgeOptimizer):
     mu_hat = _adam_mu_hat(self.b1, self.nesterov, grad, state.mu, s)
     nu_hat = state.nu / s.bc2
     rectified = s.rect * mu_hat / (jnp.sqrt(nu_hat + self.eps_root) + self.eps)
-    u = jnp.where(s.rectify > 0.5, rectified, mu_hat)
+    # An explicit broadcast: Mosaic GPU lowers no implicit scalar broadcast.
+    u = jnp.where(jnp.broadcast_to(s.rectify > 0.5, mu_hat.shape), rectified,
+                  mu_hat)
     return kernel + s.neg_lr * u
 
   def to_optax(self):

@@ -1,0 +1,358 @@
+"""Pallas kernel (Mosaic GPU, Hopper): wgmma dW tiles with the update fused.
+
+A persistent kernel (one CTA per SM) walks the kernel's ``tile_k x
+2*tile_n`` tiles. In each CTA a memory warpgroup streams ``x`` and ``dy``
+blocks into shared memory with TMA while two compute warpgroups accumulate
+``dW = x.T @ dy`` with wgmma (``x``'s block is the transposed A operand),
+each for one ``tile_k x tile_n`` half, in float32 registers. Each compute
+warpgroup's epilogue then walks its half in ``epilogue_k x epilogue_n``
+sub-tiles: TMA loads of the kernel and state sub-tiles, the optimizer rule in
+registers (:func:`forge_jax.ops.update.apply_update`, the function the XLA
+reference applies to the whole array), and TMA stores of the new values over
+the old ones. The first sub-tile's loads are issued before the main loop,
+so they land while the tensor cores work; the stores are asynchronous and
+drain while the next tile's main loop runs. ``dW`` never reaches device
+memory.
+
+The kernel, its state and the skipped-element count are ``jax.new_ref``
+buffers the kernel writes in place (aliased in and out).
+
+Coverage: 16-bit activations (wgmma's transposed operand), float32 or
+bfloat16 kernels and float32 or bfloat16 states, shapes that divide into
+whole tiles. Other calls get a reason from :func:`unsupported_reason`
+('auto' then uses the Triton-lowering kernel).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from forge_jax.ops.update import apply_update
+
+_ACTIVATION_DTYPES = (jnp.bfloat16, jnp.float16)
+_STORAGE_DTYPES = (jnp.float32, jnp.bfloat16)
+#: Shared memory a CTA may take (H100/H200: 227 KB), less some for barriers.
+SHARED_MEMORY_BUDGET = 220 * 1024
+#: Streaming multiprocessors of an H100/H200 (the persistent grid's size when
+#: no GPU is present, i.e. interpret mode and cross-lowering).
+DEFAULT_NUM_SMS = 132
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicConfig:
+  """Tile shapes of the Mosaic GPU kernel.
+
+  A CTA computes ``tile_k x (2 * tile_n)`` of dW (two compute warpgroups),
+  streaming ``tile_t`` tokens per pipeline step, ``max_concurrent_steps``
+  steps in flight. The epilogue works on ``epilogue_k x epilogue_n``
+  sub-tiles of each warpgroup's ``tile_k x tile_n`` half.
+  """
+
+  tile_k: int = 128
+  tile_n: int = 128
+  tile_t: int = 64
+  max_concurrent_steps: int = 3
+  epilogue_k: int = 64
+  epilogue_n: int = 32
+  #: Tiles of this many consecutive N-blocks share their x blocks in L2.
+  grid_tile_width: int = 8
+
+  def __post_init__(self):
+    for name in ("tile_k", "tile_n", "tile_t", "epilogue_k", "epilogue_n"):
+      value = getattr(self, name)
+      if value < 8 or value & (value - 1):
+        raise ValueError(f"{name}={value} must be a power of two >= 8")
+    if self.tile_k % 64 or self.epilogue_k % 64:
+      raise ValueError(f"tile_k={self.tile_k} and epilogue_k={self.epilogue_k} "
+                       "must be multiples of 64 (a warpgroup's wgmma rows)")
+    if self.tile_k % self.epilogue_k or self.tile_n % self.epilogue_n:
+      raise ValueError(
+          f"epilogue_k={self.epilogue_k} and epilogue_n={self.epilogue_n} "
+          f"must divide tile_k={self.tile_k} and tile_n={self.tile_n}")
+    if self.max_concurrent_steps < 2:
+      raise ValueError(f"max_concurrent_steps={self.max_concurrent_steps} "
+                       "must be at least 2")
+
+  @property
+  def cta_tile_n(self) -> int:
+    return 2 * self.tile_n
+
+
+def shared_memory_bytes(config: MosaicConfig, activation_itemsize: int,
+                        storage_itemsizes) -> int:
+  """Pipeline buffers + both warpgroups' epilogue buffers."""
+  pipeline = (config.max_concurrent_steps * config.tile_t
+              * (config.tile_k + config.cta_tile_n) * activation_itemsize)
+  epilogue = 2 * config.epilogue_k * config.epilogue_n * sum(storage_itemsizes)
+  return pipeline + epilogue
+
+
+def unsupported_reason(x, dy, kernel, optimizer,
+                       config: Optional[MosaicConfig] = None) -> Optional[str]:
+  """Why the Mosaic GPU kernel cannot run this call, or None if it can."""
+  config = config or MosaicConfig()
+  for name, value in (("x", x), ("dy", dy)):
+    if jnp.dtype(value.dtype) not in map(jnp.dtype, _ACTIVATION_DTYPES):
+      return f"{name}.dtype={value.dtype} must be bfloat16 or float16"
+  if x.dtype != dy.dtype:
+    return f"{x.dtype=} and {dy.dtype=} must match"
+  if jnp.dtype(kernel.dtype) not in map(jnp.dtype, _STORAGE_DTYPES):
+    return f"kernel.dtype={kernel.dtype} must be float32 or bfloat16"
+  state = jax.eval_shape(optimizer.init, kernel)
+  for leaf in jax.tree.leaves(state):
+    if jnp.dtype(leaf.dtype) not in map(jnp.dtype, _STORAGE_DTYPES):
+      return (f"optimizer state dtype {leaf.dtype} is not supported (float32 "
+              "or bfloat16; int8 states run on implementation='triton')")
+  if optimizer.weight_rounding != "nearest":
+    return (f"weight_rounding={optimizer.weight_rounding!r} runs on "
+            "implementation='triton'")
+  k, n = kernel.shape
+  tokens = math.prod(x.shape[:-1])
+  for name, size, tile in (("in_features", k, config.tile_k),
+                           ("features", n, config.cta_tile_n),
+                           ("tokens", tokens, config.tile_t)):
+    if size % tile:
+      return f"{name}={size} must be a multiple of {tile}"
+  itemsizes = [jnp.dtype(kernel.dtype).itemsize] + [
+      jnp.dtype(leaf.dtype).itemsize for leaf in jax.tree.leaves(state)]
+  needed = shared_memory_bytes(config, jnp.dtype(x.dtype).itemsize, itemsizes)
+  if needed > SHARED_MEMORY_BUDGET:
+    return (f"the tiles of {config} need {needed} bytes of shared memory, "
+            f"more than {SHARED_MEMORY_BUDGET}")
+  return None
+
+
+def check_supported(x, dy, kernel, optimizer, config=None):
+  reason = unsupported_reason(x, dy, kernel, optimizer, config)
+  if reason is not None:
+    raise ValueError(f"implementation='mosaic' cannot run this call: {reason}")
+
+
+def _sqrt_via_rsqrt(x, accuracy=None):
+  """sqrt for Mosaic GPU's warpgroup lowering, which has rsqrt but not sqrt:
+  ``x * rsqrt(x)`` and one Newton step (correctly rounded but for rare last-
+  bit ties); 0 stays 0."""
+  del accuracy
+  inv = lax.rsqrt(x)
+  root = x * inv
+  root = root + 0.5 * inv * (x - root * root)
+  return jnp.where(x == 0, x, root)
+
+
+def _is_finite(x):
+  return jnp.abs(x) < jnp.inf  # NaN compares false
+
+
+def _register_missing_lowerings():
+  """Lower sqrt and is_finite (which the optimizer rules use) through other
+  ops where this JAX's Mosaic GPU warpgroup lowering lacks them."""
+  # pylint: disable=import-outside-toplevel,protected-access
+  from jax._src.pallas.mosaic_gpu import core as gpu_core
+  from jax._src.pallas.mosaic_gpu import lowering
+  rules = lowering.mosaic_lowering_rules[gpu_core.WGxWG_SEMANTICS]
+  rules.setdefault(lax.sqrt_p, lowering._lower_fun(_sqrt_via_rsqrt))
+  rules.setdefault(lax.is_finite_p, lowering._lower_fun(_is_finite))
+
+
+_register_missing_lowerings()
+
+
+def _swizzled(block_minor: int, dtype):
+  """TMA transforms for a block whose minor dimension has ``block_minor``
+  elements of ``dtype``."""
+  swizzle = plgpu.find_swizzle(block_minor * jnp.dtype(dtype).itemsize * 8)
+  return (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)),
+          plgpu.SwizzleTransform(swizzle))
+
+
+def _fused_kernel(scalars_gmem, x_gmem, dy_gmem, storage_gmem, storage_out,
+                  skipped_gmem, *, optimizer, state_treedef, scalars_treedef,
+                  num_scalars, config: MosaicConfig, layer_id):
+  """``storage_gmem`` (kernel, *state leaves) are read; ``storage_out`` written
+  (on the GPU the same refs: in place)."""
+  tokens, k = x_gmem.shape
+  n = dy_gmem.shape[1]
+  tk, tn, tt = config.tile_k, config.tile_n, config.tile_t
+  ek, en = config.epilogue_k, config.epilogue_n
+  k_iters, n_iters = k // tk, n // config.cta_tile_n
+  x_transforms = _swizzled(tk, x_gmem.dtype)
+  dy_transforms = _swizzled(config.cta_tile_n, dy_gmem.dtype)
+
+  def pipeline(body, compute_context):
+    return plgpu.emit_pipeline_warp_specialized(
+        body,
+        grid=(tokens // tt,),
+        memory_registers=40,
+        in_specs=[
+            plgpu.BlockSpec((tt, tk), lambda t: (t, 0),
+                            transforms=x_transforms),
+            plgpu.BlockSpec((tt, config.cta_tile_n), lambda t: (t, 0),
+                            transforms=dy_transforms),
+        ],
+        wg_axis="wg",
+        num_compute_wgs=2,
+        max_concurrent_steps=config.max_concurrent_steps,
+        compute_context=compute_context,
+    )
+
+  ignore = lambda *_, **__: None
+
+  @functools.partial(
+      pl.run_scoped,
+      pipeline_allocs=pipeline(ignore, ignore).get_allocations(
+          x_gmem.at[:, :tk], dy_gmem.at[:, :config.cta_tile_n]),
+      epilogue_smem=[plgpu.SMEM((2, ek, en), ref.dtype,
+                                transforms=_swizzled(en, ref.dtype))
+                     for ref in storage_gmem],
+      load_barrier=plgpu.Barrier(num_barriers=2),
+      collective_axes="wg",
+  )
+  def _scope(pipeline_allocs, epilogue_smem, load_barrier):
+    wg = lax.axis_index("wg")
+    scalar_values = [scalars_gmem[i] for i in range(num_scalars + 1)]
+    scalars = jax.tree.unflatten(scalars_treedef, scalar_values[:num_scalars])
+    apply = scalar_values[num_scalars] > 0.5
+
+    @plgpu.nd_loop((k_iters * n_iters,), collective_axes="sm")
+    def _tile_loop(loop_info: plgpu.NDLoopInfo):
+      (linear,) = loop_info.index
+      k_idx, n_idx = plgpu.planar_snake(linear, (k_iters, n_iters), 1,
+                                        config.grid_tile_width)
+      k0 = k_idx * tk
+      n0 = n_idx * config.cta_tile_n + wg * tn
+
+      def sub_tiles():
+        return [(i, j) for i in range(tk // ek) for j in range(tn // en)]
+
+      def window(ref, i, j):
+        return ref.at[pl.ds(k0 + i * ek, ek), pl.ds(n0 + j * en, en)]
+
+      def issue_loads(i, j):
+        # Wait until the stores that last read these buffers have finished.
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        for gmem, smem in zip(storage_gmem, epilogue_smem):
+          plgpu.copy_gmem_to_smem(window(gmem, i, j), smem.at[wg],
+                                  load_barrier.at[wg])
+
+      def compute_context(eval_pipeline):
+        @functools.partial(pl.run_scoped,
+                           acc_ref=plgpu.ACC((tk, tn), jnp.float32))
+        def _acc_scope(acc_ref):
+          issue_loads(0, 0)  # lands while the main loop runs
+          eval_pipeline(acc_ref)
+          acc = acc_ref[...]
+          skipped = jnp.zeros((), jnp.int32)
+          tiles = sub_tiles()
+          for index, (i, j) in enumerate(tiles):
+            if index:
+              issue_loads(i, j)
+            plgpu.barrier_wait(load_barrier.at[wg])
+            grad = acc[i * ek:(i + 1) * ek, j * en:(j + 1) * en]
+            values = [smem[wg] for smem in epilogue_smem]
+            state = jax.tree.unflatten(state_treedef, values[1:])
+            new_w, new_state, updated = apply_update(
+                optimizer, grad, values[0], state, scalars, apply,
+                layer_id=layer_id)
+            for smem, value in zip(epilogue_smem,
+                                   [new_w] + jax.tree.leaves(new_state)):
+              smem[wg] = value
+            plgpu.commit_smem()
+            for gmem, smem in zip(storage_out, epilogue_smem):
+              plgpu.copy_smem_to_gmem(smem.at[wg], window(gmem, i, j))
+            skipped += jnp.sum(jnp.sum(jnp.where(updated, 0.0, 1.0), axis=1)).astype(jnp.int32)
+          # Every thread holds the same sum: all write the same value.
+          skipped_gmem[2 * linear + wg] = skipped
+
+      def mma(_, x_smem, dy_smem, acc_ref):
+        plgpu.wgmma(acc_ref, plgpu.transpose_ref(x_smem, (1, 0)),
+                    dy_smem.at[:, pl.ds(wg * tn, tn)])
+        plgpu.wgmma_wait(1)
+        return acc_ref
+
+      pipeline(mma, compute_context)(
+          x_gmem.at[:, pl.ds(k0, tk)],
+          dy_gmem.at[:, pl.ds(n_idx * config.cta_tile_n, config.cta_tile_n)],
+          allocations=pipeline_allocs)
+
+  plgpu.wait_smem_to_gmem(0, wait_read_only=False)
+
+
+def _num_ctas(num_tiles: int, interpret: bool) -> int:
+  """One CTA per SM (persistent), never more than there are tiles. Interpret
+  mode simulates every CTA's threads on the CPU: two CTAs keep it quick and
+  still check the persistent loop."""
+  if interpret:
+    return min(num_tiles, 2)
+  if jax.default_backend() == "gpu":
+    return min(num_tiles, jax.devices()[0].core_count)
+  return min(num_tiles, DEFAULT_NUM_SMS)
+
+
+def mosaic_update(spec, x, dy, kernel, opt_state, scalars, apply,
+                  config: Optional[MosaicConfig] = None,
+                  interpret: Optional[bool] = None, *, step=None):
+  """Backend entry point: same contract as ``backends.xla_update``."""
+  del step  # only stochastic rounding reads it; that runs on 'triton'
+  optimizer = spec.optimizer
+  config = config or MosaicConfig()
+  check_supported(x, dy, kernel, optimizer, config)
+  k, n = kernel.shape
+  x2 = x.reshape(-1, k)
+  dy2 = dy.reshape(-1, n)
+  if interpret is None:
+    interpret = jax.default_backend() != "gpu"
+
+  state_leaves, state_treedef = jax.tree.flatten(opt_state)
+  scalar_leaves, scalars_treedef = jax.tree.flatten(scalars)
+  scalar_vector = jnp.stack(
+      [jnp.asarray(s, jnp.float32) for s in scalar_leaves]
+      + [apply.astype(jnp.float32)])
+  kernel_fn = functools.partial(
+      _fused_kernel, optimizer=optimizer, state_treedef=state_treedef,
+      scalars_treedef=scalars_treedef, num_scalars=len(scalar_leaves),
+      config=config, layer_id=spec.layer_id)
+  storage = [kernel] + state_leaves
+  num_tiles = (k // config.tile_k) * (n // config.cta_tile_n)
+  skipped_type = jax.ShapeDtypeStruct((2 * num_tiles,), jnp.int32)
+  mesh = plgpu.Mesh(grid=(_num_ctas(num_tiles, interpret),), grid_names=("sm",), num_threads=3,
+                    thread_name="wg")
+  compiler_params = plgpu.CompilerParams(
+      lowering_semantics=plgpu.LoweringSemantics.Warpgroup)
+  name = "forge_fused_dense_update_mosaic"
+  if interpret:
+    # Interpret mode takes no refs: the new values are separate outputs.
+    from jax._src.pallas.mosaic_gpu.interpret import params  # pylint: disable=import-outside-toplevel
+    num = len(storage)
+    outputs = plgpu.kernel(
+        lambda s, x, dy, *refs: kernel_fn(s, x, dy, refs[:num],
+                                          refs[num:2 * num], refs[-1]),
+        out_type=[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in storage]
+        + [skipped_type],
+        grid=mesh.grid, grid_names=mesh.grid_names, num_threads=3,
+        thread_name="wg", compiler_params=compiler_params,
+        interpret=params.InterpretGPUParams(), kernel_name=name,
+    )(scalar_vector, x2, dy2, *storage)
+    new_storage, skipped = outputs[:-1], outputs[-1]
+  else:
+    # pl.kernel (not plgpu.kernel, whose batching wrapper rejects refs): the
+    # refs passed in are aliased in and out, so the update is in place.
+    refs = [jax.new_ref(a) for a in storage]
+    skipped_ref = jax.new_ref(jnp.zeros(skipped_type.shape, jnp.int32))
+    pl.kernel(
+        lambda s, x, dy, *refs: kernel_fn(s, x, dy, refs[:-1], refs[:-1],
+                                          refs[-1]),
+        out_type=(), mesh=mesh, compiler_params=compiler_params, name=name,
+    )(scalar_vector, x2, dy2, *refs, skipped_ref)
+    new_storage = [r[...] for r in refs]
+    skipped = skipped_ref[...]
+  new_state = jax.tree.unflatten(state_treedef, new_storage[1:])
+  return new_storage[0], new_state, jnp.sum(skipped)
