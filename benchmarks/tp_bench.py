@@ -321,6 +321,12 @@ def _child(argv_tail: list, args) -> dict:
       return json.load(f)
 
 
+def _without_breakdown(result: dict) -> dict:
+  """``result`` less its metadata and buffer breakdowns (printed as tables)."""
+  return {k: _without_breakdown(v) if isinstance(v, dict) else v
+          for k, v in result.items() if k not in ("meta", "breakdown")}
+
+
 def main(argv=None):
   args = _args(argv)
   if args.part == "exactness":
@@ -347,8 +353,7 @@ def main(argv=None):
                                                / o["step_ms_median"])
   with open(args.out, "w") as f:
     json.dump(result, f, indent=1)
-  print(json.dumps({k: v for k, v in result.items() if k != "meta"}, indent=1)
-        [:4000], flush=True)
+  print(json.dumps(_without_breakdown(result), indent=1)[:4000], flush=True)
   if args.part == "all" and any("error" in result[k] for k in
                                 ("exactness", "optax", "forge")):
     raise SystemExit(1)
