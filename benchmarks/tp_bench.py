@@ -60,6 +60,9 @@ def _args(argv=None):
   parser.add_argument("--seq", type=int, default=4096)
   parser.add_argument("--steps", type=int, default=5)
   parser.add_argument("--implementation", default="auto")
+  parser.add_argument("--scan", action="store_true",
+                      help="scan over layers (fj.scan_layers / nn.scan) "
+                      "instead of unrolling them")
   parser.add_argument("--breakdown", action="store_true",
                       help="measured runs: record where the compiled step's "
                       "temp bytes go (buffer_report.py)")
@@ -189,7 +192,7 @@ def _whole_weight_gathers(hlo: str, shapes: set) -> int:
 def build_sharded(args, optimizer, forge: bool):
   """The measured setup under TP=``args.tp`` (and SP with ``args.sp``):
   the configured model (``args.config``, ``args.layers``) with bf16 weights,
-  remat, unrolled layers, ForgeDense trained by ``optimizer`` when ``forge``
+  remat, unrolled layers (scanned with ``args.scan``), ForgeDense trained by ``optimizer`` when ``forge``
   (else nn.Dense, ``optimizer.to_optax()`` for everything); weights and
   states initialized in their shardings.
 
@@ -204,7 +207,7 @@ def build_sharded(args, optimizer, forge: bool):
   from forge_jax.models import llama  # pylint: disable=import-outside-toplevel
 
   overrides = dict(param_dtype=jnp.bfloat16, dtype=jnp.bfloat16,
-                   scan_layers=False, remat=True,
+                   scan_layers=getattr(args, "scan", False), remat=True,
                    implementation=args.implementation,
                    tensor_axis="model", batch_axis="data",
                    sequence_parallel=args.sp,
@@ -274,7 +277,8 @@ def measure(args) -> dict:
   result = {
       "variant": args.variant, "config": args.config,
       "num_layers": config.num_layers, "batch": args.batch, "seq": args.seq,
-      "tp": args.tp, "sp": args.sp, "param_dtype": "bfloat16",
+      "tp": args.tp, "sp": args.sp, "scan_layers": args.scan,
+      "param_dtype": "bfloat16",
       "state_dtype": "bfloat16", "implementation": args.implementation,
       "per_device": per_device,
       "max_peak_bytes_in_use": max((d["peak_bytes_in_use"] or 0)
@@ -311,6 +315,8 @@ def _child(argv_tail: list, args) -> dict:
       cmd.append("--sp")
     if args.breakdown:
       cmd.append("--breakdown")
+    if args.scan:
+      cmd.append("--scan")
     env = dict(os.environ)
     env.setdefault("NCCL_NVLS_ENABLE", "0")
     print("+", " ".join(cmd), flush=True)
