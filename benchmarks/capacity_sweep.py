@@ -368,7 +368,9 @@ def sweep(args) -> dict:
       "implementation": args.implementation,
       "param_dtype": "bfloat16", "optimizer": "adamw",
       "variants": {v: dict(VARIANTS[v]) for v in variants},
-      "mem_cap_gib": args.mem_cap_gib, "mem_fraction": fraction,
+      # the cap in effect: none on CPU, where --cpu-cap-mib simulates one
+      "mem_cap_gib": args.mem_cap_gib if fraction is not None else None,
+      "mem_fraction": fraction, "cpu_cap_mib": args.cpu_cap_mib,
       "device_bytes": probe_result["device_bytes"],
       "max_batch_tried": args.max_batch, "bisect": args.bisect,
       "steps": args.steps, "warmup": args.warmup,
