@@ -59,6 +59,12 @@ class Value:
   offset: int
   shape: str       # shortened: no layouts
   op: str = ""     # shortened op_name metadata ('' where none)
+  allocation: int = -1
+
+  @property
+  def slot(self) -> tuple:
+    """Where it lives: (allocation, offset, size)."""
+    return (self.allocation, self.offset, self.size)
 
   @property
   def key(self) -> str:
@@ -144,7 +150,8 @@ def parse_buffer_assignment(text: str) -> list:
       index = m.group(3) or ""
       allocations[-1].values.append(Value(
           int(m.group(1)), m.group(2), "" if index == "{}" else index,
-          int(m.group(4)), int(m.group(5)), short_shape(m.group(6))))
+          int(m.group(4)), int(m.group(5)), short_shape(m.group(6)),
+          allocation=allocations[-1].index))
   return allocations
 
 
@@ -321,7 +328,7 @@ def temp_slots(report: Report) -> list:
   for allocation in report.allocations:
     if allocation.kind == "temp":
       for value in allocation.values:
-        slots[(allocation.index, value.offset, value.size)].append(value)
+        slots[value.slot].append(value)
   return sorted(slots.items(), key=lambda kv: (-kv[0][2], kv[0][1]))
 
 
@@ -353,7 +360,7 @@ def _peak_time(values: list, ranges: dict):
   events.sort(key=lambda e: (e[0], e[1]))  # frees before allocations
   refs, live, best = collections.Counter(), 0, (0, None)
   for time, delta, v in events:
-    slot = (v.offset, v.size)
+    slot = v.slot
     refs[slot] += delta
     if delta > 0 and refs[slot] == 1:
       live += v.size
@@ -375,8 +382,8 @@ def temp_at_peak(report: Report, n: int = 25) -> Optional[dict]:
   live, seen = [], set()
   for v in sorted(values, key=lambda v: (-v.size, v.id)):
     first, last = report.live_ranges[v.key]
-    if first <= time <= last and (v.offset, v.size) not in seen:
-      seen.add((v.offset, v.size))
+    if first <= time <= last and v.slot not in seen:
+      seen.add(v.slot)
       live.append(v)
   by_op, shapes = collections.Counter(), collections.defaultdict(list)
   for v in live:
