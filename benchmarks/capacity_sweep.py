@@ -34,7 +34,7 @@ Smoke test on CPU with 2 simulated devices (no allocator cap on CPU:
 ``--cpu-cap-mib`` makes a batch fail when its compiled estimate exceeds it):
 
   python benchmarks/capacity_sweep.py --cpu-devices 2 --tp 2 --sp --config small \\
-      --layers 1 --seq 16 --max-batch 8 --cpu-cap-mib 9 --bisect --out /tmp/cap.json
+      --layers 1 --seq 16 --max-batch 8 --cpu-cap-mib 2.8 --bisect --out /tmp/cap.json
 """
 
 from __future__ import annotations
