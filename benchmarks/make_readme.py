@@ -150,6 +150,79 @@ def memory_sweep_table(runs) -> str:
   return "\n".join(lines)
 
 
+_STATES = {"float32": "fp32", "bfloat16": "bf16", "int8": "int8"}
+
+
+def _capacity_label(spec: dict) -> str:
+  weights = "bf16 + SR" if spec.get("weight_rounding") == "stochastic" else "bf16"
+  states = _STATES.get(spec.get("state_dtype"), spec.get("state_dtype"))
+  kind = "FORGE" if spec.get("forge") else "nn.Dense + optax"
+  return f"{kind}, {weights} / {states}"
+
+
+def _first_failure(r: dict, run: dict) -> str:
+  if r.get("first_failure_batch"):
+    failed = next((p for p in r["points"]
+                   if p["batch"] == r["first_failure_batch"]), {})
+    what = {"oom": "out of memory"}.get(r["first_failure"], r["first_failure"])
+    if r["first_failure"] != "oom" and failed.get("message"):
+      message = failed["message"].splitlines()[0].replace("|", "/")
+      what += f" ({message[:60]}{'...' if len(message) > 60 else ''})"
+    return f"{r['first_failure_batch']}: {what}"
+  if not r.get("complete", True):
+    return "not reached (time budget)"
+  return f"none up to {run['max_batch_tried']}"
+
+
+def capacity_table(run) -> str:
+  """Largest micro-batch under a memory cap per variant, tokens/s per batch."""
+  gib = lambda b: b / 2**30
+  lines = ["| variant | weights / states | largest micro-batch | tokens/s by "
+           "micro-batch | peak per GPU at the largest (GiB) | first failure |",
+           "|---|---|---|---|---|---|"]
+  for variant, r in run["results"].items():
+    fits = [p for p in r["points"] if p["fits"]]
+    speeds = ", ".join(f"{p['batch']}: {p['tokens_per_s']:,.0f}" for p in fits)
+    peak = r.get("max_peak_bytes_in_use_at_max_batch")
+    lines.append(
+        f"| {variant} | {_capacity_label(run['variants'][variant])} | "
+        f"{r['max_batch'] or 'none'} | {speeds or '-'} | "
+        f"{f'{gib(peak):.2f}' if peak else '-'} | {_first_failure(r, run)} |")
+  meta = run["meta"]
+  if run.get("mem_cap_gib"):
+    cap = f"XLA allocator capped at {run['mem_cap_gib']:g} GiB per process"
+  elif run.get("mem_fraction"):
+    cap = f"XLA_PYTHON_CLIENT_MEM_FRACTION={run['mem_fraction']:.3f}"
+  elif run.get("cpu_cap_mib"):
+    cap = (f"a simulated cap of {run['cpu_cap_mib']:g} MiB on the compiled "
+           "memory estimate")
+  else:
+    cap = "no memory cap"
+  layers = run.get("num_layers")
+  shape = ", ".join(
+      ([f"{layers} layer{'s' if layers != 1 else ''}"] if layers else [])
+      + (["scanned"] if run.get("scan_layers") else []))
+  lines.append("")
+  lines.append(
+      f"- {run['config']}{f' ({shape})' if shape else ''}, T = {run['seq']}, "
+      f"TP = {run['tp']}{' with SP' if run.get('sp') else ''}, {cap}; "
+      "tokens/s of the TP group (micro-batch x T / median of "
+      f"{run['steps']} steps after {run['warmup']} warm-up), one process "
+      "per point; embedding and norms: optax.adamw, bf16 states.")
+  lines.append(f"- {meta['device']} x {meta['num_devices']}, JAX "
+               f"{meta['jax_version']}, commit `{meta['commit'][:10]}`, "
+               f"{meta['date'][:10]}; `{run['_file']}`.")
+  return "\n".join(lines)
+
+
+def capacity_section(runs) -> str:
+  """Every capacity sweep, newest first."""
+  if not runs:
+    return "_No capacity sweep recorded yet._"
+  runs = sorted(runs, key=lambda r: r["meta"]["date"], reverse=True)
+  return "\n\n".join(capacity_table(r) for r in runs)
+
+
 def kernel_plot(run) -> str | None:
   try:
     import matplotlib  # pylint: disable=import-outside-toplevel
@@ -208,6 +281,8 @@ def main():
                          model_memory_table(_load("model_memory_*.json")))
   text = replace_section(text, "memory-sweep",
                          memory_sweep_table(_load("memory_sweep_*.json")))
+  text = replace_section(text, "capacity-sweep",
+                         capacity_section(_load("capacity_*.json")))
   with open(readme_path, "w") as f:
     f.write(text)
   print(f"README regenerated from {RESULTS}")

@@ -6,6 +6,11 @@ mark), so run it once per variant:
   python benchmarks/model_memory.py --config llama-3.1-8b --variant optax --out optax.json
   python benchmarks/model_memory.py --config llama-3.1-8b --variant forge --out forge.json
 
+``--breakdown`` compiles the step with an XLA dump of that compile only (a
+temporary directory) and stores its largest temp allocations, and the temp
+values live at the temp peak, under ``breakdown`` (buffer_report.py); the
+timed steps run the same executable.
+
 The model is the package's Llama-style decoder (scan over layers with remat;
 FORGE uses fj.scan_layers), bf16 weights and bf16 optimizer states in both
 variants, AdamW. Peak memory is ``memory_stats()['peak_bytes_in_use']``
@@ -30,6 +35,7 @@ from forge_jax.models import llama
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from timing import metadata, time_steps  # pylint: disable=wrong-import-position
+import buffer_report  # pylint: disable=wrong-import-position
 
 
 def main():
@@ -47,6 +53,8 @@ def main():
                       help="FORGE's optimizer state storage (optax: bf16)")
   parser.add_argument("--weight-rounding", default="nearest",
                       choices=["nearest", "stochastic"])
+  parser.add_argument("--breakdown", action="store_true",
+                      help="record where the compiled step's temp bytes go")
   parser.add_argument("--out", required=True)
   args = parser.parse_args()
 
@@ -69,7 +77,12 @@ def main():
       model, optimizer.to_optax(), key, batch))(key)
   step = train_lib.make_train_step()
   device = jax.local_devices()[0]
-  compiled = step.lower(state, batch).compile()
+  breakdown = None
+  if args.breakdown:
+    compiled, breakdown = buffer_report.compile_with_breakdown(
+        step.lower(state, batch), module="train_step")
+  else:
+    compiled = step.lower(state, batch).compile()
   analysis = compiled.memory_analysis()
 
   state, loss, times = time_steps(compiled, state, batch, args.steps)
@@ -95,6 +108,8 @@ def main():
       "final_loss": loss,
       "loss_finite": bool(np.isfinite(loss)),
   }
+  if breakdown is not None:
+    result["breakdown"] = breakdown
   with open(args.out, "w") as f:
     json.dump(result, f, indent=1)
   gib = lambda b: (b or 0) / 2**30

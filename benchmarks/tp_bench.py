@@ -13,12 +13,14 @@ high-water mark, so every measured variant gets a fresh one):
    unrolled layers; per GPU ``memory_stats()['peak_bytes_in_use']`` after
    the timed steps, median wall time of jitted, donated steps, the compiled
    memory analysis, and the number of whole-weight all-gathers in the
-   compiled step (0 expected for FORGE).
+   compiled step (0 expected for FORGE). With ``--breakdown``, the step
+   is compiled with an XLA dump of that compile only and its largest temp
+   allocations are stored under ``breakdown`` (buffer_report.py).
 
 On two H200s (kind nvidia-h200-x2):
 
   python benchmarks/tp_bench.py --tp 2 --sp --config llama-3.1-8b --layers 8 \\
-      --batch 1 --seq 4096 --out benchmarks/results/tp_h200x2.json
+      --batch 1 --seq 4096 --breakdown --out benchmarks/results/tp_h200x2.json
 
 Smoke test on CPU with 2 simulated devices:
 
@@ -58,6 +60,12 @@ def _args(argv=None):
   parser.add_argument("--seq", type=int, default=4096)
   parser.add_argument("--steps", type=int, default=5)
   parser.add_argument("--implementation", default="auto")
+  parser.add_argument("--scan", action="store_true",
+                      help="scan over layers (fj.scan_layers / nn.scan) "
+                      "instead of unrolling them")
+  parser.add_argument("--breakdown", action="store_true",
+                      help="measured runs: record where the compiled step's "
+                      "temp bytes go (buffer_report.py)")
   parser.add_argument("--cpu-devices", type=int, default=0,
                       help="simulate this many CPU devices (smoke tests)")
   parser.add_argument("--out", required=True)
@@ -181,59 +189,96 @@ def _whole_weight_gathers(hlo: str, shapes: set) -> int:
   return count
 
 
-def measure(args) -> dict:
-  jax = _setup_jax(args)
+def build_sharded(args, optimizer, forge: bool):
+  """The measured setup under TP=``args.tp`` (and SP with ``args.sp``):
+  the configured model (``args.config``, ``args.layers``) with bf16 weights,
+  remat, unrolled layers (scanned with ``args.scan``), ForgeDense trained by ``optimizer`` when ``forge``
+  (else nn.Dense, ``optimizer.to_optax()`` for everything); weights and
+  states initialized in their shardings.
+
+  Returns ``(mesh, config, state, batch, step)``; lower, compile and run
+  ``step`` (jitted, state donated) under ``jax.set_mesh(mesh)``.
+  """
+  import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-  import numpy as np  # pylint: disable=import-outside-toplevel
   from flax.training.train_state import TrainState  # pylint: disable=import-outside-toplevel
   from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=import-outside-toplevel
-  import forge_jax as fj  # pylint: disable=import-outside-toplevel
   from forge_jax import parallel, train  # pylint: disable=import-outside-toplevel
   from forge_jax.models import llama  # pylint: disable=import-outside-toplevel
-  sys.path.insert(0, HERE)
-  from timing import time_steps  # pylint: disable=import-outside-toplevel
 
-  optimizer = fj.adamw(1e-4, weight_decay=0.1, mu_dtype=jnp.bfloat16)
   overrides = dict(param_dtype=jnp.bfloat16, dtype=jnp.bfloat16,
-                   scan_layers=False, remat=True,
+                   scan_layers=getattr(args, "scan", False), remat=True,
                    implementation=args.implementation,
                    tensor_axis="model", batch_axis="data",
                    sequence_parallel=args.sp,
-                   forge_optimizer=optimizer if args.variant == "forge" else None)
+                   forge_optimizer=optimizer if forge else None)
   if args.layers:
     overrides["num_layers"] = args.layers
   model = llama.make_model(args.config, **overrides)
-  if args.variant == "optax":  # make_model keeps the config's optimizer
+  if not forge:  # make_model keeps the config's optimizer
     model = llama.Llama(dataclasses.replace(model.config, forge_optimizer=None))
-  config = model.config
   mesh = parallel.make_mesh(args.tp)
   key = jax.random.key(0)
   batch = jax.random.randint(key, (args.batch, args.seq + 1), 0,
-                             config.vocab_size, dtype=jnp.int32)
+                             model.config.vocab_size, dtype=jnp.int32)
   variables = parallel.init_sharded(model.init, mesh, key, batch[:, :-1])
   with jax.set_mesh(mesh):
     batch = jax.device_put(batch, NamedSharding(mesh, P()))
     state = TrainState.create(apply_fn=model.apply, params=variables,
                               tx=optimizer.to_optax())
-    step = jax.jit(train.train_step, donate_argnums=(0,))
-    compiled = step.lower(state, batch).compile()
+  step = jax.jit(train.train_step, donate_argnums=(0,))
+  return mesh, model.config, state, batch, step
+
+
+def compile_step(args, step, state, batch):
+  """``(compiled, breakdown)``: ``breakdown`` (buffer_report) with
+  ``args.breakdown``, else None. Call under the mesh."""
+  lowered = step.lower(state, batch)
+  if not getattr(args, "breakdown", False):
+    return lowered.compile(), None
+  sys.path.insert(0, HERE)
+  import buffer_report  # pylint: disable=import-outside-toplevel
+  return buffer_report.compile_with_breakdown(lowered, module="train_step")
+
+
+def per_device_memory(jax, tp: int) -> list:
+  """``memory_stats()`` peak and current bytes of the first ``tp`` devices."""
+  out = []
+  for device in jax.local_devices()[:tp]:
+    stats = device.memory_stats() or {}
+    out.append({"device": str(device),
+                "peak_bytes_in_use": stats.get("peak_bytes_in_use"),
+                "bytes_in_use": stats.get("bytes_in_use")})
+  return out
+
+
+def measure(args) -> dict:
+  jax = _setup_jax(args)
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  import forge_jax as fj  # pylint: disable=import-outside-toplevel
+  from forge_jax.models import llama  # pylint: disable=import-outside-toplevel
+  sys.path.insert(0, HERE)
+  from timing import time_steps  # pylint: disable=import-outside-toplevel
+
+  optimizer = fj.adamw(1e-4, weight_decay=0.1, mu_dtype=jnp.bfloat16)
+  mesh, config, state, batch, step = build_sharded(
+      args, optimizer, forge=args.variant == "forge")
+  with jax.set_mesh(mesh):
+    compiled, breakdown = compile_step(args, step, state, batch)
     analysis = compiled.memory_analysis()
     hlo = compiled.as_text()
     state, loss, times = time_steps(compiled, state, batch, args.steps)
   kernels = llama.kernels(state.params)
   shapes = {tuple(k.shape) for k in kernels.values()}
   shapes |= {s[::-1] for s in shapes}
-  per_device = []
-  for device in jax.local_devices()[:args.tp]:
-    stats = device.memory_stats() or {}
-    per_device.append({"device": str(device),
-                       "peak_bytes_in_use": stats.get("peak_bytes_in_use"),
-                       "bytes_in_use": stats.get("bytes_in_use")})
+  per_device = per_device_memory(jax, args.tp)
   kernel_bytes = sum(k.size * k.dtype.itemsize for k in kernels.values())
-  return {
+  result = {
       "variant": args.variant, "config": args.config,
       "num_layers": config.num_layers, "batch": args.batch, "seq": args.seq,
-      "tp": args.tp, "sp": args.sp, "param_dtype": "bfloat16",
+      "tp": args.tp, "sp": args.sp, "scan_layers": args.scan,
+      "param_dtype": "bfloat16",
       "state_dtype": "bfloat16", "implementation": args.implementation,
       "per_device": per_device,
       "max_peak_bytes_in_use": max((d["peak_bytes_in_use"] or 0)
@@ -247,6 +292,9 @@ def measure(args) -> dict:
       "step_ms_all": [1e3 * t for t in times],
       "final_loss": loss, "loss_finite": bool(np.isfinite(loss)),
   }
+  if breakdown is not None:
+    result["breakdown"] = breakdown
+  return result
 
 
 # ---------------------------------------------------------------------------
@@ -265,6 +313,10 @@ def _child(argv_tail: list, args) -> dict:
       cmd += ["--layers", str(args.layers)]
     if args.sp:
       cmd.append("--sp")
+    if args.breakdown:
+      cmd.append("--breakdown")
+    if args.scan:
+      cmd.append("--scan")
     env = dict(os.environ)
     env.setdefault("NCCL_NVLS_ENABLE", "0")
     print("+", " ".join(cmd), flush=True)
@@ -273,6 +325,12 @@ def _child(argv_tail: list, args) -> dict:
       return {"error": f"exit status {proc.returncode}"}
     with open(out) as f:
       return json.load(f)
+
+
+def _without_breakdown(result: dict) -> dict:
+  """``result`` less its metadata and buffer breakdowns (printed as tables)."""
+  return {k: _without_breakdown(v) if isinstance(v, dict) else v
+          for k, v in result.items() if k not in ("meta", "breakdown")}
 
 
 def main(argv=None):
@@ -301,8 +359,7 @@ def main(argv=None):
                                                / o["step_ms_median"])
   with open(args.out, "w") as f:
     json.dump(result, f, indent=1)
-  print(json.dumps({k: v for k, v in result.items() if k != "meta"}, indent=1)
-        [:4000], flush=True)
+  print(json.dumps(_without_breakdown(result), indent=1)[:4000], flush=True)
   if args.part == "all" and any("error" in result[k] for k in
                                 ("exactness", "optax", "forge")):
     raise SystemExit(1)
