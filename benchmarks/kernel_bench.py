@@ -6,8 +6,10 @@ timed on the device (profiler kernel time, median of repeats):
   (a) gemm:    dW = x.T @ dy through XLA (bf16 inputs, float32 dW);
   (b) unfused: the same GEMM, then the optax alias's update, jitted with the
                weights and state donated (the standard two-phase step);
-  (c) fused:   FORGE's Pallas kernel: dW tiles in float32 registers, the
-               update applied in the epilogue, W and state written in place.
+  (c) fused:   FORGE's Pallas-Triton kernel: dW tiles in float32 registers,
+               the update applied in the epilogue, W and state in place;
+  (d) fused_mosaic: the Mosaic GPU kernel (suite 'mosaic'): wgmma, TMA,
+               warp specialization, the same epilogue.
 
 Weights and optimizer states are float32, x and dy bfloat16. It also checks
 the fused kernel against the XLA reference backend for every optimizer at
@@ -15,6 +17,7 @@ Llama-3.1-8B layer shapes, sweeps tile configurations, and reads the compiled
 memory of the fused step (aliasing). Results: JSON (see --out).
 
   python benchmarks/kernel_bench.py --suite full --out results.json
+  python benchmarks/kernel_bench.py --suite mosaic --out results.json
   python benchmarks/kernel_bench.py --suite tiny   # CPU, interpret mode
 """
 
@@ -32,7 +35,7 @@ import jax.numpy as jnp
 import optax
 
 import forge_jax as fj
-from forge_jax.ops import backends, triton_kernel
+from forge_jax.ops import backends, mosaic_kernel, triton_kernel
 from forge_jax.ops.fused_dense import FusedDenseSpec
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
@@ -75,12 +78,16 @@ def make_inputs(key, tokens, k, n, act_dtype=jnp.bfloat16):
 
 
 def fused_step(optimizer, config, interpret=None):
-  spec = FusedDenseSpec(optimizer=optimizer, implementation="triton")
+  """The fused kernel that ``config`` configures (Triton or Mosaic GPU)."""
+  update = (mosaic_kernel.mosaic_update
+            if isinstance(config, mosaic_kernel.MosaicConfig)
+            else triton_kernel.triton_update)
+  spec = FusedDenseSpec(optimizer=optimizer)
 
   def step(w, state, count, x, dy):
     scalars = optimizer.scalars(count)
     apply = jnp.all(jnp.isfinite(dy))
-    new_w, new_state, skipped = triton_kernel.triton_update(
+    new_w, new_state, skipped = update(
         spec, x, dy, w, state, scalars, apply, config=config,
         interpret=interpret)
     return new_w, new_state, skipped
@@ -113,10 +120,15 @@ def rel_err(a, b):
   return float(jnp.linalg.norm(a - b) / jnp.maximum(jnp.linalg.norm(b), 1e-30))
 
 
-def check_case(name, optimizer, k, n, tokens, config, seed, interpret=None):
-  """Fused kernel vs XLA reference: one step from a non-trivial state."""
+def check_case(name, optimizer, k, n, tokens, config, seed, interpret=None,
+               poison_x_column=None):
+  """Fused kernel vs XLA reference: one step from a non-trivial state.
+  ``poison_x_column``: a NaN in that column of x (its dW row is non-finite:
+  those elements must be skipped and counted)."""
   key = jax.random.key(seed)
   x, dy, w = make_inputs(key, tokens, k, n)
+  if poison_x_column is not None:
+    x = x.at[0, poison_x_column].set(jnp.nan)
   state = jax.tree.map(
       lambda s: s + 1e-3 * jax.random.uniform(jax.random.fold_in(key, 7), s.shape)
       if s is not None else None, optimizer.init(w))
@@ -127,8 +139,10 @@ def check_case(name, optimizer, k, n, tokens, config, seed, interpret=None):
       jnp.copy(w), jax.tree.map(jnp.copy, state), count, x, dy)
   result = {
       "optimizer": name, "k": k, "n": n, "tokens": tokens,
+      "kernel": type(config).__name__,
       # The update itself (new - old), not W, which would hide its errors.
-      "update_rel_err": rel_err(fused_w - w, ref_w - w),
+      "update_rel_err": rel_err(jnp.nan_to_num(fused_w - w),
+                                jnp.nan_to_num(ref_w - w)),
       "state_rel_err": {
           str(i): rel_err(a, b) for i, (a, b) in enumerate(
               zip(jax.tree.leaves(fused_state), jax.tree.leaves(ref_state)))},
@@ -139,7 +153,7 @@ def check_case(name, optimizer, k, n, tokens, config, seed, interpret=None):
 
 
 def bench_case(opt_name, optimizer, k, n, tokens, config, seed=0,
-               calls=10, repeats=5):
+               calls=10, repeats=5, mosaic_config=None):
   key = jax.random.key(seed)
   x, dy, w = make_inputs(key, tokens, k, n)
   flops = 2.0 * tokens * k * n
@@ -174,9 +188,22 @@ def bench_case(opt_name, optimizer, k, n, tokens, config, seed=0,
     fcarry["w"], fcarry["s"], _ = fused(fcarry["w"], fcarry["s"], count, x, dy)
     return fcarry["w"]
   out["fused"] = device_time_ms(run_fused, calls=calls, repeats=repeats)
+  variants = ["gemm", "unfused", "fused"]
+
+  if mosaic_config is not None:
+    mosaic = fused_step(optimizer, mosaic_config)
+    out["mosaic_config"] = dataclasses.asdict(mosaic_config)
+
+    def run_mosaic():
+      fcarry["w"], fcarry["s"], _ = mosaic(fcarry["w"], fcarry["s"], count, x, dy)
+      return fcarry["w"]
+    out["fused_mosaic"] = device_time_ms(run_mosaic, calls=calls, repeats=repeats)
+    out["mosaic_over_gemm"] = out["fused_mosaic"]["ms"] / out["gemm"]["ms"]
+    out["unfused_over_mosaic"] = out["unfused"]["ms"] / out["fused_mosaic"]["ms"]
+    variants.append("fused_mosaic")
   del fcarry["w"], fcarry["s"]
 
-  for variant in ("gemm", "unfused", "fused"):
+  for variant in variants:
     out[variant]["tflops"] = flops / (out[variant]["ms"] * 1e-3) / 1e12
   out["fused_over_gemm"] = out["fused"]["ms"] / out["gemm"]["ms"]
   out["unfused_over_fused"] = out["unfused"]["ms"] / out["fused"]["ms"]
@@ -195,20 +222,35 @@ SWEEP_CONFIGS = [
 ]
 
 
+MOSAIC_SWEEP_CONFIGS = [
+    mosaic_kernel.MosaicConfig(),
+    mosaic_kernel.MosaicConfig(max_concurrent_steps=2),
+    mosaic_kernel.MosaicConfig(tile_n=64, max_concurrent_steps=4),
+    mosaic_kernel.MosaicConfig(epilogue_n=64),
+    mosaic_kernel.MosaicConfig(grid_tile_width=16),
+    mosaic_kernel.MosaicConfig(tile_t=32, max_concurrent_steps=4),
+]
+
+
 def print_table(rows):
   print(f"{'opt':>13} {'K':>6} {'N':>7} {'T':>6} | {'gemm ms':>8} {'unfused':>8} "
-        f"{'fused':>8} | {'fused TF/s':>10} | {'fused/gemm':>10} {'unf/fused':>9}")
+        f"{'fused':>8} {'mosaic':>8} | {'fused TF/s':>10} | {'fused/gemm':>10} "
+        f"{'unf/fused':>9} | {'mos/gemm':>8} {'unf/mos':>8}")
   for r in rows:
+    mosaic = r.get("fused_mosaic")
+    mosaic_cols = (f"{r['mosaic_over_gemm']:8.3f} {r['unfused_over_mosaic']:8.3f}"
+                   if mosaic else f"{'-':>8} {'-':>8}")
     print(f"{r['optimizer']:>13} {r['k']:>6} {r['n']:>7} {r['tokens']:>6} | "
-          f"{r['gemm']['ms']:8.3f} {r['unfused']['ms']:8.3f} {r['fused']['ms']:8.3f} | "
+          f"{r['gemm']['ms']:8.3f} {r['unfused']['ms']:8.3f} {r['fused']['ms']:8.3f} "
+          f"{mosaic['ms'] if mosaic else float('nan'):8.3f} | "
           f"{r['fused']['tflops']:10.1f} | {r['fused_over_gemm']:10.3f} "
-          f"{r['unfused_over_fused']:9.3f}", flush=True)
+          f"{r['unfused_over_fused']:9.3f} | {mosaic_cols}", flush=True)
 
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--suite", default="quick",
-                      choices=["tiny", "quick", "sweep", "full"])
+                      choices=["tiny", "quick", "sweep", "full", "mosaic"])
   parser.add_argument("--out", default="kernel_bench.json")
   parser.add_argument("--config", default=None,
                       help="block_k,block_n,block_t,num_warps,num_stages")
@@ -234,6 +276,10 @@ def main():
                                       64, config, calls=2, repeats=2))
     print_table(result["bench"])
     save()
+    return
+
+  if args.suite == "mosaic":
+    mosaic_suite(args, result, save, config, started)
     return
 
   # 1. Correctness at Llama-3.1-8B layer shapes, every optimizer.
@@ -303,6 +349,73 @@ def main():
   result["summary_adamw"] = summary
   save()
   print_table(result["bench"])
+  print(json.dumps(summary, indent=1))
+
+
+def mosaic_suite(args, result, save, triton_config, started):
+  """The Mosaic GPU kernel: checks for every optimizer (and a skipped-element
+  case), a tile sweep, then the table beside the Triton kernel."""
+  default = mosaic_kernel.MosaicConfig()
+  for name, opt in CHECK_OPTIMIZERS.items():
+    try:
+      r = check_case(name, opt, 4096, 4096, 2048, default,
+                     seed=len(result["checks"]))
+    except Exception as e:  # pylint: disable=broad-except
+      r = {"optimizer": name, "kernel": "MosaicConfig", "error": repr(e)[-600:]}
+    result["checks"].append(r)
+    print(f"mosaic check {name}: {r}", flush=True)
+    save()
+  r = check_case("adamw_nan_column", CHECK_OPTIMIZERS["adamw"], 4096, 1024,
+                 2048, default, seed=99, poison_x_column=300)
+  result["checks"].append(r)
+  print(f"mosaic check with a NaN column: {r}", flush=True)
+  save()
+
+  for tokens in (8192, 2048):
+    for cfg in MOSAIC_SWEEP_CONFIGS:
+      try:
+        r = bench_case("adamw", BENCH_OPTIMIZERS["adamw"], 4096, 4096, tokens,
+                       triton_config, calls=5, repeats=3, mosaic_config=cfg)
+      except Exception as e:  # pylint: disable=broad-except
+        r = {"mosaic_config": dataclasses.asdict(cfg), "tokens": tokens,
+             "error": repr(e)[-600:]}
+      result["sweep"].append(r)
+      print(f"mosaic sweep T={tokens} {cfg}: "
+            f"{r.get('fused_mosaic', r.get('error'))}", flush=True)
+      save()
+  ok = [r for r in result["sweep"] if "error" not in r and r["tokens"] == 8192]
+  best = (mosaic_kernel.MosaicConfig(**min(
+      ok, key=lambda r: r["fused_mosaic"]["ms"])["mosaic_config"])
+          if ok else default)
+  result["best_mosaic_config"] = dataclasses.asdict(best)
+
+  for tokens in (2048, 8192):
+    for opt_name in ("adamw", "sgd_momentum", "lion"):
+      for k, n in LLAMA_SHAPES if opt_name == "adamw" else LLAMA_SHAPES[:4]:
+        if time.time() - started > args.time_budget_s:
+          result["truncated"] = f"time budget reached before {opt_name} {k}x{n} T={tokens}"
+          save()
+          return
+        try:
+          result["bench"].append(bench_case(
+              opt_name, BENCH_OPTIMIZERS[opt_name], k, n, tokens,
+              triton_config, mosaic_config=best))
+          print_table(result["bench"][-1:])
+        except Exception as e:  # pylint: disable=broad-except
+          result.setdefault("errors", []).append(
+              {"case": [opt_name, k, n, tokens], "error": repr(e)[-600:]})
+          print(result["errors"][-1], flush=True)
+        save()
+  summary = {}
+  for tokens in sorted({r["tokens"] for r in result["bench"]}):
+    rows = [r for r in result["bench"]
+            if r["tokens"] == tokens and r["optimizer"] == "adamw"]
+    summary[str(tokens)] = {
+        key: statistics.median(r[key] for r in rows)
+        for key in ("fused_over_gemm", "unfused_over_fused",
+                    "mosaic_over_gemm", "unfused_over_mosaic")}
+  result["summary_adamw"] = summary
+  save()
   print(json.dumps(summary, indent=1))
 
 

@@ -46,7 +46,9 @@ class ForgeDense(nn.Module):
     kernel_init: initializer for the weight matrix.
     bias_init: initializer for the bias.
     implementation: 'auto' (the fastest backend that applies), 'xla' (the
-      reference) or 'triton' (the Pallas kernel; interpret mode off-GPU).
+      reference), 'triton' (the Pallas-Triton kernel) or 'mosaic' (the
+      Mosaic GPU kernel, Hopper and newer); the kernels run in Pallas
+      interpret mode off-GPU.
     layer_id: static id that seeds stochastic rounding (an optimizer with
       ``weight_rounding='stochastic'``); None: a CRC-32 of the module path.
     mesh: the device mesh for tensor / sequence parallelism; None: the

@@ -53,7 +53,7 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--no-schedule", action="store_true",
                  help="constant learning rate")
   p.add_argument("--implementation", default="auto",
-                 choices=("auto", "xla", "triton"),
+                 choices=("auto", "xla", "triton", "mosaic"),
                  help="ForgeDense backend")
   p.add_argument("--dtype", default=None, choices=("float32", "bfloat16"),
                  help="compute dtype (default: float32 CPU, bfloat16 GPU); "

@@ -52,7 +52,7 @@ class LlamaConfig:
     scan_layers: stack the layers with ``nn.scan`` instead of a Python loop.
     forge_optimizer: a forge_jax optimizer (``fj.adamw(...)``); when set, every
       projection is a ForgeDense trained by it, else an nn.Dense.
-    implementation: ForgeDense's backend, 'auto', 'xla' or 'triton'.
+    implementation: ForgeDense's backend: 'auto', 'xla', 'triton' or 'mosaic'.
     tensor_axis: mesh axis for Megatron-style tensor parallelism, or None (no
       partitioning annotations). q/k/v/gate/up and lm_head (on the vocab)
       are column-parallel, o/down row-parallel; attention heads are split

@@ -48,22 +48,39 @@ def _on_gpu() -> bool:
   return jax.default_backend() == "gpu"
 
 
+def _on_hopper_or_newer() -> bool:
+  """sm90+: where Mosaic GPU's wgmma/TMA kernel runs."""
+  if not _on_gpu():
+    return False
+  capability = getattr(jax.devices()[0], "compute_capability", "0")
+  return float(capability) >= 9.0
+
+
 def select(implementation: str, x, dy, kernel, optimizer):
   """The backend for ``implementation``; 'auto' picks the fastest that applies.
 
-  'auto' uses the Pallas-Triton kernel on a GPU when it supports the call,
-  and otherwise falls back to the XLA reference. An explicit
-  'triton' on a machine without a GPU runs the kernel in Pallas interpret
-  mode; where the kernel cannot run the call it raises and says why.
+  'auto' uses, on a GPU, the Mosaic GPU kernel (Hopper and newer) when it
+  supports the call, else the Pallas-Triton kernel when it does, else the
+  XLA reference. An explicit 'triton' or 'mosaic' on a machine without a GPU
+  runs that kernel in its Pallas interpret mode; where the kernel cannot run
+  the call it raises and says why.
   """
+  # pylint: disable=import-outside-toplevel
   if implementation == "xla":
     return xla_update
-  from forge_jax.ops import triton_kernel  # pylint: disable=import-outside-toplevel
+  from forge_jax.ops import mosaic_kernel, triton_kernel
   if implementation == "triton":
     triton_kernel.check_supported(x, dy, kernel, optimizer)
     return triton_kernel.triton_update
+  if implementation == "mosaic":
+    mosaic_kernel.check_supported(x, dy, kernel, optimizer)
+    return mosaic_kernel.mosaic_update
   if implementation == "auto":
+    if (_on_hopper_or_newer() and
+        mosaic_kernel.unsupported_reason(x, dy, kernel, optimizer) is None):
+      return mosaic_kernel.mosaic_update
     if _on_gpu() and triton_kernel.unsupported_reason(x, dy, kernel, optimizer) is None:
       return triton_kernel.triton_update
     return xla_update
-  raise ValueError(f"{implementation=} must be 'auto', 'xla' or 'triton'")
+  raise ValueError(
+      f"{implementation=} must be 'auto', 'xla', 'triton' or 'mosaic'")

@@ -25,7 +25,7 @@ from forge_jax.optimizers import ForgeOptimizer
 from forge_jax.ops import backends
 from forge_jax.ops.update import true_after
 
-IMPLEMENTATIONS = ("auto", "xla", "triton")
+IMPLEMENTATIONS = ("auto", "xla", "triton", "mosaic")
 
 
 class ForgeVariables(NamedTuple):

@@ -176,15 +176,22 @@ def _swizzled(block_minor: int, dtype):
 
 def _fused_kernel(scalars_gmem, x_gmem, dy_gmem, storage_gmem, storage_out,
                   skipped_gmem, *, optimizer, state_treedef, scalars_treedef,
-                  num_scalars, config: MosaicConfig, layer_id):
+                  num_scalars, config: MosaicConfig, layer_id, interpret):
   """``storage_gmem`` (kernel, *state leaves) are read; ``storage_out`` written
   (on the GPU the same refs: in place)."""
-  tokens, k = x_gmem.shape
+  # x is [tokens, k]; in interpret mode it arrives transposed, [k, tokens].
+  tokens, k = x_gmem.shape[::-1] if interpret else x_gmem.shape
   n = dy_gmem.shape[1]
   tk, tn, tt = config.tile_k, config.tile_n, config.tile_t
   ek, en = config.epilogue_k, config.epilogue_n
   k_iters, n_iters = k // tk, n // config.cta_tile_n
-  x_transforms = _swizzled(tk, x_gmem.dtype)
+  if interpret:
+    x_block, x_index = (tk, tt), lambda t: (0, t)
+    x_window = lambda k_start: x_gmem.at[pl.ds(k_start, tk), :]
+  else:
+    x_block, x_index = (tt, tk), lambda t: (t, 0)
+    x_window = lambda k_start: x_gmem.at[:, pl.ds(k_start, tk)]
+  x_transforms = _swizzled(x_block[1], x_gmem.dtype)
   dy_transforms = _swizzled(config.cta_tile_n, dy_gmem.dtype)
 
   def pipeline(body, compute_context):
@@ -193,8 +200,7 @@ def _fused_kernel(scalars_gmem, x_gmem, dy_gmem, storage_gmem, storage_out,
         grid=(tokens // tt,),
         memory_registers=40,
         in_specs=[
-            plgpu.BlockSpec((tt, tk), lambda t: (t, 0),
-                            transforms=x_transforms),
+            plgpu.BlockSpec(x_block, x_index, transforms=x_transforms),
             plgpu.BlockSpec((tt, config.cta_tile_n), lambda t: (t, 0),
                             transforms=dy_transforms),
         ],
@@ -209,11 +215,12 @@ def _fused_kernel(scalars_gmem, x_gmem, dy_gmem, storage_gmem, storage_out,
   @functools.partial(
       pl.run_scoped,
       pipeline_allocs=pipeline(ignore, ignore).get_allocations(
-          x_gmem.at[:, :tk], dy_gmem.at[:, :config.cta_tile_n]),
+          x_window(0), dy_gmem.at[:, :config.cta_tile_n]),
       epilogue_smem=[plgpu.SMEM((2, ek, en), ref.dtype,
                                 transforms=_swizzled(en, ref.dtype))
                      for ref in storage_gmem],
-      load_barrier=plgpu.Barrier(num_barriers=2),
+      # One barrier per (warpgroup, tensor): each TMA load arrives once.
+      load_barrier=plgpu.Barrier(num_barriers=2 * len(storage_gmem)),
       collective_axes="wg",
   )
   def _scope(pipeline_allocs, epilogue_smem, load_barrier):
@@ -236,12 +243,15 @@ def _fused_kernel(scalars_gmem, x_gmem, dy_gmem, storage_gmem, storage_out,
       def window(ref, i, j):
         return ref.at[pl.ds(k0 + i * ek, ek), pl.ds(n0 + j * en, en)]
 
+      def barrier_index(t):
+        return wg * len(storage_gmem) + t
+
       def issue_loads(i, j):
         # Wait until the stores that last read these buffers have finished.
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-        for gmem, smem in zip(storage_gmem, epilogue_smem):
+        for t, (gmem, smem) in enumerate(zip(storage_gmem, epilogue_smem)):
           plgpu.copy_gmem_to_smem(window(gmem, i, j), smem.at[wg],
-                                  load_barrier.at[wg])
+                                  load_barrier.at[barrier_index(t)])
 
       def compute_context(eval_pipeline):
         @functools.partial(pl.run_scoped,
@@ -255,7 +265,8 @@ def _fused_kernel(scalars_gmem, x_gmem, dy_gmem, storage_gmem, storage_out,
           for index, (i, j) in enumerate(tiles):
             if index:
               issue_loads(i, j)
-            plgpu.barrier_wait(load_barrier.at[wg])
+            for t in range(len(storage_gmem)):
+              plgpu.barrier_wait(load_barrier.at[barrier_index(t)])
             grad = acc[i * ek:(i + 1) * ek, j * en:(j + 1) * en]
             values = [smem[wg] for smem in epilogue_smem]
             state = jax.tree.unflatten(state_treedef, values[1:])
@@ -273,13 +284,16 @@ def _fused_kernel(scalars_gmem, x_gmem, dy_gmem, storage_gmem, storage_out,
           skipped_gmem[2 * linear + wg] = skipped
 
       def mma(_, x_smem, dy_smem, acc_ref):
-        plgpu.wgmma(acc_ref, plgpu.transpose_ref(x_smem, (1, 0)),
-                    dy_smem.at[:, pl.ds(wg * tn, tn)])
+        dy_half = dy_smem.at[:, pl.ds(wg * tn, tn)]
+        # The interpreter's wgmma takes no transposed operand: there x
+        # arrives transposed (the GPU tests check the transposed path).
+        lhs = x_smem if interpret else plgpu.transpose_ref(x_smem, (1, 0))
+        plgpu.wgmma(acc_ref, lhs, dy_half)
         plgpu.wgmma_wait(1)
         return acc_ref
 
       pipeline(mma, compute_context)(
-          x_gmem.at[:, pl.ds(k0, tk)],
+          x_window(k0),
           dy_gmem.at[:, pl.ds(n_idx * config.cta_tile_n, config.cta_tile_n)],
           allocations=pipeline_allocs)
 
@@ -319,7 +333,7 @@ def mosaic_update(spec, x, dy, kernel, opt_state, scalars, apply,
   kernel_fn = functools.partial(
       _fused_kernel, optimizer=optimizer, state_treedef=state_treedef,
       scalars_treedef=scalars_treedef, num_scalars=len(scalar_leaves),
-      config=config, layer_id=spec.layer_id)
+      config=config, layer_id=spec.layer_id, interpret=interpret)
   storage = [kernel] + state_leaves
   num_tiles = (k // config.tile_k) * (n // config.cta_tile_n)
   skipped_type = jax.ShapeDtypeStruct((2 * num_tiles,), jnp.int32)
@@ -340,7 +354,7 @@ def mosaic_update(spec, x, dy, kernel, opt_state, scalars, apply,
         grid=mesh.grid, grid_names=mesh.grid_names, num_threads=3,
         thread_name="wg", compiler_params=compiler_params,
         interpret=params.InterpretGPUParams(), kernel_name=name,
-    )(scalar_vector, x2, dy2, *storage)
+    )(scalar_vector, x2.T, dy2, *storage)
     new_storage, skipped = outputs[:-1], outputs[-1]
   else:
     # pl.kernel (not plgpu.kernel, whose batching wrapper rejects refs): the
