@@ -51,10 +51,13 @@ DEFAULT_NUM_SMS = 132
 class MosaicConfig:
   """Tile shapes of the Mosaic GPU kernel.
 
-  A CTA computes ``tile_k x (2 * tile_n)`` of dW (two compute warpgroups),
-  streaming ``tile_t`` tokens per pipeline step, ``max_concurrent_steps``
-  steps in flight. The epilogue works on ``epilogue_k x epilogue_n``
-  sub-tiles of each warpgroup's ``tile_k x tile_n`` half.
+  A CTA computes ``tile_k x (compute_wgs * tile_n)`` of dW (one
+  ``tile_k x tile_n`` part per compute warpgroup), streaming ``tile_t``
+  tokens per pipeline step, ``max_concurrent_steps`` steps in flight. The
+  epilogue works on ``epilogue_k x epilogue_n`` sub-tiles of each part,
+  with ``epilogue_slots`` buffers (2: the next sub-tile's loads fly while
+  this one is updated). ``ctas_per_sm`` persistent CTAs share an SM (2: one's
+  epilogue overlaps the other's main loop, if both fit).
   """
 
   tile_k: int = 128
@@ -65,6 +68,9 @@ class MosaicConfig:
   epilogue_n: int = 32
   #: Tiles of this many consecutive N-blocks share their x blocks in L2.
   grid_tile_width: int = 8
+  compute_wgs: int = 2
+  epilogue_slots: int = 1
+  ctas_per_sm: int = 1
 
   def __post_init__(self):
     for name in ("tile_k", "tile_n", "tile_t", "epilogue_k", "epilogue_n"):
@@ -78,21 +84,25 @@ class MosaicConfig:
       raise ValueError(
           f"epilogue_k={self.epilogue_k} and epilogue_n={self.epilogue_n} "
           f"must divide tile_k={self.tile_k} and tile_n={self.tile_n}")
+    for name in ("compute_wgs", "epilogue_slots", "ctas_per_sm"):
+      if getattr(self, name) not in (1, 2):
+        raise ValueError(f"{name}={getattr(self, name)} must be 1 or 2")
     if self.max_concurrent_steps < 2:
       raise ValueError(f"max_concurrent_steps={self.max_concurrent_steps} "
                        "must be at least 2")
 
   @property
   def cta_tile_n(self) -> int:
-    return 2 * self.tile_n
+    return self.compute_wgs * self.tile_n
 
 
 def shared_memory_bytes(config: MosaicConfig, activation_itemsize: int,
                         storage_itemsizes) -> int:
-  """Pipeline buffers + both warpgroups' epilogue buffers."""
+  """A CTA's pipeline buffers + its warpgroups' epilogue buffers."""
   pipeline = (config.max_concurrent_steps * config.tile_t
               * (config.tile_k + config.cta_tile_n) * activation_itemsize)
-  epilogue = 2 * config.epilogue_k * config.epilogue_n * sum(storage_itemsizes)
+  epilogue = (config.compute_wgs * config.epilogue_slots * config.epilogue_k
+              * config.epilogue_n * sum(storage_itemsizes))
   return pipeline + epilogue
 
 
@@ -125,9 +135,10 @@ def unsupported_reason(x, dy, kernel, optimizer,
   itemsizes = [jnp.dtype(kernel.dtype).itemsize] + [
       jnp.dtype(leaf.dtype).itemsize for leaf in jax.tree.leaves(state)]
   needed = shared_memory_bytes(config, jnp.dtype(x.dtype).itemsize, itemsizes)
-  if needed > SHARED_MEMORY_BUDGET:
-    return (f"the tiles of {config} need {needed} bytes of shared memory, "
-            f"more than {SHARED_MEMORY_BUDGET}")
+  if needed * config.ctas_per_sm > SHARED_MEMORY_BUDGET:
+    return (f"the tiles of {config} need {needed} bytes of shared memory "
+            f"per CTA, {config.ctas_per_sm} CTAs per SM: more than "
+            f"{SHARED_MEMORY_BUDGET}")
   return None
 
 
@@ -205,22 +216,25 @@ def _fused_kernel(scalars_gmem, x_gmem, dy_gmem, storage_gmem, storage_out,
                             transforms=dy_transforms),
         ],
         wg_axis="wg",
-        num_compute_wgs=2,
+        num_compute_wgs=config.compute_wgs,
         max_concurrent_steps=config.max_concurrent_steps,
         compute_context=compute_context,
     )
 
   ignore = lambda *_, **__: None
+  slots = config.epilogue_slots
+  num_buffers = config.compute_wgs * slots
 
   @functools.partial(
       pl.run_scoped,
       pipeline_allocs=pipeline(ignore, ignore).get_allocations(
           x_window(0), dy_gmem.at[:, :config.cta_tile_n]),
-      epilogue_smem=[plgpu.SMEM((2, ek, en), ref.dtype,
+      epilogue_smem=[plgpu.SMEM((num_buffers, ek, en), ref.dtype,
                                 transforms=_swizzled(en, ref.dtype))
                      for ref in storage_gmem],
-      # One barrier per (warpgroup, tensor): each TMA load arrives once.
-      load_barrier=plgpu.Barrier(num_barriers=2 * len(storage_gmem)),
+      # One barrier per (warpgroup, slot, tensor): each TMA load arrives once.
+      load_barrier=plgpu.Barrier(
+          num_barriers=num_buffers * len(storage_gmem)),
       collective_axes="wg",
   )
   def _scope(pipeline_allocs, epilogue_smem, load_barrier):
@@ -243,45 +257,54 @@ def _fused_kernel(scalars_gmem, x_gmem, dy_gmem, storage_gmem, storage_out,
       def window(ref, i, j):
         return ref.at[pl.ds(k0 + i * ek, ek), pl.ds(n0 + j * en, en)]
 
-      def barrier_index(t):
-        return wg * len(storage_gmem) + t
+      def buffer(slot):
+        return wg * slots + slot
 
-      def issue_loads(i, j):
-        # Wait until the stores that last read these buffers have finished.
+      def barrier(slot, t):
+        return load_barrier.at[buffer(slot) * len(storage_gmem) + t]
+
+      def issue_loads(index):
+        i, j = tiles[index]
+        slot = index % slots
+        # The stores that last read this slot must have finished reading.
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
         for t, (gmem, smem) in enumerate(zip(storage_gmem, epilogue_smem)):
-          plgpu.copy_gmem_to_smem(window(gmem, i, j), smem.at[wg],
-                                  load_barrier.at[barrier_index(t)])
+          plgpu.copy_gmem_to_smem(window(gmem, i, j), smem.at[buffer(slot)],
+                                  barrier(slot, t))
+
+      tiles = sub_tiles()
 
       def compute_context(eval_pipeline):
         @functools.partial(pl.run_scoped,
                            acc_ref=plgpu.ACC((tk, tn), jnp.float32))
         def _acc_scope(acc_ref):
-          issue_loads(0, 0)  # lands while the main loop runs
+          issue_loads(0)  # lands while the main loop runs
           eval_pipeline(acc_ref)
           acc = acc_ref[...]
           skipped = jnp.zeros((), jnp.int32)
-          tiles = sub_tiles()
           for index, (i, j) in enumerate(tiles):
-            if index:
-              issue_loads(i, j)
+            slot = index % slots
+            if slots == 1 and index:
+              issue_loads(index)
+            if slots == 2 and index + 1 < len(tiles):
+              issue_loads(index + 1)  # flies while this sub-tile updates
             for t in range(len(storage_gmem)):
-              plgpu.barrier_wait(load_barrier.at[barrier_index(t)])
+              plgpu.barrier_wait(barrier(slot, t))
             grad = acc[i * ek:(i + 1) * ek, j * en:(j + 1) * en]
-            values = [smem[wg] for smem in epilogue_smem]
+            values = [smem[buffer(slot)] for smem in epilogue_smem]
             state = jax.tree.unflatten(state_treedef, values[1:])
             new_w, new_state, updated = apply_update(
                 optimizer, grad, values[0], state, scalars, apply,
                 layer_id=layer_id)
             for smem, value in zip(epilogue_smem,
                                    [new_w] + jax.tree.leaves(new_state)):
-              smem[wg] = value
+              smem[buffer(slot)] = value
             plgpu.commit_smem()
             for gmem, smem in zip(storage_out, epilogue_smem):
-              plgpu.copy_smem_to_gmem(smem.at[wg], window(gmem, i, j))
+              plgpu.copy_smem_to_gmem(smem.at[buffer(slot)], window(gmem, i, j))
             skipped += jnp.sum(jnp.sum(jnp.where(updated, 0.0, 1.0), axis=1)).astype(jnp.int32)
           # Every thread holds the same sum: all write the same value.
-          skipped_gmem[2 * linear + wg] = skipped
+          skipped_gmem[config.compute_wgs * linear + wg] = skipped
 
       def mma(_, x_smem, dy_smem, acc_ref):
         dy_half = dy_smem.at[:, pl.ds(wg * tn, tn)]
@@ -300,15 +323,15 @@ def _fused_kernel(scalars_gmem, x_gmem, dy_gmem, storage_gmem, storage_out,
   plgpu.wait_smem_to_gmem(0, wait_read_only=False)
 
 
-def _num_ctas(num_tiles: int, interpret: bool) -> int:
-  """One CTA per SM (persistent), never more than there are tiles. Interpret
-  mode simulates every CTA's threads on the CPU: two CTAs keep it quick and
-  still check the persistent loop."""
+def _num_ctas(num_tiles: int, config: MosaicConfig, interpret: bool) -> int:
+  """``ctas_per_sm`` CTAs per SM (persistent), never more than there are
+  tiles. Interpret mode simulates every CTA's threads on the CPU: two CTAs
+  keep it quick and still check the persistent loop."""
   if interpret:
     return min(num_tiles, 2)
-  if jax.default_backend() == "gpu":
-    return min(num_tiles, jax.devices()[0].core_count)
-  return min(num_tiles, DEFAULT_NUM_SMS)
+  sms = (jax.devices()[0].core_count if jax.default_backend() == "gpu"
+         else DEFAULT_NUM_SMS)
+  return min(num_tiles, sms * config.ctas_per_sm)
 
 
 def mosaic_update(spec, x, dy, kernel, opt_state, scalars, apply,
@@ -336,9 +359,11 @@ def mosaic_update(spec, x, dy, kernel, opt_state, scalars, apply,
       config=config, layer_id=spec.layer_id, interpret=interpret)
   storage = [kernel] + state_leaves
   num_tiles = (k // config.tile_k) * (n // config.cta_tile_n)
-  skipped_type = jax.ShapeDtypeStruct((2 * num_tiles,), jnp.int32)
-  mesh = plgpu.Mesh(grid=(_num_ctas(num_tiles, interpret),), grid_names=("sm",), num_threads=3,
-                    thread_name="wg")
+  skipped_type = jax.ShapeDtypeStruct((config.compute_wgs * num_tiles,),
+                                      jnp.int32)
+  threads = config.compute_wgs + 1  # + the memory warpgroup
+  mesh = plgpu.Mesh(grid=(_num_ctas(num_tiles, config, interpret),),
+                    grid_names=("sm",), num_threads=threads, thread_name="wg")
   compiler_params = plgpu.CompilerParams(
       lowering_semantics=plgpu.LoweringSemantics.Warpgroup)
   name = "forge_fused_dense_update_mosaic"
@@ -351,7 +376,7 @@ def mosaic_update(spec, x, dy, kernel, opt_state, scalars, apply,
                                           refs[num:2 * num], refs[-1]),
         out_type=[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in storage]
         + [skipped_type],
-        grid=mesh.grid, grid_names=mesh.grid_names, num_threads=3,
+        grid=mesh.grid, grid_names=mesh.grid_names, num_threads=threads,
         thread_name="wg", compiler_params=compiler_params,
         interpret=params.InterpretGPUParams(), kernel_name=name,
     )(scalar_vector, x2.T, dy2, *storage)
