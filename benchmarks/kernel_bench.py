@@ -231,7 +231,7 @@ MOSAIC_SWEEP_CONFIGS = [
     mosaic_kernel.MosaicConfig(compute_wgs=1, tile_n=64, ctas_per_sm=2,
                                max_concurrent_steps=2, epilogue_slots=2),
     mosaic_kernel.MosaicConfig(compute_wgs=1, tile_n=64, ctas_per_sm=2),
-    mosaic_kernel.MosaicConfig(tile_n=64, epilogue_n=64, epilogue_slots=2,
+    mosaic_kernel.MosaicConfig(tile_n=64, epilogue_n=64,
                                max_concurrent_steps=2),
 ]
 
