@@ -72,10 +72,12 @@ class ForgeDense(nn.Module):
   Partitioning works as for ``nn.Dense``:
   ``kernel_init=nn.with_partitioning(init, (None, 'model'))`` (or
   ``nn.with_logical_partitioning`` and a rules table). Every kernel-shaped
-  optimizer state leaf gets the kernel's partitioning metadata, so
-  ``nn.get_partition_spec`` gives it the kernel's spec; the scalars are
-  replicated. Under a mesh the layer then runs per shard with
-  ``jax.shard_map`` (:func:`forge_jax.parallel.forge_dense_sharded`).
+  optimizer state leaf, and every int8 block-scale leaf ``[K, N / 64]``,
+  gets the kernel's partitioning metadata, so ``nn.get_partition_spec``
+  gives it the kernel's spec; the scalars are replicated (column-parallel
+  layers with int8 states need ``features / shards`` to be a multiple of
+  64). Under a mesh the layer then runs per shard with ``jax.shard_map``
+  (:func:`forge_jax.parallel.forge_dense_sharded`).
   """
 
   features: int
@@ -133,14 +135,17 @@ class ForgeDense(nn.Module):
     return boxed if isinstance(boxed, nn.Partitioned) else None
 
   def _init_state(self, kernel, kernel_meta):
-    """The optimizer state; with the kernel's partitioning box on every
-    kernel-shaped leaf, so that it is sharded exactly like the kernel."""
+    """The optimizer state; with the kernel's partitioning box on every leaf
+    that follows the kernel (kernel-shaped, int8 block scales), so that it is
+    sharded exactly like the kernel."""
     state = self.optimizer.init(kernel)
     if kernel_meta is None:
       return state
+    follows = lambda leaf: parallel.follows_kernel(jnp.shape(leaf),
+                                                   jnp.shape(kernel))
     return jax.tree.map(
-        lambda leaf: (kernel_meta.replace_boxed(leaf)
-                      if jnp.shape(leaf) == jnp.shape(kernel) else leaf), state)
+        lambda leaf: kernel_meta.replace_boxed(leaf) if follows(leaf) else leaf,
+        state)
 
   def _layout(self, inputs, kernel_meta) -> Optional[parallel.ShardedLayout]:
     """The per-shard layout, or None for the single-device op."""

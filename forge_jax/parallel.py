@@ -29,6 +29,13 @@ every shard       --                          dW from local, complete
                                               of the local kernel and state
 ================  ==========================  ===============================
 
+Each shard updates its own kernel and state shards with the backend of the
+one-device op, on local shapes. Stochastic rounding hashes every element's
+global ``(row, column)`` (the shard passes its offset), so a shard draws the
+bits one device would. int8 block states are sharded with the kernel, their
+scales ``[K, ceil(N / 64)]`` too; column shards must hold whole blocks of 64
+(:func:`check_block_split`), so each shard's scales are exactly its blocks.
+
 The whole layer is one ``jax.custom_vjp`` over *global* arrays whose forward
 and backward rules are each a ``shard_map``: JAX never transposes the
 ``shard_map``, so no cotangent is implicitly summed over devices, and the
@@ -64,6 +71,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 import flax.linen as nn
 from flax.linen import dtypes as flax_dtypes
 
+from forge_jax import quantization
 from forge_jax.ops import backends
 from forge_jax.ops.fused_dense import (ForgeVariables, FusedDenseSpec, _dense,
                                        _validate, check_differentiated,
@@ -298,26 +306,55 @@ def _data_parallel_message(where, data_axes, sizes, kernel_spec) -> str:
 
 
 # ---------------------------------------------------------------------------
-# Variables: every kernel-shaped leaf is sharded like the kernel.
+# Variables: every leaf that follows the kernel is sharded like the kernel.
+
+
+def follows_kernel(leaf_shape, kernel_shape) -> bool:
+  """Whether a state leaf is sharded like the kernel: kernel-shaped, or the
+  kernel's int8 block scales ``[K, ceil(N / 64)]``, whose element ``(r, b)``
+  scales the kernel's row ``r``, columns ``64 b`` to ``64 b + 63`` (so a
+  shard's scales are its own blocks when column shards hold whole blocks:
+  :func:`check_block_split`)."""
+  kernel_shape = tuple(kernel_shape)
+  return tuple(leaf_shape) in (kernel_shape,
+                               quantization.block_scale_shape(kernel_shape))
 
 
 def variables_specs(variables: ForgeVariables, kernel_spec: P):
   """PartitionSpecs for a :class:`ForgeVariables`: the kernel's for every
-  kernel-shaped leaf, replicated for scalars."""
+  leaf that follows the kernel, replicated for scalars."""
   shape = jnp.shape(variables.kernel)
 
   def leaf_spec(leaf):
-    if jnp.shape(leaf) == shape:
+    if follows_kernel(jnp.shape(leaf), shape):
       return kernel_spec
     if jnp.ndim(leaf) == 0:
       return P()
     raise NotImplementedError(
         f"an optimizer state leaf of shape {jnp.shape(leaf)} (kernel "
-        f"{shape}): only kernel-shaped and scalar state leaves can be sharded "
-        "yet (int8 block states keep per-block scales); under tensor "
-        "parallelism use state_dtype=None, 'float32' or 'bfloat16'")
+        f"{shape}): only kernel-shaped, int8 block-scale "
+        f"{quantization.block_scale_shape(shape)} and scalar state leaves can "
+        "be sharded")
 
   return jax.tree.map(leaf_spec, variables)
+
+
+def check_block_split(where, variables: ForgeVariables, n_axes: Axes, sizes):
+  """Column shards of a kernel with int8 states must hold whole blocks of
+  64 columns (a block shares one scale, which one shard must own)."""
+  if not quantization.has_quantized(variables.opt_state):
+    return
+  n = jnp.shape(variables.kernel)[1]
+  shards = math.prod(sizes[a] for a in n_axes)
+  block = quantization.BLOCK_SIZE
+  if shards > 1 and (n // shards) % block:
+    raise ValueError(
+        f"{where}: features={n} split over {shards} devices gives "
+        f"{n // shards} columns per shard, which must be a multiple of the "
+        f"int8 block size {block} (int8 optimizer states share one scale per "
+        f"{block} columns of a row, and a block cannot straddle shards). "
+        f"Make features a multiple of {block * shards}, shard this layer on "
+        "its in_features (row-parallel), or use state_dtype='bfloat16'.")
 
 
 def _check_divisible(where, name, shape, dims, sizes):
@@ -339,7 +376,8 @@ def forge_dense_sharded(x: jax.Array, variables: ForgeVariables,
 
   ``x``, ``variables`` and ``bias`` are global arrays; the backward pass
   returns the updated variables (their cotangent) with the kernel's
-  sharding on every kernel-shaped leaf, replicated scalars.
+  sharding on every leaf that follows the kernel (:func:`follows_kernel`),
+  replicated scalars.
   """
   _validate(x, variables, bias, spec)
   sizes = _mesh_sizes(layout.mesh)
@@ -355,6 +393,7 @@ def forge_dense_sharded(x: jax.Array, variables: ForgeVariables,
   _check_divisible(where, "input", jnp.shape(x), layout.x, sizes)
   _check_divisible(where, "kernel", jnp.shape(variables.kernel), layout.kernel,
                    sizes)
+  check_block_split(where, variables, layout.n_axes, sizes)
   variables_specs(variables, layout.kernel_spec())  # raises on odd leaves
   if is_explicit(layout.mesh):
     x = _reshard(x, layout.mesh, _spec(layout.x))
@@ -474,18 +513,36 @@ def _local_backward(spec, layout, x, variables, bias, dy):
   scalars = step_scalars(spec, variables)
   x_c, _, _ = flax_dtypes.promote_dtype(x, kernel, None, dtype=spec.dtype)
   step = variables.count.astype(jnp.int32)
+  offset = _shard_offset(layout, kernel.shape)
   if layout.data_axes:  # data_parallel == 'psum'
     grad = backends.weight_gradient(x_c, dy, spec.precision)
     grad = lax.psum(grad, layout.data_axes)
     new_kernel, new_state, skipped = backends.apply_gradient(
-        spec, grad, kernel, variables.opt_state, scalars, apply, step=step)
+        spec, grad, kernel, variables.opt_state, scalars, apply, step=step,
+        offset=offset)
   else:
     backend = backends.select(spec.implementation, x_c, dy, kernel,
                               spec.optimizer)
     new_kernel, new_state, skipped = backend(
-        spec, x_c, dy, kernel, variables.opt_state, scalars, apply, step=step)
+        spec, x_c, dy, kernel, variables.opt_state, scalars, apply, step=step,
+        offset=offset)
   skipped = _psum(skipped, layout.k_axes + layout.n_axes)
   return dx, stepped(variables, new_kernel, new_state, skipped, apply), dbias
+
+
+def _shard_offset(layout, local_shape) -> tuple:
+  """The global ``(row, column)`` of this shard's kernel element ``(0, 0)``
+  (stochastic rounding hashes global indices: the bits of one device)."""
+  return tuple(_axis_offset(axes, size)
+               for axes, size in zip(layout.kernel, local_shape))
+
+
+def _axis_offset(axes, local_size):
+  """This shard's first global index along a dimension sharded over
+  ``axes`` (the first axis major, as in a PartitionSpec)."""
+  if not axes:
+    return jnp.zeros((), jnp.int32)
+  return lax.axis_index(axes) * local_size
 
 
 def _sharded_op_bwd(spec, layout, residuals, dy):
@@ -586,8 +643,9 @@ def partition_specs(variables, rules=None):
   ``nn.Partitioned`` leaves give their names; ``nn.LogicallyPartitioned``
   ones their names resolved with their own rules (else ``rules``, else the
   ``nn.logical_axis_rules`` context); unboxed leaves are replicated. For a
-  ForgeDense that is the kernel's spec on the kernel and on every
-  kernel-shaped optimizer state leaf, and ``P()`` on the scalars.
+  ForgeDense that is the kernel's spec on the kernel and on every optimizer
+  state leaf that follows it (kernel-shaped, int8 block scales), and ``P()``
+  on the scalars.
   """
   def spec(leaf):
     if isinstance(leaf, nn.LogicallyPartitioned):

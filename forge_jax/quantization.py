@@ -135,6 +135,17 @@ def is_quantized(x) -> bool:
   return isinstance(x, QUANTIZED_TYPES)
 
 
+def has_quantized(state) -> bool:
+  """Whether any leaf of ``state`` is int8 block-quantized."""
+  return any(map(is_quantized, jax.tree.leaves(state, is_leaf=is_quantized)))
+
+
+def block_scale_shape(kernel_shape) -> tuple:
+  """The shape of a ``[K, N]`` leaf's block scales: ``[K, ceil(N / 64)]``."""
+  rows, cols = kernel_shape
+  return (rows, -(-cols // BLOCK_SIZE))
+
+
 def canonical_state_dtype(state_dtype) -> Optional[str]:
   """``None`` or one of :data:`STATE_DTYPES` (accepts dtypes and names)."""
   if state_dtype is None:

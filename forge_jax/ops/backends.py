@@ -1,11 +1,15 @@
 """Weight-update backends of the fused dense op, and the switch between them.
 
 A backend is a function
-``(spec, x, dy, kernel, opt_state, scalars, apply, *, step=None) -> (kernel,
-opt_state, skipped)``
+``(spec, x, dy, kernel, opt_state, scalars, apply, *, step=None, offset=None)
+-> (kernel, opt_state, skipped)``
 that forms ``dW = x.T @ dy`` (contracting every axis but the last) and applies
-the optimizer rule. ``'xla'`` is the reference: plain XLA ops, the
-specification, and the default where no GPU kernel applies.
+the optimizer rule. ``offset`` is the global ``(row, column)`` of the
+kernel's element ``(0, 0)`` when ``kernel`` is one shard of a larger kernel
+(None: the whole kernel): stochastic rounding hashes global indices, so a
+shard draws the bits the whole kernel would. ``'xla'`` is the reference:
+plain XLA ops, the specification, and the default where no GPU kernel
+applies.
 """
 
 from __future__ import annotations
@@ -25,23 +29,38 @@ def weight_gradient(x, dy, precision=None):
                          preferred_element_type=jnp.float32)
 
 
-def xla_update(spec, x, dy, kernel, opt_state, scalars, apply, *, step=None):
+def xla_update(spec, x, dy, kernel, opt_state, scalars, apply, *, step=None,
+               offset=None):
   """Reference backend: ``dW`` through XLA, then the elementwise rule.
 
-  ``step`` (the layer's count, an integer scalar; None: 0) and
-  ``spec.layer_id`` seed stochastic rounding.
+  ``step`` (the layer's count, an integer scalar; None: 0),
+  ``spec.layer_id`` and the elements' global indices (``offset``) seed
+  stochastic rounding.
   """
   return apply_gradient(spec, weight_gradient(x, dy, spec.precision), kernel,
-                        opt_state, scalars, apply, step=step)
+                        opt_state, scalars, apply, step=step, offset=offset)
 
 
-def apply_gradient(spec, grad, kernel, opt_state, scalars, apply, *, step=None):
+def apply_gradient(spec, grad, kernel, opt_state, scalars, apply, *, step=None,
+                   offset=None):
   """The elementwise rule on a whole float32 ``grad``, updating in place:
   ``(new_kernel, new_state, skipped)``."""
   new_kernel, new_state, updated = apply_update(
       spec.optimizer, grad, kernel, opt_state, scalars, apply,
-      order_in_place=True, step=step, layer_id=spec.layer_id)
+      order_in_place=True, step=step, layer_id=spec.layer_id,
+      indices=global_indices(kernel.shape, offset))
   return new_kernel, new_state, jnp.sum(jnp.logical_not(updated), dtype=jnp.int32)
+
+
+def global_indices(shape, offset):
+  """``(rows, cols)``: the global indices of a ``shape`` kernel shard whose
+  element ``(0, 0)`` is at ``offset`` (None: a whole kernel, no indices)."""
+  if offset is None:
+    return None
+  row0, col0 = offset
+  rows = row0 + lax.broadcasted_iota(jnp.int32, (shape[0], 1), 0)
+  cols = col0 + lax.broadcasted_iota(jnp.int32, (1, shape[1]), 1)
+  return rows, cols
 
 
 def _on_gpu() -> bool:

@@ -336,9 +336,10 @@ def _num_ctas(num_tiles: int, config: MosaicConfig, interpret: bool) -> int:
 
 def mosaic_update(spec, x, dy, kernel, opt_state, scalars, apply,
                   config: Optional[MosaicConfig] = None,
-                  interpret: Optional[bool] = None, *, step=None):
+                  interpret: Optional[bool] = None, *, step=None,
+                  offset=None):
   """Backend entry point: same contract as ``backends.xla_update``."""
-  del step  # only stochastic rounding reads it; that runs on 'triton'
+  del step, offset  # only stochastic rounding reads them; that runs on 'triton'
   optimizer = spec.optimizer
   config = config or MosaicConfig()
   check_supported(x, dy, kernel, optimizer, config)

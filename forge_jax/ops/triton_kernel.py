@@ -17,7 +17,8 @@ kernel) and float32 scales, one per 64 columns of a row; the epilogue's
 column chunk is exactly one such block (``block_n / epilogue_split == 64``),
 so a block never straddles a chunk or a tile, and the scale tile is
 ``block_k x 1``. Stochastic rounding takes the global row and column of each
-element (tile offset + iota) and the layer's step (passed with the scalars).
+element (the shard's offset + the tile's + iota) and the layer's step (the
+step and the shard's offset are passed with the scalars).
 """
 
 from __future__ import annotations
@@ -163,10 +164,12 @@ def _fused_kernel(scalars_ref, x_ref, dy_ref, w_ref, *refs, optimizer,
   grad = lax.fori_loop(0, pl.cdiv(tokens, bt), accumulate,
                        jnp.zeros((bk, bn), jnp.float32))
 
-  scalar_values = [scalars_ref[i] for i in range(num_scalars + 2)]
+  scalar_values = [scalars_ref[i] for i in range(num_scalars + 4)]
   scalars = jax.tree.unflatten(scalars_treedef, scalar_values[:num_scalars])
   apply = scalar_values[num_scalars] > 0.5
-  step = scalar_values[num_scalars + 1].astype(jnp.int32)
+  # The shard's global offset: stochastic rounding hashes global indices.
+  step, shard_row, shard_col = (v.astype(jnp.int32)
+                                for v in scalar_values[num_scalars + 1:])
 
   # The epilogue runs on column chunks of the accumulator: fewer live
   # registers (W and every state tile are float32 beside it).
@@ -196,7 +199,8 @@ def _fused_kernel(scalars_ref, x_ref, dy_ref, w_ref, *refs, optimizer,
         [load(r, is_scale) for r, is_scale in zip(state_refs, scale_leaves)])
     new_w, new_state, updated = apply_update(
         optimizer, grad_chunk, w, state, scalars, apply, step=step,
-        layer_id=layer_id, indices=(row_idx, col_idx), valid=mask)
+        layer_id=layer_id, indices=(shard_row + row_idx, shard_col + col_idx),
+        valid=mask)
     plgpu.store(tile(w_out_ref), new_w, mask=mask)
     for ref, value, is_scale in zip(state_out_refs, jax.tree.leaves(new_state),
                                     scale_leaves):
@@ -221,15 +225,14 @@ def _tile_indices(pid, num_k, num_n, group_k):
 
 def triton_update(spec, x, dy, kernel, opt_state, scalars, apply,
                   config: Optional[TritonConfig] = None,
-                  interpret: Optional[bool] = None, *, step=None):
+                  interpret: Optional[bool] = None, *, step=None, offset=None):
   """Backend entry point: same contract as ``backends.xla_update``."""
   optimizer = spec.optimizer
   k, n = kernel.shape
   x2 = x.reshape(-1, k)
   dy2 = dy.reshape(-1, n)
   tokens = x2.shape[0]
-  quantized = any(quantization.is_quantized(leaf) for leaf in jax.tree.leaves(
-      opt_state, is_leaf=quantization.is_quantized))
+  quantized = quantization.has_quantized(opt_state)
   if config is None:
     config = default_config(
         tokens, k, n, max(x2.dtype.itemsize, dy2.dtype.itemsize),
@@ -243,11 +246,14 @@ def triton_update(spec, x, dy, kernel, opt_state, scalars, apply,
   scale_leaves = tuple(quantization.scale_leaf_mask(kernel_state))
   state_leaves, state_treedef = jax.tree.flatten(kernel_state)
   scalar_leaves, scalars_treedef = jax.tree.flatten(scalars)
-  # The step is exact in float32 up to 2**24 (as the layer's float32 count).
+  # The step (as the layer's float32 count) and the shard's offset are exact
+  # in float32 up to 2**24.
   step = jnp.zeros((), jnp.float32) if step is None else step
+  offset = (0, 0) if offset is None else offset
   scalar_vector = jnp.stack(
       [jnp.asarray(s, jnp.float32) for s in scalar_leaves]
-      + [apply.astype(jnp.float32), jnp.asarray(step).astype(jnp.float32)])
+      + [apply.astype(jnp.float32)]
+      + [jnp.asarray(v).astype(jnp.float32) for v in (step, *offset)])
 
   grid = (pl.cdiv(k, config.block_k) * pl.cdiv(n, config.block_n),)
   both_f32 = x2.dtype == jnp.float32 and dy2.dtype == jnp.float32
