@@ -1,10 +1,12 @@
 """Weight-update backends of the fused dense op, and the switch between them.
 
 A backend is a function
-``(spec, x, dy, kernel, opt_state, scalars, apply, *, step=None) -> (kernel,
-opt_state, skipped)``
+``(spec, x, dy, kernel, opt_state, scalars, apply, *, step=None,
+layer_index=None) -> (kernel, opt_state, skipped)``
 that forms ``dW = x.T @ dy`` (contracting every axis but the last) and applies
-the optimizer rule. ``'xla'`` is the reference: plain XLA ops, the
+the optimizer rule. With a ``layer_index`` (an int32 scalar), ``kernel`` and
+every ``opt_state`` leaf are stacked on a leading layer axis, only that layer
+is stepped, and the whole stacks come back (updated in place). ``'xla'`` is the reference: plain XLA ops, the
 specification, and the default where no GPU kernel applies.
 """
 
@@ -14,6 +16,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from forge_jax.ops import stacks
 from forge_jax.ops.update import apply_update
 
 
@@ -25,23 +28,34 @@ def weight_gradient(x, dy, precision=None):
                          preferred_element_type=jnp.float32)
 
 
-def xla_update(spec, x, dy, kernel, opt_state, scalars, apply, *, step=None):
+def xla_update(spec, x, dy, kernel, opt_state, scalars, apply, *, step=None,
+               layer_index=None):
   """Reference backend: ``dW`` through XLA, then the elementwise rule.
 
   ``step`` (the layer's count, an integer scalar; None: 0) and
   ``spec.layer_id`` seed stochastic rounding.
   """
   return apply_gradient(spec, weight_gradient(x, dy, spec.precision), kernel,
-                        opt_state, scalars, apply, step=step)
+                        opt_state, scalars, apply, step=step,
+                        layer_index=layer_index)
 
 
-def apply_gradient(spec, grad, kernel, opt_state, scalars, apply, *, step=None):
+def apply_gradient(spec, grad, kernel, opt_state, scalars, apply, *, step=None,
+                   layer_index=None):
   """The elementwise rule on a whole float32 ``grad``, updating in place:
-  ``(new_kernel, new_state, skipped)``."""
+  ``(new_kernel, new_state, skipped)``.
+
+  With a ``layer_index``, ``kernel`` and ``opt_state`` are stacks: the
+  layer's entries are stepped and written back with
+  ``dynamic_update_slice``, which XLA fuses with the update and runs in place.
+  """
   new_kernel, new_state, updated = apply_update(
       spec.optimizer, grad, kernel, opt_state, scalars, apply,
-      order_in_place=True, step=step, layer_id=spec.layer_id)
-  return new_kernel, new_state, jnp.sum(jnp.logical_not(updated), dtype=jnp.int32)
+      order_in_place=True, step=step, layer_id=spec.layer_id,
+      layer_index=layer_index)
+  return (stacks.with_layer_entry(kernel, new_kernel, layer_index),
+          stacks.with_layer_entries(opt_state, new_state, layer_index),
+          jnp.sum(jnp.logical_not(updated), dtype=jnp.int32))
 
 
 def _on_gpu() -> bool:

@@ -18,6 +18,11 @@ column chunk is exactly one such block (``block_n / epilogue_split == 64``),
 so a block never straddles a chunk or a tile, and the scale tile is
 ``block_k x 1``. Stochastic rounding takes the global row and column of each
 element (tile offset + iota) and the layer's step (passed with the scalars).
+
+Stacked (``layer_index`` given, :mod:`forge_jax.ops.stacks`): the kernel and
+state refs are the whole ``[L, K, N]`` stacks (scales ``[L, K, N / 64]``),
+aliased in place, and every tile is read and written at the layer's index
+(passed with the scalars), so no slice of the stacks is ever copied.
 """
 
 from __future__ import annotations
@@ -136,7 +141,8 @@ def check_config(config: TritonConfig, quantized: bool):
 
 def _fused_kernel(scalars_ref, x_ref, dy_ref, w_ref, *refs, optimizer,
                   state_treedef, scalars_treedef, num_scalars, tokens, k, n,
-                  config: TritonConfig, dot_precision, scale_leaves, layer_id):
+                  config: TritonConfig, dot_precision, scale_leaves, layer_id,
+                  stacked: bool):
   num_state = state_treedef.num_leaves
   state_refs = refs[:num_state]
   w_out_ref = refs[num_state]
@@ -163,10 +169,14 @@ def _fused_kernel(scalars_ref, x_ref, dy_ref, w_ref, *refs, optimizer,
   grad = lax.fori_loop(0, pl.cdiv(tokens, bt), accumulate,
                        jnp.zeros((bk, bn), jnp.float32))
 
-  scalar_values = [scalars_ref[i] for i in range(num_scalars + 2)]
+  scalar_values = [scalars_ref[i] for i in range(num_scalars + 3)]
   scalars = jax.tree.unflatten(scalars_treedef, scalar_values[:num_scalars])
   apply = scalar_values[num_scalars] > 0.5
   step = scalar_values[num_scalars + 1].astype(jnp.int32)
+  # Stacked refs are [L, K, N]: one indexer, the layer first (Triton's
+  # lowering takes a single indexer per load or store).
+  layer = ((scalar_values[num_scalars + 2].astype(jnp.int32),) if stacked
+           else ())
 
   # The epilogue runs on column chunks of the accumulator: fewer live
   # registers (W and every state tile are float32 beside it).
@@ -181,11 +191,11 @@ def _fused_kernel(scalars_ref, x_ref, dy_ref, w_ref, *refs, optimizer,
     rows = pid_k * bk + lax.broadcasted_iota(jnp.int32, (bk, chunk), 0)
     cols = col0 + lax.broadcasted_iota(jnp.int32, (bk, chunk), 1)
     mask = (rows < k) & (cols < n)
-    tile = lambda ref: ref.at[pl.ds(pid_k * bk, bk), pl.ds(col0, chunk)]  # pylint: disable=cell-var-from-loop
+    tile = lambda ref: ref.at[layer + (pl.ds(pid_k * bk, bk), pl.ds(col0, chunk))]  # pylint: disable=cell-var-from-loop
     # A chunk is one quantization block: its scales are a [bk, 1] column.
     block0 = pid_n * (bn // block) + c
     scale_mask = (row_idx < k) & (block0 < num_blocks)
-    scale_tile = lambda ref: ref.at[pl.ds(pid_k * bk, bk), pl.ds(block0, 1)]  # pylint: disable=cell-var-from-loop
+    scale_tile = lambda ref: ref.at[layer + (pl.ds(pid_k * bk, bk), pl.ds(block0, 1))]  # pylint: disable=cell-var-from-loop
     load = lambda ref, is_scale: (  # pylint: disable=cell-var-from-loop
         plgpu.load(scale_tile(ref), mask=scale_mask, other=0.0) if is_scale
         else plgpu.load(tile(ref), mask=mask,
@@ -221,10 +231,11 @@ def _tile_indices(pid, num_k, num_n, group_k):
 
 def triton_update(spec, x, dy, kernel, opt_state, scalars, apply,
                   config: Optional[TritonConfig] = None,
-                  interpret: Optional[bool] = None, *, step=None):
+                  interpret: Optional[bool] = None, *, step=None,
+                  layer_index=None):
   """Backend entry point: same contract as ``backends.xla_update``."""
   optimizer = spec.optimizer
-  k, n = kernel.shape
+  k, n = kernel.shape[-2:]
   x2 = x.reshape(-1, k)
   dy2 = dy.reshape(-1, n)
   tokens = x2.shape[0]
@@ -243,11 +254,14 @@ def triton_update(spec, x, dy, kernel, opt_state, scalars, apply,
   scale_leaves = tuple(quantization.scale_leaf_mask(kernel_state))
   state_leaves, state_treedef = jax.tree.flatten(kernel_state)
   scalar_leaves, scalars_treedef = jax.tree.flatten(scalars)
-  # The step is exact in float32 up to 2**24 (as the layer's float32 count).
+  # The step and the layer index are exact in float32 up to 2**24 (as the
+  # layer's float32 count).
   step = jnp.zeros((), jnp.float32) if step is None else step
+  layer = jnp.zeros((), jnp.int32) if layer_index is None else layer_index
   scalar_vector = jnp.stack(
       [jnp.asarray(s, jnp.float32) for s in scalar_leaves]
-      + [apply.astype(jnp.float32), jnp.asarray(step).astype(jnp.float32)])
+      + [apply.astype(jnp.float32), jnp.asarray(step).astype(jnp.float32),
+         jnp.asarray(layer).astype(jnp.float32)])
 
   grid = (pl.cdiv(k, config.block_k) * pl.cdiv(n, config.block_n),)
   both_f32 = x2.dtype == jnp.float32 and dy2.dtype == jnp.float32
@@ -256,7 +270,8 @@ def triton_update(spec, x, dy, kernel, opt_state, scalars, apply,
       scalars_treedef=scalars_treedef, num_scalars=len(scalar_leaves),
       tokens=tokens, k=k, n=n, config=config,
       dot_precision=lax.Precision.HIGHEST if both_f32 else None,
-      scale_leaves=scale_leaves, layer_id=spec.layer_id)
+      scale_leaves=scale_leaves, layer_id=spec.layer_id,
+      stacked=layer_index is not None)
   out_shape = (
       [jax.ShapeDtypeStruct(kernel.shape, kernel.dtype)]
       + [jax.ShapeDtypeStruct(s.shape, s.dtype) for s in state_leaves]
