@@ -362,8 +362,9 @@ def forge_dense_sharded(x: jax.Array, variables: ForgeVariables,
   _check_divisible(where, "input", jnp.shape(x), layout.x, sizes)
   _check_divisible(where, "kernel", jnp.shape(variables.kernel)[-2:],
                    layout.kernel, sizes)
-  stacked = layer_index is not None
-  v_specs = variables_specs(variables, layout.kernel_spec(), stacked)  # raises on odd leaves
+  # Raises on leaves that cannot be sharded like the kernel.
+  v_specs = variables_specs(variables, layout.kernel_spec(),
+                            stacked=layer_index is not None)
   if is_explicit(layout.mesh):
     x = _reshard(x, layout.mesh, _spec(layout.x))
     variables = jax.tree.map(

@@ -6,8 +6,9 @@ layer_index=None) -> (kernel, opt_state, skipped)``
 that forms ``dW = x.T @ dy`` (contracting every axis but the last) and applies
 the optimizer rule. With a ``layer_index`` (an int32 scalar), ``kernel`` and
 every ``opt_state`` leaf are stacked on a leading layer axis, only that layer
-is stepped, and the whole stacks come back (updated in place). ``'xla'`` is the reference: plain XLA ops, the
-specification, and the default where no GPU kernel applies.
+is stepped, and the whole stacks come back (updated in place). ``'xla'`` is
+the reference: plain XLA ops, the specification, and the default where no
+GPU kernel applies.
 """
 
 from __future__ import annotations

@@ -22,7 +22,8 @@ element (tile offset + iota) and the layer's step (passed with the scalars).
 Stacked (``layer_index`` given, :mod:`forge_jax.ops.stacks`): the kernel and
 state refs are the whole ``[L, K, N]`` stacks (scales ``[L, K, N / 64]``),
 aliased in place, and every tile is read and written at the layer's index
-(passed with the scalars), so no slice of the stacks is ever copied.
+(passed with the scalars): no slice of a stack goes in or out of the call,
+so XLA has none to copy around it.
 """
 
 from __future__ import annotations
@@ -191,11 +192,13 @@ def _fused_kernel(scalars_ref, x_ref, dy_ref, w_ref, *refs, optimizer,
     rows = pid_k * bk + lax.broadcasted_iota(jnp.int32, (bk, chunk), 0)
     cols = col0 + lax.broadcasted_iota(jnp.int32, (bk, chunk), 1)
     mask = (rows < k) & (cols < n)
-    tile = lambda ref: ref.at[layer + (pl.ds(pid_k * bk, bk), pl.ds(col0, chunk))]  # pylint: disable=cell-var-from-loop
+    tile = lambda ref: ref.at[  # pylint: disable=cell-var-from-loop
+        layer + (pl.ds(pid_k * bk, bk), pl.ds(col0, chunk))]
     # A chunk is one quantization block: its scales are a [bk, 1] column.
     block0 = pid_n * (bn // block) + c
     scale_mask = (row_idx < k) & (block0 < num_blocks)
-    scale_tile = lambda ref: ref.at[layer + (pl.ds(pid_k * bk, bk), pl.ds(block0, 1))]  # pylint: disable=cell-var-from-loop
+    scale_tile = lambda ref: ref.at[  # pylint: disable=cell-var-from-loop
+        layer + (pl.ds(pid_k * bk, bk), pl.ds(block0, 1))]
     load = lambda ref, is_scale: (  # pylint: disable=cell-var-from-loop
         plgpu.load(scale_tile(ref), mask=scale_mask, other=0.0) if is_scale
         else plgpu.load(tile(ref), mask=mask,
