@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +25,29 @@ from forge_jax.ops.fused_dense import (ForgeVariables, FusedDenseSpec,
 #: ``flax.training.train_state.TrainState.apply_gradients`` overwrites it with
 #: its "gradient", which FORGE's backward makes the updated variables.
 FORGE_COLLECTION = OVERWRITE_WITH_GRADIENT
+
+
+class _StackedLayer(NamedTuple):
+  index: jax.Array  # int32 scalar, traced in the backward loop's body
+  length: int       # the number of stacked layers
+
+
+#: Private to :mod:`forge_jax.scan`: while its backward traces one layer's
+#: recompute and vjp, every ForgeDense receives its whole variable stacks and
+#: steps layer ``index`` of them in place (stacked mode of ``forge_dense``).
+#: None elsewhere.
+_STACKED_LAYER: contextvars.ContextVar[Optional[_StackedLayer]] = (
+    contextvars.ContextVar("forge_stacked_layer", default=None))
+
+
+@contextlib.contextmanager
+def _stacked_layer(index: jax.Array, length: int):
+  """ForgeDense calls traced inside use layer ``index`` of their stacks."""
+  token = _STACKED_LAYER.set(_StackedLayer(index, length))
+  try:
+    yield
+  finally:
+    _STACKED_LAYER.reset(token)
 
 
 class ForgeDense(nn.Module):
@@ -114,9 +139,12 @@ class ForgeDense(nn.Module):
     bias = (self.param("bias", self.bias_init, (self.features,),
                        self.param_dtype) if self.use_bias else None)
     variables = ForgeVariables(kernel, opt_state, count, skipped, intact)
-    self._check_variables(variables, jax.eval_shape(
+    stacked = _STACKED_LAYER.get()
+    self._check_variables(variables, _stacked_shapes(jax.eval_shape(
         functools.partial(init_variables, self.optimizer),
-        jax.ShapeDtypeStruct(kernel_shape, self.param_dtype)))
+        jax.ShapeDtypeStruct(kernel_shape, self.param_dtype)), stacked),
+                          stacked)
+    layer_index = None if stacked is None else stacked.index
     self._check_single_use(kernel)
     spec = FusedDenseSpec(optimizer=self.optimizer,
                           implementation=self.implementation,
@@ -124,9 +152,10 @@ class ForgeDense(nn.Module):
                           layer_id=self._layer_id())
     layout = self._layout(inputs, kernel_meta)
     if layout is None:
-      return forge_dense(inputs, variables, bias, spec)
+      return forge_dense(inputs, variables, bias, spec, layer_index)
     return parallel.forge_dense_sharded(inputs, variables, bias, spec, layout,
-                                        where=f"ForgeDense {self.path!r}")
+                                        where=f"ForgeDense {self.path!r}",
+                                        layer_index=layer_index)
 
   def _kernel_metadata(self, kernel_shape):
     """The partitioning box ``kernel_init`` wraps the kernel in, or None."""
@@ -183,12 +212,21 @@ class ForgeDense(nn.Module):
     return quantization.layer_id_from_path(self.path)
 
   def _check_variables(self, variables: ForgeVariables,
-                       expected: ForgeVariables):
+                       expected: ForgeVariables,
+                       stacked: Optional[_StackedLayer]):
     """Shapes and dtypes as init made them: a transformed copy would receive
     the new weights through the transformation's transpose."""
     actual = jax.tree.map(lambda x: (jnp.shape(x), jnp.result_type(x)), variables)
     wanted = jax.tree.map(lambda x: (jnp.shape(x), jnp.result_type(x)), expected)
     if jax.tree.structure(actual) != jax.tree.structure(wanted) or actual != wanted:
+      if stacked is not None:
+        raise TypeError(
+            f"ForgeDense {self.path!r}: its variables are {actual} but "
+            f"{wanted} was expected: fj.scan_layers' backward hands every "
+            f"ForgeDense of the block its variables stacked over the "
+            f"{stacked.length} layers, so the block must use them as they "
+            "come (no nn.scan, nn.vmap or fj.scan_layers over ForgeDense "
+            "inside it).")
       raise TypeError(
           f"ForgeDense {self.path!r}: its variables are {actual} but "
           f"{wanted} was expected for param_dtype={self.param_dtype} and "
@@ -208,6 +246,14 @@ class ForgeDense(nn.Module):
           "kernel would receive two updates summed together. Use one "
           "ForgeDense per use, or nn.Dense for shared weights.")
     object.__setattr__(self, "_forge_kernel_in_use", kernel)
+
+
+def _stacked_shapes(variables, stacked: Optional[_StackedLayer]):
+  """``variables``' shapes, on a leading layer axis when ``stacked``."""
+  if stacked is None:
+    return variables
+  return jax.tree.map(lambda v: jax.ShapeDtypeStruct(
+      (stacked.length,) + v.shape, v.dtype), variables)
 
 
 def wiped_layers(variables) -> list[str]:

@@ -73,10 +73,11 @@ from flax.linen import dtypes as flax_dtypes
 
 from forge_jax import quantization
 from forge_jax.ops import backends
+from forge_jax.ops import stacks
 from forge_jax.ops.fused_dense import (ForgeVariables, FusedDenseSpec, _dense,
                                        _validate, check_differentiated,
-                                       order_after, primal_values, step_scalars,
-                                       stepped)
+                                       layer_step, order_after, primal_values,
+                                       step_scalars, stepped)
 
 DATA_PARALLEL_MODES = ("error", "psum")
 
@@ -320,16 +321,19 @@ def follows_kernel(leaf_shape, kernel_shape) -> bool:
                                quantization.block_scale_shape(kernel_shape))
 
 
-def variables_specs(variables: ForgeVariables, kernel_spec: P):
+def variables_specs(variables: ForgeVariables, kernel_spec: P,
+                    stacked: bool = False):
   """PartitionSpecs for a :class:`ForgeVariables`: the kernel's for every
-  leaf that follows the kernel, replicated for scalars."""
+  leaf that follows the kernel, replicated for scalars; ``stacked``: each
+  behind a replicated leading layer axis."""
   shape = jnp.shape(variables.kernel)
+  layers = (None,) if stacked else ()
 
   def leaf_spec(leaf):
-    if follows_kernel(jnp.shape(leaf), shape):
-      return kernel_spec
-    if jnp.ndim(leaf) == 0:
-      return P()
+    if follows_kernel(jnp.shape(leaf)[len(layers):], shape[len(layers):]):
+      return P(*layers, *kernel_spec)
+    if jnp.ndim(leaf) == len(layers):
+      return P(*layers)
     raise NotImplementedError(
         f"an optimizer state leaf of shape {jnp.shape(leaf)} (kernel "
         f"{shape}): only kernel-shaped, int8 block-scale "
@@ -344,7 +348,7 @@ def check_block_split(where, variables: ForgeVariables, n_axes: Axes, sizes):
   64 columns (a block shares one scale, which one shard must own)."""
   if not quantization.has_quantized(variables.opt_state):
     return
-  n = jnp.shape(variables.kernel)[1]
+  n = jnp.shape(variables.kernel)[-1]
   shards = math.prod(sizes[a] for a in n_axes)
   block = quantization.BLOCK_SIZE
   if shards > 1 and (n // shards) % block:
@@ -371,15 +375,17 @@ def _check_divisible(where, name, shape, dims, sizes):
 
 def forge_dense_sharded(x: jax.Array, variables: ForgeVariables,
                         bias: Optional[jax.Array], spec: FusedDenseSpec,
-                        layout: ShardedLayout, where: str = "forge_dense") -> jax.Array:
+                        layout: ShardedLayout, where: str = "forge_dense",
+                        layer_index: Optional[jax.Array] = None) -> jax.Array:
   """:func:`forge_jax.forge_dense`, run per shard as ``layout`` says.
 
   ``x``, ``variables`` and ``bias`` are global arrays; the backward pass
   returns the updated variables (their cotangent) with the kernel's
   sharding on every leaf that follows the kernel (:func:`follows_kernel`),
-  replicated scalars.
+  replicated scalars. With a ``layer_index`` the variables are stacks (see
+  ``forge_dense``), their layer axis replicated.
   """
-  _validate(x, variables, bias, spec)
+  _validate(x, variables, bias, spec, layer_index)
   sizes = _mesh_sizes(layout.mesh)
   manual = _manual_axes()
   if manual:
@@ -391,18 +397,19 @@ def forge_dense_sharded(x: jax.Array, variables: ForgeVariables,
     raise ValueError(f"{where}: the input has rank {jnp.ndim(x)} but its "
                      f"layout {layout.x} rank {len(layout.x)}")
   _check_divisible(where, "input", jnp.shape(x), layout.x, sizes)
-  _check_divisible(where, "kernel", jnp.shape(variables.kernel), layout.kernel,
-                   sizes)
+  _check_divisible(where, "kernel", jnp.shape(variables.kernel)[-2:],
+                   layout.kernel, sizes)
   check_block_split(where, variables, layout.n_axes, sizes)
-  variables_specs(variables, layout.kernel_spec())  # raises on odd leaves
+  # Raises on leaves that cannot be sharded like the kernel.
+  v_specs = variables_specs(variables, layout.kernel_spec(),
+                            stacked=layer_index is not None)
   if is_explicit(layout.mesh):
     x = _reshard(x, layout.mesh, _spec(layout.x))
     variables = jax.tree.map(
-        lambda v, s: _reshard(v, layout.mesh, s), variables,
-        variables_specs(variables, layout.kernel_spec()))
+        lambda v, s: _reshard(v, layout.mesh, s), variables, v_specs)
     if bias is not None:
       bias = _reshard(bias, layout.mesh, _spec((layout.n_axes,)))
-  return _sharded_op(spec, layout, x, variables, bias)
+  return _sharded_op(spec, layout, x, variables, bias, layer_index)
 
 
 def is_explicit(mesh) -> bool:
@@ -426,11 +433,12 @@ def _shard_map(fn, layout, in_specs, out_specs):
                        out_specs=out_specs, check_vma=False)
 
 
-def _specs(layout, variables, bias):
+def _specs(layout, variables, bias, layer_index):
+  """In-specs of x, variables, bias and the layer index (replicated)."""
   x = _spec(layout.x)
-  v = variables_specs(variables, layout.kernel_spec())
+  v = variables_specs(variables, layout.kernel_spec(), layer_index is not None)
   b = None if bias is None else _spec((layout.n_axes,))
-  return x, v, b
+  return x, v, b, P()
 
 
 # Collectives on optional axes (an empty tuple of axes is the identity).
@@ -463,33 +471,35 @@ def _add_bias(y, bias, spec):
   return y + jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,))
 
 
-def _local_forward(spec, layout, x, kernel, bias):
+def _local_forward(spec, layout, x, kernel, bias, layer_index):
   x = _all_gather(x, layout.gather)
-  y = _dense(x, kernel, None, spec)
+  y = _dense(x, stacks.layer_entry(kernel, layer_index), None, spec)
   y = _reduce(y, layout.k_axes, layout.scatter)
   return _add_bias(y, bias, spec)
 
 
-def _forward(spec, layout, x, variables, bias):
-  x_s, v_s, b_s = _specs(layout, variables, bias)
+def _forward(spec, layout, x, variables, bias, layer_index):
+  x_s, v_s, b_s, i_s = _specs(layout, variables, bias, layer_index)
   fn = functools.partial(_local_forward, spec, layout)
-  return _shard_map(fn, layout, (x_s, v_s.kernel, b_s), _spec(layout.y))(
-      x, variables.kernel, bias)
+  return _shard_map(fn, layout, (x_s, v_s.kernel, b_s, i_s), _spec(layout.y))(
+      x, variables.kernel, bias, layer_index)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _sharded_op(spec, layout, x, variables, bias):
-  return _forward(spec, layout, x, variables, bias)
+def _sharded_op(spec, layout, x, variables, bias, layer_index):
+  return _forward(spec, layout, x, variables, bias, layer_index)
 
 
-def _sharded_op_fwd(spec, layout, x, variables, bias):
+def _sharded_op_fwd(spec, layout, x, variables, bias, layer_index):
   check_differentiated(x, variables, bias)
-  x, variables, bias = primal_values((x, variables, bias))
-  return _forward(spec, layout, x, variables, bias), (x, variables, bias)
+  x, variables, bias, layer_index = primal_values(
+      (x, variables, bias, layer_index))
+  return (_forward(spec, layout, x, variables, bias, layer_index),
+          (x, variables, bias, layer_index))
 
 
-def _local_backward(spec, layout, x, variables, bias, dy):
-  kernel = variables.kernel
+def _local_backward(spec, layout, x, variables, bias, layer_index, dy):
+  kernel = stacks.layer_entry(variables.kernel, layer_index)
   all_axes = tuple(layout.mesh.axis_names)
   x = _all_gather(x, layout.gather)      # the tokens the forward used
   dy = _all_gather(dy, layout.scatter)   # transpose of the reduce-scatter
@@ -510,24 +520,25 @@ def _local_backward(spec, layout, x, variables, bias, dy):
   finite = jnp.all(jnp.isfinite(dy)).astype(jnp.int32)
   finite = lax.pmin(finite, all_axes) > 0
   apply = jnp.logical_and(finite, after_dx)
-  scalars = step_scalars(spec, variables)
+  scalars = step_scalars(spec, variables, layer_index)
   x_c, _, _ = flax_dtypes.promote_dtype(x, kernel, None, dtype=spec.dtype)
-  step = variables.count.astype(jnp.int32)
+  step = layer_step(variables, layer_index)
   offset = _shard_offset(layout, kernel.shape)
   if layout.data_axes:  # data_parallel == 'psum'
     grad = backends.weight_gradient(x_c, dy, spec.precision)
     grad = lax.psum(grad, layout.data_axes)
     new_kernel, new_state, skipped = backends.apply_gradient(
-        spec, grad, kernel, variables.opt_state, scalars, apply, step=step,
-        offset=offset)
+        spec, grad, variables.kernel, variables.opt_state, scalars, apply,
+        step=step, offset=offset, layer_index=layer_index)
   else:
     backend = backends.select(spec.implementation, x_c, dy, kernel,
                               spec.optimizer)
     new_kernel, new_state, skipped = backend(
-        spec, x_c, dy, kernel, variables.opt_state, scalars, apply, step=step,
-        offset=offset)
+        spec, x_c, dy, variables.kernel, variables.opt_state, scalars, apply,
+        step=step, offset=offset, layer_index=layer_index)
   skipped = _psum(skipped, layout.k_axes + layout.n_axes)
-  return dx, stepped(variables, new_kernel, new_state, skipped, apply), dbias
+  return dx, stepped(variables, new_kernel, new_state, skipped, apply,
+                     layer_index), dbias
 
 
 def _shard_offset(layout, local_shape) -> tuple:
@@ -546,13 +557,15 @@ def _axis_offset(axes, local_size):
 
 
 def _sharded_op_bwd(spec, layout, residuals, dy):
-  x, variables, bias = residuals
+  x, variables, bias, layer_index = residuals
   if isinstance(dy, SymbolicZero):
     dy = jnp.zeros(dy.shape, dy.dtype)
-  x_s, v_s, b_s = _specs(layout, variables, bias)
+  x_s, v_s, b_s, i_s = _specs(layout, variables, bias, layer_index)
   fn = functools.partial(_local_backward, spec, layout)
-  return _shard_map(fn, layout, (x_s, v_s, b_s, _spec(layout.y)),
-                    (x_s, v_s, b_s))(x, variables, bias, dy)
+  dx, new_variables, dbias = _shard_map(
+      fn, layout, (x_s, v_s, b_s, i_s, _spec(layout.y)), (x_s, v_s, b_s))(
+          x, variables, bias, layer_index, dy)
+  return dx, new_variables, dbias, None
 
 
 _sharded_op.defvjp(_sharded_op_fwd, _sharded_op_bwd, symbolic_zeros=True)

@@ -5,12 +5,20 @@ transpose builds *new* stacked buffers for every cotangent, so the updated
 kernels and states of all layers exist beside the old ones until the step
 ends: worse than optax. :func:`scan_layers` keeps ``nn.scan``'s variable
 layout (every collection stacked on a leading layer axis) and replaces the
-backward pass with a hand-written reverse loop: for layer ``l = L-1 .. 0`` it
-slices the layer's variables out of the stacks, recomputes the layer's
-forward pass (remat), runs its backward (each ForgeDense updates its kernel
-and state there), and writes the updated variables back into the carried
-stacks with ``dynamic_update_slice``, which XLA does in place. Other
-parameters of the stack (norm scales) get ordinary stacked gradients.
+backward pass with a hand-written reverse loop over ``l = L-1 .. 0`` that
+recomputes layer ``l``'s forward pass (remat) and runs its backward.
+
+FORGE's collection is *not* sliced: every ForgeDense of the layer receives
+its whole stacks (kernel, optimizer state, and the ``[L]`` count, skipped
+and intact) and the index ``l`` (through a private context variable of
+:mod:`forge_jax.linen` set while the layer is traced), reads the layer's
+kernel at ``l`` and steps entry ``l`` of its stacks. The cotangent of each
+stack is then the updated stack itself, carried to the next iteration. A
+slice would not do: an update that is a custom call (the Pallas kernel)
+cannot alias into a slice of a stack, so ``dynamic_slice -> update ->
+dynamic_update_slice`` makes XLA copy the layer's kernels and states. The
+other collections (norm scales, biases) are sliced, and their gradients
+written into stacked gradients with ``dynamic_update_slice``.
 """
 
 from __future__ import annotations
@@ -21,7 +29,7 @@ import jax.numpy as jnp
 from jax import lax
 import flax.linen as nn
 
-from forge_jax.linen import FORGE_COLLECTION
+from forge_jax.linen import FORGE_COLLECTION, _STACKED_LAYER, _stacked_layer
 
 
 def scan_layers(block: type[nn.Module], length: int,
@@ -41,7 +49,10 @@ def scan_layers(block: type[nn.Module], length: int,
   variables have exactly nn.scan's layout, so checkpoints move between the
   two. Each layer is recomputed in the backward pass (nn.remat's default:
   nothing saved inside a layer). The broadcast arguments (RoPE tables,
-  masks) are treated as constants: their cotangent is zero.
+  masks) are treated as constants: their cotangent is zero. The block must
+  use its ForgeDense variables as they come (no nn.scan, nn.vmap or another
+  scan_layers over ForgeDense inside it): the backward hands them over as
+  whole stacks.
   """
   scanned = nn.scan(block, variable_axes={True: 0},
                     split_rngs={"params": True},
@@ -52,6 +63,11 @@ def scan_layers(block: type[nn.Module], length: int,
     def __call__(self, carry, *broadcast_args):
       if self.is_initializing():
         return super().__call__(carry, *broadcast_args)
+      if _STACKED_LAYER.get() is not None:
+        raise NotImplementedError(
+            f"fj.scan_layers({block.__name__}) inside the block of another "
+            "fj.scan_layers: the outer backward hands its ForgeDense "
+            "variables over as whole stacks")
       fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(block)
                 if f.init and f.name not in ("parent", "name")}
       layer = block(**fields, parent=None)
@@ -89,17 +105,18 @@ def _scan_apply(layer: nn.Module, length: int, carry, variables, broadcast_args)
       d_x, forge_stack, others_grad = loop_carry
       index = length - 1 - i
       take = lambda a: lax.dynamic_index_in_dim(a, index, keepdims=False)
-      # Layer `index` is not updated yet: its slice holds the old values.
-      layer_vars = jax.tree.map(take, {**others, FORGE_COLLECTION: forge_stack})
-      _, layer_vjp = jax.vjp(lambda v, x: layer_fn(v, x, args), layer_vars,
-                             take(inputs))
-      d_vars, d_x = layer_vjp(d_x)
+      # Layer `index` of the FORGE stacks is not updated yet: it holds the
+      # old values. Its cotangent is the stacks with that layer stepped.
+      layer_vars = {**jax.tree.map(take, others), FORGE_COLLECTION: forge_stack}
+      with _stacked_layer(index, length):
+        _, layer_vjp = jax.vjp(lambda v, x: layer_fn(v, x, args), layer_vars,
+                               take(inputs))
+        d_vars, d_x = layer_vjp(d_x)
       put = lambda stack, value: lax.dynamic_update_index_in_dim(
           stack, value, index, 0)
-      forge_stack = jax.tree.map(put, forge_stack, d_vars[FORGE_COLLECTION])
       others_grad = jax.tree.map(
           put, others_grad, {k: d_vars[k] for k in others_grad})
-      return d_x, forge_stack, others_grad
+      return d_x, d_vars[FORGE_COLLECTION], others_grad
 
     d_carry, new_forge, others_grad = lax.fori_loop(
         0, length, body, (d_out, forge, jax.tree.map(jnp.zeros_like, others)))

@@ -82,7 +82,7 @@ def test_no_temp_memory_grows_with_the_kernels(scan_layers, remat):
   optax's scanned step holds every kernel's stacked gradient: its temp grows
   by (at least 90% of) the added kernel bytes. FORGE's scanned step grows
   only by the added activations (fj.scan_layers updates the stacks in place,
-  slice by slice). Unrolled, XLA already interleaves optax's updates with
+  layer by layer). Unrolled, XLA already interleaves optax's updates with
   the backward pass, and FORGE must grow no faster than optax.
   """
   config = dataclasses.replace(CONFIG, scan_layers=scan_layers, remat=remat)
@@ -105,3 +105,22 @@ def test_no_temp_memory_grows_with_the_kernels(scan_layers, remat):
   for memory, state in ((f4, state4), (f8, state8)):
     assert memory.alias_size_in_bytes >= _nbytes(
         state.params[fj.FORGE_COLLECTION])
+
+
+def test_scanned_step_copies_no_layer_out_of_the_stacks():
+  """fj.scan_layers' backward steps every layer inside its stacks.
+
+  Slicing a layer's kernels and optimizer states out of the stacks around
+  the update and writing them back made XLA hold a copy of them: the step's
+  temp beyond the activations (the frozen-kernel floor, remat as FORGE's
+  scan) was one layer's kernel and state bytes (1.00x here). What is left
+  (0.34x) is the XLA reference's working memory on CPU (float32 dW, the
+  slices its matmuls and in-place updates read), not a copy of the layer.
+  """
+  config = dataclasses.replace(CONFIG, scan_layers=True, remat=True)
+  memory, state = _step_memory(config, True)
+  stacks = [leaf for leaf in jax.tree.leaves(state.params[fj.FORGE_COLLECTION])
+            if leaf.ndim == 3]
+  layer_bytes = _nbytes(stacks) // config.num_layers
+  beyond_floor = memory.temp_size_in_bytes - _activation_floor(config)
+  assert beyond_floor <= 0.5 * layer_bytes, (beyond_floor, layer_bytes)

@@ -1,29 +1,58 @@
-"""fj.scan_layers: nn.scan's layout, an in-place reverse-loop backward."""
+"""fj.scan_layers: nn.scan's layout, an in-place reverse-loop backward.
 
+Its backward runs every ForgeDense in stacked mode (whole stacks and a layer
+index): that mode must write the bits the one-layer op writes, for the XLA
+reference and the Pallas kernel (interpret mode), float32 and bf16 weights
+with stochastic rounding and int8 states.
+"""
+
+import dataclasses
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import flax.linen as nn
 import numpy as np
+import pytest
 from flax.training.train_state import TrainState
 
 import forge_jax as fj
+from forge_jax.ops.fused_dense import FusedDenseSpec
 from forge_jax.scan import scan_layers
+
+from conftest import assert_bitwise_equal
 
 COLL = fj.FORGE_COLLECTION
 OPT = fj.adamw(1e-2, weight_decay=0.1)
+LOW_PRECISION = fj.adamw(1e-2, weight_decay=0.1, state_dtype="int8",
+                         weight_rounding="stochastic", rounding_seed=7)
 WIDTH, LAYERS, TOKENS = 32, 4, 24
+# Backends and storage formats of the stacked mode.
+STACKED_CASES = [
+    pytest.param("xla", OPT, jnp.float32, id="xla-f32"),
+    pytest.param("triton", OPT, jnp.float32, id="triton-f32"),
+    pytest.param("xla", LOW_PRECISION, jnp.bfloat16, id="xla-bf16-sr-int8"),
+    pytest.param("triton", LOW_PRECISION, jnp.bfloat16, id="triton-bf16-sr-int8"),
+]
 
 
 class Block(nn.Module):
   forge: bool = True
+  optimizer: fj.ForgeOptimizer = OPT
+  implementation: str = "xla"
+  param_dtype: Any = jnp.float32
 
   @nn.compact
   def __call__(self, x, scale):
     def dense(name):
       if self.forge:
-        return fj.ForgeDense(WIDTH, optimizer=OPT, use_bias=False, name=name)
+        # An explicit layer_id: the module paths (so the default ids) differ
+        # between nn.scan and fj.scan_layers.
+        return fj.ForgeDense(WIDTH, optimizer=self.optimizer, use_bias=False,
+                             implementation=self.implementation,
+                             param_dtype=self.param_dtype,
+                             layer_id=int(name[-1]), name=name)
       return nn.Dense(WIDTH, use_bias=False, name=name)
     norm = self.param("norm", nn.initializers.ones_init(), (WIDTH,))
     h = jnp.tanh(dense("fc1")(x * norm * scale))
@@ -32,6 +61,9 @@ class Block(nn.Module):
 
 class Stack(nn.Module):
   mode: str  # 'forge_scan' | 'forge_nn_scan' | 'optax'
+  optimizer: fj.ForgeOptimizer = OPT
+  implementation: str = "xla"
+  param_dtype: Any = jnp.float32
 
   @nn.compact
   def __call__(self, x):
@@ -42,18 +74,19 @@ class Stack(nn.Module):
       layers = nn.scan(nn.remat(Block), variable_axes={True: 0},
                        split_rngs={"params": True}, in_axes=(nn.broadcast,),
                        length=LAYERS)
-    x, _ = layers(forge, name="layers")(x, 0.5)
+    x, _ = layers(forge, self.optimizer, self.implementation, self.param_dtype,
+                  name="layers")(x, 0.5)
     return x
 
 
-def _train(mode, seed, steps=3):
-  model = Stack(mode)
+def _train(mode, seed, steps=3, **fields):
+  model = Stack(mode, **fields)
   key = jax.random.key(seed)
   x = jax.random.normal(key, (TOKENS, WIDTH))
   target = jax.random.normal(jax.random.fold_in(key, 1), (TOKENS, WIDTH))
   variables = model.init(key, x)
   state = TrainState.create(apply_fn=model.apply, params=variables,
-                            tx=OPT.to_optax())
+                            tx=model.optimizer.to_optax())
 
   def loss_fn(variables):
     return jnp.mean(jnp.square(model.apply(variables, x) - target))
@@ -116,3 +149,129 @@ def test_less_temporary_memory_than_nn_scan(seed):
   _, _, _, theirs = _train("forge_nn_scan", seed, steps=1)
   # nn.scan's transpose builds new stacks for every updated kernel and state.
   assert ours.temp_size_in_bytes < theirs.temp_size_in_bytes
+
+
+@pytest.mark.parametrize("implementation, optimizer, dtype", STACKED_CASES)
+def test_stacked_backward_matches_nn_scan(seed, implementation, optimizer,
+                                          dtype):
+  """fj.scan_layers' stacked backward against nn.scan's, which runs the
+  one-layer op on slices, for every backend and storage format."""
+  fields = dict(optimizer=optimizer, implementation=implementation,
+                param_dtype=dtype)
+  _, ours, our_losses, _ = _train("forge_scan", seed, **fields)
+  _, theirs, their_losses, _ = _train("forge_nn_scan", seed, **fields)
+  np.testing.assert_array_equal(our_losses, their_losses)
+  flat = jax.tree_util.tree_flatten_with_path(ours.params[COLL])[0]
+  for (path, leaf), other in zip(flat, jax.tree.leaves(theirs.params[COLL])):
+    assert_bitwise_equal(leaf, other, jax.tree_util.keystr(path))
+
+
+
+def _equations(jaxpr):
+  """Every equation of ``jaxpr`` and of the jaxprs nested in it (a Pallas
+  kernel's body excluded)."""
+  for eqn in jaxpr.eqns:
+    yield eqn
+    if eqn.primitive.name == "pallas_call":
+      continue
+    for param in eqn.params.values():
+      for sub in param if isinstance(param, (tuple, list)) else (param,):
+        if isinstance(sub, jax.extend.core.ClosedJaxpr):
+          yield from _equations(sub.jaxpr)
+        elif isinstance(sub, jax.extend.core.Jaxpr):
+          yield from _equations(sub)
+
+
+def test_pallas_kernel_updates_whole_stacks(seed):
+  """Under fj.scan_layers the Pallas kernel reads and writes the stacked
+  kernels and states themselves (aliased), and no [L, K, N] stack is
+  written with dynamic_update_slice: nothing for XLA to copy around it.
+  (Interpret mode's compiled memory on CPU says nothing about the GPU's, so
+  the program is checked.)"""
+  model = Stack("forge_scan", implementation="triton")
+  x = jnp.ones((TOKENS, WIDTH))
+  variables = model.init(jax.random.key(seed), x)
+  jaxpr = jax.make_jaxpr(jax.grad(lambda v: model.apply(v, x).sum()))(variables)
+  equations = list(_equations(jaxpr.jaxpr))
+  calls = [e for e in equations if e.primitive.name == "pallas_call"]
+  assert len(calls) == 2, "fc1 and fc2, in the backward loop's body"
+  for call in calls:
+    aliased = [call.invars[i].aval.shape
+               for i, _ in call.params["input_output_aliases"]]
+    assert aliased == [(LAYERS, WIDTH, WIDTH)] * 3, aliased  # kernel, mu, nu
+  stack_writes = [e for e in equations
+                  if e.primitive.name == "dynamic_update_slice"
+                  and e.invars[0].aval.ndim == 3]
+  assert not stack_writes
+
+
+class Nested(nn.Module):
+  @nn.compact
+  def __call__(self, x, scale):
+    return scan_layers(Block, 2, num_broadcast_args=1)(name="inner")(x, scale)
+
+
+def test_nested_scan_layers_raises(seed):
+  """The outer backward hands the inner scan whole outer stacks."""
+  model = scan_layers(Nested, 2, num_broadcast_args=1)()
+  x = jnp.ones((TOKENS, WIDTH))
+  variables = model.init(jax.random.key(seed), x, 0.5)
+  with pytest.raises(NotImplementedError, match="inside the block of another"):
+    jax.grad(lambda v: model.apply(v, x, 0.5)[0].sum())(variables)
+
+
+# ---------------------------------------------------------------------------
+# Stacked mode of the op: the stacks with one layer stepped, bit for bit.
+
+def _stepped(spec, x, variables, dy, layer_index=None):
+  """``(dx, new variables)``: one backward pass of the fused op."""
+  _, vjp = jax.vjp(
+      lambda x, v: fj.forge_dense(x, v, None, spec, layer_index), x, variables)
+  return vjp(dy)
+
+
+def _layer_stacks(spec, key, layers, k, n):
+  """Stacked variables whose layers have taken 0, 1, ... steps (distinct
+  counts, non-zero states)."""
+  per_layer = []
+  for layer in range(layers):
+    kernel = jax.random.normal(jax.random.fold_in(key, layer), (k, n))
+    variables = fj.init_variables(spec.optimizer, kernel.astype(spec.dtype))
+    for step in range(layer):
+      keys = jax.random.split(jax.random.fold_in(key, 100 * layer + step))
+      x = jax.random.normal(keys[0], (TOKENS, k), spec.dtype)
+      dy = jax.random.normal(keys[1], (TOKENS, n), spec.dtype)
+      _, variables = _stepped(spec, x, variables, dy)
+    per_layer.append(variables)
+  return jax.tree.map(lambda *leaves: jnp.stack(leaves), *per_layer)
+
+
+@pytest.mark.parametrize("implementation, optimizer, dtype", STACKED_CASES)
+def test_stacked_op_steps_one_layer_of_the_stacks(seed, implementation,
+                                                  optimizer, dtype):
+  """With a layer index the op's cotangent is the stacks with exactly that
+  layer stepped: the bits the one-layer op writes (stochastic rounding uses
+  the layer's own count), every other layer untouched, and the same dx."""
+  k, n, layers = 40, 96, 3  # masked tiles, a partial int8 block of columns
+  spec = FusedDenseSpec(optimizer=optimizer, implementation=implementation,
+                        dtype=dtype, layer_id=5)
+  key_stacks, key_x, key_dy = jax.random.split(jax.random.key(seed), 3)
+  stacks = _layer_stacks(dataclasses.replace(spec, implementation="xla"),
+                         key_stacks, layers, k, n)
+  x = jax.random.normal(key_x, (2, TOKENS // 2, k), dtype)
+  dy = jax.random.normal(key_dy, (2, TOKENS // 2, n), dtype)
+  stacked_step = jax.jit(functools.partial(_stepped, spec))
+  layer_step = jax.jit(functools.partial(_stepped, spec))
+  for index in (layers - 1, 1):
+    dx, new_stacks = stacked_step(x, stacks, dy, jnp.int32(index))
+    layer = jax.tree.map(lambda a: a[index], stacks)  # pylint: disable=cell-var-from-loop
+    dx_layer, new_layer = layer_step(x, layer, dy)
+    assert_bitwise_equal(dx, dx_layer, "dx")
+    flat_new = jax.tree_util.tree_flatten_with_path(new_stacks)[0]
+    for (path, new), old, expected in zip(flat_new, jax.tree.leaves(stacks),
+                                          jax.tree.leaves(new_layer)):
+      what = jax.tree_util.keystr(path)
+      assert_bitwise_equal(new[index], expected, f"{what}[{index}]")
+      others = [i for i in range(layers) if i != index]
+      assert_bitwise_equal(np.asarray(new)[others], np.asarray(old)[others],
+                           f"{what}, other layers")

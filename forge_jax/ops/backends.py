@@ -1,15 +1,17 @@
 """Weight-update backends of the fused dense op, and the switch between them.
 
 A backend is a function
-``(spec, x, dy, kernel, opt_state, scalars, apply, *, step=None, offset=None)
--> (kernel, opt_state, skipped)``
+``(spec, x, dy, kernel, opt_state, scalars, apply, *, step=None, offset=None,
+layer_index=None) -> (kernel, opt_state, skipped)``
 that forms ``dW = x.T @ dy`` (contracting every axis but the last) and applies
 the optimizer rule. ``offset`` is the global ``(row, column)`` of the
 kernel's element ``(0, 0)`` when ``kernel`` is one shard of a larger kernel
 (None: the whole kernel): stochastic rounding hashes global indices, so a
-shard draws the bits the whole kernel would. ``'xla'`` is the reference:
-plain XLA ops, the specification, and the default where no GPU kernel
-applies.
+shard draws the bits the whole kernel would. With a ``layer_index`` (an int32
+scalar), ``kernel`` and every ``opt_state`` leaf are stacked on a leading
+layer axis, only that layer is stepped, and the whole stacks come back
+(updated in place). ``'xla'`` is the reference: plain XLA ops, the
+specification, and the default where no GPU kernel applies.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from forge_jax.ops import stacks
 from forge_jax.ops.update import apply_update
 
 
@@ -30,7 +33,7 @@ def weight_gradient(x, dy, precision=None):
 
 
 def xla_update(spec, x, dy, kernel, opt_state, scalars, apply, *, step=None,
-               offset=None):
+               offset=None, layer_index=None):
   """Reference backend: ``dW`` through XLA, then the elementwise rule.
 
   ``step`` (the layer's count, an integer scalar; None: 0),
@@ -38,18 +41,27 @@ def xla_update(spec, x, dy, kernel, opt_state, scalars, apply, *, step=None,
   stochastic rounding.
   """
   return apply_gradient(spec, weight_gradient(x, dy, spec.precision), kernel,
-                        opt_state, scalars, apply, step=step, offset=offset)
+                        opt_state, scalars, apply, step=step, offset=offset,
+                        layer_index=layer_index)
 
 
 def apply_gradient(spec, grad, kernel, opt_state, scalars, apply, *, step=None,
-                   offset=None):
+                   offset=None, layer_index=None):
   """The elementwise rule on a whole float32 ``grad``, updating in place:
-  ``(new_kernel, new_state, skipped)``."""
+  ``(new_kernel, new_state, skipped)``.
+
+  With a ``layer_index``, ``kernel`` and ``opt_state`` are stacks: the
+  layer's entries are stepped and written back with
+  ``dynamic_update_slice``, which XLA fuses with the update and runs in place.
+  """
   new_kernel, new_state, updated = apply_update(
       spec.optimizer, grad, kernel, opt_state, scalars, apply,
       order_in_place=True, step=step, layer_id=spec.layer_id,
-      indices=global_indices(kernel.shape, offset))
-  return new_kernel, new_state, jnp.sum(jnp.logical_not(updated), dtype=jnp.int32)
+      indices=global_indices(kernel.shape[-2:], offset),
+      layer_index=layer_index)
+  return (stacks.with_layer_entry(kernel, new_kernel, layer_index),
+          stacks.with_layer_entries(opt_state, new_state, layer_index),
+          jnp.sum(jnp.logical_not(updated), dtype=jnp.int32))
 
 
 def global_indices(shape, offset):

@@ -7,6 +7,11 @@ returns the *new* kernel and optimizer state as the cotangents of the old
 ones. A training step that overwrites the variables with these cotangents
 (flax's ``_overwrite_with_gradient`` collection; ``TrainState.apply_gradients``
 does it) has then taken an optimizer step without ever storing ``dW``.
+
+Stacked mode (``fj.scan_layers``' backward): given a ``layer_index``, every
+leaf of the variables is a stack over a leading layer axis; the op uses the
+layer's kernel, steps only that layer, and the cotangent is the whole stacks
+with that layer updated, in place (:mod:`forge_jax.ops.stacks`).
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from flax.linen import dtypes as flax_dtypes
 
 from forge_jax.optimizers import ForgeOptimizer
 from forge_jax.ops import backends
+from forge_jax.ops import stacks
 from forge_jax.ops.update import true_after
 
 IMPLEMENTATIONS = ("auto", "xla", "triton", "mosaic")
@@ -80,8 +86,11 @@ def _dense(x, kernel, bias, spec: FusedDenseSpec):
   return y
 
 
-def _validate(x, variables: ForgeVariables, bias, spec: FusedDenseSpec):
-  kernel = variables.kernel
+def _validate(x, variables: ForgeVariables, bias, spec: FusedDenseSpec,
+              layer_index=None):
+  if layer_index is not None:
+    _validate_stacked(variables, layer_index)
+  kernel = stacks.layer_entry(variables.kernel, layer_index)
   if kernel.ndim != 2:
     raise ValueError(f"{kernel.shape=} must be rank 2 ([in_features, features])")
   if x.ndim < 1 or x.shape[-1] != kernel.shape[0]:
@@ -99,6 +108,23 @@ def _validate(x, variables: ForgeVariables, bias, spec: FusedDenseSpec):
     raise TypeError(_not_elementwise_message(spec.optimizer))
 
 
+def _validate_stacked(variables: ForgeVariables, layer_index):
+  """Stacks share one leading layer axis; the index is an integer scalar."""
+  if jnp.ndim(layer_index) != 0 or not jnp.issubdtype(
+      jnp.result_type(layer_index), jnp.integer):
+    raise TypeError(f"layer_index={layer_index!r} must be an integer scalar")
+  if jnp.ndim(variables.kernel) != 3:
+    raise ValueError(f"{variables.kernel.shape=} must be rank 3 ([layers, "
+                     "in_features, features]) with a layer_index")
+  layers = variables.kernel.shape[0]
+  for path, leaf in jax.tree_util.tree_flatten_with_path(variables)[0]:
+    if jnp.ndim(leaf) < 1 or jnp.shape(leaf)[0] != layers:
+      raise ValueError(
+          f"variables{jax.tree_util.keystr(path)} has shape {jnp.shape(leaf)}: "
+          f"with a layer_index every leaf must be stacked on a leading axis "
+          f"of {layers} layers")
+
+
 def _not_elementwise_message(optimizer) -> str:
   text = (f"optimizer={optimizer!r} must be a forge_jax optimizer "
           "(fj.adamw, fj.sgd, ...). FORGE applies the update tile by tile "
@@ -114,28 +140,33 @@ def _not_elementwise_message(optimizer) -> str:
 
 
 def forge_dense(x: jax.Array, variables: ForgeVariables,
-                bias: Optional[jax.Array], spec: FusedDenseSpec) -> jax.Array:
+                bias: Optional[jax.Array], spec: FusedDenseSpec,
+                layer_index: Optional[jax.Array] = None) -> jax.Array:
   """``x @ kernel + bias``; differentiating it w.r.t. ``variables`` steps them.
 
   Args:
     x: ``[..., in_features]`` inputs.
-    variables: the layer's :class:`ForgeVariables`.
+    variables: the layer's :class:`ForgeVariables`; with a ``layer_index``,
+      stacks of them (every leaf on a leading layer axis).
     bias: ``[features]`` or None. Its gradient is an ordinary gradient.
     spec: static configuration (optimizer, implementation, precision, dtype).
+    layer_index: None, or an int32 scalar: the layer of the stacks to use
+      and step (its cotangent is zero).
 
   Returns:
     ``[..., features]``, bit for bit what ``flax.linen.Dense`` computes. The
-    cotangent returned for ``variables`` is the *updated* variables.
+    cotangent returned for ``variables`` is the *updated* variables (with a
+    ``layer_index``: the stacks, that layer updated).
   """
-  _validate(x, variables, bias, spec)
+  _validate(x, variables, bias, spec, layer_index)
   from forge_jax import parallel  # pylint: disable=import-outside-toplevel
   parallel.check_unpartitioned(x, variables)
-  return _forge_dense(spec, x, variables, bias)
+  return _forge_dense(spec, x, variables, bias, layer_index)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _forge_dense(spec, x, variables, bias):
-  return _dense(x, variables.kernel, bias, spec)
+def _forge_dense(spec, x, variables, bias, layer_index):
+  return _dense(x, stacks.layer_entry(variables.kernel, layer_index), bias, spec)
 
 
 def check_differentiated(x, variables, bias):
@@ -162,11 +193,12 @@ def primal_values(tree):
       is_leaf=lambda p: isinstance(p, jax.custom_derivatives.CustomVJPPrimal))
 
 
-def _forge_dense_fwd(spec, x, variables, bias):
+def _forge_dense_fwd(spec, x, variables, bias, layer_index):
   check_differentiated(x, variables, bias)
-  x, variables, bias = primal_values((x, variables, bias))
-  y = _forge_dense(spec, x, variables, bias)
-  return y, (x, variables, bias)
+  x, variables, bias, layer_index = primal_values(
+      (x, variables, bias, layer_index))
+  y = _forge_dense(spec, x, variables, bias, layer_index)
+  return y, (x, variables, bias, layer_index)
 
 
 def order_after(dx):
@@ -181,7 +213,8 @@ def order_after(dx):
   return true_after(dx.reshape(-1)[0])
 
 
-def step_scalars(spec: FusedDenseSpec, variables: ForgeVariables):
+def step_scalars(spec: FusedDenseSpec, variables: ForgeVariables,
+                 layer_index=None):
   """This step's optimizer scalars, the learning rate poisoned if wiped.
 
   A wiped layer (zeros written over it) gets a NaN learning rate: its
@@ -189,42 +222,55 @@ def step_scalars(spec: FusedDenseSpec, variables: ForgeVariables):
   a per-step scalar costs nothing; poisoning the output would cost a pass
   over the activations.
   """
-  count = variables.count.astype(jnp.int32)
-  scalars = spec.optimizer.scalars(count)
+  scalars = spec.optimizer.scalars(layer_step(variables, layer_index))
+  intact = stacks.layer_entry(variables.intact, layer_index)
   return scalars._replace(neg_lr=scalars.neg_lr * jnp.where(
-      variables.intact > 0, 1.0, jnp.nan).astype(scalars.neg_lr.dtype))
+      intact > 0, 1.0, jnp.nan).astype(scalars.neg_lr.dtype))
+
+
+def layer_step(variables: ForgeVariables, layer_index=None) -> jax.Array:
+  """The layer's step count as an int32 scalar."""
+  return stacks.layer_entry(variables.count, layer_index).astype(jnp.int32)
 
 
 def stepped(variables: ForgeVariables, new_kernel, new_state, skipped,
-            apply) -> ForgeVariables:
-  """The layer's variables after a step (``count`` advances if applied)."""
+            apply, layer_index=None) -> ForgeVariables:
+  """The layer's variables after a step (``count`` advances if applied).
+
+  With a ``layer_index``, ``new_kernel`` and ``new_state`` are the stacks
+  and only the layer's ``count`` and ``skipped`` entries change.
+  """
+  count = stacks.layer_entry(variables.count, layer_index)
   return ForgeVariables(
       kernel=new_kernel,
       opt_state=new_state,
-      count=variables.count + apply.astype(jnp.float32),
-      skipped=skipped.astype(jnp.float32),
+      count=stacks.with_layer_entry(
+          variables.count, count + apply.astype(jnp.float32), layer_index),
+      skipped=stacks.with_layer_entry(
+          variables.skipped, skipped.astype(jnp.float32), layer_index),
       intact=variables.intact)
 
 
 def _forge_dense_bwd(spec, residuals, dy):
-  x, variables, bias = residuals
+  x, variables, bias, layer_index = residuals
   if isinstance(dy, SymbolicZero):
     dy = jnp.zeros(dy.shape, dy.dtype)
+  kernel = stacks.layer_entry(variables.kernel, layer_index)
   # dx and dbias exactly as autodiff of flax.linen.Dense, with the old kernel.
-  _, dense_vjp = jax.vjp(lambda x, b: _dense(x, variables.kernel, b, spec),
-                         x, bias)
+  _, dense_vjp = jax.vjp(lambda x, b: _dense(x, kernel, b, spec), x, bias)
   dx, dbias = dense_vjp(dy)
   after_dx = order_after(dx)
   apply = jnp.logical_and(jnp.all(jnp.isfinite(dy)), after_dx)
-  scalars = step_scalars(spec, variables)
-  x_c, _, _ = flax_dtypes.promote_dtype(x, variables.kernel, None,
-                                       dtype=spec.dtype)
-  backend = backends.select(spec.implementation, x_c, dy, variables.kernel,
+  scalars = step_scalars(spec, variables, layer_index)
+  x_c, _, _ = flax_dtypes.promote_dtype(x, kernel, None, dtype=spec.dtype)
+  backend = backends.select(spec.implementation, x_c, dy, kernel,
                             spec.optimizer)
   new_kernel, new_state, skipped = backend(
       spec, x_c, dy, variables.kernel, variables.opt_state, scalars, apply,
-      step=variables.count.astype(jnp.int32))
-  return dx, stepped(variables, new_kernel, new_state, skipped, apply), dbias
+      step=layer_step(variables, layer_index), layer_index=layer_index)
+  new_variables = stepped(variables, new_kernel, new_state, skipped, apply,
+                          layer_index)
+  return dx, new_variables, dbias, None
 
 
 _forge_dense.defvjp(_forge_dense_fwd, _forge_dense_bwd, symbolic_zeros=True)

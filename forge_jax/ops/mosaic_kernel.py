@@ -36,6 +36,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from forge_jax.ops import stacks
 from forge_jax.ops.update import apply_update
 
 _ACTIVATION_DTYPES = (jnp.bfloat16, jnp.float16)
@@ -61,7 +62,7 @@ class MosaicConfig:
   """
 
   tile_k: int = 128
-  tile_n: int = 128
+  tile_n: int = 64
   tile_t: int = 64
   max_concurrent_steps: int = 3
   epilogue_k: int = 64
@@ -69,7 +70,7 @@ class MosaicConfig:
   #: Tiles of this many consecutive N-blocks share their x blocks in L2.
   grid_tile_width: int = 8
   compute_wgs: int = 2
-  epilogue_slots: int = 1
+  epilogue_slots: int = 2
   ctas_per_sm: int = 1
 
   def __post_init__(self):
@@ -106,10 +107,36 @@ def shared_memory_bytes(config: MosaicConfig, activation_itemsize: int,
   return pipeline + epilogue
 
 
+#: Defaults, fastest first (H200 sweep, benchmarks/NOTES.md); the first whose
+#: buffers fit in shared memory is used. Optimizers with more state tensors
+#: (centered RMSprop with momentum: four) take the smaller ones.
+DEFAULT_CONFIGS = (
+    MosaicConfig(),
+    MosaicConfig(epilogue_slots=1, max_concurrent_steps=4),
+    MosaicConfig(epilogue_slots=1, max_concurrent_steps=2),
+)
+
+
+def _storage_itemsizes(kernel, optimizer):
+  state = jax.eval_shape(optimizer.init, kernel)
+  return [jnp.dtype(kernel.dtype).itemsize] + [
+      jnp.dtype(leaf.dtype).itemsize for leaf in jax.tree.leaves(state)]
+
+
+def default_config(x, kernel, optimizer) -> MosaicConfig:
+  """The fastest default config whose buffers fit in shared memory."""
+  itemsizes = _storage_itemsizes(kernel, optimizer)
+  for config in DEFAULT_CONFIGS:
+    if (shared_memory_bytes(config, jnp.dtype(x.dtype).itemsize, itemsizes)
+        <= SHARED_MEMORY_BUDGET):
+      return config
+  return DEFAULT_CONFIGS[-1]  # unsupported_reason says why it does not fit
+
+
 def unsupported_reason(x, dy, kernel, optimizer,
                        config: Optional[MosaicConfig] = None) -> Optional[str]:
   """Why the Mosaic GPU kernel cannot run this call, or None if it can."""
-  config = config or MosaicConfig()
+  config = config or default_config(x, kernel, optimizer)
   for name, value in (("x", x), ("dy", dy)):
     if jnp.dtype(value.dtype) not in map(jnp.dtype, _ACTIVATION_DTYPES):
       return f"{name}.dtype={value.dtype} must be bfloat16 or float16"
@@ -125,15 +152,14 @@ def unsupported_reason(x, dy, kernel, optimizer,
   if optimizer.weight_rounding != "nearest":
     return (f"weight_rounding={optimizer.weight_rounding!r} runs on "
             "implementation='triton'")
-  k, n = kernel.shape
+  k, n = kernel.shape[-2:]
   tokens = math.prod(x.shape[:-1])
   for name, size, tile in (("in_features", k, config.tile_k),
                            ("features", n, config.cta_tile_n),
                            ("tokens", tokens, config.tile_t)):
     if size % tile:
       return f"{name}={size} must be a multiple of {tile}"
-  itemsizes = [jnp.dtype(kernel.dtype).itemsize] + [
-      jnp.dtype(leaf.dtype).itemsize for leaf in jax.tree.leaves(state)]
+  itemsizes = _storage_itemsizes(kernel, optimizer)
   needed = shared_memory_bytes(config, jnp.dtype(x.dtype).itemsize, itemsizes)
   if needed * config.ctas_per_sm > SHARED_MEMORY_BUDGET:
     return (f"the tiles of {config} need {needed} bytes of shared memory "
@@ -187,9 +213,11 @@ def _swizzled(block_minor: int, dtype):
 
 def _fused_kernel(scalars_gmem, x_gmem, dy_gmem, storage_gmem, storage_out,
                   skipped_gmem, *, optimizer, state_treedef, scalars_treedef,
-                  num_scalars, config: MosaicConfig, layer_id, interpret):
+                  num_scalars, config: MosaicConfig, layer_id, interpret,
+                  stacked):
   """``storage_gmem`` (kernel, *state leaves) are read; ``storage_out`` written
-  (on the GPU the same refs: in place)."""
+  (on the GPU the same refs: in place). ``stacked``: they are ``[L, K, N]``
+  stacks, and the layer's index follows the scalars."""
   # x is [tokens, k]; in interpret mode it arrives transposed, [k, tokens].
   tokens, k = x_gmem.shape[::-1] if interpret else x_gmem.shape
   n = dy_gmem.shape[1]
@@ -239,9 +267,11 @@ def _fused_kernel(scalars_gmem, x_gmem, dy_gmem, storage_gmem, storage_out,
   )
   def _scope(pipeline_allocs, epilogue_smem, load_barrier):
     wg = lax.axis_index("wg")
-    scalar_values = [scalars_gmem[i] for i in range(num_scalars + 1)]
+    scalar_values = [scalars_gmem[i] for i in range(num_scalars + 2)]
     scalars = jax.tree.unflatten(scalars_treedef, scalar_values[:num_scalars])
     apply = scalar_values[num_scalars] > 0.5
+    layer = ((scalar_values[num_scalars + 1].astype(jnp.int32),) if stacked
+             else ())
 
     @plgpu.nd_loop((k_iters * n_iters,), collective_axes="sm")
     def _tile_loop(loop_info: plgpu.NDLoopInfo):
@@ -255,7 +285,7 @@ def _fused_kernel(scalars_gmem, x_gmem, dy_gmem, storage_gmem, storage_out,
         return [(i, j) for i in range(tk // ek) for j in range(tn // en)]
 
       def window(ref, i, j):
-        return ref.at[pl.ds(k0 + i * ek, ek), pl.ds(n0 + j * en, en)]
+        return ref.at[(*layer, pl.ds(k0 + i * ek, ek), pl.ds(n0 + j * en, en))]
 
       def buffer(slot):
         return wg * slots + slot
@@ -337,27 +367,40 @@ def _num_ctas(num_tiles: int, config: MosaicConfig, interpret: bool) -> int:
 def mosaic_update(spec, x, dy, kernel, opt_state, scalars, apply,
                   config: Optional[MosaicConfig] = None,
                   interpret: Optional[bool] = None, *, step=None,
-                  offset=None):
+                  offset=None, layer_index=None):
   """Backend entry point: same contract as ``backends.xla_update``."""
   del step, offset  # only stochastic rounding reads them; that runs on 'triton'
   optimizer = spec.optimizer
-  config = config or MosaicConfig()
-  check_supported(x, dy, kernel, optimizer, config)
-  k, n = kernel.shape
-  x2 = x.reshape(-1, k)
-  dy2 = dy.reshape(-1, n)
   if interpret is None:
     interpret = jax.default_backend() != "gpu"
+  if interpret and layer_index is not None:
+    # Interpret mode writes separate outputs, not the stacks in place: step
+    # the layer's entries and put them back (same values).
+    new_kernel, new_state, skipped = mosaic_update(
+        spec, x, dy, stacks.layer_entry(kernel, layer_index),
+        stacks.layer_entries(opt_state, layer_index), scalars, apply,
+        config, interpret)
+    return (stacks.with_layer_entry(kernel, new_kernel, layer_index),
+            stacks.with_layer_entries(opt_state, new_state, layer_index),
+            skipped)
+  config = config or default_config(x, kernel, optimizer)
+  check_supported(x, dy, kernel, optimizer, config)
+  k, n = kernel.shape[-2:]
+  x2 = x.reshape(-1, k)
+  dy2 = dy.reshape(-1, n)
 
   state_leaves, state_treedef = jax.tree.flatten(opt_state)
   scalar_leaves, scalars_treedef = jax.tree.flatten(scalars)
+  # The layer index is exact in float32 up to 2**24.
+  layer = jnp.zeros((), jnp.int32) if layer_index is None else layer_index
   scalar_vector = jnp.stack(
       [jnp.asarray(s, jnp.float32) for s in scalar_leaves]
-      + [apply.astype(jnp.float32)])
+      + [apply.astype(jnp.float32), jnp.asarray(layer).astype(jnp.float32)])
   kernel_fn = functools.partial(
       _fused_kernel, optimizer=optimizer, state_treedef=state_treedef,
       scalars_treedef=scalars_treedef, num_scalars=len(scalar_leaves),
-      config=config, layer_id=spec.layer_id, interpret=interpret)
+      config=config, layer_id=spec.layer_id, interpret=interpret,
+      stacked=layer_index is not None)
   storage = [kernel] + state_leaves
   num_tiles = (k // config.tile_k) * (n // config.cta_tile_n)
   skipped_type = jax.ShapeDtypeStruct((config.compute_wgs * num_tiles,),

@@ -19,6 +19,12 @@ so a block never straddles a chunk or a tile, and the scale tile is
 ``block_k x 1``. Stochastic rounding takes the global row and column of each
 element (the shard's offset + the tile's + iota) and the layer's step (the
 step and the shard's offset are passed with the scalars).
+
+Stacked (``layer_index`` given, :mod:`forge_jax.ops.stacks`): the kernel and
+state refs are the whole ``[L, K, N]`` stacks (scales ``[L, K, N / 64]``),
+aliased in place, and every tile is read and written at the layer's index
+(passed with the scalars): no slice of a stack goes in or out of the call,
+so XLA has none to copy around it.
 """
 
 from __future__ import annotations
@@ -137,7 +143,8 @@ def check_config(config: TritonConfig, quantized: bool):
 
 def _fused_kernel(scalars_ref, x_ref, dy_ref, w_ref, *refs, optimizer,
                   state_treedef, scalars_treedef, num_scalars, tokens, k, n,
-                  config: TritonConfig, dot_precision, scale_leaves, layer_id):
+                  config: TritonConfig, dot_precision, scale_leaves, layer_id,
+                  stacked: bool):
   num_state = state_treedef.num_leaves
   state_refs = refs[:num_state]
   w_out_ref = refs[num_state]
@@ -164,12 +171,17 @@ def _fused_kernel(scalars_ref, x_ref, dy_ref, w_ref, *refs, optimizer,
   grad = lax.fori_loop(0, pl.cdiv(tokens, bt), accumulate,
                        jnp.zeros((bk, bn), jnp.float32))
 
-  scalar_values = [scalars_ref[i] for i in range(num_scalars + 4)]
+  scalar_values = [scalars_ref[i] for i in range(num_scalars + 5)]
   scalars = jax.tree.unflatten(scalars_treedef, scalar_values[:num_scalars])
   apply = scalar_values[num_scalars] > 0.5
   # The shard's global offset: stochastic rounding hashes global indices.
   step, shard_row, shard_col = (v.astype(jnp.int32)
-                                for v in scalar_values[num_scalars + 1:])
+                                for v in scalar_values[num_scalars + 1:
+                                                       num_scalars + 4])
+  # Stacked refs are [L, K, N]: one indexer, the layer first (Triton's
+  # lowering takes a single indexer per load or store).
+  layer = ((scalar_values[num_scalars + 4].astype(jnp.int32),) if stacked
+           else ())
 
   # The epilogue runs on column chunks of the accumulator: fewer live
   # registers (W and every state tile are float32 beside it).
@@ -184,11 +196,13 @@ def _fused_kernel(scalars_ref, x_ref, dy_ref, w_ref, *refs, optimizer,
     rows = pid_k * bk + lax.broadcasted_iota(jnp.int32, (bk, chunk), 0)
     cols = col0 + lax.broadcasted_iota(jnp.int32, (bk, chunk), 1)
     mask = (rows < k) & (cols < n)
-    tile = lambda ref: ref.at[pl.ds(pid_k * bk, bk), pl.ds(col0, chunk)]  # pylint: disable=cell-var-from-loop
+    tile = lambda ref: ref.at[  # pylint: disable=cell-var-from-loop
+        layer + (pl.ds(pid_k * bk, bk), pl.ds(col0, chunk))]
     # A chunk is one quantization block: its scales are a [bk, 1] column.
     block0 = pid_n * (bn // block) + c
     scale_mask = (row_idx < k) & (block0 < num_blocks)
-    scale_tile = lambda ref: ref.at[pl.ds(pid_k * bk, bk), pl.ds(block0, 1)]  # pylint: disable=cell-var-from-loop
+    scale_tile = lambda ref: ref.at[  # pylint: disable=cell-var-from-loop
+        layer + (pl.ds(pid_k * bk, bk), pl.ds(block0, 1))]
     load = lambda ref, is_scale: (  # pylint: disable=cell-var-from-loop
         plgpu.load(scale_tile(ref), mask=scale_mask, other=0.0) if is_scale
         else plgpu.load(tile(ref), mask=mask,
@@ -225,10 +239,11 @@ def _tile_indices(pid, num_k, num_n, group_k):
 
 def triton_update(spec, x, dy, kernel, opt_state, scalars, apply,
                   config: Optional[TritonConfig] = None,
-                  interpret: Optional[bool] = None, *, step=None, offset=None):
+                  interpret: Optional[bool] = None, *, step=None, offset=None,
+                  layer_index=None):
   """Backend entry point: same contract as ``backends.xla_update``."""
   optimizer = spec.optimizer
-  k, n = kernel.shape
+  k, n = kernel.shape[-2:]
   x2 = x.reshape(-1, k)
   dy2 = dy.reshape(-1, n)
   tokens = x2.shape[0]
@@ -246,14 +261,15 @@ def triton_update(spec, x, dy, kernel, opt_state, scalars, apply,
   scale_leaves = tuple(quantization.scale_leaf_mask(kernel_state))
   state_leaves, state_treedef = jax.tree.flatten(kernel_state)
   scalar_leaves, scalars_treedef = jax.tree.flatten(scalars)
-  # The step (as the layer's float32 count) and the shard's offset are exact
-  # in float32 up to 2**24.
+  # The step (as the layer's float32 count), the shard's offset and the
+  # layer index are exact in float32 up to 2**24.
   step = jnp.zeros((), jnp.float32) if step is None else step
   offset = (0, 0) if offset is None else offset
+  layer = jnp.zeros((), jnp.int32) if layer_index is None else layer_index
   scalar_vector = jnp.stack(
       [jnp.asarray(s, jnp.float32) for s in scalar_leaves]
       + [apply.astype(jnp.float32)]
-      + [jnp.asarray(v).astype(jnp.float32) for v in (step, *offset)])
+      + [jnp.asarray(v).astype(jnp.float32) for v in (step, *offset, layer)])
 
   grid = (pl.cdiv(k, config.block_k) * pl.cdiv(n, config.block_n),)
   both_f32 = x2.dtype == jnp.float32 and dy2.dtype == jnp.float32
@@ -262,7 +278,8 @@ def triton_update(spec, x, dy, kernel, opt_state, scalars, apply,
       scalars_treedef=scalars_treedef, num_scalars=len(scalar_leaves),
       tokens=tokens, k=k, n=n, config=config,
       dot_precision=lax.Precision.HIGHEST if both_f32 else None,
-      scale_leaves=scale_leaves, layer_id=spec.layer_id)
+      scale_leaves=scale_leaves, layer_id=spec.layer_id,
+      stacked=layer_index is not None)
   out_shape = (
       [jax.ShapeDtypeStruct(kernel.shape, kernel.dtype)]
       + [jax.ShapeDtypeStruct(s.shape, s.dtype) for s in state_leaves]

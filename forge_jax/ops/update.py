@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from forge_jax import quantization
+from forge_jax.ops import stacks
 from forge_jax.optimizers import ForgeOptimizer
 
 
@@ -27,7 +28,8 @@ def apply_update(optimizer: ForgeOptimizer, grad: jax.Array, kernel: jax.Array,
                  order_in_place: bool = False,
                  step: Optional[jax.Array] = None, layer_id: int = 0,
                  indices: Optional[tuple] = None,
-                 valid: Optional[jax.Array] = None):
+                 valid: Optional[jax.Array] = None,
+                 layer_index: Optional[jax.Array] = None):
   """One optimizer step on ``kernel`` (2-D: a kernel or a tile of one),
   skipping non-finite grads.
 
@@ -51,14 +53,20 @@ def apply_update(optimizer: ForgeOptimizer, grad: jax.Array, kernel: jax.Array,
   stores after the kernel's fusion, which reads the old state, so XLA can
   update every donated buffer in place instead of copying it.
 
+  With a ``layer_index``, ``kernel`` and ``state`` are stacks on a leading
+  layer axis (:mod:`forge_jax.ops.stacks`) and the layer's entries are
+  stepped; they are read where they are used, so XLA fuses the reads
+  instead of copying the layer out of the stacks.
+
   Returns:
     ``(new_kernel, new_state, updated)``, where ``updated`` is a boolean
-    array, false where the element was left untouched.
+    array, false where the element was left untouched (the layer's entries
+    with a ``layer_index``).
   """
   grad = grad.astype(jnp.float32)
-  kernel_f32 = kernel.astype(jnp.float32)
+  kernel_f32 = stacks.layer_entry(kernel, layer_index).astype(jnp.float32)
   ok = jnp.logical_and(jnp.isfinite(grad), apply)
-  old_state = quantization.load_state(state)
+  old_state = quantization.load_state(stacks.layer_entries(state, layer_index))
   new_state_f32 = optimizer.update_state(grad, kernel_f32, old_state, scalars)
   read = old_state if optimizer.kernel_reads_old_state else new_state_f32
   new_kernel = quantization.round_weights(
@@ -67,18 +75,26 @@ def apply_update(optimizer: ForgeOptimizer, grad: jax.Array, kernel: jax.Array,
       kernel.dtype, rounding=optimizer.weight_rounding,
       seed=optimizer.rounding_seed, layer_id=layer_id, step=step,
       indices=indices)
-  store_ok = ok
+  store_ok, store_index = ok, layer_index
   if order_in_place:
     # The kernel's fusion reads the old state; the state's fusions overwrite
     # it. Depending on a reduction of the new kernel (which XLA cannot
     # duplicate into the state's fusions) orders the writes after the read,
     # so XLA updates every buffer in place instead of copying the old state.
-    store_ok = jnp.logical_and(
-        ok, true_after(jnp.sum(new_kernel.astype(jnp.float32))))
-  if order_in_place:
+    after_kernel = true_after(jnp.sum(new_kernel.astype(jnp.float32)))
+    store_ok = jnp.logical_and(ok, after_kernel)
+    if layer_index is not None:
+      # XLA copies a layer's old entry out of a stack it then updates in
+      # place. Reading it at an index that depends on the new kernel
+      # schedules the copy after this kernel's update: one layer's copies
+      # are not all alive at once.
+      store_index = jnp.where(after_kernel, layer_index, 0)
     # Recompute the new state for the stores from barrier-separated inputs:
     # no float32 copy of it stays alive between the two fusions.
-    grad_s, kernel_s, old_s = lax.optimization_barrier((grad, kernel_f32, old_state))
+    grad_s, kernel_s, old_s = lax.optimization_barrier((
+        grad, stacks.layer_entry(kernel, store_index).astype(jnp.float32),
+        quantization.load_state(stacks.layer_entries(state, store_index))))
     new_state_f32 = optimizer.update_state(grad_s, kernel_s, old_s, scalars)
-  new_state = quantization.update_state(new_state_f32, state, store_ok, valid)
+  new_state = quantization.update_state(
+      new_state_f32, stacks.layer_entries(state, store_index), store_ok, valid)
   return new_kernel, new_state, ok

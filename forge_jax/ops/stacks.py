@@ -1,0 +1,42 @@
+"""One layer's entry of layer-stacked FORGE variables.
+
+``fj.scan_layers``' backward hands each ForgeDense its whole ``[L, ...]``
+stacks and the layer's index (an int32 scalar), so that the update writes
+into the stacks in place: a custom call cannot alias into a slice of a
+stack, and slicing around it makes XLA copy the layer's kernel and states.
+A ``layer_index`` of None means the variables are one layer's, unstacked.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+from jax import lax
+
+
+def layer_entry(stack: jax.Array, layer_index: Optional[jax.Array]) -> jax.Array:
+  """``stack[layer_index]`` (``stack`` itself when ``layer_index`` is None)."""
+  if layer_index is None:
+    return stack
+  return lax.dynamic_index_in_dim(stack, layer_index, keepdims=False)
+
+
+def with_layer_entry(stack: jax.Array, entry: jax.Array,
+                     layer_index: Optional[jax.Array]) -> jax.Array:
+  """``stack`` with ``stack[layer_index]`` replaced by ``entry`` (``entry``
+  itself when ``layer_index`` is None)."""
+  if layer_index is None:
+    return entry
+  return lax.dynamic_update_index_in_dim(stack, entry, layer_index, 0)
+
+
+def layer_entries(tree, layer_index: Optional[jax.Array]):
+  """:func:`layer_entry` of every leaf of ``tree``."""
+  return jax.tree.map(lambda s: layer_entry(s, layer_index), tree)
+
+
+def with_layer_entries(stacks, entries, layer_index: Optional[jax.Array]):
+  """:func:`with_layer_entry` of every leaf of ``stacks``."""
+  return jax.tree.map(lambda s, e: with_layer_entry(s, e, layer_index),
+                      stacks, entries)
