@@ -232,9 +232,13 @@ def _child_cmd(args, part: str, out: str, variant=None, batch=None) -> list:
 def _child_env(fraction) -> dict:
   env = dict(os.environ)
   env.setdefault("NCCL_NVLS_ENABLE", "0")
+  # JAX 0.11 reads XLA_CLIENT_MEM_FRACTION and refuses it beside the
+  # deprecated XLA_PYTHON_CLIENT_MEM_FRACTION: set the new name only.
+  deprecated = env.pop("XLA_PYTHON_CLIENT_MEM_FRACTION", None)
   if fraction is not None:
-    for name in ("XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_CLIENT_MEM_FRACTION"):
-      env[name] = f"{fraction:.6f}"
+    env["XLA_CLIENT_MEM_FRACTION"] = f"{fraction:.6f}"
+  elif deprecated is not None and "XLA_CLIENT_MEM_FRACTION" not in env:
+    env["XLA_CLIENT_MEM_FRACTION"] = deprecated
   return env
 
 
