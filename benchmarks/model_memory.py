@@ -53,6 +53,9 @@ def main():
                       help="FORGE's optimizer state storage (optax: bf16)")
   parser.add_argument("--weight-rounding", default="nearest",
                       choices=["nearest", "stochastic"])
+  parser.add_argument("--attention", default=None, choices=[None, "cudnn"],
+                      help="jax.nn.dot_product_attention's implementation "
+                           "(default: XLA)")
   parser.add_argument("--breakdown", action="store_true",
                       help="record where the compiled step's temp bytes go")
   parser.add_argument("--out", required=True)
@@ -62,7 +65,8 @@ def main():
                        weight_rounding=args.weight_rounding)
   overrides = dict(param_dtype=jnp.bfloat16, dtype=jnp.bfloat16,
                    scan_layers=True, remat=True,
-                   implementation=args.implementation)
+                   implementation=args.implementation,
+                   attention_implementation=args.attention)
   if args.layers:
     overrides["num_layers"] = args.layers
   if args.variant == "forge":
@@ -95,6 +99,7 @@ def main():
       "num_layers": config.num_layers, "batch": args.batch, "seq": args.seq,
       "param_dtype": "bfloat16",
       "state_dtype": args.state_dtype if args.variant == "forge" else "bfloat16",
+      "attention": args.attention or "xla",
       "weight_rounding": args.weight_rounding if args.variant == "forge" else "nearest",
       "num_params": config.num_params(),
       "peak_bytes_in_use": stats.get("peak_bytes_in_use"),

@@ -53,6 +53,9 @@ class LlamaConfig:
     forge_optimizer: a forge_jax optimizer (``fj.adamw(...)``); when set, every
       projection is a ForgeDense trained by it, else an nn.Dense.
     implementation: ForgeDense's backend: 'auto', 'xla', 'triton' or 'mosaic'.
+    attention_implementation: ``jax.nn.dot_product_attention``'s
+      ``implementation``: None (XLA; the [T, T] scores are materialized) or
+      'cudnn' (fused flash attention on NVIDIA GPUs).
     tensor_axis: mesh axis for Megatron-style tensor parallelism, or None (no
       partitioning annotations). q/k/v/gate/up and lm_head (on the vocab)
       are column-parallel, o/down row-parallel; attention heads are split
@@ -88,6 +91,7 @@ class LlamaConfig:
   scan_layers: bool = False
   forge_optimizer: Optional[ForgeOptimizer] = None
   implementation: str = "auto"
+  attention_implementation: Optional[str] = None
   tensor_axis: Optional[str] = None
   batch_axis: Optional[str] = None
   sequence_parallel: bool = False
@@ -296,7 +300,9 @@ class Attention(nn.Module):
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     # GQA: jax.nn.dot_product_attention shares each K/V head among
     # num_heads // num_kv_heads query heads; softmax is in float32.
-    out = jax.nn.dot_product_attention(q, k, v.astype(q.dtype), is_causal=True)
+    out = jax.nn.dot_product_attention(
+        q, k, v.astype(q.dtype), is_causal=True,
+        implementation=c.attention_implementation)
     out = _constrain(c, out, "batch", "seq", "heads", "head_dim")
     out = out.reshape(b, t, c.num_heads * c.head_dim)
     out = _constrain(c, out, "batch", "seq", "heads")
