@@ -7,6 +7,7 @@ weight-gradient GEMM, so weight gradients are never stored.
 from forge_jax.linen import FORGE_COLLECTION, ForgeDense, wiped_layers
 from forge_jax.ops.fused_dense import (ForgeVariables, FusedDenseSpec,
                                        forge_dense, init_variables)
+from forge_jax.scan import scan_layers
 from forge_jax.optimizers import (Adagrad, Adam, ForgeOptimizer, Lion, RAdam,
                                   RMSprop, SGD, adagrad, adam, adamw, lion,
                                   nadam, nadamw, radam, rmsprop, sgd)
