@@ -28,24 +28,225 @@ def _load(pattern):
   return runs
 
 
-def _latest_kernel_run():
-  runs = [r for r in _load("kernel_*.json") if r.get("bench")]
-  if not runs:
-    return None
-  return max(runs, key=lambda r: r["meta"]["date"])
+_COMMIT_IN_NAME = re.compile(r"_([0-9a-f]{7,40})\.json$")
+
+
+def _code_commit(run) -> str:
+  """The commit whose code made the run: the one its file name carries (the
+  GPU session scripts name files by the commit they run), else meta's."""
+  match = _COMMIT_IN_NAME.search(run["_file"])
+  return match.group(1)[:7] if match else run["meta"]["commit"][:10]
+
+
+def _recorded_commit_note(run) -> str:
+  """'' unless the device's checkout recorded another commit than the name."""
+  match = _COMMIT_IN_NAME.search(run["_file"])
+  recorded = run["meta"]["commit"]
+  if not match or recorded.startswith(match.group(1)):
+    return ""
+  dirty = "-dirty" if recorded.endswith("-dirty") else ""
+  return (f" (from the file name; the device's git checkout recorded "
+          f"`{recorded[:10]}{dirty}`)")
 
 
 def _provenance(run) -> str:
   meta = run["meta"]
   return (f"{meta['device']}, JAX {meta['jax_version']}, commit "
-          f"`{meta['commit'][:10]}`, {meta['date'][:10]}; from "
-          f"`{run['_file']}`")
+          f"`{_code_commit(run)}`{_recorded_commit_note(run)}, "
+          f"{meta['date'][:10]}; from `{run['_file']}`")
+
+
+def _median(values):
+  values = sorted(values)
+  mid = len(values) // 2
+  return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
+
+
+def _is_mosaic(run) -> bool:
+  return any("fused_mosaic" in r for r in run.get("bench") or [])
+
+
+def _kernel_runs():
+  runs = [r for r in _load("kernel_*.json") if r.get("bench")]
+  mosaic = sorted((r for r in runs if _is_mosaic(r)),
+                  key=lambda r: r["meta"]["date"], reverse=True)
+  triton = sorted((r for r in runs if not _is_mosaic(r)),
+                  key=lambda r: r["meta"]["date"], reverse=True)
+  return mosaic, triton
+
+
+# The issue's targets for one AdamW update at the 8B shapes: fused time over
+# the GEMM alone (at most), and GEMM + optax over fused (at least, per T).
+KERNEL_TARGETS = {
+    "Mosaic": {"over_gemm": 1.05, "speedup": {8192: 1.4, 2048: 1.8}},
+    "Triton": {"over_gemm": 1.10, "speedup": {8192: 1.25, 2048: 1.5}},
+}
+_RATIO_KEYS = {"Mosaic": ("mosaic_over_gemm", "unfused_over_mosaic"),
+               "Triton": ("fused_over_gemm", "unfused_over_fused")}
+
+
+def _adamw_rows(run, tokens):
+  return [r for r in run["bench"]
+          if r["optimizer"] == "adamw" and r["tokens"] == tokens]
+
+
+def _shape_counts(runs):
+  """Most AdamW shapes any of the runs has, per token count."""
+  counts = {}
+  for run in runs:
+    for r in run["bench"]:
+      if r["optimizer"] == "adamw":
+        counts.setdefault(r["tokens"], set()).add((r["k"], r["n"]))
+  return {t: len(shapes) for t, shapes in counts.items()}
+
+
+def _runs_for_tokens(mosaic_runs, tokens):
+  """The newest Mosaic run with AdamW rows at ``tokens``, and, where it lacks
+  shapes, the newest one with all of them too."""
+  full = _shape_counts(mosaic_runs).get(tokens, 0)
+  having = [r for r in mosaic_runs if _adamw_rows(r, tokens)]
+  if not having:
+    return []
+  chosen = [having[0]]
+  if len(_adamw_rows(having[0], tokens)) < full:
+    complete = [r for r in having if len(_adamw_rows(r, tokens)) == full]
+    if complete:
+      chosen.append(complete[0])
+  return chosen
+
+
+def _verdict(ok: bool) -> str:
+  return "**met**" if ok else "missed"
+
+
+def kernel_targets(mosaic_runs) -> str:
+  """Each kernel's targets against the side-by-side runs, AdamW medians."""
+  full = _shape_counts(mosaic_runs)
+  lines = [
+      "| kernel | T | fused / GEMM: median (range) | target | | "
+      "unfused / fused: median (range) | target | | run (AdamW shapes) |",
+      "|---|---|---|---|---|---|---|---|---|"]
+  for kernel, targets in KERNEL_TARGETS.items():
+    over_key, speed_key = _RATIO_KEYS[kernel]
+    for tokens in sorted(targets["speedup"]):
+      for run in _runs_for_tokens(mosaic_runs, tokens):
+        rows = _adamw_rows(run, tokens)
+        over = [r[over_key] for r in rows]
+        speed = [r[speed_key] for r in rows]
+        goal_over, goal_speed = targets["over_gemm"], targets["speedup"][tokens]
+        lines.append(
+            f"| {kernel} | {tokens} | {_median(over):.2f} ({min(over):.2f}-"
+            f"{max(over):.2f}) | ≤ {goal_over:.2f} | "
+            f"{_verdict(_median(over) <= goal_over)} | {_median(speed):.2f} "
+            f"({min(speed):.2f}-{max(speed):.2f}) | ≥ {goal_speed:.2f} | "
+            f"{_verdict(_median(speed) >= goal_speed)} | `{_code_commit(run)}` "
+            f"({len(rows)} of {full[tokens]}) |")
+  return "\n".join(lines)
+
+
+def _config_text(config: dict) -> str:
+  return ", ".join(f"{k}={v}" for k, v in config.items())
+
+
+def side_by_side_table(run, tokens) -> str:
+  """Both kernels beside XLA's GEMM and GEMM + optax at one token count."""
+  lines = [
+      "| optimizer | K x N | XLA dW GEMM (ms) | GEMM + optax (ms) | "
+      "Triton fused (ms) | Mosaic fused (ms) | Triton / GEMM | Mosaic / GEMM | "
+      "unfused / Triton | unfused / Mosaic |",
+      "|---|---|---|---|---|---|---|---|---|---|"]
+  order = {"adamw": 0, "sgd_momentum": 1, "lion": 2}
+  rows = [r for r in run["bench"] if r["tokens"] == tokens]
+  for r in sorted(rows, key=lambda r: (order.get(r["optimizer"], 9),
+                                       r["optimizer"], r["k"], r["n"])):
+    lines.append(
+        f"| {r['optimizer']} | {r['k']} x {r['n']} | {r['gemm']['ms']:.3f} | "
+        f"{r['unfused']['ms']:.3f} | {r['fused']['ms']:.3f} | "
+        f"{r['fused_mosaic']['ms']:.3f} | {r['fused_over_gemm']:.2f} | "
+        f"{r['mosaic_over_gemm']:.2f} | {r['unfused_over_fused']:.2f} | "
+        f"{r['unfused_over_mosaic']:.2f} |")
+  return "\n".join(lines)
+
+
+def _mosaic_run_notes(run) -> list:
+  rows = run["bench"]
+  faster_triton = sum(r["fused_mosaic"]["ms"] < r["fused"]["ms"] for r in rows)
+  faster_unfused = sum(r["fused_mosaic"]["ms"] < r["unfused"]["ms"] for r in rows)
+  configs = []
+  for r in rows:
+    if r["mosaic_config"] not in configs:
+      configs.append(r["mosaic_config"])
+  notes = [
+      f"- Mosaic faster than Triton in {faster_triton} of {len(rows)} rows, "
+      f"faster than GEMM + optax in {faster_unfused} of {len(rows)}.",
+      "- Mosaic config: " + "; ".join(f"`{_config_text(c)}`" for c in configs)
+      + f". Triton config: `{_config_text(run['config'])}`."]
+  if run.get("truncated"):
+    notes.append(f"- The run was cut by its time budget ({run['truncated']}).")
+  for e in run.get("errors") or []:
+    notes.append(f"- Not measured: {' '.join(map(str, e['case']))}: "
+                 f"`{e['error'][:120]}`.")
+  notes.append(f"- {_provenance(run)}.")
+  return notes
+
+
+def mosaic_sweep_table(run) -> str:
+  sweep = run.get("sweep") or []
+  if not sweep:
+    return ""
+  configs, cells = [], {}
+  for r in sweep:
+    key = _config_text(r["mosaic_config"])
+    if key not in configs:
+      configs.append(key)
+    if "error" in r:
+      reason = re.search(r"\((['\"])(.*)\1\)", r["error"])
+      cells[key, r["tokens"]] = (
+          "does not fit (shared memory)" if "shared memory" in r["error"]
+          else "error: " + (reason.group(2) if reason else r["error"])[:50])
+    else:
+      cells[key, r["tokens"]] = (f"{r['fused_mosaic']['ms']:.3f}"
+                                 + (f" ({r['check']['update_rel_err']:.1e})"
+                                    if "check" in r else ""))
+  token_counts = sorted({r["tokens"] for r in sweep})
+  lines = ["| Mosaic config (4096 x 4096, AdamW) | "
+           + " | ".join(f"T = {t}: ms (update rel. error)" for t in token_counts)
+           + " |", "|---|" + "---|" * len(token_counts)]
+  for key in configs:
+    lines.append(f"| `{key}` | "
+                 + " | ".join(cells.get((key, t), "-") for t in token_counts)
+                 + " |")
+  return "\n".join(lines)
+
+
+def mosaic_section(mosaic_runs) -> str:
+  """Targets, then each Mosaic run's tables per token count, newest first;
+  earlier runs folded."""
+  parts = []
+  for i, run in enumerate(mosaic_runs):
+    tables = []
+    for tokens in sorted({r["tokens"] for r in run["bench"]}):
+      tables.append(f"T = {tokens}:\n\n" + side_by_side_table(run, tokens))
+    body = "\n\n".join(tables) + "\n\n" + "\n".join(_mosaic_run_notes(run))
+    sweep = mosaic_sweep_table(run)
+    title = f"Mosaic beside Triton, commit {_code_commit(run)}"
+    if i == 0:
+      parts.append(f"#### {title}\n\n{body}")
+      if sweep:
+        parts.append("<details><summary>Mosaic tile sweep of this run</summary>"
+                     f"\n\n{sweep}\n\n</details>")
+    else:
+      parts.append(f"<details><summary>{title} (earlier Mosaic version)"
+                   f"</summary>\n\n{body}"
+                   + (f"\n\nTile sweep:\n\n{sweep}" if sweep else "")
+                   + "\n\n</details>")
+  return "\n\n".join(parts)
 
 
 def kernel_table(run) -> str:
   lines = [
       "| optimizer | K x N | T | XLA dW GEMM (ms) | GEMM + optax (ms) | "
-      "FORGE fused (ms) | fused / GEMM | unfused / fused |",
+      "Triton fused (ms) | fused / GEMM | unfused / fused |",
       "|---|---|---|---|---|---|---|---|"]
   for r in sorted(run["bench"], key=lambda r: (r["optimizer"], r["tokens"], r["k"], r["n"])):
     lines.append(
@@ -62,8 +263,90 @@ def kernel_table(run) -> str:
         f"**{s['median_unfused_over_fused']:.2f}**.")
   config = run.get("best_config") or run["bench"][0]["config"]
   lines.append(f"- Kernel config: `{config}`.")
-  lines.append(f"- {_provenance(run)}. Device time from the JAX profiler "
-               "(sum of kernel durations per call, median of repeats).")
+  lines.append(f"- {_provenance(run)}.")
+  return "\n".join(lines)
+
+
+def kernel_perf_section(mosaic_runs, triton_runs, plot) -> str:
+  parts = []
+  if plot:
+    parts.append(f"![fused vs unfused]({plot})")
+  if mosaic_runs:
+    goals = "; ".join(
+        f"{kernel}: fused ≤ {t['over_gemm']:.2f}x the GEMM alone and "
+        + " / ".join(f"≥ {t['speedup'][tokens]:.2f}x faster than GEMM + optax "
+                     f"at T = {tokens}" for tokens in sorted(t["speedup"],
+                                                             reverse=True))
+        for kernel, t in KERNEL_TARGETS.items())
+    parts.append(
+        f"Targets of the issue ({goals}), judged on the median over the "
+        "AdamW shapes of the newest side-by-side run, and of the newest run "
+        "with every shape where that one lacks some:")
+    parts.append(kernel_targets(mosaic_runs))
+    parts.append(mosaic_section(mosaic_runs))
+  if triton_runs:
+    tokens = sorted({r["tokens"] for r in triton_runs[0]["bench"]})
+    parts.append(f"#### Triton kernel, full run (T = "
+                 f"{', '.join(map(str, tokens))})\n\n"
+                 + kernel_table(triton_runs[0]))
+  parts.append("Device time from the JAX profiler (sum of kernel durations "
+               "per call, median of repeats).")
+  return "\n\n".join(parts)
+
+
+def _check_rows(checks):
+  lines = ["| optimizer | K x N | T | update rel. error | worst state rel. "
+           "error | skipped: kernel / reference |", "|---|---|---|---|---|---|"]
+  for c in checks:
+    if "error" in c:
+      message = c["error"].replace("|", "/")
+      if "shared memory" in message:
+        message = "does not fit: " + re.sub(
+            r".*need (\d+) bytes of shared memory.*more than (\d+).*",
+            r"needs \1 bytes of shared memory per CTA, more than \2",
+            message)
+      lines.append(f"| {c['optimizer']} | - | - | not run: {message[:140]} "
+                   "| | |")
+      continue
+    worst_state = max(c["state_rel_err"].values(), default=None)
+    lines.append(
+        f"| {c['optimizer']} | {c['k']} x {c['n']} | {c['tokens']} | "
+        f"{c['update_rel_err']:.1e} | "
+        f"{'-' if worst_state is None else f'{worst_state:.1e}'} | "
+        f"{c['skipped']} / {c['ref_skipped']} |")
+  return lines
+
+
+def mosaic_check_table(run, earlier) -> str:
+  checks = run["checks"]
+  lines = _check_rows(checks)
+  ok = [c for c in checks if "error" not in c]
+  lines.append("")
+  lines.append(
+      f"- Worst update error {max(c['update_rel_err'] for c in ok):.1e}, worst "
+      f"state error {max(max(c['state_rel_err'].values(), default=0) for c in ok):.1e}; "
+      f"skipped counts equal the reference's in "
+      f"{sum(c['skipped'] == c['ref_skipped'] for c in ok)} of {len(ok)} cases; "
+      f"every result finite: {'yes' if all(c['finite'] for c in ok) else 'no'}. "
+      "`adamw_nan_column` puts a NaN in one column of x, so one row of dW is "
+      "not finite: those elements must keep their weight and state and be "
+      "counted.")
+  for c in checks:
+    if "error" not in c:
+      continue
+    for other in earlier:
+      prior = next((p for p in other["checks"] if p["optimizer"] == c["optimizer"]
+                    and "error" not in p), None)
+      if prior:
+        worst = max([prior["update_rel_err"], *prior["state_rel_err"].values()])
+        lines.append(
+            f"- {c['optimizer']} ran in the earlier Mosaic run "
+            f"`{_code_commit(other)}` (its config): worst error {worst:.1e}, "
+            f"skipped {prior['skipped']} / {prior['ref_skipped']}.")
+        break
+  lines.append(f"- Config `{_config_text(run['best_mosaic_config'])}`. "
+               "Error of the update (new W − old W) and of each state leaf, "
+               f"‖a − b‖ / ‖b‖, against the XLA reference. {_provenance(run)}.")
   return "\n".join(lines)
 
 
@@ -85,45 +368,210 @@ def check_table(run) -> str:
   return "\n".join(lines)
 
 
+def kernel_checks_section(mosaic_runs, triton_runs) -> str:
+  parts = []
+  mosaic = [r for r in mosaic_runs if r.get("checks")]
+  if mosaic:
+    parts.append("Mosaic kernel:\n\n" + mosaic_check_table(mosaic[0], mosaic[1:]))
+  triton = [r for r in triton_runs if r.get("checks")]
+  if triton:
+    parts.append("Triton kernel:\n\n" + check_table(triton[0]))
+  return "\n\n".join(parts) or "_No GPU correctness run recorded yet._"
+
+
+_STATE_ORDER = {"float32": 0, "bfloat16": 1, "float16": 2, "int8": 3}
+
+
+def _mm_key(r):
+  """What makes two whole-model runs the same measurement."""
+  return (r["config"], r["variant"], r["batch"], r["seq"],
+          r.get("param_dtype", "bfloat16"), r.get("state_dtype", "bfloat16"),
+          r.get("weight_rounding", "nearest"), r.get("attention") or "xla")
+
+
+def _mm_sort(r):
+  return (r["config"], r["batch"], r["seq"], r["variant"] != "optax",
+          (r.get("attention") or "xla") != "xla",
+          _STATE_ORDER.get(r.get("state_dtype", "bfloat16"), 9),
+          r.get("weight_rounding", "nearest"), r["meta"]["date"])
+
+
+def _latest_model_runs(runs):
+  latest = {}
+  for r in runs:
+    key = _mm_key(r)
+    if key not in latest or r["meta"]["date"] > latest[key]["meta"]["date"]:
+      latest[key] = r
+  return latest
+
+
+def _precision(r) -> str:
+  weights = _STATES.get(r.get("param_dtype", "bfloat16"), r.get("param_dtype"))
+  if r.get("weight_rounding") == "stochastic":
+    weights += " + SR"
+  states = _STATES.get(r.get("state_dtype", "bfloat16"), r.get("state_dtype"))
+  return f"{weights} / {states}"
+
+
+def _variant(r) -> str:
+  return "FORGE" if r["variant"] == "forge" else r["variant"]
+
+
+_GIB = 2**30
+
+# The issue's whole-step targets: FORGE's step time against optax's at the
+# same precision (optax / FORGE, at least), and FORGE's peak (GiB, at most).
+STEP_SPEEDUP_TARGETS = {512: 1.2, 2048: 1.08}
+PEAK_TARGETS = (
+    ("llama-3.1-8b", 1, 2048, "bfloat16", 47.0),
+    ("llama-3.1-8b", 1, 2048, "int8", 36.0),
+    ("qwen3-14b", 1, 2048, None, 64.0),
+)
+
+
+def _peak_targets(latest) -> list:
+  lines = []
+  for config, batch, seq, states, goal in PEAK_TARGETS:
+    for r in sorted(latest.values(), key=_mm_sort):
+      if (r["variant"] == "forge" and r["config"] == config
+          and r["batch"] == batch and r["seq"] == seq
+          and (states is None or r.get("state_dtype", "bfloat16") == states)):
+        peak = r["peak_bytes_in_use"] / _GIB
+        lines.append(
+            f"| {config}, B = {batch}, T = {seq}, FORGE {_precision(r)}, "
+            f"{r.get('attention') or 'xla'} attention | ≤ {goal:g} | "
+            f"{peak:.2f} | {_verdict(peak <= goal)} | `{_code_commit(r)}` |")
+  if not lines:
+    return []
+  return (["| peak-memory target | GiB | measured (GiB) | | commit |",
+           "|---|---|---|---|---|"] + lines)
+
+
 def model_memory_table(runs) -> str:
-  """Peak memory and step time per (config, batch, seq), optax beside FORGE."""
+  """Every whole-model run; FORGE against optax where both were measured."""
   if not runs:
     return "_No whole-model run recorded yet._"
-  gib = lambda b: b / 2**30
-  lines = ["| model | B x T | variant | weights / states | peak memory (GiB) | "
-           "compiled temp (GiB) | step (ms) |", "|---|---|---|---|---|---|---|"]
-  for r in sorted(runs, key=lambda r: (r["config"], r["batch"], r["seq"],
-                                       r["variant"] != "optax")):
+  latest = _latest_model_runs(runs)
+  newest = {id(r) for r in latest.values()}
+  lines = ["| model | B | T | variant | weights / states | attention | commit | "
+           "peak (GiB) | compiled temp (GiB) | step ms (median of n) | note |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
+  for r in sorted(runs, key=_mm_sort):
+    note = ("" if id(r) in newest else
+            f"superseded by `{_code_commit(latest[_mm_key(r)])}`")
     lines.append(
-        f"| {r['config']} ({r['num_layers']} layers) | {r['batch']} x {r['seq']} | "
-        f"{r['variant']} | bf16{' + SR' if r.get('weight_rounding') == 'stochastic' else ''}"
-        f" / {r.get('state_dtype', 'bfloat16').replace('bfloat16', 'bf16')} | "
-        f"{gib(r['peak_bytes_in_use']):.2f} | "
-        f"{gib(r['compiled_temp_bytes']):.2f} | {r['step_ms_median']:.1f} |")
-  lines.append("")
-  grads = {(r["config"], r["batch"], r["seq"]): r["projection_kernel_bytes"]
-           for r in runs}
-  for key, kernel_bytes in sorted(grads.items()):
-    # Same weight and state precision on both sides.
-    pair = {r["variant"]: r for r in runs
-            if (r["config"], r["batch"], r["seq"]) == key
-            and r.get("state_dtype", "bfloat16") == "bfloat16"}
-    if {"optax", "forge"} <= set(pair):
-      saved = pair["optax"]["peak_bytes_in_use"] - pair["forge"]["peak_bytes_in_use"]
+        f"| {r['config']} ({r['num_layers']} layers) | {r['batch']} | "
+        f"{r['seq']} | {_variant(r)} | {_precision(r)} | "
+        f"{r.get('attention') or 'xla'} | `{_code_commit(r)}` | "
+        f"{r['peak_bytes_in_use'] / _GIB:.2f} | "
+        f"{r['compiled_temp_bytes'] / _GIB:.2f} | {r['step_ms_median']:.1f} "
+        f"({len(r.get('step_ms_all') or []) or '?'}) | {note} |")
+
+  # FORGE beside optax: the newest run of each, same model, B, T, attention.
+  pairs = []
+  for o in sorted(latest.values(), key=_mm_sort):
+    if o["variant"] != "optax":
+      continue
+    for f in sorted(latest.values(), key=_mm_sort):
+      if (f["variant"] == "forge"
+          and all(f.get(k) == o.get(k) for k in ("config", "batch", "seq"))
+          and (f.get("attention") or "xla") == (o.get("attention") or "xla")):
+        pairs.append((o, f))
+  if pairs:
+    lines += ["", "Whole step, FORGE against optax (newest run of each; same "
+              "model, B, T and attention):", "",
+              "| model | B x T | FORGE weights / states | optax step / FORGE step "
+              "| target | | FORGE peak / optax peak | peak saved (GiB; % of the "
+              "projection kernels' bf16 gradients) | commits (optax, FORGE) |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    for o, f in pairs:
+      speedup = o["step_ms_median"] / f["step_ms_median"]
+      same = _precision(f) == _precision(o)
+      goal = STEP_SPEEDUP_TARGETS.get(f["seq"]) if same else None
+      saved = o["peak_bytes_in_use"] - f["peak_bytes_in_use"]
       lines.append(
-          f"- {key[0]}, B = {key[1]}, T = {key[2]}: FORGE saves "
-          f"{gib(saved):.2f} GiB of peak memory, "
-          f"{100 * saved / kernel_bytes:.0f}% of the "
-          f"{gib(kernel_bytes):.2f} GiB that the projection kernels' bf16 "
-          f"gradients take; step time {pair['forge']['step_ms_median'] / pair['optax']['step_ms_median']:.2f}x optax's.")
+          f"| {f['config']} | {f['batch']} x {f['seq']} | {_precision(f)} | "
+          f"{speedup:.3f} | {f'≥ {goal:g}' if goal else '-'} | "
+          f"{_verdict(speedup >= goal) if goal else ''} | "
+          f"{f['peak_bytes_in_use'] / o['peak_bytes_in_use']:.2f} | "
+          f"{saved / _GIB:.2f}"
+          + (f" ({100 * saved / f['projection_kernel_bytes']:.0f}% of "
+             f"{f['projection_kernel_bytes'] / _GIB:.2f})" if same else "")
+          + " | "
+          f"`{_code_commit(o)}`, `{_code_commit(f)}` |")
+  targets = _peak_targets(latest)
+  if targets:
+    lines += ["", "Peak memory against the issue's targets (newest run of each "
+              "configuration):", ""] + targets
   meta = runs[0]["meta"]
-  commits = ", ".join(sorted({f"`{r['meta']['commit'][:7]}`" for r in runs}))
-  lines.append(f"- {meta['device']}, JAX {meta['jax_version']}, commits "
-               f"{commits}; AdamW, scan over layers "
-               "with remat; one process per row; `benchmarks/model_memory.py` "
-               "(`--state-dtype int8 --weight-rounding stochastic` for the "
-               "int8 row).")
+  recorded = sorted({r["meta"]["commit"][:10] + ("-dirty" if r["meta"]["commit"]
+                                                 .endswith("-dirty") else "")
+                     for r in runs if _recorded_commit_note(r)})
+  lines.append("")
+  lines.append(
+      f"- {meta['device']}, JAX {meta['jax_version']}; AdamW, scan over layers "
+      "with remat; one process per row; peak = `memory_stats()` "
+      "`peak_bytes_in_use` / 2^30; step time: median of the timed steps (n) "
+      "after warm-up; `benchmarks/results/model_memory_*.json`.")
+  if recorded:
+    lines.append(
+        "- Commit: the one in the result's file name (the GPU session scripts "
+        "name each file by the commit they ran); those runs' `meta.commit` is "
+        f"the device's stale git checkout ({', '.join(f'`{c}`' for c in recorded)}).")
   return "\n".join(lines)
+
+
+def model_memory_plot(runs) -> str | None:
+  """Peak memory of the newest 8B run of each configuration, with targets."""
+  try:
+    import matplotlib  # pylint: disable=import-outside-toplevel
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  except ImportError:
+    return None
+  config = "llama-3.1-8b"
+  rows = sorted((r for r in _latest_model_runs(runs).values()
+                 if r["config"] == config), key=_mm_sort)
+  if not rows:
+    return None
+  colors = {"optax": "tab:gray", "bfloat16": "tab:blue", "float32": "tab:purple",
+            "int8": "tab:green"}
+  fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(rows) + 2), 4.5))
+  for i, r in enumerate(rows):
+    peak = r["peak_bytes_in_use"] / _GIB
+    color = colors["optax"] if r["variant"] == "optax" else colors.get(
+        r.get("state_dtype", "bfloat16"), "tab:orange")
+    ax.bar(i, peak, color=color,
+           hatch="//" if (r.get("attention") or "xla") != "xla" else None,
+           edgecolor="white")
+    ax.text(i, peak + 0.5, f"{peak:.1f}", ha="center", fontsize=8)
+  labels = [f"{_variant(r)}\n{_precision(r)}\nB={r['batch']} T={r['seq']}"
+            + (f"\n{r['attention']} attn." if r.get("attention") else "")
+            for r in rows]
+  ax.set_xticks(range(len(rows)), labels, fontsize=7)
+  from matplotlib.patches import Patch  # pylint: disable=import-outside-toplevel
+  handles = [Patch(color=colors["optax"], label="nn.Dense + optax"),
+             Patch(color=colors["bfloat16"], label="FORGE, bf16 states"),
+             Patch(color=colors["int8"], label="FORGE, int8 states"),
+             Patch(facecolor="lightgray", hatch="//", edgecolor="white",
+                   label="cuDNN attention")]
+  for (cfg, batch, seq, states, goal) in PEAK_TARGETS:
+    if cfg == config:
+      handles.append(ax.axhline(
+          goal, color=colors.get(states, "k"), linestyle="--", linewidth=1,
+          label=f"target, FORGE {_STATES.get(states, states)} states, "
+                f"B={batch} T={seq}: {goal:g} GiB"))
+  ax.legend(handles=handles, fontsize=7, ncol=3, loc="upper left")
+  ax.set_ylabel("peak memory (GiB)")
+  ax.set_ylim(0, max(r["peak_bytes_in_use"] / _GIB for r in rows) * 1.35)
+  ax.set_title(f"{config}, one {rows[0]['meta']['device']}: peak memory of "
+               "the train step (newest run of each)", fontsize=9)
+  fig.tight_layout()
+  os.makedirs(PLOTS, exist_ok=True)
+  path = os.path.join(PLOTS, "model_memory.png")
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+  return os.path.relpath(path, ROOT)
 
 
 def memory_sweep_table(runs) -> str:
@@ -150,7 +598,8 @@ def memory_sweep_table(runs) -> str:
   return "\n".join(lines)
 
 
-_STATES = {"float32": "fp32", "bfloat16": "bf16", "int8": "int8"}
+_STATES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16",
+           "int8": "int8"}
 
 
 def _capacity_label(spec: dict) -> str:
@@ -160,17 +609,31 @@ def _capacity_label(spec: dict) -> str:
   return f"{kind}, {weights} / {states}"
 
 
+def _last_batch_tried(run: dict) -> int:
+  return max(p["batch"] for r in run["results"].values() for p in r["points"])
+
+
 def _first_failure(r: dict, run: dict) -> str:
   if r.get("first_failure_batch"):
     failed = next((p for p in r["points"]
                    if p["batch"] == r["first_failure_batch"]), {})
-    what = {"oom": "out of memory"}.get(r["first_failure"], r["first_failure"])
-    if r["first_failure"] != "oom" and failed.get("message"):
-      message = failed["message"].splitlines()[0].replace("|", "/")
-      what += f" ({message[:60]}{'...' if len(message) > 60 else ''})"
+    kind = r["first_failure"]
+    if kind == "oom":
+      what = "out of memory"
+    elif kind == "timeout":
+      limit = failed.get("wall_s")
+      what = ("timeout: the point's process ran past its "
+              f"{f'{limit:g} s ' if limit else ''}limit (not an out-of-memory)")
+    else:
+      what = kind
+      if failed.get("message"):
+        message = failed["message"].splitlines()[0].replace("|", "/")
+        what += f" ({message[:60]}{'...' if len(message) > 60 else ''})"
     return f"{r['first_failure_batch']}: {what}"
   if not r.get("complete", True):
-    return "not reached (time budget)"
+    tried = max(p["batch"] for p in r["points"])
+    return ("not reached: the sweep's time budget ran out before batch "
+            f"{2 * tried}")
   return f"none up to {run['max_batch_tried']}"
 
 
@@ -184,13 +647,19 @@ def capacity_table(run) -> str:
     fits = [p for p in r["points"] if p["fits"]]
     speeds = ", ".join(f"{p['batch']}: {p['tokens_per_s']:,.0f}" for p in fits)
     peak = r.get("max_peak_bytes_in_use_at_max_batch")
+    largest = r["max_batch"] or "none"
+    if r["max_batch"] and not r.get("complete", True) and not r.get(
+        "first_failure_batch"):
+      largest = f"≥ {r['max_batch']}"
     lines.append(
         f"| {variant} | {_capacity_label(run['variants'][variant])} | "
-        f"{r['max_batch'] or 'none'} | {speeds or '-'} | "
+        f"{largest} | {speeds or '-'} | "
         f"{f'{gib(peak):.2f}' if peak else '-'} | {_first_failure(r, run)} |")
   meta = run["meta"]
   if run.get("mem_cap_gib"):
     cap = f"XLA allocator capped at {run['mem_cap_gib']:g} GiB per process"
+    if run.get("mem_fraction"):
+      cap += f" (memory fraction {run['mem_fraction']:.3f})"
   elif run.get("mem_fraction"):
     cap = f"XLA_PYTHON_CLIENT_MEM_FRACTION={run['mem_fraction']:.3f}"
   elif run.get("cpu_cap_mib"):
@@ -209,9 +678,14 @@ def capacity_table(run) -> str:
       "tokens/s of the TP group (micro-batch x T / median of "
       f"{run['steps']} steps after {run['warmup']} warm-up), one process "
       "per point; embedding and norms: optax.adamw, bf16 states.")
+  if any(not r.get("complete", True) for r in run["results"].values()):
+    lines.append(f"- The sweep's time budget stopped it after batch "
+                 f"{_last_batch_tried(run)} (of up to {run['max_batch_tried']}): "
+                 "'≥' marks a variant whose largest batch was not reached.")
   lines.append(f"- {meta['device']} x {meta['num_devices']}, JAX "
-               f"{meta['jax_version']}, commit `{meta['commit'][:10]}`, "
-               f"{meta['date'][:10]}; `{run['_file']}`.")
+               f"{meta['jax_version']}, commit `{_code_commit(run)}`"
+               f"{_recorded_commit_note(run)}, {meta['date'][:10]}; "
+               f"`{run['_file']}`.")
   return "\n".join(lines)
 
 
@@ -223,31 +697,50 @@ def capacity_section(runs) -> str:
   return "\n\n".join(capacity_table(r) for r in runs)
 
 
-def kernel_plot(run) -> str | None:
+def kernel_plot(mosaic_runs, triton_runs) -> str | None:
+  """Time over the GEMM's per AdamW shape: unfused, Triton, Mosaic; per T, the
+  newest side-by-side run with every shape (else the Triton full run)."""
   try:
     import matplotlib  # pylint: disable=import-outside-toplevel
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
   except ImportError:
     return None
-  rows = [r for r in run["bench"] if r["optimizer"] == "adamw"]
-  token_counts = sorted({r["tokens"] for r in rows})
-  fig, axes = plt.subplots(1, len(token_counts), figsize=(5 * len(token_counts), 4),
+  panels = []
+  for tokens in sorted(_shape_counts(mosaic_runs)):
+    panels.append((tokens, _runs_for_tokens(mosaic_runs, tokens)[-1]))
+  if not panels and triton_runs:
+    panels = [(t, triton_runs[0]) for t in sorted(
+        {r["tokens"] for r in triton_runs[0]["bench"]})]
+  if not panels:
+    return None
+  series = (("gemm", "XLA GEMM"), ("unfused", "GEMM + optax"),
+            ("fused", "Triton fused"), ("fused_mosaic", "Mosaic fused"))
+  fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4),
                            squeeze=False)
-  for ax, tokens in zip(axes[0], token_counts):
-    sub = [r for r in rows if r["tokens"] == tokens]
-    labels = [f"{r['k']}x{r['n']}" for r in sub]
+  for ax, (tokens, run) in zip(axes[0], panels):
+    sub = sorted(_adamw_rows(run, tokens), key=lambda r: (r["k"], r["n"]))
+    keys = [(k, name) for k, name in series if all(k in r for r in sub)]
+    width = 0.8 / len(keys)
     xs = range(len(sub))
-    for offset, (key, name) in enumerate(
-        (("gemm", "XLA GEMM"), ("unfused", "GEMM + optax"), ("fused", "FORGE fused"))):
-      ax.bar([x + (offset - 1) * 0.27 for x in xs],
-             [r[key]["ms"] / r["gemm"]["ms"] for r in sub], width=0.27, label=name)
-    ax.set_xticks(list(xs), labels, rotation=30, fontsize=8)
-    ax.set_title(f"AdamW, T = {tokens}")
+    for offset, (key, name) in enumerate(keys):
+      ax.bar([x + (offset - (len(keys) - 1) / 2) * width for x in xs],
+             [r[key]["ms"] / r["gemm"]["ms"] for r in sub], width=width,
+             label=name)
+    if any(k == "fused_mosaic" for k, _ in keys):
+      goal = KERNEL_TARGETS["Mosaic"]["over_gemm"]
+      ax.axhline(goal, color="k", linestyle="--", linewidth=1)
+      ax.text(len(sub) - 0.5, goal + 0.03, f"Mosaic target {goal:g}x",
+              ha="right", fontsize=7)
+    ax.set_xticks(list(xs), [f"{r['k']}x{r['n']}" for r in sub], rotation=30,
+                  fontsize=8)
+    ax.set_title(f"AdamW, T = {tokens} (commit {_code_commit(run)})", fontsize=9)
     ax.set_ylabel("time / XLA GEMM time")
-  axes[0][0].legend(fontsize=8)
-  fig.suptitle(f"{run['meta']['device']}, JAX {run['meta']['jax_version']}")
-  fig.tight_layout()
+  handles, labels = axes[0][0].get_legend_handles_labels()
+  fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=8)
+  fig.suptitle(f"{panels[0][1]['meta']['device']}, JAX "
+               f"{panels[0][1]['meta']['jax_version']}", fontsize=10)
+  fig.tight_layout(rect=(0, 0.07, 1, 1))
   os.makedirs(PLOTS, exist_ok=True)
   path = os.path.join(PLOTS, "kernel_speed.png")
   fig.savefig(path, dpi=110)
@@ -266,19 +759,19 @@ def main():
   readme_path = os.path.join(ROOT, "README.md")
   with open(readme_path) as f:
     text = f.read()
-  run = _latest_kernel_run()
-  if run is not None:
-    body = kernel_table(run)
-    plot = kernel_plot(run)
-    if plot:
-      body = f"![fused vs unfused]({plot})\n\n" + body
-    text = replace_section(text, "kernel-perf", body)
-    checks_run = max((r for r in _load("kernel_*.json") if r.get("checks")),
-                     key=lambda r: r["meta"]["date"], default=None)
-    if checks_run is not None:
-      text = replace_section(text, "kernel-checks", check_table(checks_run))
-  text = replace_section(text, "model-memory",
-                         model_memory_table(_load("model_memory_*.json")))
+  mosaic_runs, triton_runs = _kernel_runs()
+  if mosaic_runs or triton_runs:
+    plot = kernel_plot(mosaic_runs, triton_runs)
+    text = replace_section(text, "kernel-perf",
+                           kernel_perf_section(mosaic_runs, triton_runs, plot))
+    text = replace_section(text, "kernel-checks",
+                           kernel_checks_section(mosaic_runs, triton_runs))
+  model_runs = _load("model_memory_*.json")
+  body = model_memory_table(model_runs)
+  plot = model_memory_plot(model_runs) if model_runs else None
+  if plot:
+    body = f"![peak memory per run]({plot})\n\n" + body
+  text = replace_section(text, "model-memory", body)
   text = replace_section(text, "memory-sweep",
                          memory_sweep_table(_load("memory_sweep_*.json")))
   text = replace_section(text, "capacity-sweep",
