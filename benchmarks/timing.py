@@ -21,14 +21,21 @@ import jax
 
 
 def metadata() -> dict:
-  """Device, versions, commit and date for a results JSON."""
-  try:
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
-                            text=True, check=True).stdout.strip()
-  except (OSError, subprocess.CalledProcessError):
-    commit = os.environ.get("FORGE_COMMIT", "unknown")
-  dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
-                         capture_output=True, text=True).stdout.strip()
+  """Device, versions, commit and date for a results JSON.
+
+  ``FORGE_COMMIT`` (set by whoever sends the tree to a device machine) wins
+  over git there: the device's copy may carry a stale ``.git``.
+  """
+  commit, dirty = os.environ.get("FORGE_COMMIT"), ""
+  if commit is None:
+    try:
+      commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
+                              text=True, check=True).stdout.strip()
+      dirty = subprocess.run(
+          ["git", "status", "--porcelain", "--untracked-files=no"],
+          capture_output=True, text=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+      commit = "unknown"
   device = jax.devices()[0]
   return {
       "device": getattr(device, "device_kind", str(device)),
