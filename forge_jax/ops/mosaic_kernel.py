@@ -1,26 +1,34 @@
 """Pallas kernel (Mosaic GPU, Hopper): wgmma dW tiles with the update fused.
 
 A persistent kernel (one CTA per SM) walks the kernel's ``tile_k x
-2*tile_n`` tiles. In each CTA a memory warpgroup streams ``x`` and ``dy``
-blocks into shared memory with TMA while two compute warpgroups accumulate
-``dW = x.T @ dy`` with wgmma (``x``'s block is the transposed A operand),
-each for one ``tile_k x tile_n`` half, in float32 registers. Each compute
-warpgroup's epilogue then walks its half in ``epilogue_k x epilogue_n``
-sub-tiles: TMA loads of the kernel and state sub-tiles, the optimizer rule in
-registers (:func:`forge_jax.ops.update.apply_update`, the function the XLA
-reference applies to the whole array), and TMA stores of the new values over
-the old ones. The first sub-tile's loads are issued before the main loop,
-so they land while the tensor cores work; the stores are asynchronous and
-drain while the next tile's main loop runs. ``dW`` never reaches device
-memory.
+(compute_wgs * tile_n)`` tiles. In each CTA a memory warpgroup streams ``x``
+and ``dy`` blocks into shared memory with TMA while the compute warpgroups
+accumulate ``dW = x.T @ dy`` with wgmma (``x``'s block is the transposed A
+operand), each for its ``tile_k x tile_n`` part, in float32 registers. Each
+compute warpgroup's epilogue then walks its part in ``epilogue_k x
+epilogue_n`` sub-tiles: TMA loads of the kernel and state sub-tiles, the
+optimizer rule in registers (:func:`forge_jax.ops.update.apply_update`, the
+function the XLA reference applies to the whole array), and TMA stores of the
+new values over the old ones. The first sub-tile's loads are issued before
+the main loop, so they land while the tensor cores work; with two epilogue
+slots the next sub-tile's loads fly while this one is updated; the stores are
+asynchronous. ``dW`` never reaches device memory.
 
-The kernel, its state and the skipped-element count are ``jax.new_ref``
-buffers the kernel writes in place (aliased in and out).
+The kernel, its state and the skipped-element counts are ``jax.new_ref``
+buffers the kernel writes in place (aliased in and out). Stacked ``[L, K,
+N]`` variables (``layer_index``, :mod:`forge_jax.ops.stacks`) are read and
+written at the layer's index, a TMA coordinate: no slice of a stack goes in
+or out of the call.
 
 Coverage: 16-bit activations (wgmma's transposed operand), float32 or
 bfloat16 kernels and float32 or bfloat16 states, shapes that divide into
-whole tiles. Other calls get a reason from :func:`unsupported_reason`
-('auto' then uses the Triton-lowering kernel).
+whole tiles. Other calls (int8 states and stochastic rounding too) get a
+reason from :func:`unsupported_reason`; 'auto' then uses the Triton-lowering
+kernel.
+
+Off-GPU the kernel runs in Mosaic GPU's interpret mode (how the CPU tests
+check it), which simulates the warpgroups, shared memory, TMA and barriers;
+its wgmma takes no transposed operand, so there ``x`` arrives transposed.
 """
 
 from __future__ import annotations
@@ -154,6 +162,8 @@ def unsupported_reason(x, dy, kernel, optimizer,
             "implementation='triton'")
   k, n = kernel.shape[-2:]
   tokens = math.prod(x.shape[:-1])
+  if tokens == 0:
+    return f"{x.shape=} has no tokens"
   for name, size, tile in (("in_features", k, config.tile_k),
                            ("features", n, config.cta_tile_n),
                            ("tokens", tokens, config.tile_t)):
