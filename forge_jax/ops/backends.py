@@ -84,7 +84,10 @@ def _on_hopper_or_newer() -> bool:
   if not _on_gpu():
     return False
   capability = getattr(jax.devices()[0], "compute_capability", "0")
-  return float(capability) >= 9.0
+  try:
+    return float(capability) >= 9.0
+  except ValueError:  # not an NVIDIA "major.minor" (e.g. a ROCm gfx name)
+    return False
 
 
 def select(implementation: str, x, dy, kernel, optimizer):
