@@ -144,3 +144,18 @@ def test_compiled_mosaic_kernel_matches_reference_on_gpu(name, opt, count,
                donate_argnums=(2, 3))
   actual = host_copy(fn(*inputs, scalars, jnp.all(jnp.isfinite(inputs[1]))))
   assert_leaves_match(actual, expected, name)
+
+
+@pytest.mark.gpu
+def test_auto_selects_mosaic_on_hopper_and_triton_where_it_cannot_run():
+  if not backends._on_hopper_or_newer():  # pylint: disable=protected-access
+    pytest.skip("needs a Hopper or newer GPU")
+  opt = fj.adamw(1e-3)
+  x = jnp.zeros((2048, 4096), BF16)
+  dy = jnp.zeros((2048, 1024), BF16)
+  kernel = jnp.zeros((4096, 1024), BF16)
+  assert backends.select("auto", x, dy, kernel, opt) is (
+      mosaic_kernel.mosaic_update)
+  int8 = fj.adamw(1e-3, state_dtype="int8")
+  assert backends.select("auto", x, dy, kernel, int8) is not (
+      mosaic_kernel.mosaic_update)
