@@ -291,8 +291,8 @@ def _fused_kernel(scalars_gmem, x_gmem, dy_gmem, storage_gmem, storage_out,
       k0 = k_idx * tk
       n0 = n_idx * config.cta_tile_n + wg * tn
 
-      def sub_tiles():
-        return [(i, j) for i in range(tk // ek) for j in range(tn // en)]
+      # The epilogue's sub-tiles of this warpgroup's part, in order.
+      tiles = [(i, j) for i in range(tk // ek) for j in range(tn // en)]
 
       def window(ref, i, j):
         return ref.at[(*layer, pl.ds(k0 + i * ek, ek), pl.ds(n0 + j * en, en))]
@@ -311,8 +311,6 @@ def _fused_kernel(scalars_gmem, x_gmem, dy_gmem, storage_gmem, storage_out,
         for t, (gmem, smem) in enumerate(zip(storage_gmem, epilogue_smem)):
           plgpu.copy_gmem_to_smem(window(gmem, i, j), smem.at[buffer(slot)],
                                   barrier(slot, t))
-
-      tiles = sub_tiles()
 
       def compute_context(eval_pipeline):
         @functools.partial(pl.run_scoped,
@@ -342,7 +340,10 @@ def _fused_kernel(scalars_gmem, x_gmem, dy_gmem, storage_gmem, storage_out,
             plgpu.commit_smem()
             for gmem, smem in zip(storage_out, epilogue_smem):
               plgpu.copy_smem_to_gmem(smem.at[buffer(slot)], window(gmem, i, j))
-            skipped += jnp.sum(jnp.sum(jnp.where(updated, 0.0, 1.0), axis=1)).astype(jnp.int32)
+            # Rows first: Mosaic GPU's layout inference finds no layout for
+            # a 2-D -> scalar reduction of the wgmma-layout mask.
+            skipped += jnp.sum(jnp.sum(jnp.where(updated, 0.0, 1.0), axis=1)
+                               ).astype(jnp.int32)
           # Every thread holds the same sum: all write the same value.
           skipped_gmem[config.compute_wgs * linear + wg] = skipped
 
