@@ -125,26 +125,30 @@ DEFAULT_CONFIGS = (
 )
 
 
-def _storage_itemsizes(kernel, optimizer):
-  state = jax.eval_shape(optimizer.init, kernel)
-  return [jnp.dtype(kernel.dtype).itemsize] + [
-      jnp.dtype(leaf.dtype).itemsize for leaf in jax.tree.leaves(state)]
+def _storage_itemsizes(kernel, state) -> list:
+  """Bytes per element of the kernel and of each state leaf."""
+  return [jnp.dtype(leaf.dtype).itemsize
+          for leaf in [kernel] + jax.tree.leaves(state)]
 
 
-def default_config(x, kernel, optimizer) -> MosaicConfig:
-  """The fastest default config whose buffers fit in shared memory."""
-  itemsizes = _storage_itemsizes(kernel, optimizer)
+def _fitting_config(activation_itemsize, storage_itemsizes) -> MosaicConfig:
   for config in DEFAULT_CONFIGS:
-    if (shared_memory_bytes(config, jnp.dtype(x.dtype).itemsize, itemsizes)
+    if (shared_memory_bytes(config, activation_itemsize, storage_itemsizes)
         <= SHARED_MEMORY_BUDGET):
       return config
   return DEFAULT_CONFIGS[-1]  # unsupported_reason says why it does not fit
 
 
+def default_config(x, kernel, optimizer) -> MosaicConfig:
+  """The fastest default config whose buffers fit in shared memory."""
+  state = jax.eval_shape(optimizer.init, kernel)
+  return _fitting_config(jnp.dtype(x.dtype).itemsize,
+                         _storage_itemsizes(kernel, state))
+
+
 def unsupported_reason(x, dy, kernel, optimizer,
                        config: Optional[MosaicConfig] = None) -> Optional[str]:
   """Why the Mosaic GPU kernel cannot run this call, or None if it can."""
-  config = config or default_config(x, kernel, optimizer)
   for name, value in (("x", x), ("dy", dy)):
     if jnp.dtype(value.dtype) not in map(jnp.dtype, _ACTIVATION_DTYPES):
       return f"{name}.dtype={value.dtype} must be bfloat16 or float16"
@@ -160,6 +164,9 @@ def unsupported_reason(x, dy, kernel, optimizer,
   if optimizer.weight_rounding != "nearest":
     return (f"weight_rounding={optimizer.weight_rounding!r} runs on "
             "implementation='triton'")
+  activation_itemsize = jnp.dtype(x.dtype).itemsize
+  itemsizes = _storage_itemsizes(kernel, state)
+  config = config or _fitting_config(activation_itemsize, itemsizes)
   k, n = kernel.shape[-2:]
   tokens = math.prod(x.shape[:-1])
   if tokens == 0:
@@ -169,8 +176,7 @@ def unsupported_reason(x, dy, kernel, optimizer,
                            ("tokens", tokens, config.tile_t)):
     if size % tile:
       return f"{name}={size} must be a multiple of {tile}"
-  itemsizes = _storage_itemsizes(kernel, optimizer)
-  needed = shared_memory_bytes(config, jnp.dtype(x.dtype).itemsize, itemsizes)
+  needed = shared_memory_bytes(config, activation_itemsize, itemsizes)
   if needed * config.ctas_per_sm > SHARED_MEMORY_BUDGET:
     return (f"the tiles of {config} need {needed} bytes of shared memory "
             f"per CTA, {config.ctas_per_sm} CTAs per SM: more than "
