@@ -236,6 +236,18 @@ MOSAIC_SWEEP_CONFIGS = [
 ]
 
 
+def adamw_medians(bench, keys) -> dict:
+  """Per token count, the median over the AdamW rows of each ratio in
+  ``keys``, as ``{"median_<key>": ...}``."""
+  summary = {}
+  for tokens in sorted({r["tokens"] for r in bench}):
+    rows = [r for r in bench if r["tokens"] == tokens and r["optimizer"] == "adamw"]
+    if rows:
+      summary[str(tokens)] = {f"median_{key}": statistics.median(r[key] for r in rows)
+                              for key in keys}
+  return summary
+
+
 def print_table(rows):
   print(f"{'opt':>13} {'K':>6} {'N':>7} {'T':>6} | {'gemm ms':>8} {'unfused':>8} "
         f"{'fused':>8} {'mosaic':>8} | {'fused TF/s':>10} | {'fused/gemm':>10} "
@@ -342,14 +354,8 @@ def main():
     print_table(result["bench"][-1:])
     save()
 
-  summary = {}
-  for tokens in sorted({r["tokens"] for r in result["bench"]}):
-    rows = [r for r in result["bench"] if r["tokens"] == tokens and r["optimizer"] == "adamw"]
-    if rows:
-      summary[str(tokens)] = {
-          "median_fused_over_gemm": statistics.median(r["fused_over_gemm"] for r in rows),
-          "median_unfused_over_fused": statistics.median(r["unfused_over_fused"] for r in rows),
-      }
+  summary = adamw_medians(result["bench"],
+                          ("fused_over_gemm", "unfused_over_fused"))
   result["summary_adamw"] = summary
   save()
   print_table(result["bench"])
@@ -423,14 +429,9 @@ def mosaic_suite(args, result, save, triton_config, started):
               {"case": [opt_name, k, n, tokens], "error": repr(e)[-600:]})
           print(result["errors"][-1], flush=True)
         save()
-  summary = {}
-  for tokens in sorted({r["tokens"] for r in result["bench"]}):
-    rows = [r for r in result["bench"]
-            if r["tokens"] == tokens and r["optimizer"] == "adamw"]
-    summary[str(tokens)] = {
-        key: statistics.median(r[key] for r in rows)
-        for key in ("fused_over_gemm", "unfused_over_fused",
-                    "mosaic_over_gemm", "unfused_over_mosaic")}
+  summary = adamw_medians(result["bench"],
+                          ("fused_over_gemm", "unfused_over_fused",
+                           "mosaic_over_gemm", "unfused_over_mosaic"))
   result["summary_adamw"] = summary
   save()
   print(json.dumps(summary, indent=1))
