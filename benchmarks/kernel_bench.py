@@ -223,15 +223,16 @@ SWEEP_CONFIGS = [
 
 
 MOSAIC_SWEEP_CONFIGS = [
-    mosaic_kernel.MosaicConfig(tile_n=64, max_concurrent_steps=4),  # v1 best
-    mosaic_kernel.MosaicConfig(max_concurrent_steps=2, epilogue_slots=2),
-    mosaic_kernel.MosaicConfig(tile_n=64, epilogue_slots=2),
-    mosaic_kernel.MosaicConfig(compute_wgs=1, ctas_per_sm=2,
-                               max_concurrent_steps=2),
-    mosaic_kernel.MosaicConfig(compute_wgs=1, tile_n=64, ctas_per_sm=2,
-                               max_concurrent_steps=2, epilogue_slots=2),
-    mosaic_kernel.MosaicConfig(compute_wgs=1, tile_n=64, ctas_per_sm=2),
-    mosaic_kernel.MosaicConfig(tile_n=64, epilogue_n=64,
+    # Session 3: the epilogue's loads issued under the main loop (the first
+    # `epilogue_slots` sub-tiles of four, at step `prefetch_step`).
+    mosaic_kernel.MosaicConfig(epilogue_slots=2),  # fp32 default
+    mosaic_kernel.MosaicConfig(epilogue_slots=2, prefetch_step=0),
+    mosaic_kernel.MosaicConfig(epilogue_slots=2, prefetch_step=10),
+    mosaic_kernel.MosaicConfig(epilogue_slots=3, max_concurrent_steps=2),
+    mosaic_kernel.MosaicConfig(epilogue_slots=3, max_concurrent_steps=2,
+                               prefetch_step=1),
+    mosaic_kernel.MosaicConfig(epilogue_slots=1, max_concurrent_steps=4),
+    mosaic_kernel.MosaicConfig(tile_n=128, epilogue_slots=2,
                                max_concurrent_steps=2),
 ]
 

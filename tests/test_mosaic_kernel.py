@@ -33,13 +33,20 @@ from test_kernel import (BF16, F32, OPTIMIZERS, assert_leaves_match,
 
 # 64 x 64 parts, two compute warpgroups: a CTA tile is 64 x 128. K = 128,
 # N = 256, 128 tokens: 2 x 2 tiles on two CTAs, 2 pipeline steps each, and
-# two 64 x 32 epilogue sub-tiles per part.
+# two 64 x 32 epilogue sub-tiles per part (four of 64 x 16 when
+# double-buffered: two slots, each reused once).
 SMALL = dict(tile_k=64, tile_n=64, tile_t=64, max_concurrent_steps=2,
-             epilogue_k=64, epilogue_n=32)
+             epilogue_k=64)
 CONFIGS = {
-    "double-buffered": mosaic_kernel.MosaicConfig(**SMALL),
-    "single-buffered": mosaic_kernel.MosaicConfig(**SMALL, epilogue_slots=1),
-    "one-warpgroup": mosaic_kernel.MosaicConfig(**SMALL, compute_wgs=1),
+    "all-prefetched": mosaic_kernel.MosaicConfig(**SMALL, epilogue_n=32,
+                                                 epilogue_slots=2),
+    "double-buffered": mosaic_kernel.MosaicConfig(
+        **SMALL, epilogue_n=16, epilogue_slots=2, prefetch_step=0),
+    "single-buffered": mosaic_kernel.MosaicConfig(**SMALL, epilogue_n=32,
+                                                  epilogue_slots=1),
+    "one-warpgroup": mosaic_kernel.MosaicConfig(**SMALL, epilogue_n=32,
+                                                epilogue_slots=2,
+                                                compute_wgs=1),
 }
 X_SHAPE, N = (2, 64, 128), 256
 
@@ -58,7 +65,7 @@ def run_mosaic(opt, x, dy, kernel, state, count, config, layer_index=None):
                          ids=[name for name, _, _ in OPTIMIZERS])
 def test_mosaic_kernel_matches_reference(name, opt, count, seed):
   dtypes = (F32, F32, BF16)  # wgmma takes 16-bit activations
-  config = CONFIGS["double-buffered"]
+  config = CONFIGS["all-prefetched"]
   if name.startswith("rmsprop-centered"):
     config = CONFIGS["single-buffered"]  # four state tensors: less smem
   inputs = random_inputs(seed, opt, X_SHAPE, N, dtypes)
@@ -84,7 +91,7 @@ def test_mosaic_skips_and_counts_nonfinite_gradient_elements(seed):
   x, dy, kernel, state = random_inputs(seed, opt, X_SHAPE, N, (F32, F32, BF16))
   x = x.at[0, 3, 17].set(jnp.nan)  # row 17 of dW is NaN: N elements skipped
   expected = run_reference(opt, x, dy, kernel, state, 2)
-  actual = run_mosaic(opt, x, dy, kernel, state, 2, CONFIGS["double-buffered"])
+  actual = run_mosaic(opt, x, dy, kernel, state, 2, CONFIGS["all-prefetched"])
   assert int(expected[2]) == int(actual[2]) == N
   np.testing.assert_array_equal(bits(actual[0])[17], bits(kernel)[17])
   rows = np.arange(kernel.shape[0]) != 17
@@ -101,12 +108,24 @@ def test_mosaic_stacked_layer_updates_only_its_entry(seed):
   layer = lambda tree, i: jax.tree.map(lambda a: a[i], tree)
   expected = run_reference(opt, x, dy, kernels[1], layer(states, 1), 2)
   actual = run_mosaic(opt, x, dy, kernels, states, 2,
-                      CONFIGS["double-buffered"], layer_index=jnp.int32(1))
+                      CONFIGS["all-prefetched"], layer_index=jnp.int32(1))
   assert_leaves_match((actual[0][1], layer(actual[1], 1)), expected, "layer 1")
   for i in (0, 2):  # the other layers are untouched, bit for bit
     for a, b in zip(jax.tree.leaves(layer(actual[:2], i)),
                     jax.tree.leaves(layer((kernels, states), i))):
       np.testing.assert_array_equal(bits(a), bits(b))
+
+
+def test_mosaic_config_errors_name_the_bad_field():
+  with pytest.raises(ValueError, match=r"epilogue_slots=5 must be between 1 "
+                     r"and the 4 epilogue sub-tiles"):
+    mosaic_kernel.MosaicConfig(epilogue_slots=5)
+  with pytest.raises(ValueError, match=r"prefetch_step=-1 must be >= 0"):
+    mosaic_kernel.MosaicConfig(prefetch_step=-1)
+  with pytest.raises(ValueError, match=r"tile_t=32 must be a multiple of 64"):
+    mosaic_kernel.MosaicConfig(tile_t=32)
+  with pytest.raises(ValueError, match=r"compute_wgs=3 must be 1 or 2"):
+    mosaic_kernel.MosaicConfig(compute_wgs=3)
 
 
 def test_mosaic_refuses_what_it_cannot_run_and_auto_falls_back():

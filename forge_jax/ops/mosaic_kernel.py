@@ -9,10 +9,14 @@ compute warpgroup's epilogue then walks its part in ``epilogue_k x
 epilogue_n`` sub-tiles: TMA loads of the kernel and state sub-tiles, the
 optimizer rule in registers (:func:`forge_jax.ops.update.apply_update`, the
 function the XLA reference applies to the whole array), and TMA stores of the
-new values over the old ones. The first sub-tile's loads are issued before
-the main loop, so they land while the tensor cores work; with two epilogue
-slots the next sub-tile's loads fly while this one is updated; the stores are
-asynchronous. ``dW`` never reaches device memory.
+new values over the old ones. The loads of the first ``epilogue_slots``
+sub-tiles (all of them when they fit in shared memory) are issued during the
+main loop, at pipeline step ``prefetch_step``: after the previous tile's
+stores have left shared memory, early enough to land before the tensor cores
+finish, so the epilogue finds its inputs waiting. Later sub-tiles reuse the
+slots, their loads issued as soon as a slot's store has read it; the stores
+are asynchronous and drain under the next tile's main loop. ``dW`` never
+reaches device memory.
 
 The kernel, its state and the skipped-element counts are ``jax.new_ref``
 buffers the kernel writes in place (aliased in and out). Stacked ``[L, K,
@@ -64,9 +68,12 @@ class MosaicConfig:
   ``tile_k x tile_n`` part per compute warpgroup), streaming ``tile_t``
   tokens per pipeline step, ``max_concurrent_steps`` steps in flight. The
   epilogue works on ``epilogue_k x epilogue_n`` sub-tiles of each part,
-  with ``epilogue_slots`` buffers (2: the next sub-tile's loads fly while
-  this one is updated). ``ctas_per_sm`` persistent CTAs share an SM (2: one's
-  epilogue overlaps the other's main loop, if both fit).
+  with ``epilogue_slots`` buffers per warpgroup, whose loads are issued at
+  pipeline step ``prefetch_step`` of the main loop (the last step if the
+  loop is shorter); with as many slots as sub-tiles the whole part's kernel
+  and state are loaded under the main loop. ``ctas_per_sm`` persistent CTAs
+  share an SM (2: one's epilogue overlaps the other's main loop, if both
+  fit).
   """
 
   tile_k: int = 128
@@ -78,7 +85,8 @@ class MosaicConfig:
   #: Tiles of this many consecutive N-blocks share their x blocks in L2.
   grid_tile_width: int = 8
   compute_wgs: int = 2
-  epilogue_slots: int = 2
+  epilogue_slots: int = 4
+  prefetch_step: int = 4
   ctas_per_sm: int = 1
 
   def __post_init__(self):
@@ -86,6 +94,9 @@ class MosaicConfig:
       value = getattr(self, name)
       if value < 8 or value & (value - 1):
         raise ValueError(f"{name}={value} must be a power of two >= 8")
+    if self.tile_t % 64:
+      raise ValueError(f"tile_t={self.tile_t} must be a multiple of 64 "
+                       "(wgmma's contraction with a transposed operand)")
     if self.tile_k % 64 or self.epilogue_k % 64:
       raise ValueError(f"tile_k={self.tile_k} and epilogue_k={self.epilogue_k} "
                        "must be multiples of 64 (a warpgroup's wgmma rows)")
@@ -93,9 +104,15 @@ class MosaicConfig:
       raise ValueError(
           f"epilogue_k={self.epilogue_k} and epilogue_n={self.epilogue_n} "
           f"must divide tile_k={self.tile_k} and tile_n={self.tile_n}")
-    for name in ("compute_wgs", "epilogue_slots", "ctas_per_sm"):
+    for name in ("compute_wgs", "ctas_per_sm"):
       if getattr(self, name) not in (1, 2):
         raise ValueError(f"{name}={getattr(self, name)} must be 1 or 2")
+    if not 1 <= self.epilogue_slots <= self.epilogue_subtiles:
+      raise ValueError(
+          f"epilogue_slots={self.epilogue_slots} must be between 1 and the "
+          f"{self.epilogue_subtiles} epilogue sub-tiles of a warpgroup's part")
+    if self.prefetch_step < 0:
+      raise ValueError(f"prefetch_step={self.prefetch_step} must be >= 0")
     if self.max_concurrent_steps < 2:
       raise ValueError(f"max_concurrent_steps={self.max_concurrent_steps} "
                        "must be at least 2")
@@ -103,6 +120,11 @@ class MosaicConfig:
   @property
   def cta_tile_n(self) -> int:
     return self.compute_wgs * self.tile_n
+
+  @property
+  def epilogue_subtiles(self) -> int:
+    """Sub-tiles of one warpgroup's ``tile_k x tile_n`` part."""
+    return (self.tile_k // self.epilogue_k) * (self.tile_n // self.epilogue_n)
 
 
 def shared_memory_bytes(config: MosaicConfig, activation_itemsize: int,
@@ -120,6 +142,7 @@ def shared_memory_bytes(config: MosaicConfig, activation_itemsize: int,
 #: (centered RMSprop with momentum: four) take the smaller ones.
 DEFAULT_CONFIGS = (
     MosaicConfig(),
+    MosaicConfig(epilogue_slots=2),
     MosaicConfig(epilogue_slots=1, max_concurrent_steps=4),
     MosaicConfig(epilogue_slots=1, max_concurrent_steps=2),
 )
@@ -267,6 +290,7 @@ def _fused_kernel(scalars_gmem, x_gmem, dy_gmem, storage_gmem, storage_out,
 
   ignore = lambda *_, **__: None
   slots = config.epilogue_slots
+  prefetch_step = min(config.prefetch_step, tokens // tt - 1)
   num_buffers = config.compute_wgs * slots
 
   @functools.partial(
@@ -322,16 +346,11 @@ def _fused_kernel(scalars_gmem, x_gmem, dy_gmem, storage_gmem, storage_out,
         @functools.partial(pl.run_scoped,
                            acc_ref=plgpu.ACC((tk, tn), jnp.float32))
         def _acc_scope(acc_ref):
-          issue_loads(0)  # lands while the main loop runs
-          eval_pipeline(acc_ref)
+          eval_pipeline(acc_ref)  # issues the first `slots` sub-tiles' loads
           acc = acc_ref[...]
           skipped = jnp.zeros((), jnp.int32)
           for index, (i, j) in enumerate(tiles):
             slot = index % slots
-            if slots == 1 and index:
-              issue_loads(index)
-            if slots == 2 and index + 1 < len(tiles):
-              issue_loads(index + 1)  # flies while this sub-tile updates
             for t in range(len(storage_gmem)):
               plgpu.barrier_wait(barrier(slot, t))
             grad = acc[i * ek:(i + 1) * ek, j * en:(j + 1) * en]
@@ -346,6 +365,8 @@ def _fused_kernel(scalars_gmem, x_gmem, dy_gmem, storage_gmem, storage_out,
             plgpu.commit_smem()
             for gmem, smem in zip(storage_out, epilogue_smem):
               plgpu.copy_smem_to_gmem(smem.at[buffer(slot)], window(gmem, i, j))
+            if index + slots < len(tiles):
+              issue_loads(index + slots)  # into this slot, once stored
             # Rows first: Mosaic GPU's layout inference finds no layout for
             # a 2-D -> scalar reduction of the wgmma-layout mask.
             skipped += jnp.sum(jnp.sum(jnp.where(updated, 0.0, 1.0), axis=1)
@@ -353,12 +374,20 @@ def _fused_kernel(scalars_gmem, x_gmem, dy_gmem, storage_gmem, storage_out,
           # Every thread holds the same sum: all write the same value.
           skipped_gmem[config.compute_wgs * linear + wg] = skipped
 
-      def mma(_, x_smem, dy_smem, acc_ref):
+      def mma(indices, x_smem, dy_smem, acc_ref):
         dy_half = dy_smem.at[:, pl.ds(wg * tn, tn)]
         # The interpreter's wgmma takes no transposed operand: there x
         # arrives transposed (the GPU tests check the transposed path).
         lhs = x_smem if interpret else plgpu.transpose_ref(x_smem, (1, 0))
         plgpu.wgmma(acc_ref, lhs, dy_half)
+
+        # Issued after this step's wgmma, so the tensor cores work while
+        # the previous tile's stores finish reading the slots.
+        @pl.when(indices[0] == prefetch_step)
+        def _prefetch():
+          for index in range(slots):
+            issue_loads(index)
+
         plgpu.wgmma_wait(1)
         return acc_ref
 
