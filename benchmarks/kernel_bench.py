@@ -267,7 +267,8 @@ def print_table(rows):
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--suite", default="quick",
-                      choices=["tiny", "quick", "sweep", "full", "mosaic"])
+                      choices=["tiny", "quick", "sweep", "full", "mosaic",
+                               "mosaic-diag"])
   parser.add_argument("--out", default="kernel_bench.json")
   parser.add_argument("--config", default=None,
                       help="block_k,block_n,block_t,num_warps,num_stages")
@@ -297,6 +298,9 @@ def main():
 
   if args.suite == "mosaic":
     mosaic_suite(args, result, save, config, started)
+    return
+  if args.suite == "mosaic-diag":
+    mosaic_diagnosis(result, save)
     return
 
   # 1. Correctness at Llama-3.1-8B layer shapes, every optimizer.
@@ -361,6 +365,87 @@ def main():
   save()
   print_table(result["bench"])
   print(json.dumps(summary, indent=1))
+
+
+#: bf16 kernel and states (the whole-step configuration): which epilogue
+#: schedule is fastest, and where the time goes.
+MOSAIC_DIAG_CONFIGS = {
+    "slots2-pf0": mosaic_kernel.MosaicConfig(epilogue_slots=2, prefetch_step=0),
+    "slots4-pf4": mosaic_kernel.MosaicConfig(),
+    "slots4-pf0": mosaic_kernel.MosaicConfig(prefetch_step=0),
+    "slots1-steps4": mosaic_kernel.MosaicConfig(epilogue_slots=1,
+                                                max_concurrent_steps=4),
+    "en64-slots2": mosaic_kernel.MosaicConfig(epilogue_n=64, epilogue_slots=2),
+    "n128-slots2": mosaic_kernel.MosaicConfig(tile_n=128, epilogue_slots=2,
+                                              max_concurrent_steps=2),
+}
+
+
+def _rule_free_update(optimizer, grad, kernel, state, *_, **__):
+  """The epilogue without the optimizer's arithmetic: W and state are loaded
+  and stored unchanged (the diagnosis's measure of the rule's cost)."""
+  del optimizer
+  return kernel, state, jnp.isfinite(grad)
+
+
+def mosaic_diagnosis(result, save, k=4096, n=14336, token_counts=(512, 2048, 8192)):
+  """Mosaic kernel time with bf16 storage per epilogue config and token
+  count, beside the GEMM and GEMM + optax; for the first config also without
+  the rule's arithmetic and with plain SGD (W only, no state)."""
+  for tokens in token_counts:
+    x, dy, w = make_inputs(jax.random.key(tokens), tokens, k, n)
+    w = w.astype(jnp.bfloat16)
+    gemm = jax.jit(backends.weight_gradient)
+    row = {"k": k, "n": n, "tokens": tokens, "storage": "bfloat16",
+           "gemm_ms": device_time_ms(lambda: gemm(x, dy))["ms"]}
+    unfused, tx = unfused_step(BENCH_OPTIMIZERS["adamw"])
+    carry = {"w": jnp.copy(w), "s": tx.init(w)}
+
+    def run_unfused():
+      carry["w"], carry["s"] = unfused(carry["w"], carry["s"], x, dy)
+      return carry["w"]
+    row["unfused_ms"] = device_time_ms(run_unfused)["ms"]
+    del carry["w"], carry["s"]
+    variants = [(name, "adamw", cfg) for name, cfg in MOSAIC_DIAG_CONFIGS.items()]
+    first = next(iter(MOSAIC_DIAG_CONFIGS))
+    variants += [(first + "-rule-free", "adamw", MOSAIC_DIAG_CONFIGS[first]),
+                 (first + "-sgd", "sgd", MOSAIC_DIAG_CONFIGS[first])]
+    for name, opt_name, cfg in variants:
+      optimizer = CHECK_OPTIMIZERS[opt_name]
+      original = mosaic_kernel.apply_update
+      if name.endswith("rule-free"):
+        mosaic_kernel.apply_update = _rule_free_update
+      try:
+        fused = fused_step(optimizer, cfg)
+        fcarry = {"w": jnp.copy(w), "s": optimizer.init(w)}
+        count = jnp.asarray(0, jnp.int32)
+
+        def run_fused():
+          fcarry["w"], fcarry["s"], _ = fused(fcarry["w"], fcarry["s"], count,
+                                              x, dy)
+          return fcarry["w"]
+        row[name + "_ms"] = device_time_ms(run_fused)["ms"]
+      except Exception as e:  # pylint: disable=broad-except
+        row[name + "_error"] = repr(e)[-300:]
+      finally:
+        mosaic_kernel.apply_update = original
+      print(f"diag T={tokens} {name}: {row.get(name + '_ms')}", flush=True)
+    result["bench"].append(row)
+    save()
+  timed = {name: [r[name + "_ms"] / r["gemm_ms"] for r in result["bench"]]
+           for name in MOSAIC_DIAG_CONFIGS
+           if all(name + "_ms" in r for r in result["bench"])}
+  result["best_diag_config"] = {
+      str(r["tokens"]): min((c for c in MOSAIC_DIAG_CONFIGS if c + "_ms" in r),
+                            key=lambda c: r[c + "_ms"])
+      for r in result["bench"]}
+  result["best_diag_config_fields"] = {
+      t: dataclasses.asdict(MOSAIC_DIAG_CONFIGS[name])
+      for t, name in result["best_diag_config"].items()}
+  result["diag_over_gemm"] = timed
+  save()
+  print(json.dumps({"best": result["best_diag_config"], "over_gemm": timed},
+                   indent=1))
 
 
 def mosaic_suite(args, result, save, triton_config, started):

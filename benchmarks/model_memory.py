@@ -58,8 +58,15 @@ def main():
                            "(default: XLA)")
   parser.add_argument("--breakdown", action="store_true",
                       help="record where the compiled step's temp bytes go")
+  parser.add_argument("--mosaic-config", default=None,
+                      help="JSON of MosaicConfig fields: the Mosaic kernel's "
+                      "only default config for this run")
   parser.add_argument("--out", required=True)
   args = parser.parse_args()
+  if args.mosaic_config:
+    from forge_jax.ops import mosaic_kernel  # pylint: disable=import-outside-toplevel
+    mosaic_kernel.DEFAULT_CONFIGS = (
+        mosaic_kernel.MosaicConfig(**json.loads(args.mosaic_config)),)
 
   optimizer = fj.adamw(1e-4, weight_decay=0.1, state_dtype=args.state_dtype,
                        weight_rounding=args.weight_rounding)
@@ -97,6 +104,8 @@ def main():
       "meta": metadata(),
       "config": args.config, "variant": args.variant,
       "num_layers": config.num_layers, "batch": args.batch, "seq": args.seq,
+      "mosaic_config": (json.loads(args.mosaic_config)
+                        if args.mosaic_config else None),
       "param_dtype": "bfloat16",
       "state_dtype": args.state_dtype if args.variant == "forge" else "bfloat16",
       "attention": args.attention or "xla",
