@@ -65,8 +65,8 @@ def main():
   args = parser.parse_args()
   if args.mosaic_config:
     from forge_jax.ops import mosaic_kernel  # pylint: disable=import-outside-toplevel
-    mosaic_kernel.DEFAULT_CONFIGS = (
-        mosaic_kernel.MosaicConfig(**json.loads(args.mosaic_config)),)
+    forced = mosaic_kernel.MosaicConfig(**json.loads(args.mosaic_config))
+    mosaic_kernel.ranked_configs = lambda tokens: (forced,)
 
   optimizer = fj.adamw(1e-4, weight_decay=0.1, state_dtype=args.state_dtype,
                        weight_rounding=args.weight_rounding)

@@ -128,6 +128,26 @@ def test_mosaic_config_errors_name_the_bad_field():
     mosaic_kernel.MosaicConfig(compute_wgs=3)
 
 
+def test_default_config_follows_tokens_dtypes_and_shape():
+  def default(tokens, n, dtype, opt=fj.adamw(1e-3)):
+    return mosaic_kernel.default_config(
+        jax.ShapeDtypeStruct((tokens, 4096), BF16),
+        jax.ShapeDtypeStruct((4096, n), dtype), opt)
+  few, some, many = (mosaic_kernel.ranked_configs(t)[0]
+                     for t in (512, 2048, 8192))
+  assert default(512, 4096, BF16) == few
+  assert default(2048, 4096, BF16) == some
+  assert default(8192, 4096, BF16) == many
+  # float32 W, m and v do not fit few's buffers; N = 384 not many's tiles.
+  assert default(512, 4096, F32) == mosaic_kernel.ranked_configs(512)[1]
+  assert default(8192, 384, BF16).cta_tile_n == 128
+  for tokens, n, dtype in ((512, 4096, F32), (8192, 384, BF16)):
+    config = default(tokens, n, dtype)
+    assert mosaic_kernel.unsupported_reason(
+        jnp.zeros((tokens, 4096), BF16), jnp.zeros((tokens, n), BF16),
+        jnp.zeros((4096, n), dtype), fj.adamw(1e-3), config) is None
+
+
 def test_mosaic_refuses_what_it_cannot_run_and_auto_falls_back():
   opt = fj.adamw(1e-3)
   x = jnp.zeros((128, 128), BF16)

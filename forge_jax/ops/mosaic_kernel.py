@@ -10,13 +10,12 @@ epilogue_n`` sub-tiles: TMA loads of the kernel and state sub-tiles, the
 optimizer rule in registers (:func:`forge_jax.ops.update.apply_update`, the
 function the XLA reference applies to the whole array), and TMA stores of the
 new values over the old ones. The loads of the first ``epilogue_slots``
-sub-tiles (all of them when they fit in shared memory) are issued during the
-main loop, at pipeline step ``prefetch_step``: after the previous tile's
-stores have left shared memory, early enough to land before the tensor cores
-finish, so the epilogue finds its inputs waiting. Later sub-tiles reuse the
-slots, their loads issued as soon as a slot's store has read it; the stores
-are asynchronous and drain under the next tile's main loop. ``dW`` never
-reaches device memory.
+sub-tiles are issued during the main loop, right after the wgmma of pipeline
+step ``prefetch_step``, so the epilogue finds them waiting. Later sub-tiles
+reuse the slots, their loads issued as soon as a slot's store has read it;
+the stores are asynchronous and drain under the next tile's main loop. The
+default config depends on the token count (:func:`ranked_configs`). ``dW``
+never reaches device memory.
 
 The kernel, its state and the skipped-element counts are ``jax.new_ref``
 buffers the kernel writes in place (aliased in and out). Stacked ``[L, K,
@@ -85,8 +84,8 @@ class MosaicConfig:
   #: Tiles of this many consecutive N-blocks share their x blocks in L2.
   grid_tile_width: int = 8
   compute_wgs: int = 2
-  epilogue_slots: int = 4
-  prefetch_step: int = 4
+  epilogue_slots: int = 2
+  prefetch_step: int = 0
   ctas_per_sm: int = 1
 
   def __post_init__(self):
@@ -137,15 +136,31 @@ def shared_memory_bytes(config: MosaicConfig, activation_itemsize: int,
   return pipeline + epilogue
 
 
-#: Defaults, fastest first (H200 sweep, benchmarks/NOTES.md); the first whose
-#: buffers fit in shared memory is used. Optimizers with more state tensors
-#: (centered RMSprop with momentum: four) take the smaller ones.
-DEFAULT_CONFIGS = (
-    MosaicConfig(),
-    MosaicConfig(epilogue_slots=2),
+#: Defaults by token count, fastest first (H200, AdamW, bf16 and float32
+#: storage; benchmarks/NOTES.md, session 3). Few tokens: the kernel and state
+#: traffic dominates and 64 x 64 sub-tiles move it fastest; many: the main
+#: loop does, and 128 x 256 CTA tiles run it fastest.
+FEW_TOKENS, MANY_TOKENS = 2048, 8192
+RANKED_CONFIGS = {
+    "few": (MosaicConfig(epilogue_n=64), MosaicConfig()),
+    "some": (MosaicConfig(),
+             MosaicConfig(tile_n=128, max_concurrent_steps=2)),
+    "many": (MosaicConfig(tile_n=128, max_concurrent_steps=2),
+             MosaicConfig(epilogue_slots=1, max_concurrent_steps=4)),
+}
+#: Tried after the ranked ones: smaller buffers for optimizers with more
+#: state tensors (centered RMSprop with momentum: four) and fewer columns.
+FALLBACK_CONFIGS = (
     MosaicConfig(epilogue_slots=1, max_concurrent_steps=4),
     MosaicConfig(epilogue_slots=1, max_concurrent_steps=2),
 )
+
+
+def ranked_configs(tokens: int) -> tuple:
+  """The default configs for ``tokens`` tokens, fastest first."""
+  regime = ("few" if tokens < FEW_TOKENS else
+            "some" if tokens < MANY_TOKENS else "many")
+  return RANKED_CONFIGS[regime] + FALLBACK_CONFIGS
 
 
 def _storage_itemsizes(kernel, state) -> list:
@@ -154,18 +169,24 @@ def _storage_itemsizes(kernel, state) -> list:
           for leaf in [kernel] + jax.tree.leaves(state)]
 
 
-def _fitting_config(activation_itemsize, storage_itemsizes) -> MosaicConfig:
-  for config in DEFAULT_CONFIGS:
+def _fitting_config(tokens, k, n, activation_itemsize,
+                    storage_itemsizes) -> MosaicConfig:
+  """The first ranked config whose tiles divide the shape and whose buffers
+  fit in shared memory (else the last: unsupported_reason says why)."""
+  configs = ranked_configs(tokens)
+  for config in configs:
     if (shared_memory_bytes(config, activation_itemsize, storage_itemsizes)
-        <= SHARED_MEMORY_BUDGET):
+        <= SHARED_MEMORY_BUDGET and not k % config.tile_k
+        and not n % config.cta_tile_n and not tokens % config.tile_t):
       return config
-  return DEFAULT_CONFIGS[-1]  # unsupported_reason says why it does not fit
+  return configs[-1]
 
 
 def default_config(x, kernel, optimizer) -> MosaicConfig:
-  """The fastest default config whose buffers fit in shared memory."""
+  """The fastest default config for this call's shapes and dtypes."""
   state = jax.eval_shape(optimizer.init, kernel)
-  return _fitting_config(jnp.dtype(x.dtype).itemsize,
+  return _fitting_config(math.prod(x.shape[:-1]), *kernel.shape[-2:],
+                         jnp.dtype(x.dtype).itemsize,
                          _storage_itemsizes(kernel, state))
 
 
@@ -189,11 +210,12 @@ def unsupported_reason(x, dy, kernel, optimizer,
             "implementation='triton'")
   activation_itemsize = jnp.dtype(x.dtype).itemsize
   itemsizes = _storage_itemsizes(kernel, state)
-  config = config or _fitting_config(activation_itemsize, itemsizes)
   k, n = kernel.shape[-2:]
   tokens = math.prod(x.shape[:-1])
   if tokens == 0:
     return f"{x.shape=} has no tokens"
+  config = config or _fitting_config(tokens, k, n, activation_itemsize,
+                                     itemsizes)
   for name, size, tile in (("in_features", k, config.tile_k),
                            ("features", n, config.cta_tile_n),
                            ("tokens", tokens, config.tile_t)):
