@@ -19,6 +19,14 @@ cannot alias into a slice of a stack, so ``dynamic_slice -> update ->
 dynamic_update_slice`` makes XLA copy the layer's kernels and states. The
 other collections (norm scales, biases) are sliced, and their gradients
 written into stacked gradients with ``dynamic_update_slice``.
+
+With a remat ``policy`` the forward runs each layer the way the backward
+will (stacked mode) under ``jax.vjp(jax.checkpoint(layer, policy=policy))``
+and keeps the pullback: its leaves are the residuals. Leaves that are the
+layer's own variables or broadcast arguments are not saved; the backward
+puts its own there (for FORGE's collection: the stacks as stepped so far).
+The other leaves (what the policy saved, the layer's input) are scan
+outputs, stacked per layer.
 """
 
 from __future__ import annotations
@@ -46,16 +54,26 @@ def scan_layers(block: type[nn.Module], length: int,
             split_rngs={'params': True},
             in_axes=(nn.broadcast,) * num_broadcast_args, length=length)
 
+  (with ``nn.remat(block, policy=policy)`` when a ``policy`` is given).
   ``metadata_params`` is nn.scan's (e.g. ``{nn.PARTITION_NAME: 'layers'}``
   to name the stacking axis in partitioned variables' metadata).
   ``block(...)(carry, *broadcast_args)`` must return ``(carry, None)``. The
   variables have exactly nn.scan's layout, so checkpoints move between the
-  two. Each layer is recomputed in the backward pass (nn.remat's default:
-  nothing saved inside a layer). The broadcast arguments (RoPE tables,
-  masks) are treated as constants: their cotangent is zero. The block must
-  use its ForgeDense variables as they come (no nn.scan, nn.vmap or another
-  scan_layers over ForgeDense inside it): the backward hands them over as
-  whole stacks.
+  two.
+
+  ``policy`` None: each layer is recomputed in the backward pass (nn.remat's
+  default: only its input is saved). A ``jax.checkpoint_policies`` policy
+  (``dots_with_no_batch_dims_saveable``, ``save_only_these_names(...)``,
+  ...): the forward saves, per layer and stacked on the layer axis, the
+  values the policy allows, and the backward recomputes the rest. FORGE's
+  stacks are not saved (the backward passes its own, the later layers
+  already stepped), nor anything computed from them but ForgeDense's
+  output (its forward reads the layer's kernel only for the dot).
+
+  The broadcast arguments (RoPE tables, masks) are treated as constants:
+  their cotangent is zero. The block must use its ForgeDense variables as
+  they come (no nn.scan, nn.vmap or another scan_layers over ForgeDense
+  inside it): the backward hands them over as whole stacks.
   """
   scanned = nn.scan(block, variable_axes={True: 0},
                     split_rngs={"params": True},
@@ -163,24 +181,11 @@ class _PullbackLayout(NamedTuple):
 
   ``sources[i]`` says where leaf ``i`` of the pullback comes from: an
   ``int``, the leaf of ``(others[l], forge stacks, broadcast args)`` it is
-  (the backward passes its own: the stacks with layers > l stepped); None,
-  a value saved per layer (stacked on the layer axis); or a
-  :class:`_Constant`.
+  (the backward passes its own: the stacks with layers > l stepped), or
+  None: a value saved per layer (stacked on the layer axis).
   """
   treedef: Any
   sources: tuple
-
-
-class _Constant(NamedTuple):
-  """A residual that is no traced value: the same for every layer."""
-  value: Any
-
-
-def _leaf_source(leaf, at_hand: dict):
-  """Where the backward gets a pullback leaf (see :class:`_PullbackLayout`)."""
-  if id(leaf) in at_hand:
-    return at_hand[id(leaf)]
-  return None if isinstance(leaf, jax.core.Tracer) else _Constant(leaf)
 
 
 def _policy_remat_vjp(layer_fn, length, policy):
@@ -208,7 +213,7 @@ def _policy_remat_vjp(layer_fn, length, policy):
       leaves, treedef = jax.tree.flatten(pullback)
       at_hand = {id(leaf): i for i, leaf in
                  enumerate(jax.tree.leaves((layer_others, forge, args)))}
-      sources = tuple(_leaf_source(leaf, at_hand) for leaf in leaves)
+      sources = tuple(at_hand.get(id(leaf)) for leaf in leaves)
       layout[:] = [_PullbackLayout(treedef, sources)]
       return out, [leaf for leaf, source in zip(leaves, sources)
                    if source is None]
@@ -225,9 +230,8 @@ def _policy_remat_vjp(layer_fn, length, policy):
       take = lambda a: lax.dynamic_index_in_dim(a, index, keepdims=False)
       at_hand = jax.tree.leaves((jax.tree.map(take, others), forge_stack, args))
       saved_leaves = iter(saved)
-      leaves = [take(next(saved_leaves)) if source is None
-                else source.value if isinstance(source, _Constant)
-                else at_hand[source] for source in sources]
+      leaves = [take(next(saved_leaves)) if source is None else at_hand[source]
+                for source in sources]
       d_others, forge_ct, d_x, _ = jax.tree.unflatten(treedef, leaves)(d_x)
       return d_others, forge_ct, d_x
 
