@@ -124,3 +124,50 @@ def test_scanned_step_copies_no_layer_out_of_the_stacks():
   layer_bytes = _nbytes(stacks) // config.num_layers
   beyond_floor = memory.temp_size_in_bytes - _activation_floor(config)
   assert beyond_floor <= 0.5 * layer_bytes, (beyond_floor, layer_bytes)
+
+
+def _policy_step(num_layers, policy):
+  config = dataclasses.replace(CONFIG, scan_layers=True, remat=True,
+                               num_layers=num_layers, remat_policy=policy)
+  model = _model(config, forge=True)
+  tokens = jnp.zeros((BATCH, SEQ + 1), jnp.int32)
+  state = _abstract_state(model, tokens)
+  compiled = train_lib.make_train_step().lower(state, tokens).compile()
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  return compiled.memory_analysis(), cost["flops"], state
+
+
+def test_remat_policy_saves_activations_not_kernels():
+  """fj.scan_layers(policy=dots_with_no_batch_dims_saveable) keeps, per
+  layer, the layer's input and the projections' outputs the backward needs
+  (all but down_proj's: the residual add needs no value), stacked on the
+  layer axis: each added layer costs those bytes more than full remat, not
+  a copy of its kernels or states; they are still updated in place. The
+  backward recomputes the saved projections no more: fewer FLOPs (XLA on
+  CPU counts a loop's body once, so by one layer's projections)."""
+  c = CONFIG
+  tokens = BATCH * SEQ
+  saved_per_layer = 4 * tokens * (
+      c.dim  # the layer's input
+      + (c.num_heads + 2 * c.num_kv_heads) * c.head_dim + c.dim  # q, k, v, o
+      + 2 * c.ffn_dim)  # gate, up
+  rows = {(layers, policy): _policy_step(layers, policy)
+          for layers in (4, 8)
+          for policy in (None, "dots_with_no_batch_dims_saveable")}
+  per_layer = {policy: (rows[8, policy][0].temp_size_in_bytes
+                        - rows[4, policy][0].temp_size_in_bytes) / 4
+               for policy in (None, "dots_with_no_batch_dims_saveable")}
+  extra = per_layer["dots_with_no_batch_dims_saveable"] - per_layer[None]
+  inputs_per_layer = 4 * tokens * c.dim  # full remat saves those already
+  assert abs(extra - (saved_per_layer - inputs_per_layer)) <= (
+      0.05 * saved_per_layer), (extra, saved_per_layer)
+  memory, _, state = rows[8, "dots_with_no_batch_dims_saveable"]
+  kernel_bytes_per_layer = _nbytes(llama.kernels(state.params)) // 8
+  assert extra < 0.5 * kernel_bytes_per_layer, (extra, kernel_bytes_per_layer)
+  assert memory.alias_size_in_bytes >= _nbytes(state.params[fj.FORGE_COLLECTION])
+  recomputed = 2 * tokens * c.dim * (
+      (c.num_heads + 2 * c.num_kv_heads) * c.head_dim + 2 * c.ffn_dim) + (
+          2 * tokens * c.num_heads * c.head_dim * c.dim)  # q k v gate up, o
+  saved_flops = rows[8, None][1] - rows[8, "dots_with_no_batch_dims_saveable"][1]
+  assert saved_flops >= 0.95 * recomputed, (saved_flops, recomputed)

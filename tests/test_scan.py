@@ -13,6 +13,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import flax.linen as nn
+from jax.ad_checkpoint import checkpoint_name
 import numpy as np
 import pytest
 from flax.training.train_state import TrainState
@@ -55,7 +56,7 @@ class Block(nn.Module):
                              layer_id=int(name[-1]), name=name)
       return nn.Dense(WIDTH, use_bias=False, name=name)
     norm = self.param("norm", nn.initializers.ones_init(), (WIDTH,))
-    h = jnp.tanh(dense("fc1")(x * norm * scale))
+    h = jnp.tanh(checkpoint_name(dense("fc1")(x * norm * scale), "fc1_out"))
     return x + dense("fc2")(h), None
 
 
@@ -64,14 +65,17 @@ class Stack(nn.Module):
   optimizer: fj.ForgeOptimizer = OPT
   implementation: str = "xla"
   param_dtype: Any = jnp.float32
+  policy: Any = None  # a jax.checkpoint_policies policy; None: save nothing
 
   @nn.compact
   def __call__(self, x):
     forge = self.mode != "optax"
     if self.mode == "forge_scan":
-      layers = scan_layers(Block, LAYERS, num_broadcast_args=1)
+      layers = scan_layers(Block, LAYERS, num_broadcast_args=1,
+                           policy=self.policy)
     else:
-      layers = nn.scan(nn.remat(Block), variable_axes={True: 0},
+      layers = nn.scan(nn.remat(Block, policy=self.policy),
+                       variable_axes={True: 0},
                        split_rngs={"params": True}, in_axes=(nn.broadcast,),
                        length=LAYERS)
     x, _ = layers(forge, self.optimizer, self.implementation, self.param_dtype,
@@ -167,6 +171,31 @@ def test_stacked_backward_matches_nn_scan(seed, implementation, optimizer,
 
 
 
+CP = jax.checkpoint_policies
+POLICIES = [
+    pytest.param(CP.nothing_saveable, id="nothing"),
+    pytest.param(CP.dots_with_no_batch_dims_saveable, id="dots_no_batch"),
+    pytest.param(CP.everything_saveable, id="everything"),
+    pytest.param(CP.save_only_these_names("fc1_out"), id="names"),
+]
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_policy_matches_full_remat_and_nn_scan(seed, policy):
+  """What a policy saves is what the full remat recomputes: the same bits,
+  and those of nn.scan(nn.remat(Block, policy=...))."""
+  _, full, full_losses, _ = _train("forge_scan", seed)
+  _, ours, our_losses, _ = _train("forge_scan", seed, policy=policy)
+  _, theirs, their_losses, _ = _train("forge_nn_scan", seed, policy=policy)
+  np.testing.assert_array_equal(our_losses, full_losses)
+  np.testing.assert_array_equal(our_losses, their_losses)
+  flat = jax.tree_util.tree_flatten_with_path(ours.params)[0]
+  for (path, leaf), a, b in zip(flat, jax.tree.leaves(full.params),
+                                jax.tree.leaves(theirs.params)):
+    assert_bitwise_equal(leaf, a, f"full remat {jax.tree_util.keystr(path)}")
+    assert_bitwise_equal(leaf, b, f"nn.scan {jax.tree_util.keystr(path)}")
+
+
 def _equations(jaxpr):
   """Every equation of ``jaxpr`` and of the jaxprs nested in it (a Pallas
   kernel's body excluded)."""
@@ -182,13 +211,16 @@ def _equations(jaxpr):
           yield from _equations(sub)
 
 
-def test_pallas_kernel_updates_whole_stacks(seed):
+@pytest.mark.parametrize("policy", [None, CP.everything_saveable],
+                         ids=["full-remat", "everything"])
+def test_pallas_kernel_updates_whole_stacks(seed, policy):
   """Under fj.scan_layers the Pallas kernel reads and writes the stacked
   kernels and states themselves (aliased), and no [L, K, N] stack is
   written with dynamic_update_slice: nothing for XLA to copy around it.
   (Interpret mode's compiled memory on CPU says nothing about the GPU's, so
-  the program is checked.)"""
-  model = Stack("forge_scan", implementation="triton")
+  the program is checked.) With a remat policy too: the pullback saved in
+  the forward gets the backward's stacks."""
+  model = Stack("forge_scan", implementation="triton", policy=policy)
   x = jnp.ones((TOKENS, WIDTH))
   variables = model.init(jax.random.key(seed), x)
   jaxpr = jax.make_jaxpr(jax.grad(lambda v: model.apply(v, x).sum()))(variables)

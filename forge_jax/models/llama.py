@@ -32,6 +32,13 @@ from forge_jax.optimizers import ForgeOptimizer
 from forge_jax.scan import scan_layers
 
 
+#: ``LlamaConfig.remat_policy`` names -> ``jax.checkpoint_policies``.
+REMAT_POLICIES = {
+    name: getattr(jax.checkpoint_policies, name)
+    for name in ("nothing_saveable", "everything_saveable", "dots_saveable",
+                 "dots_with_no_batch_dims_saveable")}
+
+
 @dataclasses.dataclass(frozen=True)
 class LlamaConfig:
   """Hyper-parameters of the decoder (hashable).
@@ -49,6 +56,11 @@ class LlamaConfig:
     max_len: the longest sequence the model accepts.
     remat: rematerialize each block in the backward pass (FORGE's scan,
       used when both scan_layers and forge_optimizer are set, always does).
+    remat_policy: None (recompute everything), or the name of a
+      ``jax.checkpoint_policies`` policy in :data:`REMAT_POLICIES` (e.g.
+      'dots_with_no_batch_dims_saveable'): what each rematerialized block
+      saves instead of recomputing. Needs ``remat`` (a name, so the config
+      stays hashable and serializable).
     scan_layers: stack the layers with ``nn.scan`` instead of a Python loop.
     forge_optimizer: a forge_jax optimizer (``fj.adamw(...)``); when set, every
       projection is a ForgeDense trained by it, else an nn.Dense.
@@ -88,6 +100,7 @@ class LlamaConfig:
   param_dtype: Any = jnp.float32
   max_len: int = 2048
   remat: bool = False
+  remat_policy: Optional[str] = None
   scan_layers: bool = False
   forge_optimizer: Optional[ForgeOptimizer] = None
   implementation: str = "auto"
@@ -110,6 +123,16 @@ class LlamaConfig:
                       "forge_jax optimizer (fj.adamw(...), ...)")
     if self.sequence_parallel and self.tensor_axis is None:
       raise ValueError("sequence_parallel=True needs a tensor_axis")
+    if self.remat_policy is not None and self.remat_policy not in REMAT_POLICIES:
+      raise ValueError(f"remat_policy={self.remat_policy!r} must be None or "
+                       f"one of {sorted(REMAT_POLICIES)}")
+    if self.remat_policy is not None and not self.remat:
+      raise ValueError(f"remat_policy={self.remat_policy!r} needs remat=True")
+
+  @property
+  def checkpoint_policy(self):
+    """The ``jax.checkpoint_policies`` function named by ``remat_policy``."""
+    return None if self.remat_policy is None else REMAT_POLICIES[self.remat_policy]
 
   @property
   def partitioned(self) -> bool:
@@ -353,12 +376,14 @@ class Llama(nn.Module):
     _check_heads(c)
     x = _constrain(c, x, *_ROW_OUT)
     cos, sin = rope_tables(c, tokens.shape[-1])
-    block = nn.remat(Block, prevent_cse=not c.scan_layers) if c.remat else Block
+    block = (nn.remat(Block, prevent_cse=not c.scan_layers,
+                      policy=c.checkpoint_policy) if c.remat else Block)
     if c.scan_layers and c.forge_optimizer is not None:
       # FORGE's scan: the backward walks the layers in reverse, recomputes
       # each one and updates the stacked kernels and states in place.
       x, _ = scan_layers(Block, c.num_layers, num_broadcast_args=2,
-                         metadata_params={nn.PARTITION_NAME: "layers"})(
+                         metadata_params={nn.PARTITION_NAME: "layers"},
+                         policy=c.checkpoint_policy)(
                              c, name="layers")(x, cos, sin)
     elif c.scan_layers:
       # variable_axes={True: 0}: every collection (params and FORGE's

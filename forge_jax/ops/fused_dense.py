@@ -197,7 +197,9 @@ def _forge_dense_fwd(spec, x, variables, bias, layer_index):
   check_differentiated(x, variables, bias)
   x, variables, bias, layer_index = primal_values(
       (x, variables, bias, layer_index))
-  y = _forge_dense(spec, x, variables, bias, layer_index)
+  # The dot itself, not a nested call of the custom_vjp: remat policies
+  # (``dots_saveable``, ...) see a dot_general and may save its output.
+  y = _dense(x, stacks.layer_entry(variables.kernel, layer_index), bias, spec)
   return y, (x, variables, bias, layer_index)
 
 
