@@ -58,6 +58,10 @@ def main():
                            "(default: XLA)")
   parser.add_argument("--breakdown", action="store_true",
                       help="record where the compiled step's temp bytes go")
+  parser.add_argument("--remat-policy", default=None,
+                      choices=[None, *sorted(llama.REMAT_POLICIES)],
+                      help="what each layer saves for the backward (default: "
+                      "nothing, full remat)")
   parser.add_argument("--mosaic-config", default=None,
                       help="JSON of MosaicConfig fields: the Mosaic kernel's "
                       "only default config for this run")
@@ -72,6 +76,7 @@ def main():
                        weight_rounding=args.weight_rounding)
   overrides = dict(param_dtype=jnp.bfloat16, dtype=jnp.bfloat16,
                    scan_layers=True, remat=True,
+                   remat_policy=args.remat_policy,
                    implementation=args.implementation,
                    attention_implementation=args.attention)
   if args.layers:
@@ -104,6 +109,7 @@ def main():
       "meta": metadata(),
       "config": args.config, "variant": args.variant,
       "num_layers": config.num_layers, "batch": args.batch, "seq": args.seq,
+      "remat_policy": args.remat_policy,
       "mosaic_config": (json.loads(args.mosaic_config)
                         if args.mosaic_config else None),
       "param_dtype": "bfloat16",
