@@ -6,7 +6,7 @@
 set -u
 export PYTHONPATH=$PWD
 C=${FORGE_COMMIT}
-D=$OUT/kernel_h200_mosaic_diag_$C.json
+D=$OUT/mosaic_diag_h200_$C.json
 timeout 240 python3 benchmarks/kernel_bench.py --suite mosaic-diag --out $D 2>&1 \
   | grep -v "^WARNING\|Deprecat" | tail -40
 mm() { timeout 150 python3 benchmarks/model_memory.py "$@" 2>&1 | tail -1; }

@@ -386,7 +386,14 @@ def _mm_key(r):
   """What makes two whole-model runs the same measurement."""
   return (r["config"], r["variant"], r["batch"], r["seq"],
           r.get("param_dtype", "bfloat16"), r.get("state_dtype", "bfloat16"),
-          r.get("weight_rounding", "nearest"), r.get("attention") or "xla")
+          r.get("weight_rounding", "nearest"), r.get("attention") or "xla",
+          r.get("remat_policy"), json.dumps(r.get("mosaic_config"),
+                                            sort_keys=True))
+
+
+def _is_default_run(r) -> bool:
+  """Full remat and the kernel's own configs (not a diagnostic run)."""
+  return r.get("remat_policy") is None and r.get("mosaic_config") is None
 
 
 def _mm_sort(r):
@@ -414,7 +421,12 @@ def _precision(r) -> str:
 
 
 def _variant(r) -> str:
-  return "FORGE" if r["variant"] == "forge" else r["variant"]
+  name = "FORGE" if r["variant"] == "forge" else r["variant"]
+  if r.get("remat_policy"):
+    name += f", remat policy `{r['remat_policy']}`"
+  if r.get("mosaic_config"):
+    name += f", Mosaic config forced to `{_config_text(r['mosaic_config'])}`"
+  return name
 
 
 _GIB = 2**30
@@ -433,8 +445,8 @@ def _peak_targets(latest) -> list:
   lines = []
   for config, batch, seq, states, goal in PEAK_TARGETS:
     for r in sorted(latest.values(), key=_mm_sort):
-      if (r["variant"] == "forge" and r["config"] == config
-          and r["batch"] == batch and r["seq"] == seq
+      if (r["variant"] == "forge" and _is_default_run(r)
+          and r["config"] == config and r["batch"] == batch and r["seq"] == seq
           and (states is None or r.get("state_dtype", "bfloat16") == states)):
         peak = r["peak_bytes_in_use"] / _GIB
         lines.append(
@@ -473,13 +485,14 @@ def model_memory_table(runs) -> str:
     if o["variant"] != "optax":
       continue
     for f in sorted(latest.values(), key=_mm_sort):
-      if (f["variant"] == "forge"
-          and all(f.get(k) == o.get(k) for k in ("config", "batch", "seq"))
+      if (f["variant"] == "forge" and f.get("mosaic_config") is None
+          and all(f.get(k) == o.get(k)
+                  for k in ("config", "batch", "seq", "remat_policy"))
           and (f.get("attention") or "xla") == (o.get("attention") or "xla")):
         pairs.append((o, f))
   if pairs:
     lines += ["", "Whole step, FORGE against optax (newest run of each; same "
-              "model, B, T and attention):", "",
+              "model, B, T, attention and remat policy):", "",
               "| model | B x T | FORGE weights / states | optax step / FORGE step "
               "| target | | FORGE peak / optax peak | peak saved (GiB; % of the "
               "projection kernels' bf16 gradients) | commits (optax, FORGE) |",
@@ -490,7 +503,10 @@ def model_memory_table(runs) -> str:
       goal = STEP_SPEEDUP_TARGETS.get(f["seq"]) if same else None
       saved = o["peak_bytes_in_use"] - f["peak_bytes_in_use"]
       lines.append(
-          f"| {f['config']} | {f['batch']} x {f['seq']} | {_precision(f)} | "
+          f"| {f['config']}"
+          + (f", remat policy `{f['remat_policy']}`" if f.get("remat_policy")
+             else "")
+          + f" | {f['batch']} x {f['seq']} | {_precision(f)} | "
           f"{speedup:.3f} | {f'≥ {goal:g}' if goal else '-'} | "
           f"{_verdict(speedup >= goal) if goal else ''} | "
           f"{f['peak_bytes_in_use'] / o['peak_bytes_in_use']:.2f} | "

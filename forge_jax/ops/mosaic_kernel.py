@@ -138,11 +138,13 @@ def shared_memory_bytes(config: MosaicConfig, activation_itemsize: int,
 
 #: Defaults by token count, fastest first (H200, AdamW, bf16 and float32
 #: storage; benchmarks/NOTES.md, session 3). Few tokens: the kernel and state
-#: traffic dominates and 64 x 64 sub-tiles move it fastest; many: the main
-#: loop does, and 128 x 256 CTA tiles run it fastest.
+#: traffic dominates and 64 x 64 sub-tiles move it fastest, their loads
+#: issued at step 4 (at step 0 the compute warpgroups wait for the previous
+#: tile's stores); many: the main loop dominates, and 128 x 256 CTA tiles run
+#: it fastest.
 FEW_TOKENS, MANY_TOKENS = 2048, 8192
 RANKED_CONFIGS = {
-    "few": (MosaicConfig(epilogue_n=64), MosaicConfig()),
+    "few": (MosaicConfig(epilogue_n=64, prefetch_step=4), MosaicConfig()),
     "some": (MosaicConfig(),
              MosaicConfig(tile_n=128, max_concurrent_steps=2)),
     "many": (MosaicConfig(tile_n=128, max_concurrent_steps=2),
