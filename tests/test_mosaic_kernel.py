@@ -198,3 +198,35 @@ def test_auto_selects_mosaic_on_hopper_and_triton_where_it_cannot_run():
   int8 = fj.adamw(1e-3, state_dtype="int8")
   assert backends.select("auto", x, dy, kernel, int8) is not (
       mosaic_kernel.mosaic_update)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [512, 2048])
+def test_compiled_kernel_bits_do_not_depend_on_config_or_run(tokens, seed):
+  """Every default config (and the epilogue schedules between them) gives
+  the same bits, call after call: the tiles' accumulation order does not
+  change with the epilogue, and a slot's loads never overtake the previous
+  tile's stores. 4096 x 4096 is ~8 tiles per CTA, so tiles follow each
+  other in every CTA."""
+  if not backends._on_hopper_or_newer():  # pylint: disable=protected-access
+    pytest.skip("needs a Hopper or newer GPU")
+  opt = fj.adamw(1e-3, weight_decay=0.1)
+  inputs = random_inputs(seed, opt, (tokens, 4096), 4096, (BF16, BF16, BF16))
+  configs = {c for t in (512, 2048, 8192)
+             for c in mosaic_kernel.ranked_configs(t)}
+  configs |= {mosaic_kernel.MosaicConfig(epilogue_n=64),
+              mosaic_kernel.MosaicConfig(epilogue_slots=4, prefetch_step=4)}
+  spec = FusedDenseSpec(optimizer=opt, implementation="mosaic")
+  scalars = opt.scalars(jnp.asarray(3, jnp.int32))
+  apply = jnp.all(jnp.isfinite(inputs[1]))
+  first = None
+  for config in sorted(configs, key=repr):
+    fn = jax.jit(functools.partial(mosaic_kernel.mosaic_update, spec,
+                                   config=config), donate_argnums=(2, 3))
+    for _ in range(3):
+      kernel, state = jax.tree.map(jnp.copy, inputs[2:])
+      out = host_copy(fn(inputs[0], inputs[1], kernel, state, scalars, apply))
+      if first is None:
+        first = out
+      for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(first)):
+        np.testing.assert_array_equal(bits(a), bits(b), err_msg=repr(config))
