@@ -504,6 +504,8 @@ def model_memory_table(runs) -> str:
       saved = o["peak_bytes_in_use"] - f["peak_bytes_in_use"]
       lines.append(
           f"| {f['config']}"
+          + (f", {f['attention']} attention" if f.get("attention") not in
+             (None, "xla") else "")
           + (f", remat policy `{f['remat_policy']}`" if f.get("remat_policy")
              else "")
           + f" | {f['batch']} x {f['seq']} | {_precision(f)} | "
