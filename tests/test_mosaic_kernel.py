@@ -27,9 +27,10 @@ import forge_jax as fj
 from forge_jax.ops import backends, mosaic_kernel
 from forge_jax.ops.fused_dense import FusedDenseSpec
 
-from conftest import bits, host_copy
+from conftest import assert_bitwise_equal, bits, host_copy
 from test_kernel import (BF16, F32, OPTIMIZERS, assert_leaves_match,
                          random_inputs, run_reference)
+from test_low_precision import exact_inputs
 
 # 64 x 64 parts, two compute warpgroups: a CTA tile is 64 x 128. K = 128,
 # N = 256, 128 tokens: 2 x 2 tiles on two CTAs, 2 pipeline steps each, and
@@ -44,14 +45,27 @@ CONFIGS = {
 X_SHAPE, N = (2, 64, 128), 256
 
 
-def run_mosaic(opt, x, dy, kernel, state, count, config, layer_index=None):
-  spec = FusedDenseSpec(optimizer=opt, implementation="mosaic")
+def run_mosaic(opt, x, dy, kernel, state, count, config, layer_index=None,
+               step=None, offset=None, layer_id=0):
+  spec = FusedDenseSpec(optimizer=opt, implementation="mosaic",
+                        layer_id=layer_id)
   apply = jnp.all(jnp.isfinite(dy))
   scalars = opt.scalars(jnp.asarray(count, jnp.int32))
   fn = jax.jit(functools.partial(mosaic_kernel.mosaic_update, spec,
                                  config=config, interpret=True,
-                                 layer_index=layer_index))
-  return host_copy(fn(x, dy, kernel, state, scalars, apply))
+                                 layer_index=layer_index, offset=offset))
+  return host_copy(fn(x, dy, kernel, state, scalars, apply, step=step))
+
+
+def run_reference_at(opt, x, dy, kernel, state, count, step, offset=None,
+                     layer_id=0):
+  """The reference with stochastic rounding's step, offset and layer id."""
+  spec = FusedDenseSpec(optimizer=opt, implementation="xla",
+                        layer_id=layer_id)
+  fn = jax.jit(functools.partial(backends.xla_update, spec, offset=offset))
+  return host_copy(fn(x, dy, kernel, state,
+                      opt.scalars(jnp.asarray(count, jnp.int32)),
+                      jnp.all(jnp.isfinite(dy)), step=step))
 
 
 @pytest.mark.parametrize("name,opt,count", OPTIMIZERS,
@@ -109,12 +123,83 @@ def test_mosaic_stacked_layer_updates_only_its_entry(seed):
       np.testing.assert_array_equal(bits(a), bits(b))
 
 
+# ---------------------------------------------------------------------------
+# Low precision: stochastically rounded bf16 weights (and int8 states) give
+# the reference's bits. x and dy are exact_inputs (dW is exact in any
+# summation order), so any differing bit would be the kernel's storage path.
+
+
+def assert_same_bits(actual, expected, what):
+  names = [jax.tree_util.keystr(p) for p, _ in
+           jax.tree_util.tree_flatten_with_path(expected)[0]]
+  for name, a, e in zip(names, jax.tree.leaves(actual),
+                        jax.tree.leaves(expected)):
+    assert_bitwise_equal(np.atleast_1d(a), np.atleast_1d(e), f"{what} {name}")
+
+
+def run_lowp_steps(opt, seed, config, counts=(4, 5), offset=None):
+  """Consecutive steps, each from the reference's previous weights and
+  state: the kernel writes the reference's bits, and the steps move the
+  weights."""
+  k, n = X_SHAPE[-1], N
+  w = (0.5 * jax.random.normal(jax.random.key(seed), (k, n))).astype(BF16)
+  state = opt.init(w)
+  for count in counts:
+    x, dy = exact_inputs(seed + count, X_SHAPE, n, BF16)
+    step = jnp.int32(count)
+    expected = run_reference_at(opt, x, dy, w, state, count, step, offset,
+                                layer_id=9)
+    actual = run_mosaic(opt, x, dy, w, state, count, config, step=step,
+                        offset=offset, layer_id=9)
+    assert_same_bits(actual, expected, f"count={count}")
+    assert (bits(expected[0]) != bits(w)).mean() > 0.3
+    w, state = jax.tree.map(jnp.asarray, expected[:2])
+  return w, state
+
+
+SR_OPTIMIZERS = {
+    "adamw": fj.adamw(0.05, weight_decay=0.1, weight_rounding="stochastic",
+                      rounding_seed=11),
+    "lion": fj.lion(0.05, weight_rounding="stochastic", rounding_seed=3),
+}
+
+
+@pytest.mark.parametrize("name,offset", [("adamw", None),
+                                         ("lion", (4096, 512))],
+                         ids=["adamw-whole", "lion-shard-offset"])
+def test_mosaic_stochastic_rounding_matches_reference_bits(name, offset,
+                                                           seed):
+  """Two steps (a new draw each); a tensor-parallel shard at a global
+  offset hashes the global indices, as the reference does."""
+  run_lowp_steps(SR_OPTIMIZERS[name], seed, CONFIGS["double-buffered"],
+                 offset=offset)
+
+
+def test_mosaic_stochastic_rounding_of_a_stacked_layer(seed):
+  opt = SR_OPTIMIZERS["adamw"]
+  x, dy = exact_inputs(seed, X_SHAPE, N, BF16)
+  w = (0.5 * jax.random.normal(jax.random.key(seed), (X_SHAPE[-1], N)))
+  kernels = jnp.stack([w, w + 1.0, w - 1.0]).astype(BF16)
+  states = opt.init(kernels)
+  step, offset = jnp.int32(7), (128, 256)
+  expected = run_reference_at(opt, x, dy, kernels[2], jax.tree.map(
+      lambda a: a[2], states), 7, step, offset, layer_id=9)
+  actual = run_mosaic(opt, x, dy, kernels, states, 7,
+                      CONFIGS["single-buffered"], layer_index=jnp.int32(2),
+                      step=step, offset=offset, layer_id=9)
+  layer = lambda tree, i: jax.tree.map(lambda a: a[i], tree)
+  assert_same_bits(layer(actual[:2], 2), expected[:2], "layer 2")
+  assert_same_bits(layer(actual[:2], 0), layer((kernels, states), 0),
+                   "layer 0")
+
+
 def test_mosaic_refuses_what_it_cannot_run_and_auto_falls_back():
   opt = fj.adamw(1e-3)
   x = jnp.zeros((128, 128), BF16)
   kernel = jnp.zeros((128, 256), F32)
-  assert mosaic_kernel.unsupported_reason(x, x[:, :1].repeat(256, 1), kernel,
-                                          opt) is None
+  for supported in (opt, SR_OPTIMIZERS["adamw"]):
+    assert mosaic_kernel.unsupported_reason(x, x[:, :1].repeat(256, 1),
+                                            kernel, supported) is None
   odd = jnp.zeros((128, 200), F32)
   with pytest.raises(ValueError, match=r"features=200 must be a multiple"):
     backends.select("mosaic", x, jnp.zeros((128, 200), BF16), odd, opt)

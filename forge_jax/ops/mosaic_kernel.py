@@ -21,10 +21,15 @@ written at the layer's index, a TMA coordinate: no slice of a stack goes in
 or out of the call.
 
 Coverage: 16-bit activations (wgmma's transposed operand), float32 or
-bfloat16 kernels and float32 or bfloat16 states, shapes that divide into
-whole tiles. Other calls (int8 states and stochastic rounding too) get a
-reason from :func:`unsupported_reason`; 'auto' then uses the Triton-lowering
-kernel.
+bfloat16 kernels (bfloat16 stochastically rounded too) and float32 or
+bfloat16 states, shapes that divide into whole tiles. Other calls (int8
+states) get a reason from :func:`unsupported_reason`; 'auto' then uses the
+Triton-lowering kernel.
+
+Stochastic rounding hashes each element's global row and column: the tile's
+offset plus an iota, plus the shard's ``offset`` (tensor parallelism), with
+the step; both travel with the scalars (exact in float32 up to 2**24), so
+the kernel draws the reference's bits.
 
 Off-GPU the kernel runs in Mosaic GPU's interpret mode (how the CPU tests
 check it), which simulates the warpgroups, shared memory, TMA and barriers;
@@ -161,9 +166,6 @@ def unsupported_reason(x, dy, kernel, optimizer,
     if jnp.dtype(leaf.dtype) not in map(jnp.dtype, _STORAGE_DTYPES):
       return (f"optimizer state dtype {leaf.dtype} is not supported (float32 "
               "or bfloat16; int8 states run on implementation='triton')")
-  if optimizer.weight_rounding != "nearest":
-    return (f"weight_rounding={optimizer.weight_rounding!r} runs on "
-            "implementation='triton'")
   activation_itemsize = jnp.dtype(x.dtype).itemsize
   itemsizes = _storage_itemsizes(kernel, state)
   config = config or _fitting_config(activation_itemsize, itemsizes)
@@ -232,13 +234,16 @@ def _fused_kernel(scalars_gmem, x_gmem, dy_gmem, storage_gmem, storage_out,
                   num_scalars, config: MosaicConfig, layer_id, interpret,
                   stacked):
   """``storage_gmem`` (kernel, *state leaves) are read; ``storage_out`` written
-  (on the GPU the same refs: in place). ``stacked``: they are ``[L, K, N]``
-  stacks, and the layer's index follows the scalars."""
+  (on the GPU the same refs: in place). The optimizer's scalars are followed
+  by apply, the step, the shard's offset (row, column) and the layer index
+  (``stacked``: the refs are ``[L, K, N]`` stacks, stepped at that index)."""
   # x is [tokens, k]; in interpret mode it arrives transposed, [k, tokens].
   tokens, k = x_gmem.shape[::-1] if interpret else x_gmem.shape
   n = dy_gmem.shape[1]
   tk, tn, tt = config.tile_k, config.tile_n, config.tile_t
   ek, en = config.epilogue_k, config.epilogue_n
+  stochastic = (optimizer.weight_rounding == "stochastic"
+                and storage_gmem[0].dtype == jnp.bfloat16)
   k_iters, n_iters = k // tk, n // config.cta_tile_n
   if interpret:
     x_block, x_index = (tk, tt), lambda t: (0, t)
@@ -283,11 +288,13 @@ def _fused_kernel(scalars_gmem, x_gmem, dy_gmem, storage_gmem, storage_out,
   )
   def _scope(pipeline_allocs, epilogue_smem, load_barrier):
     wg = lax.axis_index("wg")
-    scalar_values = [scalars_gmem[i] for i in range(num_scalars + 2)]
+    scalar_values = [scalars_gmem[i] for i in range(num_scalars + 5)]
     scalars = jax.tree.unflatten(scalars_treedef, scalar_values[:num_scalars])
     apply = scalar_values[num_scalars] > 0.5
-    layer = ((scalar_values[num_scalars + 1].astype(jnp.int32),) if stacked
-             else ())
+    # The step and the shard's global offset seed stochastic rounding.
+    step, shard_row, shard_col, layer_index = (
+        v.astype(jnp.int32) for v in scalar_values[num_scalars + 1:])
+    layer = (layer_index,) if stacked else ()
 
     @plgpu.nd_loop((k_iters * n_iters,), collective_axes="sm")
     def _tile_loop(loop_info: plgpu.NDLoopInfo):
@@ -302,6 +309,17 @@ def _fused_kernel(scalars_gmem, x_gmem, dy_gmem, storage_gmem, storage_out,
 
       def window(ref, i, j):
         return ref.at[(*layer, pl.ds(k0 + i * ek, ek), pl.ds(n0 + j * en, en))]
+
+      def global_indices(i, j):
+        """Stochastic rounding's (rows, cols) of sub-tile (i, j)."""
+        if not stochastic:
+          return None
+        shape = (ek, en)  # full tiles: their layout is the update's
+        rows = shard_row + k0 + i * ek + lax.broadcasted_iota(
+            jnp.int32, shape, 0)
+        cols = shard_col + n0 + j * en + lax.broadcasted_iota(
+            jnp.int32, shape, 1)
+        return rows, cols
 
       def buffer(slot):
         return wg * slots + slot
@@ -339,7 +357,7 @@ def _fused_kernel(scalars_gmem, x_gmem, dy_gmem, storage_gmem, storage_out,
             state = jax.tree.unflatten(state_treedef, values[1:])
             new_w, new_state, updated = apply_update(
                 optimizer, grad, values[0], state, scalars, apply,
-                layer_id=layer_id)
+                step=step, layer_id=layer_id, indices=global_indices(i, j))
             for smem, value in zip(epilogue_smem,
                                    [new_w] + jax.tree.leaves(new_state)):
               smem[buffer(slot)] = value
@@ -386,7 +404,6 @@ def mosaic_update(spec, x, dy, kernel, opt_state, scalars, apply,
                   interpret: Optional[bool] = None, *, step=None,
                   offset=None, layer_index=None):
   """Backend entry point: same contract as ``backends.xla_update``."""
-  del step, offset  # only stochastic rounding reads them; that runs on 'triton'
   optimizer = spec.optimizer
   if interpret is None:
     interpret = jax.default_backend() != "gpu"
@@ -396,7 +413,7 @@ def mosaic_update(spec, x, dy, kernel, opt_state, scalars, apply,
     new_kernel, new_state, skipped = mosaic_update(
         spec, x, dy, stacks.layer_entry(kernel, layer_index),
         stacks.layer_entries(opt_state, layer_index), scalars, apply,
-        config, interpret)
+        config, interpret, step=step, offset=offset)
     return (stacks.with_layer_entry(kernel, new_kernel, layer_index),
             stacks.with_layer_entries(opt_state, new_state, layer_index),
             skipped)
@@ -408,11 +425,15 @@ def mosaic_update(spec, x, dy, kernel, opt_state, scalars, apply,
 
   state_leaves, state_treedef = jax.tree.flatten(opt_state)
   scalar_leaves, scalars_treedef = jax.tree.flatten(scalars)
-  # The layer index is exact in float32 up to 2**24.
+  # The step (the layer's float32 count), the shard's offset and the layer
+  # index are exact in float32 up to 2**24.
+  step = jnp.zeros((), jnp.int32) if step is None else step
+  offset = (0, 0) if offset is None else offset
   layer = jnp.zeros((), jnp.int32) if layer_index is None else layer_index
   scalar_vector = jnp.stack(
       [jnp.asarray(s, jnp.float32) for s in scalar_leaves]
-      + [apply.astype(jnp.float32), jnp.asarray(layer).astype(jnp.float32)])
+      + [apply.astype(jnp.float32)]
+      + [jnp.asarray(v).astype(jnp.float32) for v in (step, *offset, layer)])
   kernel_fn = functools.partial(
       _fused_kernel, optimizer=optimizer, state_treedef=state_treedef,
       scalars_treedef=scalars_treedef, num_scalars=len(scalar_leaves),
