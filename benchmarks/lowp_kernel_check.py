@@ -11,21 +11,24 @@ Three checks, written to ``benchmarks/results/lowp_kernel_<suite>_<commit>.json`
    tiles; XLA applies the same functions to the whole arrays. The inputs are
    identical, so any differing bit is the storage path's: expected 0.
 2. ``fused``: one to three fused steps (AdamW, Lion, SGD-momentum with bf16
-   weights, stochastic rounding and int8 states) at Llama shapes, kernel vs
+   weights, stochastic rounding and int8 states) at Llama shapes, each
+   kernel (Triton; Mosaic GPU where the shape divides into its tiles) vs
    the XLA reference, with x and dy small multiples of 1/4 and 1/8 so that
    dW is exact in any summation order. What remains is the optimizer rule's
    float32 arithmetic (Triton contracts multiply-adds into FMAs and lowers
-   ``/`` to an approximate division; XLA may not): reported as the fraction
-   of identical bits per leaf, the largest bf16 ulp / int8 code distance,
-   and the largest relative scale difference.
+   ``/`` to an approximate division; Mosaic's sqrt is ``x * rsqrt(x)`` and
+   a Newton step; XLA may do neither): reported as the fraction of identical
+   bits per leaf, the largest bf16 ulp / int8 code distance, and the largest
+   relative scale difference. In interpret mode (CPU) every bit must match.
 3. ``speed`` (GPU only): the fused AdamW step with float32 weights and
-   states vs bf16 weights + SR + int8 states, device time.
+   states vs bf16 weights + SR + int8 states, device time, per kernel.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import json
 import os
 import sys
@@ -38,7 +41,7 @@ from jax.experimental.pallas import triton as plgpu
 
 import forge_jax as fj
 from forge_jax import quantization as Q
-from forge_jax.ops import backends, triton_kernel
+from forge_jax.ops import backends, mosaic_kernel, triton_kernel
 from forge_jax.ops.fused_dense import FusedDenseSpec
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -51,8 +54,10 @@ SUITES = {
                        (14336, 4096, 2048)],
              "primitives": (4096, 4096), "steps": 2, "speed": [(4096, 4096, 2048),
                                                               (4096, 4096, 8192)]},
-    "tiny": {"fused": [(40, 150, 37)], "primitives": (64, 192), "steps": 2,
-             "speed": []},
+    # The odd shape is Triton's only (Mosaic needs whole tiles); the other is
+    # Mosaic's default tiles, 2 of them.
+    "tiny": {"fused": [(40, 150, 37), (128, 256, 64)], "primitives": (64, 192),
+             "steps": 2, "speed": []},
 }
 
 OPTIMIZERS = {
@@ -61,6 +66,9 @@ OPTIMIZERS = {
     "sgd_momentum": lambda **kw: fj.sgd(1e-2, momentum=0.9, **kw),
 }
 LOWP = dict(state_dtype="int8", weight_rounding="stochastic", rounding_seed=3)
+#: The fused kernels and their backend functions.
+KERNELS = {"triton": triton_kernel.triton_update,
+           "mosaic": mosaic_kernel.mosaic_update}
 
 
 def _compare(a, b):
@@ -165,12 +173,21 @@ def exact_inputs(seed, tokens, k, n):
   return x, dy
 
 
-def check_fused(name, k, n, tokens, steps, interpret):
+def mosaic_unsupported(name, k, n, tokens):
+  """Why the Mosaic kernel cannot run this fused case (None: it can)."""
+  x = jax.ShapeDtypeStruct((tokens, k), jnp.bfloat16)
+  dy = jax.ShapeDtypeStruct((tokens, n), jnp.bfloat16)
+  w = jax.ShapeDtypeStruct((k, n), jnp.bfloat16)
+  return mosaic_kernel.unsupported_reason(x, dy, w, OPTIMIZERS[name](**LOWP))
+
+
+def check_fused(name, k, n, tokens, steps, interpret, implementation="triton"):
   opt = OPTIMIZERS[name](**LOWP)
   ref_spec = FusedDenseSpec(optimizer=opt, implementation="xla", layer_id=5)
-  ker_spec = FusedDenseSpec(optimizer=opt, implementation="triton", layer_id=5)
+  ker_spec = FusedDenseSpec(optimizer=opt, implementation=implementation,
+                            layer_id=5)
   reference = jax.jit(functools.partial(backends.xla_update, ref_spec))
-  kernel = jax.jit(lambda *a, step: triton_kernel.triton_update(
+  kernel = jax.jit(lambda *a, step: KERNELS[implementation](
       ker_spec, *a, interpret=interpret, step=step))
   w = (0.02 * jax.random.normal(jax.random.key(0), (k, n))).astype(jnp.bfloat16)
   state = opt.init(w)
@@ -187,22 +204,28 @@ def check_fused(name, k, n, tokens, steps, interpret):
         "leaves": {jax.tree_util.keystr(p): _compare(a, e) for (p, e), a in
                    zip(leaves, jax.tree.leaves(actual[:2]))}})
     w, state = jax.tree.map(jnp.asarray, expected[:2])  # continue from the reference
-  return {"optimizer": name, "k": k, "n": n, "tokens": tokens, "steps": results}
+  return {"optimizer": name, "implementation": implementation, "k": k,
+          "n": n, "tokens": tokens, "steps": results}
 
 
 # ---------------------------------------------------------------------------
 # 3. Speed.
 
 
-def speed_case(k, n, tokens):
+def speed_case(k, n, tokens, implementation="triton"):
+  """Keys ``fp32`` and ``bf16_sr_int8`` (Triton), ``mosaic_...`` (Mosaic)."""
   out = {"k": k, "n": n, "tokens": tokens}
+  prefix = "" if implementation == "triton" else f"{implementation}_"
+  update = KERNELS[implementation]
   for label, kernel_dtype, kw in (("fp32", jnp.float32, {}),
                                   ("bf16_sr_int8", jnp.bfloat16, LOWP)):
+    label = prefix + label
     opt = OPTIMIZERS["adamw"](**kw)
-    spec = FusedDenseSpec(optimizer=opt, implementation="triton", layer_id=5)
+    spec = FusedDenseSpec(optimizer=opt, implementation=implementation,
+                          layer_id=5)
     x, dy = exact_inputs(0, tokens, k, n)
     w = (0.02 * jax.random.normal(jax.random.key(0), (k, n))).astype(kernel_dtype)
-    step = jax.jit(lambda w, s, x, dy, opt=opt, spec=spec: triton_kernel.triton_update(
+    step = jax.jit(lambda w, s, x, dy, opt=opt, spec=spec, update=update: update(
         spec, x, dy, w, s, opt.scalars(jnp.int32(3)), jnp.bool_(True),
         step=jnp.int32(3))[:2], donate_argnums=(0, 1))
     carry = [w, opt.init(w)]
@@ -239,20 +262,31 @@ def main(argv=None):
   save()
   result["fused"] = []
   for name in OPTIMIZERS:
-    for k, n, tokens in suite["fused"]:
-      case = check_fused(name, k, n, tokens, suite["steps"], interpret)
+    for (k, n, tokens), implementation in itertools.product(suite["fused"],
+                                                            KERNELS):
+      reason = (mosaic_unsupported(name, k, n, tokens)
+                if implementation == "mosaic" else None)
+      if reason is not None:
+        print(f"fused {name} {k}x{n} T={tokens} {implementation}: skipped "
+              f"({reason})", flush=True)
+        continue
+      case = check_fused(name, k, n, tokens, suite["steps"], interpret,
+                         implementation)
       result["fused"].append(case)
       worst = min(leaf["identical"] for s in case["steps"]
                   for leaf in s["leaves"].values())
-      print(f"fused {name} {k}x{n} T={tokens}: worst identical fraction "
-            f"{worst:.6f}", flush=True)
+      print(f"fused {name} {k}x{n} T={tokens} {implementation}: worst "
+            f"identical fraction {worst:.6f}", flush=True)
       save()
   result["speed"] = []
   for k, n, tokens in suite["speed"]:
     case = speed_case(k, n, tokens)
+    case.update(speed_case(k, n, tokens, "mosaic"))
     result["speed"].append(case)
-    print(f"speed {k}x{n} T={tokens}: fp32 {case['fp32']['ms']:.3f} ms, "
-          f"bf16+SR+int8 {case['bf16_sr_int8']['ms']:.3f} ms", flush=True)
+    print(f"speed {k}x{n} T={tokens}: "
+          + ", ".join(f"{label} {case[label]['ms']:.3f} ms" for label in (
+              "fp32", "bf16_sr_int8", "mosaic_fp32", "mosaic_bf16_sr_int8")),
+          flush=True)
     save()
   print(f"wrote {out}")
   return result

@@ -212,19 +212,27 @@ def scale_leaf_mask(state) -> list[bool]:
 
 # ---------------------------------------------------------------------------
 # Block helpers. ``x`` is [R, C] with C a multiple of the block (the kernel's
-# chunk is exactly one block, so no reshape reaches Triton).
+# chunk is exactly one block, so no reshape reaches Triton). Per-block values
+# are [R, C / block], or [R] for a tile of one block per row whose kernel has
+# no [R, 1] layout (``rows_1d``: Mosaic GPU).
 
 
-def _blocks_max(x, block):
-  """``[R, C] -> [R, C / block]``: the maximum of each block of a row."""
+def _blocks_max(x, block, rows_1d=False):
+  """``[R, C] -> [R, C / block]``: the maximum of each block of a row
+  (``rows_1d``: ``[R, block] -> [R]``)."""
   rows, cols = x.shape
+  if rows_1d:
+    return jnp.max(x, axis=1)
   if cols == block:
     return jnp.max(x, axis=1, keepdims=True)
   return jnp.max(x.reshape(rows, cols // block, block), axis=2)
 
 
 def _expand(per_block, block, cols):
-  """``[R, nb] -> [R, cols]`` (``[R, 1]``, to broadcast, when nb == 1)."""
+  """``[R, nb] -> [R, cols]`` (``[R, 1]``, to broadcast, when nb == 1; an
+  explicit broadcast of ``[R]``)."""
+  if per_block.ndim == 1:
+    return lax.broadcast_in_dim(per_block, (per_block.shape[0], cols), (0,))
   if per_block.shape[1] == 1:
     return per_block
   return jnp.repeat(per_block, block, axis=1,
@@ -270,7 +278,7 @@ def _bf16_grid(x, offset: int):
 
 
 def quantize(x: jax.Array, *, block: int = BLOCK_SIZE, sqrt: bool = False,
-             valid: Optional[jax.Array] = None):
+             valid: Optional[jax.Array] = None, rows_1d: bool = False):
   """Blockwise absmax int8 quantization of ``x`` along its last axis.
 
   Args:
@@ -280,11 +288,16 @@ def quantize(x: jax.Array, *, block: int = BLOCK_SIZE, sqrt: bool = False,
       moments), else ``x`` on 255 signed levels.
     valid: optional mask of the elements that exist (the kernel's masked
       tile edges); the others count as zero.
+    rows_1d: ``x`` is one block per row (``C == block``) and the scale comes
+      back as ``[R]`` (a Mosaic GPU tile's).
 
   Returns:
     ``(codes, scale)``: int8 ``[R, C]`` and float32 ``[R, ceil(C / block)]``.
   """
   _check_2d(x, "quantize's input")
+  if rows_1d and x.shape[1] != block:
+    raise ValueError(f"rows_1d quantizes one block per row: {x.shape=} must "
+                     f"have {block} columns")
   x = x.astype(jnp.float32)
   if valid is not None:
     x = jnp.where(valid, x, 0.0)
@@ -294,8 +307,8 @@ def quantize(x: jax.Array, *, block: int = BLOCK_SIZE, sqrt: bool = False,
   mag = jnp.where(finite, jnp.abs(xp), 0.0)
   # NaN and inf are handled explicitly: Triton's max ignores NaN, XLA's
   # propagates it.
-  bad = _blocks_max(jnp.where(finite, 0.0, 1.0), block) > 0.0
-  amax = _blocks_max(mag, block)
+  bad = _blocks_max(jnp.where(finite, 0.0, 1.0), block, rows_1d) > 0.0
+  amax = _blocks_max(mag, block, rows_1d)
   if sqrt:
     scale, levels = _quantize_sqrt(mag, amax, block)
     codes = levels - float(CODE_MAX)
@@ -344,7 +357,8 @@ def _quantize_sqrt(mag, vmax, block):
 def dequantize(codes: jax.Array, scale: jax.Array, *, block: int = BLOCK_SIZE,
                sqrt: bool = False) -> jax.Array:
   """float32 values of ``(codes, scale)``: one rounded multiply each (the
-  sqrt encoding squares ``(codes + 127) * scale``)."""
+  sqrt encoding squares ``(codes + 127) * scale``). A ``[R]`` scale is one
+  block per row."""
   q = int8_codes(codes).astype(jnp.float32)
   _check_2d(q, "codes")
   s = _expand(scale, block, q.shape[1])
@@ -396,13 +410,17 @@ def update(new: jax.Array, old, ok: jax.Array,
   if not is_quantized(old):
     return jnp.where(ok, new, old.astype(jnp.float32)).astype(old.dtype)
   sqrt = isinstance(old, QuantizedSqrtBlocks)
+  rows_1d = old.scale.ndim == 1  # a Mosaic GPU tile's scales
   values = jnp.where(ok, new, load(old))
-  codes, scale = quantize(values, sqrt=sqrt, valid=valid)
+  codes, scale = quantize(values, sqrt=sqrt, valid=valid, rows_1d=rows_1d)
   touched = ok if valid is None else jnp.logical_and(ok, valid)
   touched = jnp.broadcast_to(touched, values.shape).astype(jnp.float32)
-  changed = _blocks_max(_pad_cols(touched, BLOCK_SIZE), BLOCK_SIZE) > 0.0
-  codes = jnp.where(_expand(changed, BLOCK_SIZE, codes.shape[1]), codes,
-                    int8_codes(old.codes))
+  changed = _blocks_max(_pad_cols(touched, BLOCK_SIZE), BLOCK_SIZE,
+                        rows_1d) > 0.0
+  # Selected as int32: Mosaic GPU has no pointwise ops on 8-bit vectors.
+  codes = jnp.where(_expand(changed, BLOCK_SIZE, codes.shape[1]),
+                    codes.astype(jnp.int32),
+                    int8_codes(old.codes).astype(jnp.int32)).astype(jnp.int8)
   scale = jnp.where(changed, scale, old.scale)
   return type(old)(codes=_codes_like(codes, old.codes), scale=scale)
 

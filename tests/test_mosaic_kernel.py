@@ -16,6 +16,7 @@ every dtype; shapes are the smallest that span several tiles.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -24,12 +25,15 @@ import numpy as np
 import pytest
 
 import forge_jax as fj
-from forge_jax.ops import backends, mosaic_kernel
+from forge_jax import quantization as Q
+from forge_jax.ops import backends, mosaic_kernel, triton_kernel
 from forge_jax.ops.fused_dense import FusedDenseSpec
 
-from conftest import bits, host_copy
+from conftest import (assert_bitwise_equal, bits, host_copy, poison,
+                      ulp_distance)
 from test_kernel import (BF16, F32, OPTIMIZERS, assert_leaves_match,
                          random_inputs, run_reference)
+from test_low_precision import exact_inputs
 
 # 64 x 64 parts, two compute warpgroups: a CTA tile is 64 x 128. K = 128,
 # N = 256, 128 tokens: 2 x 2 tiles on two CTAs, 2 pipeline steps each, and
@@ -49,16 +53,37 @@ CONFIGS = {
                                                 compute_wgs=1),
 }
 X_SHAPE, N = (2, 64, 128), 256
+# int8 states: epilogue sub-tiles of one quantization block (64 columns).
+# 'int8': 2 x 2 tiles of 64 x 128, one sub-tile per part; 'int8-two-rows':
+# one row of 128 x 128 tiles, two sub-tiles per part (double-buffered).
+INT8_CONFIGS = {
+    "int8": mosaic_kernel.MosaicConfig(**{**SMALL, "epilogue_n": 64}),
+    "int8-two-rows": mosaic_kernel.MosaicConfig(
+        **{**SMALL, "tile_k": 128, "epilogue_n": 64}),
+}
 
 
-def run_mosaic(opt, x, dy, kernel, state, count, config, layer_index=None):
-  spec = FusedDenseSpec(optimizer=opt, implementation="mosaic")
+def run_mosaic(opt, x, dy, kernel, state, count, config, layer_index=None,
+               step=None, offset=None, layer_id=0):
+  spec = FusedDenseSpec(optimizer=opt, implementation="mosaic",
+                        layer_id=layer_id)
   apply = jnp.all(jnp.isfinite(dy))
   scalars = opt.scalars(jnp.asarray(count, jnp.int32))
   fn = jax.jit(functools.partial(mosaic_kernel.mosaic_update, spec,
                                  config=config, interpret=True,
-                                 layer_index=layer_index))
-  return host_copy(fn(x, dy, kernel, state, scalars, apply))
+                                 layer_index=layer_index, offset=offset))
+  return host_copy(fn(x, dy, kernel, state, scalars, apply, step=step))
+
+
+def run_reference_at(opt, x, dy, kernel, state, count, step, offset=None,
+                     layer_id=0):
+  """The reference with stochastic rounding's step, offset and layer id."""
+  spec = FusedDenseSpec(optimizer=opt, implementation="xla",
+                        layer_id=layer_id)
+  fn = jax.jit(functools.partial(backends.xla_update, spec, offset=offset))
+  return host_copy(fn(x, dy, kernel, state,
+                      opt.scalars(jnp.asarray(count, jnp.int32)),
+                      jnp.all(jnp.isfinite(dy)), step=step))
 
 
 @pytest.mark.parametrize("name,opt,count", OPTIMIZERS,
@@ -148,20 +173,183 @@ def test_default_config_follows_tokens_dtypes_and_shape():
         jnp.zeros((4096, n), dtype), fj.adamw(1e-3), config) is None
 
 
+# ---------------------------------------------------------------------------
+# Low precision: stochastically rounded bf16 weights (and int8 states) give
+# the reference's bits. x and dy are exact_inputs (dW is exact in any
+# summation order), so any differing bit would be the kernel's storage path.
+
+
+def assert_same_bits(actual, expected, what):
+  names = [jax.tree_util.keystr(p) for p, _ in
+           jax.tree_util.tree_flatten_with_path(expected)[0]]
+  for name, a, e in zip(names, jax.tree.leaves(actual),
+                        jax.tree.leaves(expected)):
+    assert_bitwise_equal(np.atleast_1d(a), np.atleast_1d(e), f"{what} {name}")
+
+
+def run_lowp_steps(opt, seed, config, counts=(4, 5), offset=None):
+  """Consecutive steps, each from the reference's previous weights and
+  state: the kernel writes the reference's bits, and the steps move the
+  weights."""
+  k, n = X_SHAPE[-1], N
+  w = (0.5 * jax.random.normal(jax.random.key(seed), (k, n))).astype(BF16)
+  state = opt.init(w)
+  for count in counts:
+    x, dy = exact_inputs(seed + count, X_SHAPE, n, BF16)
+    step = jnp.int32(count)
+    expected = run_reference_at(opt, x, dy, w, state, count, step, offset,
+                                layer_id=9)
+    actual = run_mosaic(opt, x, dy, w, state, count, config, step=step,
+                        offset=offset, layer_id=9)
+    assert_same_bits(actual, expected, f"count={count}")
+    assert (bits(expected[0]) != bits(w)).mean() > 0.3
+    w, state = jax.tree.map(jnp.asarray, expected[:2])
+  return w, state
+
+
+SR_OPTIMIZERS = {
+    "adamw": fj.adamw(0.05, weight_decay=0.1, weight_rounding="stochastic",
+                      rounding_seed=11),
+    "lion": fj.lion(0.05, weight_rounding="stochastic", rounding_seed=3),
+}
+
+
+@pytest.mark.parametrize("name,offset", [("adamw", None),
+                                         ("lion", (4096, 512))],
+                         ids=["adamw-whole", "lion-shard-offset"])
+def test_mosaic_stochastic_rounding_matches_reference_bits(name, offset,
+                                                           seed):
+  """Two steps (a new draw each); a tensor-parallel shard at a global
+  offset hashes the global indices, as the reference does."""
+  run_lowp_steps(SR_OPTIMIZERS[name], seed, CONFIGS["double-buffered"],
+                 offset=offset)
+
+
+def test_mosaic_stochastic_rounding_of_a_stacked_layer(seed):
+  opt = SR_OPTIMIZERS["adamw"]
+  x, dy = exact_inputs(seed, X_SHAPE, N, BF16)
+  w = (0.5 * jax.random.normal(jax.random.key(seed), (X_SHAPE[-1], N)))
+  kernels = jnp.stack([w, w + 1.0, w - 1.0]).astype(BF16)
+  states = opt.init(kernels)
+  step, offset = jnp.int32(7), (128, 256)
+  expected = run_reference_at(opt, x, dy, kernels[2], jax.tree.map(
+      lambda a: a[2], states), 7, step, offset, layer_id=9)
+  actual = run_mosaic(opt, x, dy, kernels, states, 7,
+                      CONFIGS["single-buffered"], layer_index=jnp.int32(2),
+                      step=step, offset=offset, layer_id=9)
+  layer = lambda tree, i: jax.tree.map(lambda a: a[i], tree)
+  assert_same_bits(layer(actual[:2], 2), expected[:2], "layer 2")
+  assert_same_bits(layer(actual[:2], 0), layer((kernels, states), 0),
+                   "layer 0")
+
+
+def int8_sr(opt, seed=0):
+  return dataclasses.replace(opt, state_dtype="int8",
+                             weight_rounding="stochastic", rounding_seed=seed)
+
+
+# Every optimizer with a state that int8 can hold (centered RMSprop refuses
+# int8; plain SGD has no state).
+INT8_OPTIMIZERS = [(name, int8_sr(opt, i), count)
+                   for i, (name, opt, count) in enumerate(OPTIMIZERS)
+                   if name not in ("rmsprop-centered-nesterov", "sgd")]
+
+
+def int8_inputs(seed, opt):
+  """Exact x and dy; a bf16 kernel and a random state, quantized."""
+  float_opt = dataclasses.replace(opt, state_dtype=None)
+  _, _, kernel, state = random_inputs(seed, float_opt, X_SHAPE, N,
+                                      (BF16, F32, BF16))
+  state = type(state)(**{
+      field: Q.store(value, "int8", field in opt.nonnegative_state)
+      for field, value in state._asdict().items()})
+  return (*exact_inputs(seed, X_SHAPE, N, BF16), kernel, state)
+
+
+@pytest.mark.parametrize(
+    "name,opt,count,config",
+    [(name, opt, count, sorted(INT8_CONFIGS)[i % 2])
+     for i, (name, opt, count) in enumerate(INT8_OPTIMIZERS)],
+    ids=[name for name, _, _ in INT8_OPTIMIZERS])
+def test_mosaic_int8_states_match_reference_bits(name, opt, count, config,
+                                                 seed):
+  """One step from a random int8 state, with stochastic rounding: codes,
+  scales and weights are the reference's, bit for bit."""
+  inputs = int8_inputs(seed, opt)
+  step = jnp.int32(count + 1)
+  expected = run_reference_at(opt, *inputs, count, step, layer_id=9)
+  actual = run_mosaic(opt, *inputs, count, INT8_CONFIGS[config], step=step,
+                      layer_id=9)
+  assert_same_bits(actual, expected, name)
+  for new, old in zip(jax.tree.leaves(expected[:2]), jax.tree.leaves(inputs[2:])):
+    assert (bits(new) != bits(old)).any(), f"{name}: a leaf did not move"
+
+
+def test_mosaic_int8_steps_of_a_shard_and_of_a_stacked_layer(seed):
+  """Two AdamW steps of a tensor-parallel shard; then a stacked layer."""
+  opt = int8_sr(SR_OPTIMIZERS["adamw"], 11)
+  w, state = run_lowp_steps(opt, seed, INT8_CONFIGS["int8-two-rows"],
+                            offset=(256, 1024))
+  x, dy = exact_inputs(seed, X_SHAPE, N, BF16)
+  stack = lambda a: jnp.stack([a, a])
+  step = jnp.int32(6)
+  expected = run_reference_at(opt, x, dy, w, state, 6, step, layer_id=9)
+  actual = run_mosaic(opt, x, dy, stack(w), jax.tree.map(stack, state), 6,
+                      INT8_CONFIGS["int8"], layer_index=jnp.int32(1),
+                      step=step, layer_id=9)
+  layer = lambda tree, i: jax.tree.map(lambda a: a[i], tree)
+  assert_same_bits(layer(actual[:2], 1), expected[:2], "layer 1")
+  assert_same_bits(layer(actual[:2], 0), (w, state), "layer 0")
+
+
+def test_mosaic_nonfinite_gradients_keep_int8_blocks_bit_for_bit(seed):
+  """A NaN in x makes row 17 of dW non-finite: its blocks keep their codes
+  and scales (and weights) bit for bit, as in the reference; a non-finite
+  dy skips the whole layer."""
+  opt = int8_sr(SR_OPTIMIZERS["adamw"], 11)
+  x, dy, w, state = int8_inputs(seed, opt)
+  config, step = INT8_CONFIGS["int8"], jnp.int32(3)
+  x = poison(x, np.s_[1, 5, 17])
+  expected = run_reference_at(opt, x, dy, w, state, 2, step)
+  actual = run_mosaic(opt, x, dy, w, state, 2, config, step=step)
+  assert int(actual[2]) == int(expected[2]) == N
+  assert_same_bits(actual, expected, "NaN row")
+  old = host_copy((w, state))
+  assert_bitwise_equal(actual[0][17], old[0][17], "weights of the NaN row")
+  quantized_leaves = lambda state: jax.tree.leaves(state,
+                                                   is_leaf=Q.is_quantized)
+  for new_leaf, old_leaf in zip(quantized_leaves(actual[1]),
+                                quantized_leaves(old[1])):
+    assert_bitwise_equal(new_leaf.codes[17], old_leaf.codes[17], "codes")
+    assert_bitwise_equal(new_leaf.scale[17], old_leaf.scale[17], "scales")
+  dy = poison(dy, np.s_[0, 3, 0], np.inf)
+  actual = run_mosaic(opt, x, dy, w, state, 2, config, step=step)
+  assert int(actual[2]) == w.size
+  assert_same_bits(actual[:2], old, "skipped layer")
+
+
 def test_mosaic_refuses_what_it_cannot_run_and_auto_falls_back():
   opt = fj.adamw(1e-3)
   x = jnp.zeros((128, 128), BF16)
   kernel = jnp.zeros((128, 256), F32)
-  assert mosaic_kernel.unsupported_reason(x, x[:, :1].repeat(256, 1), kernel,
-                                          opt) is None
+  for supported in (opt, SR_OPTIMIZERS["adamw"]):
+    assert mosaic_kernel.unsupported_reason(x, x[:, :1].repeat(256, 1),
+                                            kernel, supported) is None
   odd = jnp.zeros((128, 200), F32)
   with pytest.raises(ValueError, match=r"features=200 must be a multiple"):
     backends.select("mosaic", x, jnp.zeros((128, 200), BF16), odd, opt)
   with pytest.raises(ValueError, match=r"x.dtype=float32 must be bfloat16"):
     backends.select("mosaic", x.astype(F32), x.astype(F32), kernel, opt)
   int8 = fj.adamw(1e-3, state_dtype="int8")
-  with pytest.raises(ValueError, match=r"int8 states run on"):
-    backends.select("mosaic", x, x[:, :1].repeat(256, 1), kernel, int8)
+  assert mosaic_kernel.unsupported_reason(x, x[:, :1].repeat(256, 1), kernel,
+                                          int8) is None
+  assert mosaic_kernel.default_config(x, kernel, int8).epilogue_n == 64
+  with pytest.raises(ValueError, match=r"epilogue_n=32 must be 64"):
+    mosaic_kernel.check_supported(x, x[:, :1].repeat(256, 1), kernel, int8,
+                                  CONFIGS["double-buffered"])
+  f16 = fj.adamw(1e-3, state_dtype="float16")
+  with pytest.raises(ValueError, match=r"state dtype float16 is not"):
+    backends.select("mosaic", x, x[:, :1].repeat(256, 1), kernel, f16)
   # Off-GPU 'auto' is the reference.
   assert backends.select("auto", x, x, kernel, opt) is backends.xla_update
 
@@ -186,18 +374,57 @@ def test_compiled_mosaic_kernel_matches_reference_on_gpu(name, opt, count,
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("name,opt,count", INT8_OPTIMIZERS,
+                         ids=[name for name, _, _ in INT8_OPTIMIZERS])
+def test_compiled_mosaic_kernel_int8_sr_matches_reference_on_gpu(
+    name, opt, count, seed):
+  """On sm90+: bf16 SR weights and int8 states at a Llama layer shape, dW
+  exact. Only the rule's float32 arithmetic may differ (FMA contraction,
+  sqrt through rsqrt), moving a rare element across a rounding boundary:
+  one bf16 ulp or one int8 code at most, >= 99.9 % of the bits identical."""
+  if not backends._on_hopper_or_newer():  # pylint: disable=protected-access
+    pytest.skip("needs a Hopper or newer GPU")
+  x, dy = exact_inputs(seed, (2048, 4096), 1024, BF16)
+  w = (0.02 * jax.random.normal(jax.random.key(seed), (4096, 1024))
+       ).astype(BF16)
+  state = opt.init(w)
+  spec = FusedDenseSpec(optimizer=opt, implementation="mosaic", layer_id=9)
+  fn = jax.jit(functools.partial(mosaic_kernel.mosaic_update, spec),
+               donate_argnums=(2, 3))
+  for count in (count, count + 1):
+    step = jnp.int32(count)
+    expected = run_reference_at(opt, x, dy, w, state, count, step, layer_id=9)
+    actual = host_copy(fn(x, dy, jnp.copy(w), jax.tree.map(jnp.copy, state),
+                          opt.scalars(jnp.int32(count)), jnp.bool_(True),
+                          step=step))
+    assert int(actual[2]) == int(expected[2]) == 0
+    for a, e in zip(jax.tree.leaves(actual[:2]),
+                    jax.tree.leaves(expected[:2])):
+      assert (bits(a) == bits(e)).mean() >= 0.999, (name, count, a.dtype)
+      if a.dtype == Q.CODES_CONTAINER:
+        distance = np.abs(np.asarray(Q.int8_codes(a), np.int32)
+                          - np.asarray(Q.int8_codes(e), np.int32))
+        assert distance.max() <= 1, (name, count)
+      elif a.dtype == np.float32:  # scales
+        np.testing.assert_allclose(a, e, rtol=1e-5)
+      else:
+        assert ulp_distance(a, e).max() <= 1, (name, count)
+    w, state = jax.tree.map(jnp.asarray, expected[:2])
+
+
+@pytest.mark.gpu
 def test_auto_selects_mosaic_on_hopper_and_triton_where_it_cannot_run():
   if not backends._on_hopper_or_newer():  # pylint: disable=protected-access
     pytest.skip("needs a Hopper or newer GPU")
-  opt = fj.adamw(1e-3)
   x = jnp.zeros((2048, 4096), BF16)
   dy = jnp.zeros((2048, 1024), BF16)
   kernel = jnp.zeros((4096, 1024), BF16)
-  assert backends.select("auto", x, dy, kernel, opt) is (
-      mosaic_kernel.mosaic_update)
-  int8 = fj.adamw(1e-3, state_dtype="int8")
-  assert backends.select("auto", x, dy, kernel, int8) is not (
-      mosaic_kernel.mosaic_update)
+  for opt in (fj.adamw(1e-3), int8_sr(fj.adamw(1e-3))):
+    assert backends.select("auto", x, dy, kernel, opt) is (
+        mosaic_kernel.mosaic_update)
+  f16_states = fj.adamw(1e-3, state_dtype="float16")
+  assert backends.select("auto", x, dy, kernel, f16_states) is (
+      triton_kernel.triton_update)
 
 
 @pytest.mark.gpu

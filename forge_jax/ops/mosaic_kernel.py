@@ -24,10 +24,29 @@ written at the layer's index, a TMA coordinate: no slice of a stack goes in
 or out of the call.
 
 Coverage: 16-bit activations (wgmma's transposed operand), float32 or
-bfloat16 kernels and float32 or bfloat16 states, shapes that divide into
-whole tiles. Other calls (int8 states and stochastic rounding too) get a
+bfloat16 kernels (bfloat16 stochastically rounded too), float32, bfloat16 or
+int8 block-64 states, shapes that divide into whole tiles. Other calls get a
 reason from :func:`unsupported_reason`; 'auto' then uses the Triton-lowering
 kernel.
+
+Low precision (:mod:`forge_jax.quantization`, the reference's functions):
+stochastic rounding hashes each element's global row and column (the tile's
+offset plus an iota, plus the shard's ``offset`` under tensor parallelism)
+and the step, which travel with the scalars (exact in float32 up to 2**24),
+so the kernel draws the reference's bits. int8 states: the codes arrive as
+int8 (bitcast from their float8 container outside the kernel) and go
+through shared memory by TMA like the other leaves; an epilogue sub-tile is
+one block wide (``epilogue_n`` = 64), so its float32 scales are one column
+of the ``[K, N / 64]`` scale array: 4 bytes a row, below TMA's 16-byte
+minimum, and a 16-byte box would span other CTAs' blocks. They are read
+and written by the epilogue's threads directly in global memory (a strided
+non-vectorized load, a store), as a ``[epilogue_k]`` vector: Mosaic GPU's
+layout inference finds no layout for ``[R, 1]`` arrays next to a wgmma-
+layout tile ("Failed to infer a possible set of layouts"), so the quantizer
+keeps per-block values of one-block tiles 1-D (``quantize(rows_1d=True)``)
+and broadcasts them explicitly. This JAX's warpgroup lowering also lacks
+``floor`` (registered below) and pointwise ops on 8-bit vectors (the
+quantizer selects codes as int32).
 
 Off-GPU the kernel runs in Mosaic GPU's interpret mode (how the CPU tests
 check it), which simulates the warpgroups, shared memory, TMA and barriers;
@@ -47,11 +66,14 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from forge_jax import quantization
 from forge_jax.ops import stacks
 from forge_jax.ops.update import apply_update
 
 _ACTIVATION_DTYPES = (jnp.bfloat16, jnp.float16)
 _STORAGE_DTYPES = (jnp.float32, jnp.bfloat16)
+#: int8 states: codes in their one-byte container and float32 block scales.
+_STATE_DTYPES = _STORAGE_DTYPES + (quantization.CODES_CONTAINER,)
 #: Shared memory a CTA may take (H100/H200: 227 KB), less some for barriers.
 SHARED_MEMORY_BUDGET = 220 * 1024
 #: Streaming multiprocessors of an H100/H200 (the persistent grid's size when
@@ -166,16 +188,31 @@ def ranked_configs(tokens: int) -> tuple:
 
 
 def _storage_itemsizes(kernel, state) -> list:
-  """Bytes per element of the kernel and of each state leaf."""
+  """Bytes per element of the kernel and of each state leaf that passes
+  through shared memory (all but int8 block scales)."""
+  is_scale = [False] + quantization.scale_leaf_mask(state)
   return [jnp.dtype(leaf.dtype).itemsize
-          for leaf in [kernel] + jax.tree.leaves(state)]
+          for leaf, scale in zip([kernel] + jax.tree.leaves(state), is_scale)
+          if not scale]
 
 
-def _fitting_config(tokens, k, n, activation_itemsize,
-                    storage_itemsizes) -> MosaicConfig:
+def _layer_state(kernel, optimizer):
+  """The shapes of one layer's optimizer state (``kernel`` may be a stack:
+  int8 states quantize 2-D kernels only)."""
+  layer = jax.ShapeDtypeStruct(kernel.shape[-2:], kernel.dtype)
+  return jax.eval_shape(optimizer.init, layer)
+
+
+def _fitting_config(tokens, k, n, activation_itemsize, storage_itemsizes,
+                    quantized: bool) -> MosaicConfig:
   """The first ranked config whose tiles divide the shape and whose buffers
-  fit in shared memory (else the last: unsupported_reason says why)."""
+  fit in shared memory (else the last: unsupported_reason says why). With
+  int8 states an epilogue sub-tile is one quantization block wide."""
   configs = ranked_configs(tokens)
+  if quantized:
+    configs = tuple(
+        dataclasses.replace(config, epilogue_n=quantization.BLOCK_SIZE)
+        for config in configs)
   for config in configs:
     if (shared_memory_bytes(config, activation_itemsize, storage_itemsizes)
         <= SHARED_MEMORY_BUDGET and not k % config.tile_k
@@ -186,10 +223,11 @@ def _fitting_config(tokens, k, n, activation_itemsize,
 
 def default_config(x, kernel, optimizer) -> MosaicConfig:
   """The fastest default config for this call's shapes and dtypes."""
-  state = jax.eval_shape(optimizer.init, kernel)
+  state = _layer_state(kernel, optimizer)
   return _fitting_config(math.prod(x.shape[:-1]), *kernel.shape[-2:],
                          jnp.dtype(x.dtype).itemsize,
-                         _storage_itemsizes(kernel, state))
+                         _storage_itemsizes(kernel, state),
+                         quantization.has_quantized(state))
 
 
 def unsupported_reason(x, dy, kernel, optimizer,
@@ -202,14 +240,12 @@ def unsupported_reason(x, dy, kernel, optimizer,
     return f"{x.dtype=} and {dy.dtype=} must match"
   if jnp.dtype(kernel.dtype) not in map(jnp.dtype, _STORAGE_DTYPES):
     return f"kernel.dtype={kernel.dtype} must be float32 or bfloat16"
-  state = jax.eval_shape(optimizer.init, kernel)
+  state = _layer_state(kernel, optimizer)
+  quantized = quantization.has_quantized(state)
   for leaf in jax.tree.leaves(state):
-    if jnp.dtype(leaf.dtype) not in map(jnp.dtype, _STORAGE_DTYPES):
-      return (f"optimizer state dtype {leaf.dtype} is not supported (float32 "
-              "or bfloat16; int8 states run on implementation='triton')")
-  if optimizer.weight_rounding != "nearest":
-    return (f"weight_rounding={optimizer.weight_rounding!r} runs on "
-            "implementation='triton'")
+    if jnp.dtype(leaf.dtype) not in map(jnp.dtype, _STATE_DTYPES):
+      return (f"optimizer state dtype {leaf.dtype} is not supported (float32, "
+              "bfloat16 or int8 blocks)")
   activation_itemsize = jnp.dtype(x.dtype).itemsize
   itemsizes = _storage_itemsizes(kernel, state)
   k, n = kernel.shape[-2:]
@@ -217,7 +253,11 @@ def unsupported_reason(x, dy, kernel, optimizer,
   if tokens == 0:
     return f"{x.shape=} has no tokens"
   config = config or _fitting_config(tokens, k, n, activation_itemsize,
-                                     itemsizes)
+                                     itemsizes, quantized)
+  if quantized and config.epilogue_n != quantization.BLOCK_SIZE:
+    return (f"int8 states are quantized in blocks of "
+            f"{quantization.BLOCK_SIZE} columns: epilogue_n="
+            f"{config.epilogue_n} must be {quantization.BLOCK_SIZE}")
   for name, size, tile in (("in_features", k, config.tile_k),
                            ("features", n, config.cta_tile_n),
                            ("tokens", tokens, config.tile_t)):
@@ -252,15 +292,28 @@ def _is_finite(x):
   return jnp.abs(x) < jnp.inf  # NaN compares false
 
 
+def _floor_via_truncation(x):
+  """floor for Mosaic GPU's warpgroup lowering (int8 quantization rounds with
+  it): truncate through int32, step down where that rounded up; magnitudes
+  from 2**nmant on are integers already (NaN and inf stay), and a zero
+  result keeps x's sign (floor(-0.0) is -0.0)."""
+  truncated = x.astype(jnp.int32).astype(x.dtype)
+  down = jnp.where(truncated > x, truncated - 1, truncated)
+  down = jnp.where(down == 0, x * 0, down)
+  return jnp.where(jnp.abs(x) < 2.0**jnp.finfo(x.dtype).nmant, down, x)
+
+
 def _register_missing_lowerings():
-  """Lower sqrt and is_finite (which the optimizer rules use) through other
-  ops where this JAX's Mosaic GPU warpgroup lowering lacks them."""
+  """Lower sqrt, is_finite (which the optimizer rules use) and floor (int8
+  quantization) through other ops where this JAX's Mosaic GPU warpgroup
+  lowering lacks them."""
   # pylint: disable=import-outside-toplevel,protected-access
   from jax._src.pallas.mosaic_gpu import core as gpu_core
   from jax._src.pallas.mosaic_gpu import lowering
   rules = lowering.mosaic_lowering_rules[gpu_core.WGxWG_SEMANTICS]
   rules.setdefault(lax.sqrt_p, lowering._lower_fun(_sqrt_via_rsqrt))
   rules.setdefault(lax.is_finite_p, lowering._lower_fun(_is_finite))
+  rules.setdefault(lax.floor_p, lowering._lower_fun(_floor_via_truncation))
 
 
 _register_missing_lowerings()
@@ -277,15 +330,18 @@ def _swizzled(block_minor: int, dtype):
 def _fused_kernel(scalars_gmem, x_gmem, dy_gmem, storage_gmem, storage_out,
                   skipped_gmem, *, optimizer, state_treedef, scalars_treedef,
                   num_scalars, config: MosaicConfig, layer_id, interpret,
-                  stacked):
+                  stacked, is_scale):
   """``storage_gmem`` (kernel, *state leaves) are read; ``storage_out`` written
-  (on the GPU the same refs: in place). ``stacked``: they are ``[L, K, N]``
-  stacks, and the layer's index follows the scalars."""
+  (on the GPU the same refs: in place). The optimizer's scalars are followed
+  by apply, the step, the shard's offset (row, column) and the layer index
+  (``stacked``: the refs are ``[L, K, N]`` stacks, stepped at that index)."""
   # x is [tokens, k]; in interpret mode it arrives transposed, [k, tokens].
   tokens, k = x_gmem.shape[::-1] if interpret else x_gmem.shape
   n = dy_gmem.shape[1]
   tk, tn, tt = config.tile_k, config.tile_n, config.tile_t
   ek, en = config.epilogue_k, config.epilogue_n
+  stochastic = (optimizer.weight_rounding == "stochastic"
+                and storage_gmem[0].dtype == jnp.bfloat16)
   k_iters, n_iters = k // tk, n // config.cta_tile_n
   if interpret:
     x_block, x_index = (tk, tt), lambda t: (0, t)
@@ -316,6 +372,11 @@ def _fused_kernel(scalars_gmem, x_gmem, dy_gmem, storage_gmem, storage_out,
   slots = config.epilogue_slots
   prefetch_step = min(config.prefetch_step, tokens // tt - 1)
   num_buffers = config.compute_wgs * slots
+  # int8 block scales (a sub-tile's is one 4-byte column: no TMA box) are
+  # read and written directly in global memory; every other leaf goes
+  # through shared memory by TMA.
+  tma_gmem = [ref for ref, scale in zip(storage_gmem, is_scale) if not scale]
+  tma_out = [ref for ref, scale in zip(storage_out, is_scale) if not scale]
 
   @functools.partial(
       pl.run_scoped,
@@ -323,19 +384,20 @@ def _fused_kernel(scalars_gmem, x_gmem, dy_gmem, storage_gmem, storage_out,
           x_window(0), dy_gmem.at[:, :config.cta_tile_n]),
       epilogue_smem=[plgpu.SMEM((num_buffers, ek, en), ref.dtype,
                                 transforms=_swizzled(en, ref.dtype))
-                     for ref in storage_gmem],
+                     for ref in tma_gmem],
       # One barrier per (warpgroup, slot, tensor): each TMA load arrives once.
-      load_barrier=plgpu.Barrier(
-          num_barriers=num_buffers * len(storage_gmem)),
+      load_barrier=plgpu.Barrier(num_barriers=num_buffers * len(tma_gmem)),
       collective_axes="wg",
   )
   def _scope(pipeline_allocs, epilogue_smem, load_barrier):
     wg = lax.axis_index("wg")
-    scalar_values = [scalars_gmem[i] for i in range(num_scalars + 2)]
+    scalar_values = [scalars_gmem[i] for i in range(num_scalars + 5)]
     scalars = jax.tree.unflatten(scalars_treedef, scalar_values[:num_scalars])
     apply = scalar_values[num_scalars] > 0.5
-    layer = ((scalar_values[num_scalars + 1].astype(jnp.int32),) if stacked
-             else ())
+    # The step and the shard's global offset seed stochastic rounding.
+    step, shard_row, shard_col, layer_index = (
+        v.astype(jnp.int32) for v in scalar_values[num_scalars + 1:])
+    layer = (layer_index,) if stacked else ()
 
     @plgpu.nd_loop((k_iters * n_iters,), collective_axes="sm")
     def _tile_loop(loop_info: plgpu.NDLoopInfo):
@@ -351,20 +413,63 @@ def _fused_kernel(scalars_gmem, x_gmem, dy_gmem, storage_gmem, storage_out,
       def window(ref, i, j):
         return ref.at[(*layer, pl.ds(k0 + i * ek, ek), pl.ds(n0 + j * en, en))]
 
+      def global_indices(i, j):
+        """Stochastic rounding's (rows, cols) of sub-tile (i, j)."""
+        if not stochastic:
+          return None
+        shape = (ek, en)  # full tiles: their layout is the update's
+        rows = shard_row + k0 + i * ek + lax.broadcasted_iota(
+            jnp.int32, shape, 0)
+        cols = shard_col + n0 + j * en + lax.broadcasted_iota(
+            jnp.int32, shape, 1)
+        return rows, cols
+
+      def scale_index(i, j):
+        """The sub-tile's block scales, as ``[ek]``: one column (en is one
+        block; Mosaic GPU has no layout for an ``[ek, 1]`` tile)."""
+        block = (n0 + j * en) // quantization.BLOCK_SIZE
+        return (*layer, pl.ds(k0 + i * ek, ek), block)
+
       def buffer(slot):
         return wg * slots + slot
 
       def barrier(slot, t):
-        return load_barrier.at[buffer(slot) * len(storage_gmem) + t]
+        return load_barrier.at[buffer(slot) * len(tma_gmem) + t]
 
       def issue_loads(index):
         i, j = tiles[index]
         slot = index % slots
         # The stores that last read this slot must have finished reading.
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-        for t, (gmem, smem) in enumerate(zip(storage_gmem, epilogue_smem)):
+        for t, (gmem, smem) in enumerate(zip(tma_gmem, epilogue_smem)):
           plgpu.copy_gmem_to_smem(window(gmem, i, j), smem.at[buffer(slot)],
                                   barrier(slot, t))
+
+      def read_scales(gmem, i, j):
+        if interpret:  # the interpreter has no plgpu.load
+          return gmem[scale_index(i, j)]
+        # A strided column: no optimized (vectorized) load exists.
+        return plgpu.load(gmem, scale_index(i, j), optimized=False)
+
+      def read_values(slot, i, j):
+        """Kernel and state leaves of sub-tile (i, j), its loads landed."""
+        smem_values = iter(smem[buffer(slot)] for smem in epilogue_smem)
+        return [read_scales(gmem, i, j) if scale else next(smem_values)
+                for gmem, scale in zip(storage_gmem, is_scale)]
+
+      def write_values(slot, i, j, values):
+        """New leaves to shared memory (scales to global), then TMA stores."""
+        smem_values = []
+        for gmem, value, scale in zip(storage_out, values, is_scale):
+          if scale:
+            gmem[scale_index(i, j)] = value
+          else:
+            smem_values.append(value)
+        for smem, value in zip(epilogue_smem, smem_values):
+          smem[buffer(slot)] = value
+        plgpu.commit_smem()
+        for gmem, smem in zip(tma_out, epilogue_smem):
+          plgpu.copy_smem_to_gmem(smem.at[buffer(slot)], window(gmem, i, j))
 
       def compute_context(eval_pipeline):
         @functools.partial(pl.run_scoped,
@@ -375,20 +480,15 @@ def _fused_kernel(scalars_gmem, x_gmem, dy_gmem, storage_gmem, storage_out,
           skipped = jnp.zeros((), jnp.int32)
           for index, (i, j) in enumerate(tiles):
             slot = index % slots
-            for t in range(len(storage_gmem)):
+            for t in range(len(tma_gmem)):
               plgpu.barrier_wait(barrier(slot, t))
             grad = acc[i * ek:(i + 1) * ek, j * en:(j + 1) * en]
-            values = [smem[buffer(slot)] for smem in epilogue_smem]
+            values = read_values(slot, i, j)
             state = jax.tree.unflatten(state_treedef, values[1:])
             new_w, new_state, updated = apply_update(
                 optimizer, grad, values[0], state, scalars, apply,
-                layer_id=layer_id)
-            for smem, value in zip(epilogue_smem,
-                                   [new_w] + jax.tree.leaves(new_state)):
-              smem[buffer(slot)] = value
-            plgpu.commit_smem()
-            for gmem, smem in zip(storage_out, epilogue_smem):
-              plgpu.copy_smem_to_gmem(smem.at[buffer(slot)], window(gmem, i, j))
+                step=step, layer_id=layer_id, indices=global_indices(i, j))
+            write_values(slot, i, j, [new_w] + jax.tree.leaves(new_state))
             if index + slots < len(tiles):
               issue_loads(index + slots)  # into this slot, once stored
             # Rows first: Mosaic GPU's layout inference finds no layout for
@@ -439,7 +539,6 @@ def mosaic_update(spec, x, dy, kernel, opt_state, scalars, apply,
                   interpret: Optional[bool] = None, *, step=None,
                   offset=None, layer_index=None):
   """Backend entry point: same contract as ``backends.xla_update``."""
-  del step, offset  # only stochastic rounding reads them; that runs on 'triton'
   optimizer = spec.optimizer
   if interpret is None:
     interpret = jax.default_backend() != "gpu"
@@ -449,7 +548,7 @@ def mosaic_update(spec, x, dy, kernel, opt_state, scalars, apply,
     new_kernel, new_state, skipped = mosaic_update(
         spec, x, dy, stacks.layer_entry(kernel, layer_index),
         stacks.layer_entries(opt_state, layer_index), scalars, apply,
-        config, interpret)
+        config, interpret, step=step, offset=offset)
     return (stacks.with_layer_entry(kernel, new_kernel, layer_index),
             stacks.with_layer_entries(opt_state, new_state, layer_index),
             skipped)
@@ -459,18 +558,25 @@ def mosaic_update(spec, x, dy, kernel, opt_state, scalars, apply,
   x2 = x.reshape(-1, k)
   dy2 = dy.reshape(-1, n)
 
-  state_leaves, state_treedef = jax.tree.flatten(opt_state)
+  # int8 codes travel as int8 (their float8 container is for jax.grad only).
+  kernel_state = quantization.codes_as_int8(opt_state)
+  state_leaves, state_treedef = jax.tree.flatten(kernel_state)
   scalar_leaves, scalars_treedef = jax.tree.flatten(scalars)
-  # The layer index is exact in float32 up to 2**24.
+  # The step (the layer's float32 count), the shard's offset and the layer
+  # index are exact in float32 up to 2**24.
+  step = jnp.zeros((), jnp.int32) if step is None else step
+  offset = (0, 0) if offset is None else offset
   layer = jnp.zeros((), jnp.int32) if layer_index is None else layer_index
   scalar_vector = jnp.stack(
       [jnp.asarray(s, jnp.float32) for s in scalar_leaves]
-      + [apply.astype(jnp.float32), jnp.asarray(layer).astype(jnp.float32)])
+      + [apply.astype(jnp.float32)]
+      + [jnp.asarray(v).astype(jnp.float32) for v in (step, *offset, layer)])
   kernel_fn = functools.partial(
       _fused_kernel, optimizer=optimizer, state_treedef=state_treedef,
       scalars_treedef=scalars_treedef, num_scalars=len(scalar_leaves),
       config=config, layer_id=spec.layer_id, interpret=interpret,
-      stacked=layer_index is not None)
+      stacked=layer_index is not None,
+      is_scale=tuple([False] + quantization.scale_leaf_mask(kernel_state)))
   storage = [kernel] + state_leaves
   num_tiles = (k // config.tile_k) * (n // config.cta_tile_n)
   skipped_type = jax.ShapeDtypeStruct((config.compute_wgs * num_tiles,),
@@ -507,5 +613,6 @@ def mosaic_update(spec, x, dy, kernel, opt_state, scalars, apply,
     )(scalar_vector, x2, dy2, *refs, skipped_ref)
     new_storage = [r[...] for r in refs]
     skipped = skipped_ref[...]
-  new_state = jax.tree.unflatten(state_treedef, new_storage[1:])
+  new_state = quantization.codes_as_container(
+      jax.tree.unflatten(state_treedef, new_storage[1:]))
   return new_storage[0], new_state, jnp.sum(skipped)
