@@ -57,9 +57,10 @@ X_SHAPE, N = (2, 64, 128), 256
 # 'int8': 2 x 2 tiles of 64 x 128, one sub-tile per part; 'int8-two-rows':
 # one row of 128 x 128 tiles, two sub-tiles per part (double-buffered).
 INT8_CONFIGS = {
-    "int8": mosaic_kernel.MosaicConfig(**{**SMALL, "epilogue_n": 64}),
+    "int8": mosaic_kernel.MosaicConfig(**SMALL, epilogue_n=64,
+                                       epilogue_slots=1),
     "int8-two-rows": mosaic_kernel.MosaicConfig(
-        **{**SMALL, "tile_k": 128, "epilogue_n": 64}),
+        **{**SMALL, "tile_k": 128}, epilogue_n=64, epilogue_slots=2),
 }
 
 
