@@ -347,7 +347,7 @@ def test_mosaic_refuses_what_it_cannot_run_and_auto_falls_back():
   assert mosaic_kernel.default_config(x, kernel, int8).epilogue_n == 64
   with pytest.raises(ValueError, match=r"epilogue_n=32 must be 64"):
     mosaic_kernel.check_supported(x, x[:, :1].repeat(256, 1), kernel, int8,
-                                  CONFIGS["double-buffered"])
+                                  CONFIGS["single-buffered"])
   f16 = fj.adamw(1e-3, state_dtype="float16")
   with pytest.raises(ValueError, match=r"state dtype float16 is not"):
     backends.select("mosaic", x, x[:, :1].repeat(256, 1), kernel, f16)
