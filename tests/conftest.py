@@ -246,6 +246,16 @@ def assert_bitwise_equal(actual, expected, what=""):
   assert not diff.any(), f"{what}: {diff.sum()} of {diff.size} elements differ"
 
 
+def assert_same_bits(actual, expected, what):
+  """:func:`assert_bitwise_equal` on every leaf of two pytrees, each named by
+  its path in ``expected``."""
+  names = [jax.tree_util.keystr(p) for p, _ in
+           jax.tree_util.tree_flatten_with_path(expected)[0]]
+  for name, a, e in zip(names, jax.tree.leaves(actual),
+                        jax.tree.leaves(expected)):
+    assert_bitwise_equal(np.atleast_1d(a), np.atleast_1d(e), f"{what} {name}")
+
+
 def ulp_distance(actual, expected) -> np.ndarray:
   """Distance in units in the last place between same-dtype float arrays."""
   actual, expected = np.asarray(actual), np.asarray(expected)

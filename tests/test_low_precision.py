@@ -33,7 +33,8 @@ from forge_jax import quantization as Q
 from forge_jax.ops import backends, triton_kernel
 from forge_jax.ops.fused_dense import FusedDenseSpec
 
-from conftest import (COLL, assert_bitwise_equal, bits, host_copy, poison)
+from conftest import (COLL, assert_bitwise_equal, assert_same_bits, bits,
+                      host_copy, poison)
 
 BF16, F32 = jnp.bfloat16, jnp.float32
 # Jitted once: eager dispatch of the quantizer's many small ops is slow.
@@ -308,14 +309,6 @@ def _kernel(opt, layer_id, config):
   return jax.jit(call, donate_argnums=(2, 3))
 
 
-def _assert_same_bits(actual, expected, what):
-  names = [jax.tree_util.keystr(p) for p, _ in
-           jax.tree_util.tree_flatten_with_path(expected)[0]]
-  for name, a, e in zip(names, jax.tree.leaves(actual),
-                        jax.tree.leaves(expected)):
-    assert_bitwise_equal(np.atleast_1d(a), np.atleast_1d(e), f"{what} {name}")
-
-
 def _bit_cases():
   """AdamW on every shape and config; the others cycle through them."""
   combos = [(shape, config) for shape in LOWP_SHAPES
@@ -349,7 +342,7 @@ def test_kernel_matches_reference_bits_bf16_sr_int8(name, opt, shape, config,
     expected = host_copy(reference(x, dy, w, state, *args[:2], step=args[2]))
     old = host_copy((w, state))
     actual = host_copy(kernel_step(x, dy, w, state, *args))
-    _assert_same_bits(actual, expected, f"count={count}")
+    assert_same_bits(actual, expected, f"count={count}")
     assert (bits(expected[0]) != bits(old[0])).mean() > 0.3
     w, state = jax.tree.map(jnp.asarray, expected[:2])
   for leaf in jax.tree.leaves(state):
@@ -397,7 +390,7 @@ def test_nonfinite_gradients_keep_int8_blocks_bit_for_bit(implementation,
   out = run(x, poison(dy, np.s_[3, 0], np.inf), w, state, scalars,
             jnp.bool_(False), jnp.int32(2))
   assert int(out[2]) == w.size
-  _assert_same_bits(out[:2], old, "skipped layer")
+  assert_same_bits(out[:2], old, "skipped layer")
 
 
 def test_kernel_refuses_tiles_that_split_a_block():

@@ -29,8 +29,8 @@ from forge_jax import quantization as Q
 from forge_jax.ops import backends, mosaic_kernel, triton_kernel
 from forge_jax.ops.fused_dense import FusedDenseSpec
 
-from conftest import (assert_bitwise_equal, bits, host_copy, poison,
-                      ulp_distance)
+from conftest import (assert_bitwise_equal, assert_same_bits, bits,
+                      host_copy, poison, ulp_distance)
 from test_kernel import (BF16, F32, OPTIMIZERS, assert_leaves_match,
                          random_inputs, run_reference)
 from test_low_precision import exact_inputs
@@ -178,14 +178,6 @@ def test_default_config_follows_tokens_dtypes_and_shape():
 # Low precision: stochastically rounded bf16 weights (and int8 states) give
 # the reference's bits. x and dy are exact_inputs (dW is exact in any
 # summation order), so any differing bit would be the kernel's storage path.
-
-
-def assert_same_bits(actual, expected, what):
-  names = [jax.tree_util.keystr(p) for p, _ in
-           jax.tree_util.tree_flatten_with_path(expected)[0]]
-  for name, a, e in zip(names, jax.tree.leaves(actual),
-                        jax.tree.leaves(expected)):
-    assert_bitwise_equal(np.atleast_1d(a), np.atleast_1d(e), f"{what} {name}")
 
 
 def run_lowp_steps(opt, seed, config, counts=(4, 5), offset=None):

@@ -122,7 +122,7 @@ def select(implementation: str, x, dy, kernel, optimizer):
     kernels = [
         (_on_hopper_or_newer(), mosaic_kernel, mosaic_kernel.mosaic_update),
         (_on_gpu(), triton_kernel, triton_kernel.triton_update)]
-    if _has_int8_states(kernel, optimizer):
+    if _on_gpu() and _has_int8_states(kernel, optimizer):
       kernels.reverse()
     for available, module, update in kernels:
       if available and module.unsupported_reason(x, dy, kernel,

@@ -69,7 +69,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from forge_jax import quantization
 from forge_jax.ops import stacks
-from forge_jax.ops.update import apply_update
+from forge_jax.ops.update import (apply_update, pack_kernel_scalars,
+                                  read_kernel_scalars)
 
 _ACTIVATION_DTYPES = (jnp.bfloat16, jnp.float16)
 _STORAGE_DTYPES = (jnp.float32, jnp.bfloat16)
@@ -330,12 +331,12 @@ def _swizzled(block_minor: int, dtype):
 
 def _fused_kernel(scalars_gmem, x_gmem, dy_gmem, storage_gmem, storage_out,
                   skipped_gmem, *, optimizer, state_treedef, scalars_treedef,
-                  num_scalars, config: MosaicConfig, layer_id, interpret,
-                  stacked, is_scale):
+                  config: MosaicConfig, layer_id, interpret, stacked,
+                  is_scale):
   """``storage_gmem`` (kernel, *state leaves) are read; ``storage_out`` written
-  (on the GPU the same refs: in place). The optimizer's scalars are followed
-  by apply, the step, the shard's offset (row, column) and the layer index
-  (``stacked``: the refs are ``[L, K, N]`` stacks, stepped at that index)."""
+  (on the GPU the same refs: in place). ``scalars_gmem`` is
+  :func:`forge_jax.ops.update.pack_kernel_scalars`'s vector (``stacked``:
+  the refs are ``[L, K, N]`` stacks, stepped at its layer index)."""
   # x is [tokens, k]; in interpret mode it arrives transposed, [k, tokens].
   tokens, k = x_gmem.shape[::-1] if interpret else x_gmem.shape
   n = dy_gmem.shape[1]
@@ -392,12 +393,9 @@ def _fused_kernel(scalars_gmem, x_gmem, dy_gmem, storage_gmem, storage_out,
   )
   def _scope(pipeline_allocs, epilogue_smem, load_barrier):
     wg = lax.axis_index("wg")
-    scalar_values = [scalars_gmem[i] for i in range(num_scalars + 5)]
-    scalars = jax.tree.unflatten(scalars_treedef, scalar_values[:num_scalars])
-    apply = scalar_values[num_scalars] > 0.5
     # The step and the shard's global offset seed stochastic rounding.
-    step, shard_row, shard_col, layer_index = (
-        v.astype(jnp.int32) for v in scalar_values[num_scalars + 1:])
+    scalars, apply, step, shard_row, shard_col, layer_index = (
+        read_kernel_scalars(scalars_gmem, scalars_treedef))
     layer = (layer_index,) if stacked else ()
 
     @plgpu.nd_loop((k_iters * n_iters,), collective_axes="sm")
@@ -562,19 +560,11 @@ def mosaic_update(spec, x, dy, kernel, opt_state, scalars, apply,
   # int8 codes travel as int8 (their float8 container is for jax.grad only).
   kernel_state = quantization.codes_as_int8(opt_state)
   state_leaves, state_treedef = jax.tree.flatten(kernel_state)
-  scalar_leaves, scalars_treedef = jax.tree.flatten(scalars)
-  # The step (the layer's float32 count), the shard's offset and the layer
-  # index are exact in float32 up to 2**24.
-  step = jnp.zeros((), jnp.int32) if step is None else step
-  offset = (0, 0) if offset is None else offset
-  layer = jnp.zeros((), jnp.int32) if layer_index is None else layer_index
-  scalar_vector = jnp.stack(
-      [jnp.asarray(s, jnp.float32) for s in scalar_leaves]
-      + [apply.astype(jnp.float32)]
-      + [jnp.asarray(v).astype(jnp.float32) for v in (step, *offset, layer)])
+  scalar_vector, scalars_treedef = pack_kernel_scalars(
+      scalars, apply, step, offset, layer_index)
   kernel_fn = functools.partial(
       _fused_kernel, optimizer=optimizer, state_treedef=state_treedef,
-      scalars_treedef=scalars_treedef, num_scalars=len(scalar_leaves),
+      scalars_treedef=scalars_treedef,
       config=config, layer_id=spec.layer_id, interpret=interpret,
       stacked=layer_index is not None,
       is_scale=tuple([False] + quantization.scale_leaf_mask(kernel_state)))

@@ -41,7 +41,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from forge_jax import quantization
-from forge_jax.ops.update import apply_update
+from forge_jax.ops.update import (apply_update, pack_kernel_scalars,
+                                  read_kernel_scalars)
 
 _SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
@@ -142,7 +143,7 @@ def check_config(config: TritonConfig, quantized: bool):
 
 
 def _fused_kernel(scalars_ref, x_ref, dy_ref, w_ref, *refs, optimizer,
-                  state_treedef, scalars_treedef, num_scalars, tokens, k, n,
+                  state_treedef, scalars_treedef, tokens, k, n,
                   config: TritonConfig, dot_precision, scale_leaves, layer_id,
                   stacked: bool):
   num_state = state_treedef.num_leaves
@@ -171,17 +172,12 @@ def _fused_kernel(scalars_ref, x_ref, dy_ref, w_ref, *refs, optimizer,
   grad = lax.fori_loop(0, pl.cdiv(tokens, bt), accumulate,
                        jnp.zeros((bk, bn), jnp.float32))
 
-  scalar_values = [scalars_ref[i] for i in range(num_scalars + 5)]
-  scalars = jax.tree.unflatten(scalars_treedef, scalar_values[:num_scalars])
-  apply = scalar_values[num_scalars] > 0.5
   # The shard's global offset: stochastic rounding hashes global indices.
-  step, shard_row, shard_col = (v.astype(jnp.int32)
-                                for v in scalar_values[num_scalars + 1:
-                                                       num_scalars + 4])
+  scalars, apply, step, shard_row, shard_col, layer_index = (
+      read_kernel_scalars(scalars_ref, scalars_treedef))
   # Stacked refs are [L, K, N]: one indexer, the layer first (Triton's
   # lowering takes a single indexer per load or store).
-  layer = ((scalar_values[num_scalars + 4].astype(jnp.int32),) if stacked
-           else ())
+  layer = (layer_index,) if stacked else ()
 
   # The epilogue runs on column chunks of the accumulator: fewer live
   # registers (W and every state tile are float32 beside it).
@@ -260,22 +256,14 @@ def triton_update(spec, x, dy, kernel, opt_state, scalars, apply,
   kernel_state = quantization.codes_as_int8(opt_state)
   scale_leaves = tuple(quantization.scale_leaf_mask(kernel_state))
   state_leaves, state_treedef = jax.tree.flatten(kernel_state)
-  scalar_leaves, scalars_treedef = jax.tree.flatten(scalars)
-  # The step (as the layer's float32 count), the shard's offset and the
-  # layer index are exact in float32 up to 2**24.
-  step = jnp.zeros((), jnp.float32) if step is None else step
-  offset = (0, 0) if offset is None else offset
-  layer = jnp.zeros((), jnp.int32) if layer_index is None else layer_index
-  scalar_vector = jnp.stack(
-      [jnp.asarray(s, jnp.float32) for s in scalar_leaves]
-      + [apply.astype(jnp.float32)]
-      + [jnp.asarray(v).astype(jnp.float32) for v in (step, *offset, layer)])
+  scalar_vector, scalars_treedef = pack_kernel_scalars(
+      scalars, apply, step, offset, layer_index)
 
   grid = (pl.cdiv(k, config.block_k) * pl.cdiv(n, config.block_n),)
   both_f32 = x2.dtype == jnp.float32 and dy2.dtype == jnp.float32
   kernel_fn = functools.partial(
       _fused_kernel, optimizer=optimizer, state_treedef=state_treedef,
-      scalars_treedef=scalars_treedef, num_scalars=len(scalar_leaves),
+      scalars_treedef=scalars_treedef,
       tokens=tokens, k=k, n=n, config=config,
       dot_precision=lax.Precision.HIGHEST if both_f32 else None,
       scale_leaves=scale_leaves, layer_id=spec.layer_id,

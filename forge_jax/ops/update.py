@@ -98,3 +98,41 @@ def apply_update(optimizer: ForgeOptimizer, grad: jax.Array, kernel: jax.Array,
   new_state = quantization.update_state(
       new_state_f32, stacks.layer_entries(state, store_index), store_ok, valid)
   return new_kernel, new_state, ok
+
+
+class KernelScalars(NamedTuple):
+  """What a fused kernel reads from its scalar vector
+  (:func:`pack_kernel_scalars`)."""
+
+  scalars: NamedTuple  # the optimizer's
+  apply: jax.Array  # bool
+  step: jax.Array  # int32: the layer's count (stochastic rounding)
+  shard_row: jax.Array  # int32: the shard's global offset (ditto)
+  shard_col: jax.Array
+  layer_index: jax.Array  # int32: the layer of stacked refs
+
+
+def pack_kernel_scalars(scalars: NamedTuple, apply: jax.Array, step=None,
+                        offset=None, layer_index=None):
+  """The optimizer's scalars, then ``apply``, the step, the shard's offset
+  ``(row, column)`` and the layer index, as one float32 vector (the integers
+  are exact up to 2**24), and the optimizer scalars' treedef."""
+  leaves, treedef = jax.tree.flatten(scalars)
+  step = 0 if step is None else step
+  offset = (0, 0) if offset is None else offset
+  layer_index = 0 if layer_index is None else layer_index
+  vector = jnp.stack(
+      [jnp.asarray(s, jnp.float32) for s in leaves]
+      + [apply.astype(jnp.float32)]
+      + [jnp.asarray(v).astype(jnp.float32)
+         for v in (step, *offset, layer_index)])
+  return vector, treedef
+
+
+def read_kernel_scalars(ref, treedef) -> KernelScalars:
+  """Inside a kernel: the :func:`pack_kernel_scalars` vector ``ref``."""
+  num = treedef.num_leaves
+  values = [ref[i] for i in range(num + len(KernelScalars._fields) - 1)]
+  return KernelScalars(jax.tree.unflatten(treedef, values[:num]),
+                       values[num] > 0.5,
+                       *(v.astype(jnp.int32) for v in values[num + 1:]))
