@@ -223,17 +223,16 @@ SWEEP_CONFIGS = [
 
 
 MOSAIC_SWEEP_CONFIGS = [
-    # Session 3: the epilogue's loads issued under the main loop (the first
-    # `epilogue_slots` sub-tiles of four, at step `prefetch_step`).
-    mosaic_kernel.MosaicConfig(epilogue_slots=2),  # fp32 default
-    mosaic_kernel.MosaicConfig(epilogue_slots=2, prefetch_step=0),
-    mosaic_kernel.MosaicConfig(epilogue_slots=2, prefetch_step=10),
-    mosaic_kernel.MosaicConfig(epilogue_slots=3, max_concurrent_steps=2),
-    mosaic_kernel.MosaicConfig(epilogue_slots=3, max_concurrent_steps=2,
-                               prefetch_step=1),
-    mosaic_kernel.MosaicConfig(epilogue_slots=1, max_concurrent_steps=4),
-    mosaic_kernel.MosaicConfig(tile_n=128, epilogue_slots=2,
-                               max_concurrent_steps=2),
+    # Session 4: the epilogue warpgroup (the compute warpgroups hand their
+    # accumulators over through shared memory and go on with the next tile)
+    # against the session-3 defaults, whose epilogue follows each main loop.
+    mosaic_kernel.MosaicConfig(),
+    mosaic_kernel.MosaicConfig(tile_n=128, max_concurrent_steps=2),
+    mosaic_kernel.MosaicConfig(epilogue_warpgroup=True),
+    mosaic_kernel.MosaicConfig(epilogue_warpgroup=True, max_concurrent_steps=4,
+                               epilogue_slots=1),
+    mosaic_kernel.MosaicConfig(epilogue_warpgroup=True, epilogue_n=64,
+                               epilogue_slots=1),
 ]
 
 
@@ -370,13 +369,19 @@ def main():
 #: bf16 kernel and states (the whole-step configuration): which epilogue
 #: schedule is fastest, and where the time goes.
 MOSAIC_DIAG_CONFIGS = {
-    "slots2-pf0": mosaic_kernel.MosaicConfig(epilogue_slots=2, prefetch_step=0),
-    "slots4-pf4": mosaic_kernel.MosaicConfig(),
-    "slots4-pf0": mosaic_kernel.MosaicConfig(prefetch_step=0),
-    "slots1-steps4": mosaic_kernel.MosaicConfig(epilogue_slots=1,
-                                                max_concurrent_steps=4),
-    "en64-slots2": mosaic_kernel.MosaicConfig(epilogue_n=64, epilogue_slots=2),
-    "n128-slots2": mosaic_kernel.MosaicConfig(tile_n=128, epilogue_slots=2,
+    "wg-slots2": mosaic_kernel.MosaicConfig(epilogue_warpgroup=True),
+    "wg-slots4": mosaic_kernel.MosaicConfig(epilogue_warpgroup=True,
+                                            epilogue_slots=4),
+    "wg-en64": mosaic_kernel.MosaicConfig(epilogue_warpgroup=True,
+                                          epilogue_n=64),
+    "wg-steps4": mosaic_kernel.MosaicConfig(epilogue_warpgroup=True,
+                                            max_concurrent_steps=4),
+    "wg-t128-steps2": mosaic_kernel.MosaicConfig(
+        epilogue_warpgroup=True, tile_t=128, max_concurrent_steps=2),
+    "inline-slots2": mosaic_kernel.MosaicConfig(),
+    "inline-en64-pf4": mosaic_kernel.MosaicConfig(epilogue_n=64,
+                                                  prefetch_step=4),
+    "inline-n128": mosaic_kernel.MosaicConfig(tile_n=128,
                                               max_concurrent_steps=2),
 }
 

@@ -51,6 +51,9 @@ CONFIGS = {
     "one-warpgroup": mosaic_kernel.MosaicConfig(**SMALL, epilogue_n=32,
                                                 epilogue_slots=2,
                                                 compute_wgs=1),
+    # Four sub-tiles a CTA tile in two buffers, loaded ahead across tiles.
+    "epilogue-warpgroup": mosaic_kernel.MosaicConfig(
+        **SMALL, epilogue_n=32, epilogue_slots=2, epilogue_warpgroup=True),
 }
 X_SHAPE, N = (2, 64, 128), 256
 # int8 states: epilogue sub-tiles of one quantization block (64 columns).
@@ -61,7 +64,11 @@ INT8_CONFIGS = {
                                        epilogue_slots=1),
     "int8-two-rows": mosaic_kernel.MosaicConfig(
         **{**SMALL, "tile_k": 128}, epilogue_n=64, epilogue_slots=2),
+    "int8-warpgroup": mosaic_kernel.MosaicConfig(
+        **SMALL, epilogue_n=64, epilogue_slots=2, epilogue_warpgroup=True),
 }
+#: The two epilogue schedules of the per-optimizer tests.
+SCHEDULES = ("all-prefetched", "epilogue-warpgroup")
 
 
 def run_mosaic(opt, x, dy, kernel, state, count, config, layer_index=None,
@@ -87,12 +94,13 @@ def run_reference_at(opt, x, dy, kernel, state, count, step, offset=None,
                       jnp.all(jnp.isfinite(dy)), step=step))
 
 
+@pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("name,opt,count", OPTIMIZERS,
                          ids=[name for name, _, _ in OPTIMIZERS])
-def test_mosaic_kernel_matches_reference(name, opt, count, seed):
+def test_mosaic_kernel_matches_reference(name, opt, count, schedule, seed):
   dtypes = (F32, F32, BF16)  # wgmma takes 16-bit activations
-  config = CONFIGS["all-prefetched"]
-  if name.startswith("rmsprop-centered"):
+  config = CONFIGS[schedule]
+  if name.startswith("rmsprop-centered") and schedule == "all-prefetched":
     config = CONFIGS["single-buffered"]  # four state tensors: less smem
   inputs = random_inputs(seed, opt, X_SHAPE, N, dtypes)
   old_kernel = np.asarray(inputs[2]).copy()
@@ -112,12 +120,13 @@ def test_mosaic_configs_and_bf16_storage(config, seed):
   assert_leaves_match(actual, expected, config)
 
 
-def test_mosaic_skips_and_counts_nonfinite_gradient_elements(seed):
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_mosaic_skips_and_counts_nonfinite_gradient_elements(schedule, seed):
   opt = fj.adamw(0.05)
   x, dy, kernel, state = random_inputs(seed, opt, X_SHAPE, N, (F32, F32, BF16))
   x = x.at[0, 3, 17].set(jnp.nan)  # row 17 of dW is NaN: N elements skipped
   expected = run_reference(opt, x, dy, kernel, state, 2)
-  actual = run_mosaic(opt, x, dy, kernel, state, 2, CONFIGS["all-prefetched"])
+  actual = run_mosaic(opt, x, dy, kernel, state, 2, CONFIGS[schedule])
   assert int(expected[2]) == int(actual[2]) == N
   np.testing.assert_array_equal(bits(actual[0])[17], bits(kernel)[17])
   rows = np.arange(kernel.shape[0]) != 17
@@ -126,7 +135,8 @@ def test_mosaic_skips_and_counts_nonfinite_gradient_elements(seed):
                                rtol=1e-5, atol=1e-6)
 
 
-def test_mosaic_stacked_layer_updates_only_its_entry(seed):
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_mosaic_stacked_layer_updates_only_its_entry(schedule, seed):
   opt = fj.adamw(0.05)
   x, dy, kernel, state = random_inputs(seed, opt, X_SHAPE, N, (F32, F32, BF16))
   stack = lambda a: jnp.stack([a, a + 1.0, a - 1.0])
@@ -134,7 +144,7 @@ def test_mosaic_stacked_layer_updates_only_its_entry(seed):
   layer = lambda tree, i: jax.tree.map(lambda a: a[i], tree)
   expected = run_reference(opt, x, dy, kernels[1], layer(states, 1), 2)
   actual = run_mosaic(opt, x, dy, kernels, states, 2,
-                      CONFIGS["all-prefetched"], layer_index=jnp.int32(1))
+                      CONFIGS[schedule], layer_index=jnp.int32(1))
   assert_leaves_match((actual[0][1], layer(actual[1], 1)), expected, "layer 1")
   for i in (0, 2):  # the other layers are untouched, bit for bit
     for a, b in zip(jax.tree.leaves(layer(actual[:2], i)),
@@ -152,6 +162,25 @@ def test_mosaic_config_errors_name_the_bad_field():
     mosaic_kernel.MosaicConfig(tile_t=32)
   with pytest.raises(ValueError, match=r"compute_wgs=3 must be 1 or 2"):
     mosaic_kernel.MosaicConfig(compute_wgs=3)
+  with pytest.raises(ValueError, match=r"epilogue_slots=3 must divide the 8 "):
+    mosaic_kernel.MosaicConfig(epilogue_slots=3, epilogue_warpgroup=True)
+  with pytest.raises(ValueError, match=r"prefetch_step=4 does not apply"):
+    mosaic_kernel.MosaicConfig(prefetch_step=4, epilogue_warpgroup=True)
+  with pytest.raises(ValueError, match=r"leaving 88 < 128 for the epilogue"):
+    mosaic_kernel.MosaicConfig(tile_n=128, epilogue_warpgroup=True)
+
+
+def test_mosaic_epilogue_warpgroup_with_uneven_tiles_and_steps(seed):
+  """Three tiles on two CTAs (one CTA gets two, the other one) and three
+  pipeline steps on a ring of two buffers: the step and sub-tile rings run
+  across tiles, and the last tile's loads must not be issued."""
+  opt = fj.adamw(0.05, weight_decay=0.1)
+  inputs = random_inputs(seed, opt, (3, 64, 192), 128, (BF16, F32, BF16))
+  config = dataclasses.replace(CONFIGS["epilogue-warpgroup"], epilogue_n=16,
+                               epilogue_slots=4)
+  expected = run_reference(opt, *inputs, 2)
+  actual = run_mosaic(opt, *inputs, 2, config)
+  assert_leaves_match(actual, expected, "uneven")
 
 
 def test_default_config_follows_tokens_dtypes_and_shape():
@@ -207,15 +236,17 @@ SR_OPTIMIZERS = {
 }
 
 
-@pytest.mark.parametrize("name,offset", [("adamw", None),
-                                         ("lion", (4096, 512))],
-                         ids=["adamw-whole", "lion-shard-offset"])
+@pytest.mark.parametrize("name,offset,config", [
+    ("adamw", None, "double-buffered"),
+    ("lion", (4096, 512), "double-buffered"),
+    ("lion", (4096, 512), "epilogue-warpgroup")],
+                         ids=["adamw-whole", "lion-shard-offset",
+                              "lion-shard-offset-epilogue-warpgroup"])
 def test_mosaic_stochastic_rounding_matches_reference_bits(name, offset,
-                                                           seed):
+                                                           config, seed):
   """Two steps (a new draw each); a tensor-parallel shard at a global
   offset hashes the global indices, as the reference does."""
-  run_lowp_steps(SR_OPTIMIZERS[name], seed, CONFIGS["double-buffered"],
-                 offset=offset)
+  run_lowp_steps(SR_OPTIMIZERS[name], seed, CONFIGS[config], offset=offset)
 
 
 def test_mosaic_stochastic_rounding_of_a_stacked_layer(seed):
@@ -261,7 +292,7 @@ def int8_inputs(seed, opt):
 
 @pytest.mark.parametrize(
     "name,opt,count,config",
-    [(name, opt, count, sorted(INT8_CONFIGS)[i % 2])
+    [(name, opt, count, sorted(INT8_CONFIGS)[i % len(INT8_CONFIGS)])
      for i, (name, opt, count) in enumerate(INT8_OPTIMIZERS)],
     ids=[name for name, _, _ in INT8_OPTIMIZERS])
 def test_mosaic_int8_states_match_reference_bits(name, opt, count, config,
@@ -348,20 +379,25 @@ def test_mosaic_refuses_what_it_cannot_run_and_auto_falls_back():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("schedule", ["default", "epilogue-warpgroup"])
 @pytest.mark.parametrize("name,opt,count", OPTIMIZERS,
                          ids=[name for name, _, _ in OPTIMIZERS])
 def test_compiled_mosaic_kernel_matches_reference_on_gpu(name, opt, count,
-                                                         seed):
+                                                         schedule, seed):
   """On sm90+: the compiled kernel (transposed wgmma, TMA, in place) at a
-  Llama layer shape."""
+  Llama layer shape, with the default config and with the epilogue
+  warpgroup (one buffer for four float32 state tensors: shared memory)."""
   if not backends._on_hopper_or_newer():  # pylint: disable=protected-access
     pytest.skip("needs a Hopper or newer GPU")
   inputs = random_inputs(seed, opt, (2048, 4096), 1024, (F32, F32, BF16))
   expected = run_reference(opt, *inputs, count)
   spec = FusedDenseSpec(optimizer=opt, implementation="mosaic")
   scalars = opt.scalars(jnp.asarray(count, jnp.int32))
-  fn = jax.jit(functools.partial(mosaic_kernel.mosaic_update, spec),
-               donate_argnums=(2, 3))
+  config = None if schedule == "default" else mosaic_kernel.MosaicConfig(
+      epilogue_warpgroup=True,
+      epilogue_slots=1 if name.startswith("rmsprop-centered") else 2)
+  fn = jax.jit(functools.partial(mosaic_kernel.mosaic_update, spec,
+                                 config=config), donate_argnums=(2, 3))
   actual = host_copy(fn(*inputs, scalars, jnp.all(jnp.isfinite(inputs[1]))))
   assert_leaves_match(actual, expected, name)
 
@@ -452,7 +488,10 @@ def test_compiled_kernel_bits_do_not_depend_on_config_or_run(tokens, seed):
   configs = {c for t in (512, 2048, 8192)
              for c in mosaic_kernel.ranked_configs(t)}
   configs |= {mosaic_kernel.MosaicConfig(epilogue_n=64),
-              mosaic_kernel.MosaicConfig(epilogue_slots=4, prefetch_step=4)}
+              mosaic_kernel.MosaicConfig(epilogue_slots=4, prefetch_step=4),
+              mosaic_kernel.MosaicConfig(epilogue_warpgroup=True),
+              mosaic_kernel.MosaicConfig(epilogue_warpgroup=True,
+                                         epilogue_slots=4)}
   spec = FusedDenseSpec(optimizer=opt, implementation="mosaic")
   scalars = opt.scalars(jnp.asarray(3, jnp.int32))
   apply = jnp.all(jnp.isfinite(inputs[1]))

@@ -97,6 +97,12 @@ class MosaicConfig:
   and state are loaded under the main loop. ``ctas_per_sm`` persistent CTAs
   share an SM (2: one's epilogue overlaps the other's main loop, if both
   fit).
+
+  ``epilogue_warpgroup``: the compute warpgroups only accumulate; they hand
+  their float32 parts through shared memory to a fourth warpgroup, which
+  updates one tile while they run the next one's main loop (its
+  ``epilogue_slots`` buffers are loaded ahead, across tiles, and divide the
+  CTA tile's sub-tiles; ``prefetch_step`` does not apply).
   """
 
   tile_k: int = 128
@@ -111,6 +117,7 @@ class MosaicConfig:
   epilogue_slots: int = 2
   prefetch_step: int = 0
   ctas_per_sm: int = 1
+  epilogue_warpgroup: bool = False
 
   def __post_init__(self):
     for name in ("tile_k", "tile_n", "tile_t", "epilogue_k", "epilogue_n"):
@@ -130,7 +137,24 @@ class MosaicConfig:
     for name in ("compute_wgs", "ctas_per_sm"):
       if getattr(self, name) not in (1, 2):
         raise ValueError(f"{name}={getattr(self, name)} must be 1 or 2")
-    if not 1 <= self.epilogue_slots <= self.epilogue_subtiles:
+    if self.epilogue_warpgroup:
+      subtiles = self.compute_wgs * self.epilogue_subtiles
+      if subtiles % self.epilogue_slots:
+        raise ValueError(
+            f"epilogue_slots={self.epilogue_slots} must divide the {subtiles} "
+            "epilogue sub-tiles of a CTA tile (epilogue_warpgroup=True)")
+      for name in ("prefetch_step", "ctas_per_sm"):
+        if getattr(self, name) != MosaicConfig.__dataclass_fields__[name].default:
+          raise ValueError(f"{name}={getattr(self, name)} does not apply with "
+                           "epilogue_warpgroup=True")
+      compute, epilogue = warpgroup_registers(self)
+      if epilogue < MIN_EPILOGUE_REGISTERS:
+        raise ValueError(
+            f"the {self.tile_k} x {self.tile_n} accumulators take {compute} "
+            f"registers a thread in each of {self.compute_wgs} compute "
+            f"warpgroups, leaving {epilogue} < {MIN_EPILOGUE_REGISTERS} for the "
+            "epilogue warpgroup")
+    elif not 1 <= self.epilogue_slots <= self.epilogue_subtiles:
       raise ValueError(
           f"epilogue_slots={self.epilogue_slots} must be between 1 and the "
           f"{self.epilogue_subtiles} epilogue sub-tiles of a warpgroup's part")
@@ -149,15 +173,45 @@ class MosaicConfig:
     """Sub-tiles of one warpgroup's ``tile_k x tile_n`` part."""
     return (self.tile_k // self.epilogue_k) * (self.tile_n // self.epilogue_n)
 
+  @property
+  def num_warpgroups(self) -> int:
+    """Compute warpgroups, the memory warpgroup, the epilogue warpgroup."""
+    return self.compute_wgs + 1 + self.epilogue_warpgroup
+
+
+#: Registers a thread of the memory warpgroup keeps (it only issues TMA).
+MEMORY_REGISTERS = 40
+#: Below this the epilogue warpgroup's rule would spill.
+MIN_EPILOGUE_REGISTERS = 128
+#: The SM's 64K registers, counted in registers per thread of one warpgroup
+#: (128 threads); at launch every warpgroup has an equal share.
+_REGISTER_FILE = 512
+
+
+def warpgroup_registers(config: MosaicConfig) -> tuple:
+  """Per-thread registers of a compute and of the epilogue warpgroup with
+  ``epilogue_warpgroup``: the compute warpgroups keep their float32
+  accumulator and 64 more; the epilogue warpgroup gets the rest (setmaxnreg
+  takes multiples of 8, at most 256)."""
+  accumulator = config.tile_k * config.tile_n // 128
+  compute = -(-(accumulator + 64) // 8) * 8
+  rest = _REGISTER_FILE - MEMORY_REGISTERS - config.compute_wgs * compute
+  return compute, min(232, rest // 8 * 8)
+
 
 def shared_memory_bytes(config: MosaicConfig, activation_itemsize: int,
                         storage_itemsizes) -> int:
-  """A CTA's pipeline buffers + its warpgroups' epilogue buffers."""
+  """A CTA's pipeline buffers + its epilogue buffers (+ the accumulators
+  handed to the epilogue warpgroup)."""
   pipeline = (config.max_concurrent_steps * config.tile_t
               * (config.tile_k + config.cta_tile_n) * activation_itemsize)
-  epilogue = (config.compute_wgs * config.epilogue_slots * config.epilogue_k
-              * config.epilogue_n * sum(storage_itemsizes))
-  return pipeline + epilogue
+  buffers = config.epilogue_slots * (
+      1 if config.epilogue_warpgroup else config.compute_wgs)
+  epilogue = (buffers * config.epilogue_k * config.epilogue_n
+              * sum(storage_itemsizes))
+  accumulators = (config.compute_wgs * config.tile_k * config.tile_n * 4
+                  if config.epilogue_warpgroup else 0)
+  return pipeline + epilogue + accumulators
 
 
 #: Defaults by token count, fastest first (H200, AdamW, bf16 and float32
@@ -329,6 +383,87 @@ def _swizzled(block_minor: int, dtype):
           plgpu.SwizzleTransform(swizzle))
 
 
+class _Epilogue:
+  """The update of ``epilogue_k x epilogue_n`` sub-tiles, shared by both
+  schedules: TMA loads of the kernel and state windows into a shared-memory
+  buffer, the rule in registers, the new values stored back in place.
+
+  Buffers are indexed by ``buffer``; each has one load barrier per leaf that
+  goes through shared memory (int8 block scales do not: their sub-tile's
+  column is 4 bytes a row, below TMA's minimum, so they are read and
+  written in global memory, as a ``[epilogue_k]`` vector).
+  """
+
+  def __init__(self, *, storage_gmem, storage_out, is_scale, smem, barriers,
+               layer, rule, stochastic, shard_origin, config, interpret):
+    self.storage_gmem, self.storage_out = storage_gmem, storage_out
+    self.is_scale, self.smem, self.barriers = is_scale, smem, barriers
+    self.tma_gmem = [r for r, scale in zip(storage_gmem, is_scale) if not scale]
+    self.tma_out = [r for r, scale in zip(storage_out, is_scale) if not scale]
+    self.layer, self.rule, self.stochastic = layer, rule, stochastic
+    self.shard_origin, self.interpret = shard_origin, interpret
+    self.ek, self.en = config.epilogue_k, config.epilogue_n
+
+  def _window(self, ref, k0, n0):
+    return ref.at[(*self.layer, pl.ds(k0, self.ek), pl.ds(n0, self.en))]
+
+  def _scale_index(self, k0, n0):
+    """The sub-tile's block scales: one column (``epilogue_n`` is a block;
+    Mosaic GPU has no layout for an ``[epilogue_k, 1]`` tile)."""
+    return (*self.layer, pl.ds(k0, self.ek), n0 // quantization.BLOCK_SIZE)
+
+  def _barrier(self, buffer, leaf):
+    return self.barriers.at[buffer * len(self.tma_gmem) + leaf]
+
+  def issue_loads(self, buffer, k0, n0):
+    """Loads the sub-tile at ``(k0, n0)`` into ``buffer``."""
+    # The stores that last read this buffer must have finished reading.
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    for leaf, (gmem, smem) in enumerate(zip(self.tma_gmem, self.smem)):
+      plgpu.copy_gmem_to_smem(self._window(gmem, k0, n0), smem.at[buffer],
+                              self._barrier(buffer, leaf))
+
+  def _indices(self, k0, n0):
+    """Stochastic rounding's global (rows, cols) of the sub-tile."""
+    if not self.stochastic:
+      return None
+    shape = (self.ek, self.en)  # full tiles: their layout is the update's
+    row0, col0 = self.shard_origin
+    return (row0 + k0 + lax.broadcasted_iota(jnp.int32, shape, 0),
+            col0 + n0 + lax.broadcasted_iota(jnp.int32, shape, 1))
+
+  def _read_scales(self, gmem, k0, n0):
+    if self.interpret:  # the interpreter has no plgpu.load
+      return gmem[self._scale_index(k0, n0)]
+    # A strided column: no optimized (vectorized) load exists.
+    return plgpu.load(gmem, self._scale_index(k0, n0), optimized=False)
+
+  def update(self, buffer, k0, n0, grad):
+    """Waits for ``buffer``'s loads, applies the rule with ``grad`` and
+    stores the new values (asynchronously). Returns the skipped count."""
+    for leaf in range(len(self.tma_gmem)):
+      plgpu.barrier_wait(self._barrier(buffer, leaf))
+    smem_values = iter(smem[buffer] for smem in self.smem)
+    values = [self._read_scales(gmem, k0, n0) if scale else next(smem_values)
+              for gmem, scale in zip(self.storage_gmem, self.is_scale)]
+    new_values, updated = self.rule(grad, values, self._indices(k0, n0))
+    to_smem = []
+    for gmem, value, scale in zip(self.storage_out, new_values, self.is_scale):
+      if scale:
+        gmem[self._scale_index(k0, n0)] = value
+      else:
+        to_smem.append(value)
+    for smem, value in zip(self.smem, to_smem):
+      smem[buffer] = value
+    plgpu.commit_smem()
+    for gmem, smem in zip(self.tma_out, self.smem):
+      plgpu.copy_smem_to_gmem(smem.at[buffer], self._window(gmem, k0, n0))
+    # Rows first: Mosaic GPU's layout inference finds no layout for a 2-D ->
+    # scalar reduction of the wgmma-layout mask.
+    return jnp.sum(jnp.sum(jnp.where(updated, 0.0, 1.0), axis=1)
+                   ).astype(jnp.int32)
+
+
 def _fused_kernel(scalars_gmem, x_gmem, dy_gmem, storage_gmem, storage_out,
                   skipped_gmem, *, optimizer, state_treedef, scalars_treedef,
                   config: MosaicConfig, layer_id, interpret, stacked,
@@ -336,189 +471,308 @@ def _fused_kernel(scalars_gmem, x_gmem, dy_gmem, storage_gmem, storage_out,
   """``storage_gmem`` (kernel, *state leaves) are read; ``storage_out`` written
   (on the GPU the same refs: in place). ``scalars_gmem`` is
   :func:`forge_jax.ops.update.pack_kernel_scalars`'s vector (``stacked``:
-  the refs are ``[L, K, N]`` stacks, stepped at its layer index)."""
+  the refs are ``[L, K, N]`` stacks, stepped at its layer index).
+  ``skipped_gmem[compute_wgs * tile + part]`` counts the skipped elements of
+  each warpgroup's part of each tile."""
   # x is [tokens, k]; in interpret mode it arrives transposed, [k, tokens].
   tokens, k = x_gmem.shape[::-1] if interpret else x_gmem.shape
   n = dy_gmem.shape[1]
   tk, tn, tt = config.tile_k, config.tile_n, config.tile_t
   ek, en = config.epilogue_k, config.epilogue_n
-  stochastic = (optimizer.weight_rounding == "stochastic"
-                and storage_gmem[0].dtype == jnp.bfloat16)
-  k_iters, n_iters = k // tk, n // config.cta_tile_n
+  cta_tn = config.cta_tile_n
+  k_iters, n_iters = k // tk, n // cta_tn
+  num_tiles, num_steps = k_iters * n_iters, tokens // tt
   if interpret:
-    x_block, x_index = (tk, tt), lambda t: (0, t)
-    x_window = lambda k_start: x_gmem.at[pl.ds(k_start, tk), :]
+    x_block = (tk, tt)
+    x_window = lambda k0, t: x_gmem.at[pl.ds(k0, tk), pl.ds(t * tt, tt)]
   else:
-    x_block, x_index = (tt, tk), lambda t: (t, 0)
-    x_window = lambda k_start: x_gmem.at[:, pl.ds(k_start, tk)]
+    x_block = (tt, tk)
+    x_window = lambda k0, t: x_gmem.at[pl.ds(t * tt, tt), pl.ds(k0, tk)]
   x_transforms = _swizzled(x_block[1], x_gmem.dtype)
-  dy_transforms = _swizzled(config.cta_tile_n, dy_gmem.dtype)
+  dy_transforms = _swizzled(cta_tn, dy_gmem.dtype)
+  tma_refs = [ref for ref, scale in zip(storage_gmem, is_scale) if not scale]
+  # Sub-tiles of one warpgroup's tile_k x tile_n part, in order.
+  part_subtiles = [(i * ek, j * en) for i in range(tk // ek)
+                   for j in range(tn // en)]
 
-  def pipeline(body, compute_context):
-    return plgpu.emit_pipeline_warp_specialized(
-        body,
-        grid=(tokens // tt,),
-        memory_registers=40,
-        in_specs=[
-            plgpu.BlockSpec(x_block, x_index, transforms=x_transforms),
-            plgpu.BlockSpec((tt, config.cta_tile_n), lambda t: (t, 0),
-                            transforms=dy_transforms),
-        ],
-        wg_axis="wg",
-        num_compute_wgs=config.compute_wgs,
-        max_concurrent_steps=config.max_concurrent_steps,
-        compute_context=compute_context,
-    )
+  def tile_origin(linear):
+    k_idx, n_idx = plgpu.planar_snake(linear, (k_iters, n_iters), 1,
+                                      config.grid_tile_width)
+    return k_idx * tk, n_idx * cta_tn
 
-  ignore = lambda *_, **__: None
-  slots = config.epilogue_slots
-  prefetch_step = min(config.prefetch_step, tokens // tt - 1)
-  num_buffers = config.compute_wgs * slots
-  # int8 block scales (a sub-tile's is one 4-byte column: no TMA box) are
-  # read and written directly in global memory; every other leaf goes
-  # through shared memory by TMA.
-  tma_gmem = [ref for ref, scale in zip(storage_gmem, is_scale) if not scale]
-  tma_out = [ref for ref, scale in zip(storage_out, is_scale) if not scale]
+  def wgmma(acc_ref, x_smem, dy_smem, part):
+    # The interpreter's wgmma takes no transposed operand: there x arrives
+    # transposed (the GPU tests check the transposed path).
+    lhs = x_smem if interpret else plgpu.transpose_ref(x_smem, (1, 0))
+    plgpu.wgmma(acc_ref, lhs, dy_smem.at[:, pl.ds(part * tn, tn)])
 
-  @functools.partial(
-      pl.run_scoped,
-      pipeline_allocs=pipeline(ignore, ignore).get_allocations(
-          x_window(0), dy_gmem.at[:, :config.cta_tile_n]),
-      epilogue_smem=[plgpu.SMEM((num_buffers, ek, en), ref.dtype,
-                                transforms=_swizzled(en, ref.dtype))
-                     for ref in tma_gmem],
-      # One barrier per (warpgroup, slot, tensor): each TMA load arrives once.
-      load_barrier=plgpu.Barrier(num_barriers=num_buffers * len(tma_gmem)),
-      collective_axes="wg",
-  )
-  def _scope(pipeline_allocs, epilogue_smem, load_barrier):
-    wg = lax.axis_index("wg")
-    # The step and the shard's global offset seed stochastic rounding.
+  def epilogue(smem, barriers):
     scalars, apply, step, shard_row, shard_col, layer_index = (
         read_kernel_scalars(scalars_gmem, scalars_treedef))
-    layer = (layer_index,) if stacked else ()
 
-    @plgpu.nd_loop((k_iters * n_iters,), collective_axes="sm")
-    def _tile_loop(loop_info: plgpu.NDLoopInfo):
-      (linear,) = loop_info.index
-      k_idx, n_idx = plgpu.planar_snake(linear, (k_iters, n_iters), 1,
-                                        config.grid_tile_width)
-      k0 = k_idx * tk
-      n0 = n_idx * config.cta_tile_n + wg * tn
+    def rule(grad, values, indices):
+      state = jax.tree.unflatten(state_treedef, values[1:])
+      new_w, new_state, updated = apply_update(
+          optimizer, grad, values[0], state, scalars, apply, step=step,
+          layer_id=layer_id, indices=indices)
+      return [new_w] + jax.tree.leaves(new_state), updated
 
-      # The epilogue's sub-tiles of this warpgroup's part, in order.
-      tiles = [(i, j) for i in range(tk // ek) for j in range(tn // en)]
+    return _Epilogue(
+        storage_gmem=storage_gmem, storage_out=storage_out, is_scale=is_scale,
+        smem=smem, barriers=barriers,
+        layer=(layer_index,) if stacked else (), rule=rule,
+        stochastic=(optimizer.weight_rounding == "stochastic"
+                    and storage_gmem[0].dtype == jnp.bfloat16),
+        shard_origin=(shard_row, shard_col), config=config,
+        interpret=interpret)
 
-      def window(ref, i, j):
-        return ref.at[(*layer, pl.ds(k0 + i * ek, ek), pl.ds(n0 + j * en, en))]
+  def epilogue_buffers(num_buffers):
+    return dict(
+        epilogue_smem=[plgpu.SMEM((num_buffers, ek, en), ref.dtype,
+                                  transforms=_swizzled(en, ref.dtype))
+                       for ref in tma_refs],
+        # One barrier per (buffer, leaf): each TMA load arrives once.
+        load_barriers=plgpu.Barrier(num_barriers=num_buffers * len(tma_refs)))
 
-      def global_indices(i, j):
-        """Stochastic rounding's (rows, cols) of sub-tile (i, j)."""
-        if not stochastic:
-          return None
-        shape = (ek, en)  # full tiles: their layout is the update's
-        rows = shard_row + k0 + i * ek + lax.broadcasted_iota(
-            jnp.int32, shape, 0)
-        cols = shard_col + n0 + j * en + lax.broadcasted_iota(
-            jnp.int32, shape, 1)
-        return rows, cols
 
-      def scale_index(i, j):
-        """The sub-tile's block scales, as ``[ek]``: one column (en is one
-        block; Mosaic GPU has no layout for an ``[ek, 1]`` tile)."""
-        block = (n0 + j * en) // quantization.BLOCK_SIZE
-        return (*layer, pl.ds(k0 + i * ek, ek), block)
+  def inline_schedule():
+    """Each compute warpgroup updates its part right after the tile's main
+    loop (emit_pipeline_warp_specialized's memory warpgroup streams x, dy)."""
+    slots = config.epilogue_slots
+    prefetch_step = min(config.prefetch_step, num_steps - 1)
+    if interpret:
+      x_column = lambda k0: x_gmem.at[pl.ds(k0, tk), :]
+      x_index = lambda t: (0, t)
+    else:
+      x_column = lambda k0: x_gmem.at[:, pl.ds(k0, tk)]
+      x_index = lambda t: (t, 0)
 
-      def buffer(slot):
-        return wg * slots + slot
+    def pipeline(body, compute_context):
+      # delay_release=1: a step's buffers are released after the next step's
+      # wgmma_wait(1), when the wgmma that reads them is known to be done.
+      return plgpu.emit_pipeline_warp_specialized(
+          body,
+          grid=(num_steps,),
+          memory_registers=MEMORY_REGISTERS,
+          in_specs=[
+              plgpu.BlockSpec(x_block, x_index, transforms=x_transforms,
+                              delay_release=1),
+              plgpu.BlockSpec((tt, cta_tn), lambda t: (t, 0),
+                              transforms=dy_transforms, delay_release=1),
+          ],
+          wg_axis="wg",
+          num_compute_wgs=config.compute_wgs,
+          max_concurrent_steps=config.max_concurrent_steps,
+          compute_context=compute_context,
+      )
 
-      def barrier(slot, t):
-        return load_barrier.at[buffer(slot) * len(tma_gmem) + t]
+    ignore = lambda *_, **__: None
 
-      def issue_loads(index):
-        i, j = tiles[index]
-        slot = index % slots
-        # The stores that last read this slot must have finished reading.
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-        for t, (gmem, smem) in enumerate(zip(tma_gmem, epilogue_smem)):
-          plgpu.copy_gmem_to_smem(window(gmem, i, j), smem.at[buffer(slot)],
-                                  barrier(slot, t))
+    @functools.partial(
+        pl.run_scoped,
+        pipeline_allocs=pipeline(ignore, ignore).get_allocations(
+            x_column(0), dy_gmem.at[:, :cta_tn]),
+        **epilogue_buffers(config.compute_wgs * slots),
+        collective_axes="wg",
+    )
+    def _scope(pipeline_allocs, epilogue_smem, load_barriers):
+      wg = lax.axis_index("wg")
+      ep = epilogue(epilogue_smem, load_barriers)
 
-      def read_scales(gmem, i, j):
-        if interpret:  # the interpreter has no plgpu.load
-          return gmem[scale_index(i, j)]
-        # A strided column: no optimized (vectorized) load exists.
-        return plgpu.load(gmem, scale_index(i, j), optimized=False)
+      @plgpu.nd_loop((num_tiles,), collective_axes="sm")
+      def _tile_loop(loop_info: plgpu.NDLoopInfo):
+        (linear,) = loop_info.index
+        k0, cta_n0 = tile_origin(linear)
+        n0 = cta_n0 + wg * tn
+        buffer = lambda index: wg * slots + index % slots
 
-      def read_values(slot, i, j):
-        """Kernel and state leaves of sub-tile (i, j), its loads landed."""
-        smem_values = iter(smem[buffer(slot)] for smem in epilogue_smem)
-        return [read_scales(gmem, i, j) if scale else next(smem_values)
-                for gmem, scale in zip(storage_gmem, is_scale)]
+        def issue_loads(index):
+          di, dj = part_subtiles[index]
+          ep.issue_loads(buffer(index), k0 + di, n0 + dj)
 
-      def write_values(slot, i, j, values):
-        """New leaves to shared memory (scales to global), then TMA stores."""
-        smem_values = []
-        for gmem, value, scale in zip(storage_out, values, is_scale):
-          if scale:
-            gmem[scale_index(i, j)] = value
-          else:
-            smem_values.append(value)
-        for smem, value in zip(epilogue_smem, smem_values):
-          smem[buffer(slot)] = value
-        plgpu.commit_smem()
-        for gmem, smem in zip(tma_out, epilogue_smem):
-          plgpu.copy_smem_to_gmem(smem.at[buffer(slot)], window(gmem, i, j))
+        def compute_context(eval_pipeline):
+          @functools.partial(pl.run_scoped,
+                             acc_ref=plgpu.ACC((tk, tn), jnp.float32))
+          def _acc_scope(acc_ref):
+            eval_pipeline(acc_ref)  # issues the first `slots` sub-tiles' loads
+            acc = acc_ref[...]
+            skipped = jnp.zeros((), jnp.int32)
+            for index, (di, dj) in enumerate(part_subtiles):
+              skipped += ep.update(buffer(index), k0 + di, n0 + dj,
+                                   acc[di:di + ek, dj:dj + en])
+              if index + slots < len(part_subtiles):
+                issue_loads(index + slots)  # into this buffer, once stored
+            # Every thread holds the same sum: all write the same value.
+            skipped_gmem[config.compute_wgs * linear + wg] = skipped
 
-      def compute_context(eval_pipeline):
-        @functools.partial(pl.run_scoped,
-                           acc_ref=plgpu.ACC((tk, tn), jnp.float32))
-        def _acc_scope(acc_ref):
-          eval_pipeline(acc_ref)  # issues the first `slots` sub-tiles' loads
-          acc = acc_ref[...]
-          skipped = jnp.zeros((), jnp.int32)
-          for index, (i, j) in enumerate(tiles):
-            slot = index % slots
-            for t in range(len(tma_gmem)):
-              plgpu.barrier_wait(barrier(slot, t))
-            grad = acc[i * ek:(i + 1) * ek, j * en:(j + 1) * en]
-            values = read_values(slot, i, j)
-            state = jax.tree.unflatten(state_treedef, values[1:])
-            new_w, new_state, updated = apply_update(
-                optimizer, grad, values[0], state, scalars, apply,
-                step=step, layer_id=layer_id, indices=global_indices(i, j))
-            write_values(slot, i, j, [new_w] + jax.tree.leaves(new_state))
-            if index + slots < len(tiles):
-              issue_loads(index + slots)  # into this slot, once stored
-            # Rows first: Mosaic GPU's layout inference finds no layout for
-            # a 2-D -> scalar reduction of the wgmma-layout mask.
-            skipped += jnp.sum(jnp.sum(jnp.where(updated, 0.0, 1.0), axis=1)
-                               ).astype(jnp.int32)
-          # Every thread holds the same sum: all write the same value.
-          skipped_gmem[config.compute_wgs * linear + wg] = skipped
+        def mma(indices, x_smem, dy_smem, acc_ref):
+          wgmma(acc_ref, x_smem, dy_smem, wg)
 
-      def mma(indices, x_smem, dy_smem, acc_ref):
-        dy_half = dy_smem.at[:, pl.ds(wg * tn, tn)]
-        # The interpreter's wgmma takes no transposed operand: there x
-        # arrives transposed (the GPU tests check the transposed path).
-        lhs = x_smem if interpret else plgpu.transpose_ref(x_smem, (1, 0))
-        plgpu.wgmma(acc_ref, lhs, dy_half)
+          # Issued after this step's wgmma, so the tensor cores work while
+          # the previous tile's stores finish reading the buffers.
+          @pl.when(indices[0] == prefetch_step)
+          def _prefetch():
+            for index in range(slots):
+              issue_loads(index)
 
-        # Issued after this step's wgmma, so the tensor cores work while
-        # the previous tile's stores finish reading the slots.
-        @pl.when(indices[0] == prefetch_step)
-        def _prefetch():
-          for index in range(slots):
-            issue_loads(index)
+          plgpu.wgmma_wait(1)
+          return acc_ref
 
-        plgpu.wgmma_wait(1)
-        return acc_ref
+        pipeline(mma, compute_context)(
+            x_column(k0), dy_gmem.at[:, pl.ds(cta_n0, cta_tn)],
+            allocations=pipeline_allocs)
 
-      pipeline(mma, compute_context)(
-          x_window(k0),
-          dy_gmem.at[:, pl.ds(n_idx * config.cta_tile_n, config.cta_tile_n)],
-          allocations=pipeline_allocs)
+  def warpgroup_schedule():
+    """A memory warpgroup streams x and dy; the compute warpgroups accumulate
+    their parts and hand them through shared memory to an epilogue
+    warpgroup, which updates one tile while they run the next one's main
+    loop."""
+    stages, slots = config.max_concurrent_steps, config.epilogue_slots
+    parts = config.compute_wgs
+    memory_wg, epilogue_wg = parts, parts + 1
+    compute_registers, epilogue_registers = warpgroup_registers(config)
+    # The epilogue's sub-tiles of a CTA tile, in order: (part, index).
+    subtiles = [(part, index) for part in range(parts)
+                for index in range(len(part_subtiles))]
 
+    @functools.partial(
+        pl.run_scoped,
+        x_smem=plgpu.SMEM((stages, *x_block), x_gmem.dtype,
+                          transforms=x_transforms),
+        dy_smem=plgpu.SMEM((stages, tt, cta_tn), dy_gmem.dtype,
+                           transforms=dy_transforms),
+        acc_smem=plgpu.SMEM((parts, len(part_subtiles), ek, en), jnp.float32,
+                            transforms=_swizzled(en, jnp.float32)),
+        loaded=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+        consumed=plgpu.Barrier(num_arrivals=parts, num_barriers=stages),
+        acc_full=plgpu.Barrier(num_barriers=parts),
+        acc_free=plgpu.Barrier(num_barriers=parts),
+        **epilogue_buffers(slots),
+        collective_axes="wg",
+    )
+    def _scope(x_smem, dy_smem, acc_smem, loaded, consumed, acc_full,
+               acc_free, epilogue_smem, load_barriers):
+      wg = lax.axis_index("wg")
+      first_tile, num_ctas = lax.axis_index("sm"), lax.axis_size("sm")
+
+      def local_tiles():
+        """This CTA's tiles (the grid has no more CTAs than tiles)."""
+        return (num_tiles - first_tile + num_ctas - 1) // num_ctas
+
+      @pl.when(wg == memory_wg)
+      def _memory():
+        plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
+
+        @plgpu.nd_loop((num_tiles,), collective_axes="sm")
+        def _tile_loop(loop_info: plgpu.NDLoopInfo):
+          k0, cta_n0 = tile_origin(loop_info.index[0])
+
+          @pl.loop(0, num_steps)
+          def _step(t):
+            # Steps are numbered across this CTA's tiles: the ring of
+            # buffers runs on into the next tile.
+            count = loop_info.local_index * num_steps + t
+            slot = lax.rem(count, stages)
+
+            @pl.when(count >= stages)
+            def _wait_consumed():
+              plgpu.barrier_wait(consumed.at[slot])
+
+            plgpu.copy_gmem_to_smem(x_window(k0, t), x_smem.at[slot],
+                                    loaded.at[slot])
+            plgpu.copy_gmem_to_smem(
+                dy_gmem.at[pl.ds(t * tt, tt), pl.ds(cta_n0, cta_tn)],
+                dy_smem.at[slot], loaded.at[slot])
+
+        # Observe the last steps' releases too, leaving the barriers clean.
+        total = local_tiles() * num_steps
+
+        @pl.loop(lax.max(total - stages, 0), total)
+        def _drain(count):
+          plgpu.barrier_wait(consumed.at[lax.rem(count, stages)])
+
+      @pl.when(wg < parts)
+      def _compute():
+        if compute_registers > _REGISTER_FILE // config.num_warpgroups:
+          plgpu.set_max_registers(compute_registers, action="increase")
+
+        @plgpu.nd_loop((num_tiles,), collective_axes="sm")
+        def _tile_loop(loop_info: plgpu.NDLoopInfo):
+          first = loop_info.local_index * num_steps
+          slot = lambda t: lax.rem(first + t, stages)
+
+          @functools.partial(pl.run_scoped,
+                             acc_ref=plgpu.ACC((tk, tn), jnp.float32))
+          def _acc_scope(acc_ref):
+            def step(t, acc_ref):
+              plgpu.barrier_wait(loaded.at[slot(t)])
+              wgmma(acc_ref, x_smem.at[slot(t)], dy_smem.at[slot(t)], wg)
+              plgpu.wgmma_wait(1)  # the previous step's wgmma is done
+
+              @pl.when(t > 0)
+              def _release():
+                plgpu.barrier_arrive(consumed.at[slot(t - 1)])
+
+              return acc_ref
+
+            lax.fori_loop(0, num_steps, step, acc_ref)
+            acc = acc_ref[...]  # waits for the last wgmma
+            plgpu.barrier_arrive(consumed.at[slot(num_steps - 1)])
+            plgpu.barrier_wait(acc_free.at[wg])
+            for index, (di, dj) in enumerate(part_subtiles):
+              acc_smem[wg, index] = acc[di:di + ek, dj:dj + en]
+            plgpu.barrier_arrive(acc_full.at[wg])
+
+        plgpu.barrier_wait(acc_free.at[wg])  # the last tile's: keep in step
+
+      @pl.when(wg == epilogue_wg)
+      def _epilogue():
+        plgpu.set_max_registers(epilogue_registers, action="increase")
+        ep = epilogue(epilogue_smem, load_barriers)
+        for part in range(parts):
+          plgpu.barrier_arrive(acc_free.at[part])  # nothing to read yet
+
+        def issue_loads(linear, position):
+          """Loads sub-tile ``position`` of tile ``linear``."""
+          k0, cta_n0 = tile_origin(linear)
+          part, index = subtiles[position]
+          di, dj = part_subtiles[index]
+          ep.issue_loads(position % slots, k0 + di, cta_n0 + part * tn + dj)
+
+        for position in range(slots):
+          issue_loads(first_tile, position)  # every CTA has a first tile
+
+        @plgpu.nd_loop((num_tiles,), collective_axes="sm")
+        def _tile_loop(loop_info: plgpu.NDLoopInfo):
+          (linear,) = loop_info.index
+          following = linear + num_ctas
+          k0, cta_n0 = tile_origin(linear)
+          skipped = [jnp.zeros((), jnp.int32)] * parts
+          for position, (part, index) in enumerate(subtiles):
+            if index == 0:
+              plgpu.barrier_wait(acc_full.at[part])
+            di, dj = part_subtiles[index]
+            grad = acc_smem[part, index]
+            skipped[part] += ep.update(position % slots, k0 + di,
+                                       cta_n0 + part * tn + dj, grad)
+            if index == len(part_subtiles) - 1:
+              plgpu.barrier_arrive(acc_free.at[part])
+            # Refill this buffer: a later sub-tile of this tile, or one of
+            # the CTA's next tile (its loads then fly under this tile's
+            # remaining updates and the next main loop).
+            if position + slots < len(subtiles):
+              issue_loads(linear, position + slots)
+            else:
+              @pl.when(following < num_tiles)
+              def _next_tile():
+                issue_loads(following, position + slots - len(subtiles))
+          for part in range(parts):
+            skipped_gmem[parts * linear + part] = skipped[part]
+
+  if config.epilogue_warpgroup:
+    warpgroup_schedule()
+  else:
+    inline_schedule()
   plgpu.wait_smem_to_gmem(0, wait_read_only=False)
 
 
@@ -572,7 +826,7 @@ def mosaic_update(spec, x, dy, kernel, opt_state, scalars, apply,
   num_tiles = (k // config.tile_k) * (n // config.cta_tile_n)
   skipped_type = jax.ShapeDtypeStruct((config.compute_wgs * num_tiles,),
                                       jnp.int32)
-  threads = config.compute_wgs + 1  # + the memory warpgroup
+  threads = config.num_warpgroups
   mesh = plgpu.Mesh(grid=(_num_ctas(num_tiles, config, interpret),),
                     grid_names=("sm",), num_threads=threads, thread_name="wg")
   compiler_params = plgpu.CompilerParams(
