@@ -228,10 +228,10 @@ MOSAIC_SWEEP_CONFIGS = [
     # against the session-3 defaults, whose epilogue follows each main loop.
     mosaic_kernel.MosaicConfig(),
     mosaic_kernel.MosaicConfig(tile_n=128, max_concurrent_steps=2),
-    mosaic_kernel.MosaicConfig(epilogue_warpgroup=True),
-    mosaic_kernel.MosaicConfig(epilogue_warpgroup=True, max_concurrent_steps=4,
+    mosaic_kernel.MosaicConfig(epilogue_wgs=1),
+    mosaic_kernel.MosaicConfig(epilogue_wgs=1, max_concurrent_steps=4,
                                epilogue_slots=1),
-    mosaic_kernel.MosaicConfig(epilogue_warpgroup=True, epilogue_n=64,
+    mosaic_kernel.MosaicConfig(epilogue_wgs=1, epilogue_n=64,
                                epilogue_slots=1),
 ]
 
@@ -369,20 +369,21 @@ def main():
 #: bf16 kernel and states (the whole-step configuration): which epilogue
 #: schedule is fastest, and where the time goes.
 MOSAIC_DIAG_CONFIGS = {
-    "wg-slots2": mosaic_kernel.MosaicConfig(epilogue_warpgroup=True),
-    "wg-slots4": mosaic_kernel.MosaicConfig(epilogue_warpgroup=True,
-                                            epilogue_slots=4),
-    "wg-en64": mosaic_kernel.MosaicConfig(epilogue_warpgroup=True,
-                                          epilogue_n=64),
-    "wg-steps4": mosaic_kernel.MosaicConfig(epilogue_warpgroup=True,
-                                            max_concurrent_steps=4),
-    "wg-t128-steps2": mosaic_kernel.MosaicConfig(
-        epilogue_warpgroup=True, tile_t=128, max_concurrent_steps=2),
-    "inline-slots2": mosaic_kernel.MosaicConfig(),
-    "inline-en64-pf4": mosaic_kernel.MosaicConfig(epilogue_n=64,
-                                                  prefetch_step=4),
-    "inline-n128": mosaic_kernel.MosaicConfig(tile_n=128,
-                                              max_concurrent_steps=2),
+    # Session 4. Two epilogue warpgroups (one per compute warpgroup), then
+    # one; the inline epilogue with the pipeline one stage deeper (its
+    # buffers are now released one step later, after the wgmma reading them
+    # is known to be done) and with 128 x 256 CTA tiles.
+    "wg2-en16-steps4": mosaic_kernel.MosaicConfig(
+        epilogue_wgs=2, epilogue_n=16, max_concurrent_steps=4),
+    "wg2-en16-slots4": mosaic_kernel.MosaicConfig(
+        epilogue_wgs=2, epilogue_n=16, epilogue_slots=4),
+    "wg1-steps4": mosaic_kernel.MosaicConfig(epilogue_wgs=1,
+                                             max_concurrent_steps=4),
+    "inline-steps4": mosaic_kernel.MosaicConfig(max_concurrent_steps=4),
+    "inline-steps5": mosaic_kernel.MosaicConfig(max_concurrent_steps=5),
+    "inline-steps4-en64": mosaic_kernel.MosaicConfig(
+        max_concurrent_steps=4, epilogue_n=64, epilogue_slots=1),
+    "inline-n128-steps3": mosaic_kernel.MosaicConfig(tile_n=128),
 }
 
 
