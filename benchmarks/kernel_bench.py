@@ -223,15 +223,13 @@ SWEEP_CONFIGS = [
 
 
 MOSAIC_SWEEP_CONFIGS = [
-    # Session 4: the epilogue warpgroup (the compute warpgroups hand their
-    # accumulators over through shared memory and go on with the next tile)
-    # against the session-3 defaults, whose epilogue follows each main loop.
+    # Session 4 (float32 storage): the pipeline a stage deeper than in
+    # session 3 (race-free release), and the epilogue warpgroup.
     mosaic_kernel.MosaicConfig(),
-    mosaic_kernel.MosaicConfig(tile_n=128, max_concurrent_steps=2),
-    mosaic_kernel.MosaicConfig(epilogue_wgs=1),
-    mosaic_kernel.MosaicConfig(epilogue_wgs=1, max_concurrent_steps=4,
-                               epilogue_slots=1),
-    mosaic_kernel.MosaicConfig(epilogue_wgs=1, epilogue_n=64,
+    mosaic_kernel.MosaicConfig(max_concurrent_steps=4, epilogue_slots=1),
+    mosaic_kernel.MosaicConfig(tile_n=128),
+    mosaic_kernel.MosaicConfig(epilogue_warpgroup=True),
+    mosaic_kernel.MosaicConfig(epilogue_warpgroup=True, max_concurrent_steps=4,
                                epilogue_slots=1),
 ]
 
@@ -369,21 +367,17 @@ def main():
 #: bf16 kernel and states (the whole-step configuration): which epilogue
 #: schedule is fastest, and where the time goes.
 MOSAIC_DIAG_CONFIGS = {
-    # Session 4. Two epilogue warpgroups (one per compute warpgroup), then
-    # one; the inline epilogue with the pipeline one stage deeper (its
-    # buffers are now released one step later, after the wgmma reading them
-    # is known to be done) and with 128 x 256 CTA tiles.
-    "wg2-en16-steps4": mosaic_kernel.MosaicConfig(
-        epilogue_wgs=2, epilogue_n=16, max_concurrent_steps=4),
-    "wg2-en16-slots4": mosaic_kernel.MosaicConfig(
-        epilogue_wgs=2, epilogue_n=16, epilogue_slots=4),
-    "wg1-steps4": mosaic_kernel.MosaicConfig(epilogue_wgs=1,
-                                             max_concurrent_steps=4),
+    # Session 4: the inline epilogue with its pipeline one or two stages
+    # deeper (its buffers are now released a step later, once the wgmma that
+    # reads them is known to be done: the session-3 depth needs one more
+    # stage) and with 128 x 256 CTA tiles; the epilogue warpgroup.
     "inline-steps4": mosaic_kernel.MosaicConfig(max_concurrent_steps=4),
     "inline-steps5": mosaic_kernel.MosaicConfig(max_concurrent_steps=5),
     "inline-steps4-en64": mosaic_kernel.MosaicConfig(
         max_concurrent_steps=4, epilogue_n=64, epilogue_slots=1),
     "inline-n128-steps3": mosaic_kernel.MosaicConfig(tile_n=128),
+    "wg-steps4": mosaic_kernel.MosaicConfig(epilogue_warpgroup=True,
+                                            max_concurrent_steps=4),
 }
 
 

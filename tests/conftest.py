@@ -30,6 +30,16 @@ from flax.training.train_state import TrainState
 
 import forge_jax as fj
 
+# Mosaic GPU's interpret mode runs each simulated warpgroup as a nested CPU
+# computation, and a warpgroup blocked in a barrier wait holds one of the CPU
+# client's workers: with one CPU device on a 2-core machine, kernels with
+# four warpgroups deadlocked (the epilogue-warpgroup schedule). Eight CPU
+# devices (test_parallel's mesh too) give the client workers enough.
+try:
+  jax.config.update("jax_num_cpu_devices", 8)
+except RuntimeError:
+  pass  # backends already initialized (an embedding process)
+
 COLL = fj.FORGE_COLLECTION  # '_overwrite_with_gradient'
 
 

@@ -192,7 +192,14 @@ def assert_outputs_match(actual, expected, what):
                                err_msg=what)
   else:
     ulps = ulp_distance(actual, expected)
-    assert ulps.max() <= 1, f"{what}: {ulps.max()} ulp apart"
+    # Near zero (a state that cancels, b1 m ~ -(1 - b1) g) the sum order's
+    # float32 difference in dW spans many ulps: there, as for float32
+    # leaves, an absolute error of 1e-5 of the leaf's scale is allowed.
+    far = ulps > 1
+    error = np.abs(actual.astype(np.float64) - expected.astype(np.float64))
+    scale = np.abs(expected.astype(np.float64)).max()
+    assert (error[far] <= 1e-5 * scale).all(), (
+        f"{what}: {ulps.max()} ulp apart")
     assert (ulps == 0).mean() >= 0.99, (
         f"{what}: {(ulps != 0).sum()} of {ulps.size} elements 1 ulp apart")
 

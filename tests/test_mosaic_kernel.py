@@ -53,10 +53,10 @@ CONFIGS = {
                                                 compute_wgs=1),
     # Four sub-tiles a CTA tile in two buffers, loaded ahead across tiles.
     "epilogue-warpgroup": mosaic_kernel.MosaicConfig(
-        **SMALL, epilogue_n=32, epilogue_slots=2, epilogue_wgs=1),
-    # One epilogue warpgroup per compute warpgroup, four sub-tiles each.
-    "epilogue-warpgroups": mosaic_kernel.MosaicConfig(
-        **SMALL, epilogue_n=16, epilogue_slots=2, epilogue_wgs=2),
+        **SMALL, epilogue_n=32, epilogue_slots=2, epilogue_warpgroup=True),
+    # Eight sub-tiles a CTA tile in four buffers.
+    "epilogue-warpgroup-4-buffers": mosaic_kernel.MosaicConfig(
+        **SMALL, epilogue_n=16, epilogue_slots=4, epilogue_warpgroup=True),
 }
 X_SHAPE, N = (2, 64, 128), 256
 # int8 states: epilogue sub-tiles of one quantization block (64 columns).
@@ -68,10 +68,10 @@ INT8_CONFIGS = {
     "int8-two-rows": mosaic_kernel.MosaicConfig(
         **{**SMALL, "tile_k": 128}, epilogue_n=64, epilogue_slots=2),
     "int8-warpgroup": mosaic_kernel.MosaicConfig(
-        **SMALL, epilogue_n=64, epilogue_slots=2, epilogue_wgs=1),
+        **SMALL, epilogue_n=64, epilogue_slots=2, epilogue_warpgroup=True),
 }
 #: The two epilogue schedules of the per-optimizer tests.
-SCHEDULES = ("all-prefetched", "epilogue-warpgroup", "epilogue-warpgroups")
+SCHEDULES = ("all-prefetched", "epilogue-warpgroup")
 
 
 def run_mosaic(opt, x, dy, kernel, state, count, config, layer_index=None,
@@ -166,13 +166,11 @@ def test_mosaic_config_errors_name_the_bad_field():
   with pytest.raises(ValueError, match=r"compute_wgs=3 must be 1 or 2"):
     mosaic_kernel.MosaicConfig(compute_wgs=3)
   with pytest.raises(ValueError, match=r"epilogue_slots=3 must divide the 8 "):
-    mosaic_kernel.MosaicConfig(epilogue_slots=3, epilogue_wgs=1)
+    mosaic_kernel.MosaicConfig(epilogue_slots=3, epilogue_warpgroup=True)
   with pytest.raises(ValueError, match=r"prefetch_step=4 does not apply"):
-    mosaic_kernel.MosaicConfig(prefetch_step=4, epilogue_wgs=1)
-  with pytest.raises(ValueError, match=r"leaving 64 < 128 for each of 2 "):
-    mosaic_kernel.MosaicConfig(tile_n=128, epilogue_wgs=2)
-  with pytest.raises(ValueError, match=r"epilogue_wgs=3 must be 0, 1 or "):
-    mosaic_kernel.MosaicConfig(epilogue_wgs=3)
+    mosaic_kernel.MosaicConfig(prefetch_step=4, epilogue_warpgroup=True)
+  with pytest.raises(ValueError, match=r"leaving 88 < 128 for the epilogue"):
+    mosaic_kernel.MosaicConfig(tile_n=128, epilogue_warpgroup=True)
 
 
 def test_mosaic_epilogue_warpgroup_with_uneven_tiles_and_steps(seed):
@@ -384,15 +382,14 @@ def test_mosaic_refuses_what_it_cannot_run_and_auto_falls_back():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("schedule", ["default", "epilogue-warpgroup",
-                                      "epilogue-warpgroups"])
+@pytest.mark.parametrize("schedule", ["default", "epilogue-warpgroup"])
 @pytest.mark.parametrize("name,opt,count", OPTIMIZERS,
                          ids=[name for name, _, _ in OPTIMIZERS])
 def test_compiled_mosaic_kernel_matches_reference_on_gpu(name, opt, count,
                                                          schedule, seed):
   """On sm90+: the compiled kernel (transposed wgmma, TMA, in place) at a
-  Llama layer shape, with the default config and with one or two epilogue
-  warpgroups (one buffer for four float32 state tensors: shared memory)."""
+  Llama layer shape, with the default config and with the epilogue
+  warpgroup (one buffer for four float32 state tensors: shared memory)."""
   if not backends._on_hopper_or_newer():  # pylint: disable=protected-access
     pytest.skip("needs a Hopper or newer GPU")
   inputs = random_inputs(seed, opt, (2048, 4096), 1024, (F32, F32, BF16))
@@ -400,11 +397,8 @@ def test_compiled_mosaic_kernel_matches_reference_on_gpu(name, opt, count,
   spec = FusedDenseSpec(optimizer=opt, implementation="mosaic")
   scalars = opt.scalars(jnp.asarray(count, jnp.int32))
   slots = 1 if name.startswith("rmsprop-centered") else 2
-  config = {"default": None,
-            "epilogue-warpgroup": mosaic_kernel.MosaicConfig(
-                epilogue_wgs=1, epilogue_slots=slots),
-            "epilogue-warpgroups": mosaic_kernel.MosaicConfig(
-                epilogue_wgs=2, epilogue_n=16, epilogue_slots=slots)}[schedule]
+  config = None if schedule == "default" else mosaic_kernel.MosaicConfig(
+      epilogue_warpgroup=True, epilogue_slots=slots)
   fn = jax.jit(functools.partial(mosaic_kernel.mosaic_update, spec,
                                  config=config), donate_argnums=(2, 3))
   actual = host_copy(fn(*inputs, scalars, jnp.all(jnp.isfinite(inputs[1]))))
@@ -498,11 +492,9 @@ def test_compiled_kernel_bits_do_not_depend_on_config_or_run(tokens, seed):
              for c in mosaic_kernel.ranked_configs(t)}
   configs |= {mosaic_kernel.MosaicConfig(epilogue_n=64),
               mosaic_kernel.MosaicConfig(epilogue_slots=4, prefetch_step=4),
-              mosaic_kernel.MosaicConfig(epilogue_wgs=1),
-              mosaic_kernel.MosaicConfig(epilogue_wgs=1,
-                                         epilogue_slots=4),
-              mosaic_kernel.MosaicConfig(epilogue_wgs=2, epilogue_n=16,
-                                         max_concurrent_steps=4)}
+              mosaic_kernel.MosaicConfig(epilogue_warpgroup=True),
+              mosaic_kernel.MosaicConfig(epilogue_warpgroup=True,
+                                         epilogue_slots=4)}
   spec = FusedDenseSpec(optimizer=opt, implementation="mosaic")
   scalars = opt.scalars(jnp.asarray(3, jnp.int32))
   apply = jnp.all(jnp.isfinite(inputs[1]))

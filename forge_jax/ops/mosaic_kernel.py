@@ -98,13 +98,11 @@ class MosaicConfig:
   share an SM (2: one's epilogue overlaps the other's main loop, if both
   fit).
 
-  ``epilogue_wgs`` > 0: the compute warpgroups only accumulate; they hand
-  their float32 parts through shared memory to that many epilogue
-  warpgroups (each takes ``compute_wgs / epilogue_wgs`` parts), which update
-  one tile while the compute warpgroups run the next one's main loop. An
-  epilogue warpgroup's ``epilogue_slots`` buffers are loaded ahead, across
-  tiles, and divide its sub-tiles of a CTA tile; ``prefetch_step`` does not
-  apply.
+  ``epilogue_warpgroup``: the compute warpgroups only accumulate; they hand
+  their float32 parts through shared memory to a fourth warpgroup, which
+  updates one tile while they run the next one's main loop (its
+  ``epilogue_slots`` buffers are loaded ahead, across tiles, and divide the
+  CTA tile's sub-tiles; ``prefetch_step`` does not apply).
   """
 
   tile_k: int = 128
@@ -119,7 +117,7 @@ class MosaicConfig:
   epilogue_slots: int = 2
   prefetch_step: int = 0
   ctas_per_sm: int = 1
-  epilogue_wgs: int = 0
+  epilogue_warpgroup: bool = False
 
   def __post_init__(self):
     for name in ("tile_k", "tile_n", "tile_t", "epilogue_k", "epilogue_n"):
@@ -139,26 +137,23 @@ class MosaicConfig:
     for name in ("compute_wgs", "ctas_per_sm"):
       if getattr(self, name) not in (1, 2):
         raise ValueError(f"{name}={getattr(self, name)} must be 1 or 2")
-    if self.epilogue_wgs:
-      if self.epilogue_wgs not in (1, self.compute_wgs):
-        raise ValueError(f"epilogue_wgs={self.epilogue_wgs} must be 0, 1 or "
-                         f"compute_wgs={self.compute_wgs}")
-      subtiles = self.epilogue_subtiles * self.parts_per_epilogue_wg
+    if self.epilogue_warpgroup:
+      subtiles = self.compute_wgs * self.epilogue_subtiles
       if subtiles % self.epilogue_slots:
         raise ValueError(
             f"epilogue_slots={self.epilogue_slots} must divide the {subtiles} "
-            "sub-tiles an epilogue warpgroup updates per CTA tile")
+            "epilogue sub-tiles of a CTA tile (epilogue_warpgroup=True)")
       for name in ("prefetch_step", "ctas_per_sm"):
         if getattr(self, name) != MosaicConfig.__dataclass_fields__[name].default:
           raise ValueError(f"{name}={getattr(self, name)} does not apply with "
-                           f"epilogue_wgs={self.epilogue_wgs}")
+                           "epilogue_warpgroup=True")
       compute, epilogue = warpgroup_registers(self)
       if epilogue < MIN_EPILOGUE_REGISTERS:
         raise ValueError(
             f"the {self.tile_k} x {self.tile_n} accumulators take {compute} "
             f"registers a thread in each of {self.compute_wgs} compute "
-            f"warpgroups, leaving {epilogue} < {MIN_EPILOGUE_REGISTERS} for "
-            f"each of {self.epilogue_wgs} epilogue warpgroups")
+            f"warpgroups, leaving {epilogue} < {MIN_EPILOGUE_REGISTERS} for the "
+            "epilogue warpgroup")
     elif not 1 <= self.epilogue_slots <= self.epilogue_subtiles:
       raise ValueError(
           f"epilogue_slots={self.epilogue_slots} must be between 1 and the "
@@ -179,13 +174,9 @@ class MosaicConfig:
     return (self.tile_k // self.epilogue_k) * (self.tile_n // self.epilogue_n)
 
   @property
-  def parts_per_epilogue_wg(self) -> int:
-    return self.compute_wgs // max(self.epilogue_wgs, 1)
-
-  @property
   def num_warpgroups(self) -> int:
-    """Compute warpgroups, the memory warpgroup, epilogue warpgroups."""
-    return self.compute_wgs + 1 + self.epilogue_wgs
+    """Compute warpgroups, the memory warpgroup, the epilogue warpgroup."""
+    return self.compute_wgs + 1 + self.epilogue_warpgroup
 
 
 #: Registers a thread of the memory warpgroup keeps (it only issues TMA).
@@ -198,14 +189,14 @@ _REGISTER_FILE = 512
 
 
 def warpgroup_registers(config: MosaicConfig) -> tuple:
-  """Per-thread registers of a compute and of an epilogue warpgroup with
-  ``epilogue_wgs`` > 0: the compute warpgroups keep their float32
-  accumulator and 40 more; the epilogue warpgroups share the rest
-  (setmaxnreg takes multiples of 8, at most 256)."""
+  """Per-thread registers of a compute and of the epilogue warpgroup with
+  ``epilogue_warpgroup``: the compute warpgroups keep their float32
+  accumulator and 64 more; the epilogue warpgroup gets the rest (setmaxnreg
+  takes multiples of 8, at most 256)."""
   accumulator = config.tile_k * config.tile_n // 128
-  compute = -(-(accumulator + 40) // 8) * 8
+  compute = -(-(accumulator + 64) // 8) * 8
   rest = _REGISTER_FILE - MEMORY_REGISTERS - config.compute_wgs * compute
-  return compute, min(232, rest // max(config.epilogue_wgs, 1) // 8 * 8)
+  return compute, min(232, rest // 8 * 8)
 
 
 def shared_memory_bytes(config: MosaicConfig, activation_itemsize: int,
@@ -214,12 +205,12 @@ def shared_memory_bytes(config: MosaicConfig, activation_itemsize: int,
   handed to the epilogue warpgroup)."""
   pipeline = (config.max_concurrent_steps * config.tile_t
               * (config.tile_k + config.cta_tile_n) * activation_itemsize)
-  buffers = config.epilogue_slots * (config.epilogue_wgs
-                                     or config.compute_wgs)
+  buffers = config.epilogue_slots * (
+      1 if config.epilogue_warpgroup else config.compute_wgs)
   epilogue = (buffers * config.epilogue_k * config.epilogue_n
               * sum(storage_itemsizes))
   accumulators = (config.compute_wgs * config.tile_k * config.tile_n * 4
-                  if config.epilogue_wgs else 0)
+                  if config.epilogue_warpgroup else 0)
   return pipeline + epilogue + accumulators
 
 
@@ -633,16 +624,15 @@ def _fused_kernel(scalars_gmem, x_gmem, dy_gmem, storage_gmem, storage_out,
 
   def warpgroup_schedule():
     """A memory warpgroup streams x and dy; the compute warpgroups accumulate
-    their parts and hand them through shared memory to the epilogue
-    warpgroups, which update one tile while they run the next one's main
+    their parts and hand them through shared memory to an epilogue
+    warpgroup, which updates one tile while they run the next one's main
     loop."""
     stages, slots = config.max_concurrent_steps, config.epilogue_slots
-    parts, epilogue_wgs = config.compute_wgs, config.epilogue_wgs
-    memory_wg = parts
+    parts = config.compute_wgs
+    memory_wg, epilogue_wg = parts, parts + 1
     compute_registers, epilogue_registers = warpgroup_registers(config)
-    # An epilogue warpgroup's sub-tiles of a CTA tile, in order: (the how-
-    # manieth of its parts, sub-tile index).
-    subtiles = [(i, index) for i in range(config.parts_per_epilogue_wg)
+    # The epilogue's sub-tiles of a CTA tile, in order: (part, index).
+    subtiles = [(part, index) for part in range(parts)
                 for index in range(len(part_subtiles))]
 
     @functools.partial(
@@ -657,7 +647,7 @@ def _fused_kernel(scalars_gmem, x_gmem, dy_gmem, storage_gmem, storage_out,
         consumed=plgpu.Barrier(num_arrivals=parts, num_barriers=stages),
         acc_full=plgpu.Barrier(num_barriers=parts),
         acc_free=plgpu.Barrier(num_barriers=parts),
-        **epilogue_buffers(epilogue_wgs * slots),
+        **epilogue_buffers(slots),
         collective_axes="wg",
     )
     def _scope(x_smem, dy_smem, acc_smem, loaded, consumed, acc_full,
@@ -735,22 +725,19 @@ def _fused_kernel(scalars_gmem, x_gmem, dy_gmem, storage_gmem, storage_out,
 
         plgpu.barrier_wait(acc_free.at[wg])  # the last tile's: keep in step
 
-      @pl.when(wg > memory_wg)
+      @pl.when(wg == epilogue_wg)
       def _epilogue():
         plgpu.set_max_registers(epilogue_registers, action="increase")
         ep = epilogue(epilogue_smem, load_barriers)
-        first_part = wg - memory_wg - 1
-        part_of = lambda i: first_part + i * epilogue_wgs
-        for i in range(config.parts_per_epilogue_wg):
-          plgpu.barrier_arrive(acc_free.at[part_of(i)])  # nothing to read yet
+        for part in range(parts):
+          plgpu.barrier_arrive(acc_free.at[part])  # nothing to read yet
 
         def issue_loads(linear, position):
           """Loads sub-tile ``position`` of tile ``linear``."""
           k0, cta_n0 = tile_origin(linear)
-          i, index = subtiles[position]
+          part, index = subtiles[position]
           di, dj = part_subtiles[index]
-          ep.issue_loads(first_part * slots + position % slots, k0 + di,
-                         cta_n0 + part_of(i) * tn + dj)
+          ep.issue_loads(position % slots, k0 + di, cta_n0 + part * tn + dj)
 
         for position in range(slots):
           issue_loads(first_tile, position)  # every CTA has a first tile
@@ -760,15 +747,14 @@ def _fused_kernel(scalars_gmem, x_gmem, dy_gmem, storage_gmem, storage_out,
           (linear,) = loop_info.index
           following = linear + num_ctas
           k0, cta_n0 = tile_origin(linear)
-          skipped = [jnp.zeros((), jnp.int32)] * config.parts_per_epilogue_wg
-          for position, (i, index) in enumerate(subtiles):
-            part = part_of(i)
+          skipped = [jnp.zeros((), jnp.int32)] * parts
+          for position, (part, index) in enumerate(subtiles):
             if index == 0:
               plgpu.barrier_wait(acc_full.at[part])
             di, dj = part_subtiles[index]
             grad = acc_smem[part, index]
-            skipped[i] += ep.update(first_part * slots + position % slots,
-                                    k0 + di, cta_n0 + part * tn + dj, grad)
+            skipped[part] += ep.update(position % slots, k0 + di,
+                                       cta_n0 + part * tn + dj, grad)
             if index == len(part_subtiles) - 1:
               plgpu.barrier_arrive(acc_free.at[part])
             # Refill this buffer: a later sub-tile of this tile, or one of
@@ -780,10 +766,10 @@ def _fused_kernel(scalars_gmem, x_gmem, dy_gmem, storage_gmem, storage_out,
               @pl.when(following < num_tiles)
               def _next_tile():
                 issue_loads(following, position + slots - len(subtiles))
-          for i, count in enumerate(skipped):
-            skipped_gmem[parts * linear + part_of(i)] = count
+          for part in range(parts):
+            skipped_gmem[parts * linear + part] = skipped[part]
 
-  if config.epilogue_wgs:
+  if config.epilogue_warpgroup:
     warpgroup_schedule()
   else:
     inline_schedule()
