@@ -269,6 +269,9 @@ def main():
   parser.add_argument("--out", default="kernel_bench.json")
   parser.add_argument("--config", default=None,
                       help="block_k,block_n,block_t,num_warps,num_stages")
+  parser.add_argument("--mosaic-defaults", action="store_true",
+                      help="suite 'mosaic': no sweep; each case runs the "
+                      "kernel's default config for its shape and dtypes")
   parser.add_argument("--time-budget-s", type=float, default=500.0,
                       help="stop starting new cases after this many seconds")
   args = parser.parse_args()
@@ -450,8 +453,9 @@ def mosaic_diagnosis(result, save, k=4096, n=14336, token_counts=(512, 2048, 819
 
 def mosaic_suite(args, result, save, triton_config, started):
   """The Mosaic GPU kernel: checks for every optimizer (and a skipped-element
-  case), a tile sweep, then the table beside the Triton kernel."""
-  for tokens in (8192, 2048):
+  case), a tile sweep (or the default configs: --mosaic-defaults), then the
+  table beside the Triton kernel."""
+  for tokens in () if args.mosaic_defaults else (8192, 2048):
     for cfg in MOSAIC_SWEEP_CONFIGS:
       try:
         check = check_case("adamw", CHECK_OPTIMIZERS["adamw"], 4096, 4096,
@@ -482,10 +486,20 @@ def mosaic_suite(args, result, save, triton_config, started):
                      for r in ok) == len(fastest)]
   best = (mosaic_kernel.MosaicConfig(**json.loads(min(complete, key=score.get)))
           if complete else mosaic_kernel.MosaicConfig())
-  result["best_mosaic_config"] = dataclasses.asdict(best)
+
+  def config_for(optimizer, k, n, tokens):
+    if not args.mosaic_defaults:
+      return best
+    return mosaic_kernel.default_config(
+        jax.ShapeDtypeStruct((tokens, k), jnp.bfloat16),
+        jax.ShapeDtypeStruct((k, n), jnp.float32), optimizer)
+
+  if not args.mosaic_defaults:
+    result["best_mosaic_config"] = dataclasses.asdict(best)
   for name, opt in CHECK_OPTIMIZERS.items():
     try:
-      r = check_case(name, opt, 4096, 4096, 2048, best,
+      r = check_case(name, opt, 4096, 4096, 2048,
+                     config_for(opt, 4096, 4096, 2048),
                      seed=len(result["checks"]))
     except Exception as e:  # pylint: disable=broad-except
       r = {"optimizer": name, "kernel": "MosaicConfig", "error": repr(e)[-600:]}
@@ -493,7 +507,8 @@ def mosaic_suite(args, result, save, triton_config, started):
     print(f"mosaic check {name}: {r}", flush=True)
     save()
   r = check_case("adamw_nan_column", CHECK_OPTIMIZERS["adamw"], 4096, 1024,
-                 2048, best, seed=99, poison_x_column=300)
+                 2048, config_for(CHECK_OPTIMIZERS["adamw"], 4096, 1024, 2048),
+                 seed=99, poison_x_column=300)
   result["checks"].append(r)
   print(f"mosaic check with a NaN column: {r}", flush=True)
   save()
@@ -506,9 +521,10 @@ def mosaic_suite(args, result, save, triton_config, started):
           save()
           return
         try:
+          optimizer = BENCH_OPTIMIZERS[opt_name]
           result["bench"].append(bench_case(
-              opt_name, BENCH_OPTIMIZERS[opt_name], k, n, tokens,
-              triton_config, mosaic_config=best))
+              opt_name, optimizer, k, n, tokens, triton_config,
+              mosaic_config=config_for(optimizer, k, n, tokens)))
           print_table(result["bench"][-1:])
         except Exception as e:  # pylint: disable=broad-except
           result.setdefault("errors", []).append(

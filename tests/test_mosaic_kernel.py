@@ -186,24 +186,24 @@ def test_mosaic_epilogue_warpgroup_with_uneven_tiles_and_steps(seed):
   assert_leaves_match(actual, expected, "uneven")
 
 
-def test_default_config_follows_tokens_dtypes_and_shape():
+def test_default_config_fits_dtypes_and_shape():
   def default(tokens, n, dtype, opt=fj.adamw(1e-3)):
     return mosaic_kernel.default_config(
         jax.ShapeDtypeStruct((tokens, 4096), BF16),
         jax.ShapeDtypeStruct((4096, n), dtype), opt)
-  few, some, many = (mosaic_kernel.ranked_configs(t)[0]
-                     for t in (512, 2048, 8192))
-  assert default(512, 4096, BF16) == few
-  assert default(2048, 4096, BF16) == some
-  assert default(8192, 4096, BF16) == many
-  # float32 W, m and v do not fit few's buffers; N = 384 not many's tiles.
-  assert default(512, 4096, F32) == mosaic_kernel.ranked_configs(512)[1]
-  assert default(8192, 384, BF16).cta_tile_n == 128
-  for tokens, n, dtype in ((512, 4096, F32), (8192, 384, BF16)):
-    config = default(tokens, n, dtype)
+  ranked = mosaic_kernel.ranked_configs()
+  assert default(512, 4096, BF16) == default(8192, 4096, BF16) == ranked[0]
+  # float32 W, m and v fit one epilogue buffer per warpgroup beside the
+  # five-stage pipeline; four float32 state tensors a shallower pipeline.
+  four = fj.rmsprop(1e-3, centered=True, momentum=0.9)
+  assert default(2048, 4096, F32) == ranked[1]
+  assert default(2048, 4096, F32, four) == ranked[2]
+  for tokens, n, dtype, opt in ((2048, 4096, F32, four),
+                                (8192, 384, BF16, fj.adamw(1e-3))):
+    config = default(tokens, n, dtype, opt)
     assert mosaic_kernel.unsupported_reason(
         jnp.zeros((tokens, 4096), BF16), jnp.zeros((tokens, n), BF16),
-        jnp.zeros((4096, n), dtype), fj.adamw(1e-3), config) is None
+        jnp.zeros((4096, n), dtype), opt, config) is None
 
 
 # ---------------------------------------------------------------------------
@@ -488,8 +488,7 @@ def test_compiled_kernel_bits_do_not_depend_on_config_or_run(tokens, seed):
     pytest.skip("needs a Hopper or newer GPU")
   opt = fj.adamw(1e-3, weight_decay=0.1)
   inputs = random_inputs(seed, opt, (tokens, 4096), 4096, (BF16, BF16, BF16))
-  configs = {c for t in (512, 2048, 8192)
-             for c in mosaic_kernel.ranked_configs(t)}
+  configs = set(mosaic_kernel.ranked_configs())
   configs |= {mosaic_kernel.MosaicConfig(epilogue_n=64),
               mosaic_kernel.MosaicConfig(epilogue_slots=4, prefetch_step=4),
               mosaic_kernel.MosaicConfig(epilogue_warpgroup=True),

@@ -13,9 +13,20 @@ new values over the old ones. The loads of the first ``epilogue_slots``
 sub-tiles are issued during the main loop, right after the wgmma of pipeline
 step ``prefetch_step``, so the epilogue finds them waiting. Later sub-tiles
 reuse the slots, their loads issued as soon as a slot's store has read it;
-the stores are asynchronous and drain under the next tile's main loop. The
-default config depends on the token count (:func:`ranked_configs`). ``dW``
-never reaches device memory.
+the stores are asynchronous and drain under the next tile's main loop. A
+pipeline step's buffers are released one step late, after the
+``wgmma_wait(1)`` that proves the wgmma reading them done. The default
+config is the first of :func:`ranked_configs` that fits. ``dW`` never
+reaches device memory.
+
+With ``MosaicConfig.epilogue_warpgroup`` the compute warpgroups only
+accumulate: they hand their float32 parts through shared memory to a fourth
+warpgroup that updates the tile while they run the next one's main loop
+(its own TMA pipeline, with the steps and the epilogue buffers numbered
+across tiles). It is correct but not faster on the H200 (one warpgroup's
+issue rate bounds the rule, and the handed-over accumulators take the
+shared memory a deeper pipeline would use: benchmarks/NOTES.md, session 4),
+so it is not a default.
 
 The kernel, its state and the skipped-element counts are ``jax.new_ref``
 buffers the kernel writes in place (aliased in and out). Stacked ``[L, K,
@@ -214,33 +225,26 @@ def shared_memory_bytes(config: MosaicConfig, activation_itemsize: int,
   return pipeline + epilogue + accumulators
 
 
-#: Defaults by token count, fastest first (H200, AdamW, bf16 and float32
-#: storage; benchmarks/NOTES.md, session 3). Few tokens: the kernel and state
-#: traffic dominates and 64 x 64 sub-tiles move it fastest, their loads
-#: issued at step 4 (at step 0 the compute warpgroups wait for the previous
-#: tile's stores); many: the main loop dominates, and 128 x 256 CTA tiles run
-#: it fastest.
-FEW_TOKENS, MANY_TOKENS = 2048, 8192
-RANKED_CONFIGS = {
-    "few": (MosaicConfig(epilogue_n=64, prefetch_step=4), MosaicConfig()),
-    "some": (MosaicConfig(),
-             MosaicConfig(tile_n=128, max_concurrent_steps=2)),
-    "many": (MosaicConfig(tile_n=128, max_concurrent_steps=2),
-             MosaicConfig(epilogue_slots=1, max_concurrent_steps=4)),
-}
-#: Tried after the ranked ones: smaller buffers for optimizers with more
-#: state tensors (centered RMSprop with momentum: four) and fewer columns.
-FALLBACK_CONFIGS = (
-    MosaicConfig(epilogue_slots=1, max_concurrent_steps=4),
-    MosaicConfig(epilogue_slots=1, max_concurrent_steps=2),
+#: Defaults, fastest first: the first whose buffers fit in shared memory and
+#: whose tiles divide the shape. H200, AdamW, bf16 storage, 4096 x 14336
+#: (benchmarks/NOTES.md, session 4): a five-stage pipeline was fastest at
+#: 512, 2048 and 8192 tokens alike (a step's buffers are released one step
+#: late, once the wgmma reading them is done, so five stages keep four in
+#: flight). float32 W, m, v or int8 states fit one epilogue buffer per
+#: warpgroup beside it; optimizers with four float32 state tensors a
+#: shallower pipeline.
+RANKED_CONFIGS = (
+    MosaicConfig(max_concurrent_steps=5),
+    MosaicConfig(max_concurrent_steps=5, epilogue_slots=1),
+    MosaicConfig(max_concurrent_steps=4, epilogue_slots=1),
+    MosaicConfig(max_concurrent_steps=3, epilogue_slots=1),
+    MosaicConfig(max_concurrent_steps=2, epilogue_slots=1),
 )
 
 
-def ranked_configs(tokens: int) -> tuple:
-  """The default configs for ``tokens`` tokens, fastest first."""
-  regime = ("few" if tokens < FEW_TOKENS else
-            "some" if tokens < MANY_TOKENS else "many")
-  return RANKED_CONFIGS[regime] + FALLBACK_CONFIGS
+def ranked_configs() -> tuple:
+  """The default configs, fastest first."""
+  return RANKED_CONFIGS
 
 
 def _storage_itemsizes(kernel, state) -> list:
@@ -264,7 +268,7 @@ def _fitting_config(tokens, k, n, activation_itemsize, storage_itemsizes,
   """The first ranked config whose tiles divide the shape and whose buffers
   fit in shared memory (else the last: unsupported_reason says why). With
   int8 states an epilogue sub-tile is one quantization block wide."""
-  configs = ranked_configs(tokens)
+  configs = ranked_configs()
   if quantized:
     configs = tuple(
         dataclasses.replace(config, epilogue_n=quantization.BLOCK_SIZE)
