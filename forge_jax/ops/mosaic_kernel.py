@@ -203,7 +203,7 @@ def warpgroup_registers(config: MosaicConfig) -> tuple:
   """Per-thread registers of a compute and of the epilogue warpgroup with
   ``epilogue_warpgroup``: the compute warpgroups keep their float32
   accumulator and 64 more; the epilogue warpgroup gets the rest (setmaxnreg
-  takes multiples of 8, at most 256)."""
+  takes multiples of 8; at most 232, as in JAX's Hopper attention kernel)."""
   accumulator = config.tile_k * config.tile_n // 128
   compute = -(-(accumulator + 64) // 8) * 8
   rest = _REGISTER_FILE - MEMORY_REGISTERS - config.compute_wgs * compute
