@@ -270,6 +270,27 @@ def test_mosaic_stochastic_rounding_of_a_stacked_layer(seed):
                    "layer 0")
 
 
+def assert_within_rounding(actual, expected, what, identical):
+  """The rule's float32 arithmetic may be compiled differently from the
+  reference's (FMA contraction: XLA's fusion of the interpreter's tile, or
+  Mosaic's code on the GPU), moving a rare element across a stochastic-
+  rounding or int8 boundary: at least ``identical`` of each leaf's bits
+  match, the rest one bf16 ulp or one int8 code away; float32 block scales
+  (an absmax: one such element moves its block's) within 1e-6."""
+  for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected)):
+    a, e = np.asarray(a), np.asarray(e)
+    if a.dtype == np.float32:
+      np.testing.assert_allclose(a, e, rtol=1e-6, err_msg=what)
+      continue
+    assert (bits(a) == bits(e)).mean() >= identical, (what, a.dtype)
+    if a.dtype == Q.CODES_CONTAINER:
+      distance = np.abs(np.asarray(Q.int8_codes(a), np.int32)
+                        - np.asarray(Q.int8_codes(e), np.int32))
+      assert distance.max() <= 1, what
+    else:
+      assert ulp_distance(a, e).max() <= 1, what
+
+
 def int8_sr(opt, seed=0):
   return dataclasses.replace(opt, state_dtype="int8",
                              weight_rounding="stochastic", rounding_seed=seed)
@@ -301,13 +322,16 @@ def int8_inputs(seed, opt):
 def test_mosaic_int8_states_match_reference_bits(name, opt, count, config,
                                                  seed):
   """One step from a random int8 state, with stochastic rounding: codes,
-  scales and weights are the reference's, bit for bit."""
+  scales and weights are the reference's but for rare elements whose
+  float32 update XLA compiles differently in the interpreter's tile (NAdam:
+  one of 32768 weights one bf16 ulp off, with two of the three configs)."""
   inputs = int8_inputs(seed, opt)
   step = jnp.int32(count + 1)
   expected = run_reference_at(opt, *inputs, count, step, layer_id=9)
   actual = run_mosaic(opt, *inputs, count, INT8_CONFIGS[config], step=step,
                       layer_id=9)
-  assert_same_bits(actual, expected, name)
+  assert int(actual[2]) == int(expected[2]) == 0
+  assert_within_rounding(actual[:2], expected[:2], name, identical=0.9999)
   for new, old in zip(jax.tree.leaves(expected[:2]), jax.tree.leaves(inputs[2:])):
     assert (bits(new) != bits(old)).any(), f"{name}: a leaf did not move"
 
@@ -441,18 +465,8 @@ def test_compiled_mosaic_kernel_int8_sr_matches_reference_on_gpu(
                           opt.scalars(jnp.int32(count)), jnp.bool_(True),
                           step=step))
     assert int(actual[2]) == int(expected[2]) == 0
-    for a, e in zip(jax.tree.leaves(actual[:2]),
-                    jax.tree.leaves(expected[:2])):
-      if a.dtype == np.float32:  # block scales: see the lowp GPU test
-        np.testing.assert_allclose(a, e, rtol=1e-6)
-        continue
-      assert (bits(a) == bits(e)).mean() >= 0.999, (name, count, a.dtype)
-      if a.dtype == Q.CODES_CONTAINER:
-        distance = np.abs(np.asarray(Q.int8_codes(a), np.int32)
-                          - np.asarray(Q.int8_codes(e), np.int32))
-        assert distance.max() <= 1, (name, count)
-      else:
-        assert ulp_distance(a, e).max() <= 1, (name, count)
+    assert_within_rounding(actual[:2], expected[:2], (name, count),
+                           identical=0.999)
     w, state = jax.tree.map(jnp.asarray, expected[:2])
 
 
