@@ -1,10 +1,10 @@
 """Tensor and sequence parallelism (forge_jax.parallel) on 8 CPU devices.
 
-The device count must be set before JAX initializes its backends. Run alone
-(``pytest tests/test_parallel.py``) this module sets it itself; in a session
-where another module already initialized JAX with fewer devices (the whole
-suite), ``test_suite_in_subprocess`` reruns this file in a fresh process with
-8 CPU devices and the tests below are skipped in the parent.
+The device count must be set before JAX initializes its backends:
+``conftest.py`` sets 8 CPU devices for every test session (and this module
+again, run on its own). Where JAX was already initialized with fewer
+devices, ``test_suite_in_subprocess`` reruns this file in a fresh process
+with 8 CPU devices and the tests below are skipped in the parent.
 
 Everything is float32 with tiny shapes; "exact" means ≤ 1e-5 relative
 (‖a − b‖ / ‖b‖ per leaf) after several steps: the only differences are the
