@@ -18,6 +18,8 @@ memory of the fused step (aliasing). Results: JSON (see --out).
 
   python benchmarks/kernel_bench.py --suite full --out results.json
   python benchmarks/kernel_bench.py --suite mosaic --out results.json
+  python benchmarks/kernel_bench.py --suite mosaic --mosaic-defaults --out r.json
+  python benchmarks/kernel_bench.py --suite mosaic-diag --out diag.json
   python benchmarks/kernel_bench.py --suite tiny   # CPU, interpret mode
 """
 
