@@ -31,10 +31,11 @@ from flax.training.train_state import TrainState
 import forge_jax as fj
 
 # Mosaic GPU's interpret mode runs each simulated warpgroup as a nested CPU
-# computation, and a warpgroup blocked in a barrier wait holds one of the CPU
-# client's workers: with one CPU device on a 2-core machine, kernels with
-# four warpgroups deadlocked (the epilogue-warpgroup schedule). Eight CPU
-# devices (test_parallel's mesh too) give the client workers enough.
+# computation. With one CPU device on a 2-core machine, kernels with four
+# warpgroups deadlocked (the epilogue-warpgroup schedule): two warpgroups
+# blocked in barrier waits, the others parked inside their computations, as
+# if the blocked ones held all of the CPU client's workers. With eight CPU
+# devices (test_parallel's mesh too) the same kernels finish.
 try:
   jax.config.update("jax_num_cpu_devices", 8)
 except RuntimeError:
