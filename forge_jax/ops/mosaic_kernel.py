@@ -486,12 +486,15 @@ def _fused_kernel(scalars_gmem, x_gmem, dy_gmem, storage_gmem, storage_out,
   cta_tn = config.cta_tile_n
   k_iters, n_iters = k // tk, n // cta_tn
   num_tiles, num_steps = k_iters * n_iters, tokens // tt
+  # x's columns of a tile, and its block at pipeline step t.
   if interpret:
-    x_block = (tk, tt)
-    x_window = lambda k0, t: x_gmem.at[pl.ds(k0, tk), pl.ds(t * tt, tt)]
+    x_block, x_index = (tk, tt), lambda t: (0, t)
+    x_column = lambda k0: x_gmem.at[pl.ds(k0, tk), :]
   else:
-    x_block = (tt, tk)
-    x_window = lambda k0, t: x_gmem.at[pl.ds(t * tt, tt), pl.ds(k0, tk)]
+    x_block, x_index = (tt, tk), lambda t: (t, 0)
+    x_column = lambda k0: x_gmem.at[:, pl.ds(k0, tk)]
+  x_window = lambda k0, t: x_column(k0).at[tuple(
+      pl.ds(i * size, size) for i, size in zip(x_index(t), x_block))]
   x_transforms = _swizzled(x_block[1], x_gmem.dtype)
   dy_transforms = _swizzled(cta_tn, dy_gmem.dtype)
   tma_refs = [ref for ref, scale in zip(storage_gmem, is_scale) if not scale]
@@ -538,18 +541,11 @@ def _fused_kernel(scalars_gmem, x_gmem, dy_gmem, storage_gmem, storage_out,
         # One barrier per (buffer, leaf): each TMA load arrives once.
         load_barriers=plgpu.Barrier(num_barriers=num_buffers * len(tma_refs)))
 
-
   def inline_schedule():
     """Each compute warpgroup updates its part right after the tile's main
     loop (emit_pipeline_warp_specialized's memory warpgroup streams x, dy)."""
     slots = config.epilogue_slots
     prefetch_step = min(config.prefetch_step, num_steps - 1)
-    if interpret:
-      x_column = lambda k0: x_gmem.at[pl.ds(k0, tk), :]
-      x_index = lambda t: (0, t)
-    else:
-      x_column = lambda k0: x_gmem.at[:, pl.ds(k0, tk)]
-      x_index = lambda t: (t, 0)
 
     def pipeline(body, compute_context):
       # delay_release=1: a step's buffers are released after the next step's
