@@ -453,11 +453,11 @@ def mosaic_diagnosis(result, save, k=4096, n=14336, token_counts=(512, 2048, 819
                    indent=1))
 
 
-def mosaic_suite(args, result, save, triton_config, started):
-  """The Mosaic GPU kernel: checks for every optimizer (and a skipped-element
-  case), a tile sweep (or the default configs: --mosaic-defaults), then the
-  table beside the Triton kernel."""
-  for tokens in () if args.mosaic_defaults else (8192, 2048):
+def mosaic_sweep(result, save, triton_config) -> mosaic_kernel.MosaicConfig:
+  """Times every MOSAIC_SWEEP_CONFIGS entry at 4096 x 4096 (T = 8192, 2048)
+  and returns the best over both token counts: least summed time relative
+  to each count's fastest (correct runs only)."""
+  for tokens in (8192, 2048):
     for cfg in MOSAIC_SWEEP_CONFIGS:
       try:
         check = check_case("adamw", CHECK_OPTIMIZERS["adamw"], 4096, 4096,
@@ -473,8 +473,6 @@ def mosaic_suite(args, result, save, triton_config, started):
             f"{r.get('fused_mosaic', r.get('error'))} "
             f"err {r.get('check', {}).get('update_rel_err')}", flush=True)
       save()
-  # The best config over both token counts: least summed time relative to
-  # each count's fastest (correct runs only).
   ok = [r for r in result["sweep"]
         if "error" not in r and r["check"]["update_rel_err"] < 1e-5]
   fastest = {t: min(r["fused_mosaic"]["ms"] for r in ok if r["tokens"] == t)
@@ -486,18 +484,23 @@ def mosaic_suite(args, result, save, triton_config, started):
   complete = [k for k in score
               if sum(json.dumps(r["mosaic_config"], sort_keys=True) == k
                      for r in ok) == len(fastest)]
-  best = (mosaic_kernel.MosaicConfig(**json.loads(min(complete, key=score.get)))
+  return (mosaic_kernel.MosaicConfig(**json.loads(min(complete, key=score.get)))
           if complete else mosaic_kernel.MosaicConfig())
 
-  def config_for(optimizer, k, n, tokens):
-    if not args.mosaic_defaults:
-      return best
-    return mosaic_kernel.default_config(
-        jax.ShapeDtypeStruct((tokens, k), jnp.bfloat16),
-        jax.ShapeDtypeStruct((k, n), jnp.float32), optimizer)
 
-  if not args.mosaic_defaults:
+def mosaic_suite(args, result, save, triton_config, started):
+  """The Mosaic GPU kernel: checks for every optimizer (and a skipped-element
+  case), a tile sweep (or the default configs: --mosaic-defaults), then the
+  table beside the Triton kernel."""
+  if args.mosaic_defaults:
+    def config_for(optimizer, k, n, tokens):
+      return mosaic_kernel.default_config(
+          jax.ShapeDtypeStruct((tokens, k), jnp.bfloat16),
+          jax.ShapeDtypeStruct((k, n), jnp.float32), optimizer)
+  else:
+    best = mosaic_sweep(result, save, triton_config)
     result["best_mosaic_config"] = dataclasses.asdict(best)
+    config_for = lambda *_: best
   for name, opt in CHECK_OPTIMIZERS.items():
     try:
       r = check_case(name, opt, 4096, 4096, 2048,
