@@ -91,11 +91,6 @@ def _on_hopper_or_newer() -> bool:
     return False
 
 
-def _has_int8_states(kernel, optimizer) -> bool:
-  layer = jax.ShapeDtypeStruct(kernel.shape[-2:], kernel.dtype)
-  return quantization.has_quantized(jax.eval_shape(optimizer.init, layer))
-
-
 def select(implementation: str, x, dy, kernel, optimizer):
   """The backend for ``implementation``; 'auto' picks the fastest that applies.
 
@@ -122,7 +117,8 @@ def select(implementation: str, x, dy, kernel, optimizer):
     kernels = [
         (_on_hopper_or_newer(), mosaic_kernel, mosaic_kernel.mosaic_update),
         (_on_gpu(), triton_kernel, triton_kernel.triton_update)]
-    if _on_gpu() and _has_int8_states(kernel, optimizer):
+    if _on_gpu() and quantization.has_quantized(
+        stacks.layer_state_shapes(kernel, optimizer)):
       kernels.reverse()
     for available, module, update in kernels:
       if available and module.unsupported_reason(x, dy, kernel,

@@ -256,13 +256,6 @@ def _storage_itemsizes(kernel, state) -> list:
           if not scale]
 
 
-def _layer_state(kernel, optimizer):
-  """The shapes of one layer's optimizer state (``kernel`` may be a stack:
-  int8 states quantize 2-D kernels only)."""
-  layer = jax.ShapeDtypeStruct(kernel.shape[-2:], kernel.dtype)
-  return jax.eval_shape(optimizer.init, layer)
-
-
 def _fitting_config(tokens, k, n, activation_itemsize, storage_itemsizes,
                     quantized: bool) -> MosaicConfig:
   """The first ranked config whose tiles divide the shape and whose buffers
@@ -283,7 +276,7 @@ def _fitting_config(tokens, k, n, activation_itemsize, storage_itemsizes,
 
 def default_config(x, kernel, optimizer) -> MosaicConfig:
   """The fastest default config for this call's shapes and dtypes."""
-  state = _layer_state(kernel, optimizer)
+  state = stacks.layer_state_shapes(kernel, optimizer)
   return _fitting_config(math.prod(x.shape[:-1]), *kernel.shape[-2:],
                          jnp.dtype(x.dtype).itemsize,
                          _storage_itemsizes(kernel, state),
@@ -300,7 +293,7 @@ def unsupported_reason(x, dy, kernel, optimizer,
     return f"{x.dtype=} and {dy.dtype=} must match"
   if jnp.dtype(kernel.dtype) not in map(jnp.dtype, _STORAGE_DTYPES):
     return f"kernel.dtype={kernel.dtype} must be float32 or bfloat16"
-  state = _layer_state(kernel, optimizer)
+  state = stacks.layer_state_shapes(kernel, optimizer)
   quantized = quantization.has_quantized(state)
   for leaf in jax.tree.leaves(state):
     if jnp.dtype(leaf.dtype) not in map(jnp.dtype, _STATE_DTYPES):

@@ -40,3 +40,10 @@ def with_layer_entries(stacks, entries, layer_index: Optional[jax.Array]):
   """:func:`with_layer_entry` of every leaf of ``stacks``."""
   return jax.tree.map(lambda s, e: with_layer_entry(s, e, layer_index),
                       stacks, entries)
+
+
+def layer_state_shapes(kernel, optimizer):
+  """The shapes and dtypes of one layer's optimizer state for ``kernel`` (one
+  layer's or a ``[L, K, N]`` stack: int8 states quantize 2-D kernels only)."""
+  layer = jax.ShapeDtypeStruct(kernel.shape[-2:], kernel.dtype)
+  return jax.eval_shape(optimizer.init, layer)
