@@ -51,12 +51,21 @@ CONFIGS = {
     "one-warpgroup": mosaic_kernel.MosaicConfig(**SMALL, epilogue_n=32,
                                                 epilogue_slots=2,
                                                 compute_wgs=1),
+    # A 64 x 64 tile per warpgroup, in turns: four tiles a CTA, two steps
+    # each; two 64 x 32 sub-tiles per tile in two buffers.
+    "pingpong": mosaic_kernel.MosaicConfig(**SMALL, epilogue_n=32,
+                                           epilogue_slots=2,
+                                           schedule="pingpong"),
+    # Four sub-tiles a tile, single-buffered, loaded at the second step.
+    "pingpong-single-buffered": mosaic_kernel.MosaicConfig(
+        **SMALL, epilogue_n=16, epilogue_slots=1, prefetch_step=1,
+        schedule="pingpong"),
     # Four sub-tiles a CTA tile in two buffers, loaded ahead across tiles.
     "epilogue-warpgroup": mosaic_kernel.MosaicConfig(
-        **SMALL, epilogue_n=32, epilogue_slots=2, epilogue_warpgroup=True),
+        **SMALL, epilogue_n=32, epilogue_slots=2, schedule="epilogue-warpgroup"),
     # Eight sub-tiles a CTA tile in four buffers.
     "epilogue-warpgroup-4-buffers": mosaic_kernel.MosaicConfig(
-        **SMALL, epilogue_n=16, epilogue_slots=4, epilogue_warpgroup=True),
+        **SMALL, epilogue_n=16, epilogue_slots=4, schedule="epilogue-warpgroup"),
 }
 X_SHAPE, N = (2, 64, 128), 256
 # int8 states: epilogue sub-tiles of one quantization block (64 columns).
@@ -68,10 +77,10 @@ INT8_CONFIGS = {
     "int8-two-rows": mosaic_kernel.MosaicConfig(
         **{**SMALL, "tile_k": 128}, epilogue_n=64, epilogue_slots=2),
     "int8-warpgroup": mosaic_kernel.MosaicConfig(
-        **SMALL, epilogue_n=64, epilogue_slots=2, epilogue_warpgroup=True),
+        **SMALL, epilogue_n=64, epilogue_slots=2, schedule="epilogue-warpgroup"),
 }
 #: The two epilogue schedules of the per-optimizer tests.
-SCHEDULES = ("all-prefetched", "epilogue-warpgroup")
+SCHEDULES = ("all-prefetched", "pingpong", "epilogue-warpgroup")
 
 
 def run_mosaic(opt, x, dy, kernel, state, count, config, layer_index=None,
@@ -166,24 +175,36 @@ def test_mosaic_config_errors_name_the_bad_field():
   with pytest.raises(ValueError, match=r"compute_wgs=3 must be 1 or 2"):
     mosaic_kernel.MosaicConfig(compute_wgs=3)
   with pytest.raises(ValueError, match=r"epilogue_slots=3 must divide the 8 "):
-    mosaic_kernel.MosaicConfig(epilogue_slots=3, epilogue_warpgroup=True)
+    mosaic_kernel.MosaicConfig(epilogue_slots=3, schedule="epilogue-warpgroup")
   with pytest.raises(ValueError, match=r"prefetch_step=4 does not apply"):
-    mosaic_kernel.MosaicConfig(prefetch_step=4, epilogue_warpgroup=True)
+    mosaic_kernel.MosaicConfig(prefetch_step=4, schedule="epilogue-warpgroup")
   with pytest.raises(ValueError, match=r"leaving 88 < 128 for the epilogue"):
-    mosaic_kernel.MosaicConfig(tile_n=128, epilogue_warpgroup=True)
+    mosaic_kernel.MosaicConfig(tile_n=128, schedule="epilogue-warpgroup")
+  with pytest.raises(ValueError, match=r"take 320 registers a thread, more "
+                     r"than 232 \(schedule='pingpong'\)"):
+    mosaic_kernel.MosaicConfig(tile_n=256, schedule="pingpong")
+  with pytest.raises(ValueError, match=r"ctas_per_sm=2 must be 1 with "
+                     r"schedule='pingpong'"):
+    mosaic_kernel.MosaicConfig(ctas_per_sm=2, schedule="pingpong")
+  with pytest.raises(ValueError, match=r"schedule='overlap' must be one of"):
+    mosaic_kernel.MosaicConfig(schedule="overlap")
 
 
-def test_mosaic_epilogue_warpgroup_with_uneven_tiles_and_steps(seed):
-  """Three tiles on two CTAs (one CTA gets two, the other one) and three
-  pipeline steps on a ring of two buffers: the step and sub-tile rings run
-  across tiles, and the last tile's loads must not be issued."""
+@pytest.mark.parametrize("schedule,features,slots", [
+    ("epilogue-warpgroup", 128, 4), ("pingpong", 64, 2)])
+def test_mosaic_hand_written_pipelines_with_uneven_tiles_and_steps(
+    schedule, features, slots, seed):
+  """Three tiles on two CTAs (one CTA gets two, the other one: with
+  'pingpong' its second warpgroup has none) and three pipeline steps on a
+  ring of two buffers: the step and sub-tile rings run across tiles, and
+  the last tile's loads must not be issued."""
   opt = fj.adamw(0.05, weight_decay=0.1)
-  inputs = random_inputs(seed, opt, (3, 64, 192), 128, (BF16, F32, BF16))
-  config = dataclasses.replace(CONFIGS["epilogue-warpgroup"], epilogue_n=16,
-                               epilogue_slots=4)
+  inputs = random_inputs(seed, opt, (3, 64, 192), features, (BF16, F32, BF16))
+  config = dataclasses.replace(CONFIGS[schedule], epilogue_n=16,
+                               epilogue_slots=slots)
   expected = run_reference(opt, *inputs, 2)
   actual = run_mosaic(opt, *inputs, 2, config)
-  assert_leaves_match(actual, expected, "uneven")
+  assert_leaves_match(actual, expected, schedule)
 
 
 def test_default_config_fits_dtypes_and_shape():
@@ -422,7 +443,7 @@ def test_compiled_mosaic_kernel_matches_reference_on_gpu(name, opt, count,
   scalars = opt.scalars(jnp.asarray(count, jnp.int32))
   slots = 1 if name.startswith("rmsprop-centered") else 2
   config = None if schedule == "default" else mosaic_kernel.MosaicConfig(
-      epilogue_warpgroup=True, epilogue_slots=slots)
+      schedule="epilogue-warpgroup", epilogue_slots=slots)
   fn = jax.jit(functools.partial(mosaic_kernel.mosaic_update, spec,
                                  config=config), donate_argnums=(2, 3))
   actual = host_copy(fn(*inputs, scalars, jnp.all(jnp.isfinite(inputs[1]))))
@@ -505,8 +526,8 @@ def test_compiled_kernel_bits_do_not_depend_on_config_or_run(tokens, seed):
   configs = set(mosaic_kernel.ranked_configs())
   configs |= {mosaic_kernel.MosaicConfig(epilogue_n=64),
               mosaic_kernel.MosaicConfig(epilogue_slots=4, prefetch_step=4),
-              mosaic_kernel.MosaicConfig(epilogue_warpgroup=True),
-              mosaic_kernel.MosaicConfig(epilogue_warpgroup=True,
+              mosaic_kernel.MosaicConfig(schedule="epilogue-warpgroup"),
+              mosaic_kernel.MosaicConfig(schedule="epilogue-warpgroup",
                                          epilogue_slots=4)}
   spec = FusedDenseSpec(optimizer=opt, implementation="mosaic")
   scalars = opt.scalars(jnp.asarray(3, jnp.int32))

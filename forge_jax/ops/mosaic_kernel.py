@@ -94,26 +94,36 @@ SHARED_MEMORY_BUDGET = 220 * 1024
 DEFAULT_NUM_SMS = 132
 
 
+#: How a CTA's warpgroups share a tile's main loop and its epilogue.
+SCHEDULES = ("inline", "pingpong", "epilogue-warpgroup")
+
+
 @dataclasses.dataclass(frozen=True)
 class MosaicConfig:
-  """Tile shapes of the Mosaic GPU kernel.
+  """Tile shapes and schedule of the Mosaic GPU kernel.
 
-  A CTA computes ``tile_k x (compute_wgs * tile_n)`` of dW (one
-  ``tile_k x tile_n`` part per compute warpgroup), streaming ``tile_t``
-  tokens per pipeline step, ``max_concurrent_steps`` steps in flight. The
-  epilogue works on ``epilogue_k x epilogue_n`` sub-tiles of each part,
-  with ``epilogue_slots`` buffers per warpgroup, whose loads are issued at
-  pipeline step ``prefetch_step`` of the main loop (the last step if the
-  loop is shorter); with as many slots as sub-tiles the whole part's kernel
-  and state are loaded under the main loop. ``ctas_per_sm`` persistent CTAs
-  share an SM (2: one's epilogue overlaps the other's main loop, if both
-  fit).
+  Each compute warpgroup accumulates a ``tile_k x tile_n`` part of dW,
+  streaming ``tile_t`` tokens per pipeline step, ``max_concurrent_steps``
+  steps in flight. The epilogue works on ``epilogue_k x epilogue_n``
+  sub-tiles of each part, with ``epilogue_slots`` buffers per warpgroup,
+  whose loads are issued at pipeline step ``prefetch_step`` of the main loop
+  (the last step if the loop is shorter); with as many slots as sub-tiles
+  the whole part's kernel and state are loaded under the main loop.
 
-  ``epilogue_warpgroup``: the compute warpgroups only accumulate; they hand
-  their float32 parts through shared memory to a fourth warpgroup, which
-  updates one tile while they run the next one's main loop (its
-  ``epilogue_slots`` buffers are loaded ahead, across tiles, and divide the
-  CTA tile's sub-tiles; ``prefetch_step`` does not apply).
+  ``schedule``:
+
+  - ``'inline'``: the compute warpgroups share a CTA tile of ``tile_k x
+    (compute_wgs * tile_n)`` and each updates its part right after the
+    tile's main loop. ``ctas_per_sm`` persistent CTAs share an SM (2: one's
+    epilogue overlaps the other's main loop, if both fit).
+  - ``'pingpong'``: a CTA tile is one warpgroup's ``tile_k x tile_n``; the
+    compute warpgroups take the CTA's tiles in turn, so one updates its tile
+    while the other's wgmma run.
+  - ``'epilogue-warpgroup'``: the compute warpgroups only accumulate; they
+    hand their float32 parts through shared memory to a fourth warpgroup,
+    which updates one tile while they run the next one's main loop (its
+    ``epilogue_slots`` buffers are loaded ahead, across tiles, and divide
+    the CTA tile's sub-tiles; ``prefetch_step`` does not apply).
   """
 
   tile_k: int = 128
@@ -128,7 +138,7 @@ class MosaicConfig:
   epilogue_slots: int = 2
   prefetch_step: int = 0
   ctas_per_sm: int = 1
-  epilogue_warpgroup: bool = False
+  schedule: str = "inline"
 
   def __post_init__(self):
     for name in ("tile_k", "tile_n", "tile_t", "epilogue_k", "epilogue_n"):
@@ -148,27 +158,41 @@ class MosaicConfig:
     for name in ("compute_wgs", "ctas_per_sm"):
       if getattr(self, name) not in (1, 2):
         raise ValueError(f"{name}={getattr(self, name)} must be 1 or 2")
-    if self.epilogue_warpgroup:
+    if self.schedule not in SCHEDULES:
+      raise ValueError(f"schedule={self.schedule!r} must be one of "
+                       f"{SCHEDULES}")
+    if self.schedule != "inline" and self.ctas_per_sm != 1:
+      raise ValueError(f"ctas_per_sm={self.ctas_per_sm} must be 1 with "
+                       f"schedule={self.schedule!r} (its warpgroups take the "
+                       "SM's registers)")
+    compute, epilogue = warpgroup_registers(self)
+    if self.schedule == "epilogue-warpgroup":
       subtiles = self.compute_wgs * self.epilogue_subtiles
       if subtiles % self.epilogue_slots:
         raise ValueError(
             f"epilogue_slots={self.epilogue_slots} must divide the {subtiles} "
-            "epilogue sub-tiles of a CTA tile (epilogue_warpgroup=True)")
-      for name in ("prefetch_step", "ctas_per_sm"):
-        if getattr(self, name) != MosaicConfig.__dataclass_fields__[name].default:
-          raise ValueError(f"{name}={getattr(self, name)} does not apply with "
-                           "epilogue_warpgroup=True")
-      compute, epilogue = warpgroup_registers(self)
+            "epilogue sub-tiles of a CTA tile "
+            "(schedule='epilogue-warpgroup')")
+      if self.prefetch_step:
+        raise ValueError(f"prefetch_step={self.prefetch_step} does not apply "
+                         "with schedule='epilogue-warpgroup'")
       if epilogue < MIN_EPILOGUE_REGISTERS:
         raise ValueError(
             f"the {self.tile_k} x {self.tile_n} accumulators take {compute} "
             f"registers a thread in each of {self.compute_wgs} compute "
             f"warpgroups, leaving {epilogue} < {MIN_EPILOGUE_REGISTERS} for the "
             "epilogue warpgroup")
-    elif not 1 <= self.epilogue_slots <= self.epilogue_subtiles:
-      raise ValueError(
-          f"epilogue_slots={self.epilogue_slots} must be between 1 and the "
-          f"{self.epilogue_subtiles} epilogue sub-tiles of a warpgroup's part")
+    else:
+      if not 1 <= self.epilogue_slots <= self.epilogue_subtiles:
+        raise ValueError(
+            f"epilogue_slots={self.epilogue_slots} must be between 1 and the "
+            f"{self.epilogue_subtiles} epilogue sub-tiles of a warpgroup's "
+            "part")
+      if self.schedule == "pingpong" and compute > MAX_REGISTERS:
+        raise ValueError(
+            f"the {self.tile_k} x {self.tile_n} accumulator and the update "
+            f"take {compute} registers a thread, more than {MAX_REGISTERS} "
+            "(schedule='pingpong')")
     if self.prefetch_step < 0:
       raise ValueError(f"prefetch_step={self.prefetch_step} must be >= 0")
     if self.max_concurrent_steps < 2:
@@ -176,8 +200,13 @@ class MosaicConfig:
                        "must be at least 2")
 
   @property
+  def parts_per_tile(self) -> int:
+    """Compute warpgroups sharing a CTA tile (each has a part)."""
+    return 1 if self.schedule == "pingpong" else self.compute_wgs
+
+  @property
   def cta_tile_n(self) -> int:
-    return self.compute_wgs * self.tile_n
+    return self.parts_per_tile * self.tile_n
 
   @property
   def epilogue_subtiles(self) -> int:
@@ -187,27 +216,32 @@ class MosaicConfig:
   @property
   def num_warpgroups(self) -> int:
     """Compute warpgroups, the memory warpgroup, the epilogue warpgroup."""
-    return self.compute_wgs + 1 + self.epilogue_warpgroup
+    return (self.compute_wgs + 1
+            + (self.schedule == "epilogue-warpgroup"))
 
 
 #: Registers a thread of the memory warpgroup keeps (it only issues TMA).
 MEMORY_REGISTERS = 40
 #: Below this the epilogue warpgroup's rule would spill.
 MIN_EPILOGUE_REGISTERS = 128
+#: The most a thread may keep after setmaxnreg (as in JAX's Hopper attention
+#: kernel).
+MAX_REGISTERS = 232
 #: The SM's 64K registers, counted in registers per thread of one warpgroup
 #: (128 threads); at launch every warpgroup has an equal share.
 _REGISTER_FILE = 512
 
 
 def warpgroup_registers(config: MosaicConfig) -> tuple:
-  """Per-thread registers of a compute and of the epilogue warpgroup with
-  ``epilogue_warpgroup``: the compute warpgroups keep their float32
-  accumulator and 64 more; the epilogue warpgroup gets the rest (setmaxnreg
-  takes multiples of 8; at most 232, as in JAX's Hopper attention kernel)."""
+  """Per-thread registers of a compute warpgroup and of the epilogue
+  warpgroup (``schedule='epilogue-warpgroup'``; else what is left over): a
+  compute warpgroup keeps its float32 accumulator and 64 more (setmaxnreg
+  takes multiples of 8); the epilogue warpgroup gets the rest, at most
+  ``MAX_REGISTERS``."""
   accumulator = config.tile_k * config.tile_n // 128
   compute = -(-(accumulator + 64) // 8) * 8
   rest = _REGISTER_FILE - MEMORY_REGISTERS - config.compute_wgs * compute
-  return compute, min(232, rest // 8 * 8)
+  return compute, min(MAX_REGISTERS, rest // 8 * 8)
 
 
 def shared_memory_bytes(config: MosaicConfig, activation_itemsize: int,
@@ -217,11 +251,11 @@ def shared_memory_bytes(config: MosaicConfig, activation_itemsize: int,
   pipeline = (config.max_concurrent_steps * config.tile_t
               * (config.tile_k + config.cta_tile_n) * activation_itemsize)
   buffers = config.epilogue_slots * (
-      1 if config.epilogue_warpgroup else config.compute_wgs)
+      1 if config.schedule == "epilogue-warpgroup" else config.compute_wgs)
   epilogue = (buffers * config.epilogue_k * config.epilogue_n
               * sum(storage_itemsizes))
   accumulators = (config.compute_wgs * config.tile_k * config.tile_n * 4
-                  if config.epilogue_warpgroup else 0)
+                  if config.schedule == "epilogue-warpgroup" else 0)
   return pipeline + epilogue + accumulators
 
 
@@ -534,11 +568,91 @@ def _fused_kernel(scalars_gmem, x_gmem, dy_gmem, storage_gmem, storage_out,
         # One barrier per (buffer, leaf): each TMA load arrives once.
         load_barriers=plgpu.Barrier(num_barriers=num_buffers * len(tma_refs)))
 
+  slots = config.epilogue_slots
+  prefetch_step = min(config.prefetch_step, num_steps - 1)
+
+  def load_subtile(ep, wg, index, k0, n0):
+    """Loads sub-tile ``index`` of the part at ``(k0, n0)`` into one of
+    warpgroup ``wg``'s ``slots`` buffers (inline and pingpong schedules)."""
+    di, dj = part_subtiles[index]
+    ep.issue_loads(wg * slots + index % slots, k0 + di, n0 + dj)
+
+  def update_part(ep, wg, k0, n0, acc):
+    """Updates the part at ``(k0, n0)`` with its accumulated ``acc``, sub-tile
+    by sub-tile through warpgroup ``wg``'s buffers, whose first loads were
+    issued under the main loop. Returns the skipped count."""
+    skipped = jnp.zeros((), jnp.int32)
+    for index, (di, dj) in enumerate(part_subtiles):
+      skipped += ep.update(wg * slots + index % slots, k0 + di, n0 + dj,
+                           acc[di:di + ek, dj:dj + en])
+      if index + slots < len(part_subtiles):
+        load_subtile(ep, wg, index + slots, k0, n0)  # this buffer, once stored
+    return skipped
+
+  def stream_tiles(x_smem, dy_smem, ready, consumed, stages):
+    """The memory warpgroup of the hand-written pipelines: loads x and dy
+    blocks of the CTA's tiles into a ring of ``stages`` buffers, the steps
+    numbered across tiles so the ring runs on into the next tile. A step's
+    loads arrive on ``ready(local_tile, slot)``; a slot is refilled once
+    ``consumed`` says its last step is done."""
+    plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
+
+    @plgpu.nd_loop((num_tiles,), collective_axes="sm")
+    def _tile_loop(loop_info: plgpu.NDLoopInfo):
+      k0, cta_n0 = tile_origin(loop_info.index[0])
+
+      @pl.loop(0, num_steps)
+      def _step(t):
+        count = loop_info.local_index * num_steps + t
+        slot = lax.rem(count, stages)
+
+        @pl.when(count >= stages)
+        def _wait_consumed():
+          plgpu.barrier_wait(consumed.at[slot])
+
+        barrier = ready(loop_info.local_index, slot)
+        plgpu.copy_gmem_to_smem(x_window(k0, t), x_smem.at[slot], barrier)
+        plgpu.copy_gmem_to_smem(
+            dy_gmem.at[pl.ds(t * tt, tt), pl.ds(cta_n0, cta_tn)],
+            dy_smem.at[slot], barrier)
+
+    # Observe the last steps' releases too, leaving the barriers clean. The
+    # grid has no more CTAs than tiles.
+    first_tile, num_ctas = lax.axis_index("sm"), lax.axis_size("sm")
+    total = (num_tiles - first_tile + num_ctas - 1) // num_ctas * num_steps
+
+    @pl.loop(lax.max(total - stages, 0), total)
+    def _drain(count):
+      plgpu.barrier_wait(consumed.at[lax.rem(count, stages)])
+
+  def main_loop(acc_ref, x_smem, dy_smem, ready, consumed, stages, first,
+                part, after_wgmma=lambda t: None):
+    """Accumulates one tile from the ring of ``stages`` buffers (steps
+    ``first + t``, loads arriving on ``ready(slot)``) and returns the
+    accumulator. A step's buffers are released after the next step's
+    ``wgmma_wait(1)``, which proves its wgmma done."""
+    slot = lambda t: lax.rem(first + t, stages)
+
+    def step(t, acc_ref):
+      plgpu.barrier_wait(ready(slot(t)))
+      wgmma(acc_ref, x_smem.at[slot(t)], dy_smem.at[slot(t)], part)
+      after_wgmma(t)
+      plgpu.wgmma_wait(1)
+
+      @pl.when(t > 0)
+      def _release():
+        plgpu.barrier_arrive(consumed.at[slot(t - 1)])
+
+      return acc_ref
+
+    lax.fori_loop(0, num_steps, step, acc_ref)
+    acc = acc_ref[...]  # waits for the last wgmma
+    plgpu.barrier_arrive(consumed.at[slot(num_steps - 1)])
+    return acc
+
   def inline_schedule():
     """Each compute warpgroup updates its part right after the tile's main
     loop (emit_pipeline_warp_specialized's memory warpgroup streams x, dy)."""
-    slots = config.epilogue_slots
-    prefetch_step = min(config.prefetch_step, num_steps - 1)
 
     def pipeline(body, compute_context):
       # delay_release=1: a step's buffers are released after the next step's
@@ -577,24 +691,13 @@ def _fused_kernel(scalars_gmem, x_gmem, dy_gmem, storage_gmem, storage_out,
         (linear,) = loop_info.index
         k0, cta_n0 = tile_origin(linear)
         n0 = cta_n0 + wg * tn
-        buffer = lambda index: wg * slots + index % slots
-
-        def issue_loads(index):
-          di, dj = part_subtiles[index]
-          ep.issue_loads(buffer(index), k0 + di, n0 + dj)
 
         def compute_context(eval_pipeline):
           @functools.partial(pl.run_scoped,
                              acc_ref=plgpu.ACC((tk, tn), jnp.float32))
           def _acc_scope(acc_ref):
             eval_pipeline(acc_ref)  # issues the first `slots` sub-tiles' loads
-            acc = acc_ref[...]
-            skipped = jnp.zeros((), jnp.int32)
-            for index, (di, dj) in enumerate(part_subtiles):
-              skipped += ep.update(buffer(index), k0 + di, n0 + dj,
-                                   acc[di:di + ek, dj:dj + en])
-              if index + slots < len(part_subtiles):
-                issue_loads(index + slots)  # into this buffer, once stored
+            skipped = update_part(ep, wg, k0, n0, acc_ref[...])
             # Every thread holds the same sum: all write the same value.
             skipped_gmem[config.compute_wgs * linear + wg] = skipped
 
@@ -606,7 +709,7 @@ def _fused_kernel(scalars_gmem, x_gmem, dy_gmem, storage_gmem, storage_out,
           @pl.when(indices[0] == prefetch_step)
           def _prefetch():
             for index in range(slots):
-              issue_loads(index)
+              load_subtile(ep, wg, index, k0, n0)
 
           plgpu.wgmma_wait(1)
           return acc_ref
@@ -615,13 +718,80 @@ def _fused_kernel(scalars_gmem, x_gmem, dy_gmem, storage_gmem, storage_out,
             x_column(k0), dy_gmem.at[:, pl.ds(cta_n0, cta_tn)],
             allocations=pipeline_allocs)
 
+  def pingpong_schedule():
+    """A memory warpgroup streams x and dy for the CTA's tiles in order; the
+    compute warpgroups take the tiles in turn, each running its own main
+    loop and epilogue, so one updates its tile while the other's wgmma keep
+    the tensor cores busy. Nothing passes through shared memory but the
+    pipeline's and the epilogue's buffers."""
+    stages, wgs = config.max_concurrent_steps, config.compute_wgs
+    compute_registers = min(MAX_REGISTERS, (_REGISTER_FILE - MEMORY_REGISTERS)
+                            // wgs // 8 * 8)
+
+    @functools.partial(
+        pl.run_scoped,
+        x_smem=plgpu.SMEM((stages, *x_block), x_gmem.dtype,
+                          transforms=x_transforms),
+        dy_smem=plgpu.SMEM((stages, tt, cta_tn), dy_gmem.dtype,
+                           transforms=dy_transforms),
+        # One barrier per (owner, slot): a thread tracks a barrier's phase by
+        # waiting on every phase of it, so a warpgroup's barriers must not
+        # complete for the other's steps.
+        loaded=plgpu.Barrier(num_arrivals=2, num_barriers=wgs * stages),
+        consumed=plgpu.Barrier(num_barriers=stages),
+        **epilogue_buffers(wgs * slots),
+        collective_axes="wg",
+    )
+    def _scope(x_smem, dy_smem, loaded, consumed, epilogue_smem,
+               load_barriers):
+      wg = lax.axis_index("wg")
+      owner = lambda local_tile: lax.rem(local_tile, wgs)
+
+      @pl.when(wg == wgs)
+      def _memory():
+        stream_tiles(
+            x_smem, dy_smem,
+            lambda local_tile, slot: loaded.at[owner(local_tile) * stages
+                                               + slot],
+            consumed, stages)
+
+      @pl.when(wg < wgs)
+      def _compute():
+        if compute_registers > _REGISTER_FILE // config.num_warpgroups:
+          plgpu.set_max_registers(compute_registers, action="increase")
+        ep = epilogue(epilogue_smem, load_barriers)
+
+        @plgpu.nd_loop((num_tiles,), collective_axes="sm")
+        def _tile_loop(loop_info: plgpu.NDLoopInfo):
+          @pl.when(owner(loop_info.local_index) == wg)
+          def _own_tile():
+            (linear,) = loop_info.index
+            k0, n0 = tile_origin(linear)
+
+            def prefetch(t):
+              # After this step's wgmma: the tensor cores work while this
+              # warpgroup's last stores finish reading the buffers.
+              @pl.when(t == prefetch_step)
+              def _prefetch():
+                for index in range(slots):
+                  load_subtile(ep, wg, index, k0, n0)
+
+            @functools.partial(pl.run_scoped,
+                               acc_ref=plgpu.ACC((tk, tn), jnp.float32))
+            def _acc_scope(acc_ref):
+              acc = main_loop(
+                  acc_ref, x_smem, dy_smem,
+                  lambda slot: loaded.at[wg * stages + slot], consumed,
+                  stages, loop_info.local_index * num_steps, 0, prefetch)
+              # Every thread holds the same sum: all write the same value.
+              skipped_gmem[linear] = update_part(ep, wg, k0, n0, acc)
+
   def warpgroup_schedule():
     """A memory warpgroup streams x and dy; the compute warpgroups accumulate
     their parts and hand them through shared memory to an epilogue
     warpgroup, which updates one tile while they run the next one's main
     loop."""
-    stages, slots = config.max_concurrent_steps, config.epilogue_slots
-    parts = config.compute_wgs
+    stages, parts = config.max_concurrent_steps, config.compute_wgs
     memory_wg, epilogue_wg = parts, parts + 1
     compute_registers, epilogue_registers = warpgroup_registers(config)
     # The epilogue's sub-tiles of a CTA tile, in order: (part, index).
@@ -648,41 +818,10 @@ def _fused_kernel(scalars_gmem, x_gmem, dy_gmem, storage_gmem, storage_out,
       wg = lax.axis_index("wg")
       first_tile, num_ctas = lax.axis_index("sm"), lax.axis_size("sm")
 
-      def local_tiles():
-        """This CTA's tiles (the grid has no more CTAs than tiles)."""
-        return (num_tiles - first_tile + num_ctas - 1) // num_ctas
-
       @pl.when(wg == memory_wg)
       def _memory():
-        plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
-
-        @plgpu.nd_loop((num_tiles,), collective_axes="sm")
-        def _tile_loop(loop_info: plgpu.NDLoopInfo):
-          k0, cta_n0 = tile_origin(loop_info.index[0])
-
-          @pl.loop(0, num_steps)
-          def _step(t):
-            # Steps are numbered across this CTA's tiles: the ring of
-            # buffers runs on into the next tile.
-            count = loop_info.local_index * num_steps + t
-            slot = lax.rem(count, stages)
-
-            @pl.when(count >= stages)
-            def _wait_consumed():
-              plgpu.barrier_wait(consumed.at[slot])
-
-            plgpu.copy_gmem_to_smem(x_window(k0, t), x_smem.at[slot],
-                                    loaded.at[slot])
-            plgpu.copy_gmem_to_smem(
-                dy_gmem.at[pl.ds(t * tt, tt), pl.ds(cta_n0, cta_tn)],
-                dy_smem.at[slot], loaded.at[slot])
-
-        # Observe the last steps' releases too, leaving the barriers clean.
-        total = local_tiles() * num_steps
-
-        @pl.loop(lax.max(total - stages, 0), total)
-        def _drain(count):
-          plgpu.barrier_wait(consumed.at[lax.rem(count, stages)])
+        stream_tiles(x_smem, dy_smem, lambda _, slot: loaded.at[slot],
+                     consumed, stages)
 
       @pl.when(wg < parts)
       def _compute():
@@ -691,26 +830,12 @@ def _fused_kernel(scalars_gmem, x_gmem, dy_gmem, storage_gmem, storage_out,
 
         @plgpu.nd_loop((num_tiles,), collective_axes="sm")
         def _tile_loop(loop_info: plgpu.NDLoopInfo):
-          first = loop_info.local_index * num_steps
-          slot = lambda t: lax.rem(first + t, stages)
-
           @functools.partial(pl.run_scoped,
                              acc_ref=plgpu.ACC((tk, tn), jnp.float32))
           def _acc_scope(acc_ref):
-            def step(t, acc_ref):
-              plgpu.barrier_wait(loaded.at[slot(t)])
-              wgmma(acc_ref, x_smem.at[slot(t)], dy_smem.at[slot(t)], wg)
-              plgpu.wgmma_wait(1)  # the previous step's wgmma is done
-
-              @pl.when(t > 0)
-              def _release():
-                plgpu.barrier_arrive(consumed.at[slot(t - 1)])
-
-              return acc_ref
-
-            lax.fori_loop(0, num_steps, step, acc_ref)
-            acc = acc_ref[...]  # waits for the last wgmma
-            plgpu.barrier_arrive(consumed.at[slot(num_steps - 1)])
+            acc = main_loop(acc_ref, x_smem, dy_smem, lambda slot: loaded.at[slot],
+                            consumed, stages,
+                            loop_info.local_index * num_steps, wg)
             plgpu.barrier_wait(acc_free.at[wg])
             for index, (di, dj) in enumerate(part_subtiles):
               acc_smem[wg, index] = acc[di:di + ek, dj:dj + en]
@@ -762,10 +887,8 @@ def _fused_kernel(scalars_gmem, x_gmem, dy_gmem, storage_gmem, storage_out,
           for part in range(parts):
             skipped_gmem[parts * linear + part] = skipped[part]
 
-  if config.epilogue_warpgroup:
-    warpgroup_schedule()
-  else:
-    inline_schedule()
+  {"inline": inline_schedule, "pingpong": pingpong_schedule,
+   "epilogue-warpgroup": warpgroup_schedule}[config.schedule]()
   plgpu.wait_smem_to_gmem(0, wait_read_only=False)
 
 
@@ -817,7 +940,7 @@ def mosaic_update(spec, x, dy, kernel, opt_state, scalars, apply,
       is_scale=tuple([False] + quantization.scale_leaf_mask(kernel_state)))
   storage = [kernel] + state_leaves
   num_tiles = (k // config.tile_k) * (n // config.cta_tile_n)
-  skipped_type = jax.ShapeDtypeStruct((config.compute_wgs * num_tiles,),
+  skipped_type = jax.ShapeDtypeStruct((config.parts_per_tile * num_tiles,),
                                       jnp.int32)
   threads = config.num_warpgroups
   mesh = plgpu.Mesh(grid=(_num_ctas(num_tiles, config, interpret),),
