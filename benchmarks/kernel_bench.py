@@ -225,14 +225,15 @@ SWEEP_CONFIGS = [
 
 
 MOSAIC_SWEEP_CONFIGS = [
-    # Session 4 (float32 storage): the pipeline a stage deeper than in
-    # session 3 (race-free release), and the epilogue warpgroup.
-    mosaic_kernel.MosaicConfig(),
-    mosaic_kernel.MosaicConfig(max_concurrent_steps=4, epilogue_slots=1),
-    mosaic_kernel.MosaicConfig(tile_n=128),
-    mosaic_kernel.MosaicConfig(epilogue_warpgroup=True),
-    mosaic_kernel.MosaicConfig(epilogue_warpgroup=True, max_concurrent_steps=4,
-                               epilogue_slots=1),
+    # Session 5 (float32 storage): the session-4 default beside the pingpong
+    # schedule (a warpgroup per 128 x 128 tile, the two taking turns).
+    mosaic_kernel.MosaicConfig(max_concurrent_steps=5, epilogue_slots=1),
+    mosaic_kernel.MosaicConfig(schedule="pingpong", tile_n=128,
+                               max_concurrent_steps=5, epilogue_slots=1),
+    mosaic_kernel.MosaicConfig(schedule="pingpong", tile_n=128,
+                               max_concurrent_steps=4, epilogue_slots=1),
+    mosaic_kernel.MosaicConfig(schedule="pingpong", tile_n=128,
+                               max_concurrent_steps=3, epilogue_slots=2),
 ]
 
 
@@ -371,18 +372,27 @@ def main():
 
 #: bf16 kernel and states (the whole-step configuration): which epilogue
 #: schedule is fastest, and where the time goes.
+def _pingpong(**fields) -> mosaic_kernel.MosaicConfig:
+  return mosaic_kernel.MosaicConfig(schedule="pingpong", tile_n=128, **fields)
+
+
 MOSAIC_DIAG_CONFIGS = {
-    # Session 4: the inline epilogue with its pipeline one or two stages
-    # deeper (its buffers are now released a step later, once the wgmma that
-    # reads them is known to be done: the session-3 depth needs one more
-    # stage) and with 128 x 256 CTA tiles; the epilogue warpgroup.
-    "inline-steps4": mosaic_kernel.MosaicConfig(max_concurrent_steps=4),
+    # Session 5: the pingpong schedule (a warpgroup per 128 x 128 tile, the
+    # two taking turns) with 3-5 pipeline stages, 1-4 epilogue buffers per
+    # warpgroup and 64-wide sub-tiles; the session-4 default beside it. The
+    # first is also timed without the rule's arithmetic and as plain SGD.
+    "pingpong-steps5": _pingpong(max_concurrent_steps=5),
+    "pingpong-steps5-slots1": _pingpong(max_concurrent_steps=5,
+                                        epilogue_slots=1),
+    "pingpong-steps5-prefetch4": _pingpong(max_concurrent_steps=5,
+                                           prefetch_step=4),
+    "pingpong-steps4-slots3": _pingpong(max_concurrent_steps=4,
+                                        epilogue_slots=3),
+    "pingpong-steps4-en64": _pingpong(max_concurrent_steps=4, epilogue_n=64,
+                                      epilogue_slots=1),
+    "pingpong-steps3-slots4": _pingpong(max_concurrent_steps=3,
+                                        epilogue_slots=4),
     "inline-steps5": mosaic_kernel.MosaicConfig(max_concurrent_steps=5),
-    "inline-steps4-en64": mosaic_kernel.MosaicConfig(
-        max_concurrent_steps=4, epilogue_n=64, epilogue_slots=1),
-    "inline-n128-steps3": mosaic_kernel.MosaicConfig(tile_n=128),
-    "wg-steps4": mosaic_kernel.MosaicConfig(epilogue_warpgroup=True,
-                                            max_concurrent_steps=4),
 }
 
 

@@ -426,26 +426,35 @@ def test_mosaic_refuses_what_it_cannot_run_and_auto_falls_back():
   assert backends.select("auto", x, x, kernel, opt) is backends.xla_update
 
 
+#: The schedules of the GPU test: with one epilogue buffer per warpgroup
+#: (two for the epilogue warpgroup) every optimizer's float32 state fits.
+GPU_CONFIGS = {
+    "default": None,
+    "pingpong": mosaic_kernel.MosaicConfig(
+        schedule="pingpong", tile_n=128, max_concurrent_steps=4,
+        epilogue_slots=1),
+    "epilogue-warpgroup": mosaic_kernel.MosaicConfig(
+        schedule="epilogue-warpgroup", epilogue_slots=2),
+}
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("schedule", ["default", "epilogue-warpgroup"])
+@pytest.mark.parametrize("schedule", sorted(GPU_CONFIGS))
 @pytest.mark.parametrize("name,opt,count", OPTIMIZERS,
                          ids=[name for name, _, _ in OPTIMIZERS])
 def test_compiled_mosaic_kernel_matches_reference_on_gpu(name, opt, count,
                                                          schedule, seed):
   """On sm90+: the compiled kernel (transposed wgmma, TMA, in place) at a
-  Llama layer shape, with the default config and with the epilogue
-  warpgroup (one buffer for four float32 state tensors: shared memory)."""
+  Llama layer shape, with the default config and with each schedule."""
   if not backends._on_hopper_or_newer():  # pylint: disable=protected-access
     pytest.skip("needs a Hopper or newer GPU")
   inputs = random_inputs(seed, opt, (2048, 4096), 1024, (F32, F32, BF16))
   expected = run_reference(opt, *inputs, count)
   spec = FusedDenseSpec(optimizer=opt, implementation="mosaic")
   scalars = opt.scalars(jnp.asarray(count, jnp.int32))
-  slots = 1 if name.startswith("rmsprop-centered") else 2
-  config = None if schedule == "default" else mosaic_kernel.MosaicConfig(
-      schedule="epilogue-warpgroup", epilogue_slots=slots)
   fn = jax.jit(functools.partial(mosaic_kernel.mosaic_update, spec,
-                                 config=config), donate_argnums=(2, 3))
+                                 config=GPU_CONFIGS[schedule]),
+               donate_argnums=(2, 3))
   actual = host_copy(fn(*inputs, scalars, jnp.all(jnp.isfinite(inputs[1]))))
   assert_leaves_match(actual, expected, name)
 
@@ -528,7 +537,11 @@ def test_compiled_kernel_bits_do_not_depend_on_config_or_run(tokens, seed):
               mosaic_kernel.MosaicConfig(epilogue_slots=4, prefetch_step=4),
               mosaic_kernel.MosaicConfig(schedule="epilogue-warpgroup"),
               mosaic_kernel.MosaicConfig(schedule="epilogue-warpgroup",
-                                         epilogue_slots=4)}
+                                         epilogue_slots=4),
+              mosaic_kernel.MosaicConfig(schedule="pingpong", tile_n=128,
+                                         max_concurrent_steps=5),
+              mosaic_kernel.MosaicConfig(schedule="pingpong", tile_n=128,
+                                         epilogue_slots=4, prefetch_step=4)}
   spec = FusedDenseSpec(optimizer=opt, implementation="mosaic")
   scalars = opt.scalars(jnp.asarray(3, jnp.int32))
   apply = jnp.all(jnp.isfinite(inputs[1]))
