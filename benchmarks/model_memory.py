@@ -6,6 +6,7 @@ mark), so run it once per variant:
   python benchmarks/model_memory.py --config llama-3.1-8b --variant optax --out optax.json
   python benchmarks/model_memory.py --config llama-3.1-8b --variant forge --out forge.json
 
+``--profile`` adds the device time of each kernel of two more steps.
 ``--breakdown`` compiles the step with an XLA dump of that compile only (a
 temporary directory) and stores its largest temp allocations, and the temp
 values live at the temp peak, under ``breakdown`` (buffer_report.py); the
@@ -34,7 +35,7 @@ from forge_jax import train as train_lib
 from forge_jax.models import llama
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from timing import metadata, time_steps  # pylint: disable=wrong-import-position
+from timing import kernel_profile, metadata, time_steps  # pylint: disable=wrong-import-position
 import buffer_report  # pylint: disable=wrong-import-position
 
 
@@ -58,6 +59,9 @@ def main():
                            "(default: XLA)")
   parser.add_argument("--breakdown", action="store_true",
                       help="record where the compiled step's temp bytes go")
+  parser.add_argument("--profile", action="store_true",
+                      help="after the timed steps, profile two more and "
+                      "store their kernels' device time under 'profile'")
   parser.add_argument("--remat-policy", default=None,
                       choices=[None, *sorted(llama.REMAT_POLICIES)],
                       help="what each layer saves for the backward (default: "
@@ -103,6 +107,13 @@ def main():
 
   state, loss, times = time_steps(compiled, state, batch, args.steps)
   stats = device.memory_stats() or {}
+  profile = None
+  if args.profile:
+    def run_once():
+      nonlocal state
+      state, step_loss = compiled(state, batch)
+      return step_loss
+    profile = kernel_profile(run_once)
   kernels = llama.kernels(state.params)
   kernel_bytes = sum(k.size * k.dtype.itemsize for k in kernels.values())
   result = {
@@ -130,6 +141,8 @@ def main():
   }
   if breakdown is not None:
     result["breakdown"] = breakdown
+  if profile is not None:
+    result["profile"] = profile
   with open(args.out, "w") as f:
     json.dump(result, f, indent=1)
   gib = lambda b: (b or 0) / 2**30

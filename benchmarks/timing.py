@@ -8,6 +8,7 @@ wall-clock time of back-to-back dispatch, and says so in the result.
 
 from __future__ import annotations
 
+import collections
 import datetime
 import glob
 import os
@@ -80,6 +81,34 @@ def _device_events(trace_dir: str):
           continue
         events.extend((e.name, e.duration_ns) for e in line.events)
   return events
+
+
+def kernel_profile(run_once, *, calls: int = 2, top: int = 30) -> dict:
+  """Where one call's device time goes: per call, the summed duration of
+  each kernel (by name) over ``calls`` profiled calls, the ``top`` largest,
+  and the total against the wall time (their difference: launch gaps and
+  host time)."""
+  with tempfile.TemporaryDirectory() as trace_dir:
+    with jax.profiler.trace(trace_dir):
+      start = time.perf_counter()
+      for _ in range(calls):
+        out = run_once()
+      jax.block_until_ready(out)
+      wall_ms = (time.perf_counter() - start) * 1e3 / calls
+      del out
+    events = _device_events(trace_dir)
+  per_name = collections.Counter()
+  launches = collections.Counter()
+  for name, duration_ns in events:
+    per_name[name] += duration_ns / 1e6 / calls
+    launches[name] += 1
+  return {
+      "wall_ms": wall_ms,
+      "device_ms": sum(per_name.values()),
+      "kernels_per_call": len(events) / calls,
+      "top": [{"name": name, "ms": ms, "launches": launches[name] // calls}
+              for name, ms in per_name.most_common(top)],
+  }
 
 
 def device_time_ms(run_once, *, calls: int = 20, repeats: int = 5,
