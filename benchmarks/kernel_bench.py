@@ -378,20 +378,21 @@ def _pingpong(**fields) -> mosaic_kernel.MosaicConfig:
 
 MOSAIC_DIAG_CONFIGS = {
     # Session 5: the pingpong schedule (a warpgroup per 128 x 128 tile, the
-    # two taking turns) with 3-5 pipeline stages, 1-4 epilogue buffers per
-    # warpgroup and 64-wide sub-tiles; the session-4 default beside it. The
-    # first is also timed without the rule's arithmetic and as plain SGD.
-    "pingpong-steps5": _pingpong(max_concurrent_steps=5),
-    "pingpong-steps5-slots1": _pingpong(max_concurrent_steps=5,
-                                        epilogue_slots=1),
-    "pingpong-steps5-prefetch4": _pingpong(max_concurrent_steps=5,
-                                           prefetch_step=4),
+    # two taking turns; a loader warpgroup keeps each one's ring of epilogue
+    # buffers full) with 3-5 pipeline stages and 2-5 epilogue buffers per
+    # warpgroup (64 x 32 or 64 x 64 sub-tiles); the session-4 default beside
+    # it. The first is also timed without the rule's arithmetic and as plain
+    # SGD.
     "pingpong-steps4-slots3": _pingpong(max_concurrent_steps=4,
                                         epilogue_slots=3),
-    "pingpong-steps4-en64": _pingpong(max_concurrent_steps=4, epilogue_n=64,
-                                      epilogue_slots=1),
+    "pingpong-steps5-slots2": _pingpong(max_concurrent_steps=5,
+                                        epilogue_slots=2),
     "pingpong-steps3-slots4": _pingpong(max_concurrent_steps=3,
                                         epilogue_slots=4),
+    "pingpong-steps3-slots5": _pingpong(max_concurrent_steps=3,
+                                        epilogue_slots=5),
+    "pingpong-steps3-en64-slots2": _pingpong(max_concurrent_steps=3,
+                                             epilogue_n=64, epilogue_slots=2),
     "inline-steps5": mosaic_kernel.MosaicConfig(max_concurrent_steps=5),
 }
 

@@ -52,14 +52,15 @@ CONFIGS = {
                                                 epilogue_slots=2,
                                                 compute_wgs=1),
     # A 64 x 64 tile per warpgroup, in turns: four tiles a CTA, two steps
-    # each; two 64 x 32 sub-tiles per tile in two buffers.
+    # each; two 64 x 32 sub-tiles per tile in two buffers per warpgroup,
+    # loaded ahead across tiles.
     "pingpong": mosaic_kernel.MosaicConfig(**SMALL, epilogue_n=32,
                                            epilogue_slots=2,
                                            schedule="pingpong"),
-    # Four sub-tiles a tile, single-buffered, loaded at the second step.
+    # Four sub-tiles a tile, single-buffered: each load waits for the
+    # previous sub-tile's stores.
     "pingpong-single-buffered": mosaic_kernel.MosaicConfig(
-        **SMALL, epilogue_n=16, epilogue_slots=1, prefetch_step=1,
-        schedule="pingpong"),
+        **SMALL, epilogue_n=16, epilogue_slots=1, schedule="pingpong"),
     # Four sub-tiles a CTA tile in two buffers, loaded ahead across tiles.
     "epilogue-warpgroup": mosaic_kernel.MosaicConfig(
         **SMALL, epilogue_n=32, epilogue_slots=2, schedule="epilogue-warpgroup"),
@@ -178,10 +179,12 @@ def test_mosaic_config_errors_name_the_bad_field():
     mosaic_kernel.MosaicConfig(epilogue_slots=3, schedule="epilogue-warpgroup")
   with pytest.raises(ValueError, match=r"prefetch_step=4 does not apply"):
     mosaic_kernel.MosaicConfig(prefetch_step=4, schedule="epilogue-warpgroup")
+  with pytest.raises(ValueError, match=r"prefetch_step=1 does not apply"):
+    mosaic_kernel.MosaicConfig(prefetch_step=1, schedule="pingpong")
   with pytest.raises(ValueError, match=r"leaving 88 < 128 for the epilogue"):
     mosaic_kernel.MosaicConfig(tile_n=128, schedule="epilogue-warpgroup")
   with pytest.raises(ValueError, match=r"take 320 registers a thread, more "
-                     r"than 232 \(schedule='pingpong'\)"):
+                     r"than the 216 of each of 2 compute warpgroups"):
     mosaic_kernel.MosaicConfig(tile_n=256, schedule="pingpong")
   with pytest.raises(ValueError, match=r"ctas_per_sm=2 must be 1 with "
                      r"schedule='pingpong'"):
@@ -541,7 +544,8 @@ def test_compiled_kernel_bits_do_not_depend_on_config_or_run(tokens, seed):
               mosaic_kernel.MosaicConfig(schedule="pingpong", tile_n=128,
                                          max_concurrent_steps=5),
               mosaic_kernel.MosaicConfig(schedule="pingpong", tile_n=128,
-                                         epilogue_slots=4, prefetch_step=4)}
+                                         max_concurrent_steps=3,
+                                         epilogue_slots=4)}
   spec = FusedDenseSpec(optimizer=opt, implementation="mosaic")
   scalars = opt.scalars(jnp.asarray(3, jnp.int32))
   apply = jnp.all(jnp.isfinite(inputs[1]))

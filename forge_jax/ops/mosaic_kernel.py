@@ -89,6 +89,8 @@ _STORAGE_DTYPES = (jnp.float32, jnp.bfloat16)
 _STATE_DTYPES = _STORAGE_DTYPES + (quantization.CODES_CONTAINER,)
 #: Shared memory a CTA may take (H100/H200: 227 KB), less some for barriers.
 SHARED_MEMORY_BUDGET = 220 * 1024
+#: Mosaic GPU tracks a group of barriers' phases in one 32-bit register.
+MAX_BARRIERS = 32
 #: Streaming multiprocessors of an H100/H200 (the persistent grid's size when
 #: no GPU is present, i.e. interpret mode and cross-lowering).
 DEFAULT_NUM_SMS = 132
@@ -165,6 +167,9 @@ class MosaicConfig:
       raise ValueError(f"ctas_per_sm={self.ctas_per_sm} must be 1 with "
                        f"schedule={self.schedule!r} (its warpgroups take the "
                        "SM's registers)")
+    if self.schedule != "inline" and self.prefetch_step:
+      raise ValueError(f"prefetch_step={self.prefetch_step} does not apply "
+                       f"with schedule={self.schedule!r}")
     compute, epilogue = warpgroup_registers(self)
     if self.schedule == "epilogue-warpgroup":
       subtiles = self.compute_wgs * self.epilogue_subtiles
@@ -173,25 +178,23 @@ class MosaicConfig:
             f"epilogue_slots={self.epilogue_slots} must divide the {subtiles} "
             "epilogue sub-tiles of a CTA tile "
             "(schedule='epilogue-warpgroup')")
-      if self.prefetch_step:
-        raise ValueError(f"prefetch_step={self.prefetch_step} does not apply "
-                         "with schedule='epilogue-warpgroup'")
       if epilogue < MIN_EPILOGUE_REGISTERS:
         raise ValueError(
             f"the {self.tile_k} x {self.tile_n} accumulators take {compute} "
             f"registers a thread in each of {self.compute_wgs} compute "
             f"warpgroups, leaving {epilogue} < {MIN_EPILOGUE_REGISTERS} for the "
             "epilogue warpgroup")
-    else:
-      if not 1 <= self.epilogue_slots <= self.epilogue_subtiles:
-        raise ValueError(
-            f"epilogue_slots={self.epilogue_slots} must be between 1 and the "
-            f"{self.epilogue_subtiles} epilogue sub-tiles of a warpgroup's "
-            "part")
-      if self.schedule == "pingpong" and compute > MAX_REGISTERS:
+    elif not 1 <= self.epilogue_slots <= self.epilogue_subtiles:
+      raise ValueError(
+          f"epilogue_slots={self.epilogue_slots} must be between 1 and the "
+          f"{self.epilogue_subtiles} epilogue sub-tiles of a warpgroup's part")
+    if self.schedule == "pingpong":
+      available = pingpong_compute_registers(self)
+      if compute > available:
         raise ValueError(
             f"the {self.tile_k} x {self.tile_n} accumulator and the update "
-            f"take {compute} registers a thread, more than {MAX_REGISTERS} "
+            f"take {compute} registers a thread, more than the {available} "
+            f"of each of {self.compute_wgs} compute warpgroups "
             "(schedule='pingpong')")
     if self.prefetch_step < 0:
       raise ValueError(f"prefetch_step={self.prefetch_step} must be >= 0")
@@ -215,9 +218,9 @@ class MosaicConfig:
 
   @property
   def num_warpgroups(self) -> int:
-    """Compute warpgroups, the memory warpgroup, the epilogue warpgroup."""
-    return (self.compute_wgs + 1
-            + (self.schedule == "epilogue-warpgroup"))
+    """Compute warpgroups, the memory warpgroup, and the epilogue or the
+    loader warpgroup."""
+    return self.compute_wgs + 1 + (self.schedule != "inline")
 
 
 #: Registers a thread of the memory warpgroup keeps (it only issues TMA).
@@ -244,15 +247,27 @@ def warpgroup_registers(config: MosaicConfig) -> tuple:
   return compute, min(MAX_REGISTERS, rest // 8 * 8)
 
 
+def pingpong_compute_registers(config: MosaicConfig) -> int:
+  """Per-thread registers of a compute warpgroup with ``schedule='pingpong'``:
+  what the two memory warpgroups leave, shared, at most ``MAX_REGISTERS``."""
+  rest = _REGISTER_FILE - 2 * MEMORY_REGISTERS
+  return min(MAX_REGISTERS, rest // config.compute_wgs // 8 * 8)
+
+
+def epilogue_buffers(config: MosaicConfig) -> int:
+  """A CTA's epilogue buffers: ``epilogue_slots`` per compute warpgroup, or
+  in all with the epilogue warpgroup."""
+  return config.epilogue_slots * (
+      1 if config.schedule == "epilogue-warpgroup" else config.compute_wgs)
+
+
 def shared_memory_bytes(config: MosaicConfig, activation_itemsize: int,
                         storage_itemsizes) -> int:
   """A CTA's pipeline buffers + its epilogue buffers (+ the accumulators
   handed to the epilogue warpgroup)."""
   pipeline = (config.max_concurrent_steps * config.tile_t
               * (config.tile_k + config.cta_tile_n) * activation_itemsize)
-  buffers = config.epilogue_slots * (
-      1 if config.schedule == "epilogue-warpgroup" else config.compute_wgs)
-  epilogue = (buffers * config.epilogue_k * config.epilogue_n
+  epilogue = (epilogue_buffers(config) * config.epilogue_k * config.epilogue_n
               * sum(storage_itemsizes))
   accumulators = (config.compute_wgs * config.tile_k * config.tile_n * 4
                   if config.schedule == "epilogue-warpgroup" else 0)
@@ -350,6 +365,11 @@ def unsupported_reason(x, dy, kernel, optimizer,
                            ("tokens", tokens, config.tile_t)):
     if size % tile:
       return f"{name}={size} must be a multiple of {tile}"
+  barriers = epilogue_buffers(config) * len(itemsizes)
+  if barriers > MAX_BARRIERS:
+    return (f"{config} loads {len(itemsizes)} leaves into each of "
+            f"{epilogue_buffers(config)} epilogue buffers: {barriers} "
+            f"barriers, more than Mosaic GPU's {MAX_BARRIERS} per group")
   needed = shared_memory_bytes(config, activation_itemsize, itemsizes)
   if needed * config.ctas_per_sm > SHARED_MEMORY_BUDGET:
     return (f"the tiles of {config} need {needed} bytes of shared memory "
@@ -446,10 +466,12 @@ class _Epilogue:
   def _barrier(self, buffer, leaf):
     return self.barriers.at[buffer * len(self.tma_gmem) + leaf]
 
-  def issue_loads(self, buffer, k0, n0):
-    """Loads the sub-tile at ``(k0, n0)`` into ``buffer``."""
-    # The stores that last read this buffer must have finished reading.
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+  def issue_loads(self, buffer, k0, n0, after_stores=True):
+    """Loads the sub-tile at ``(k0, n0)`` into ``buffer``, once this
+    thread's stores have read it (``after_stores``; else the caller knows
+    they have)."""
+    if after_stores:
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
     for leaf, (gmem, smem) in enumerate(zip(self.tma_gmem, self.smem)):
       plgpu.copy_gmem_to_smem(self._window(gmem, k0, n0), smem.at[buffer],
                               self._barrier(buffer, leaf))
@@ -560,7 +582,8 @@ def _fused_kernel(scalars_gmem, x_gmem, dy_gmem, storage_gmem, storage_out,
         shard_origin=(shard_row, shard_col), config=config,
         interpret=interpret)
 
-  def epilogue_buffers(num_buffers):
+  def epilogue_allocations():
+    num_buffers = epilogue_buffers(config)
     return dict(
         epilogue_smem=[plgpu.SMEM((num_buffers, ek, en), ref.dtype,
                                   transforms=_swizzled(en, ref.dtype))
@@ -589,6 +612,11 @@ def _fused_kernel(scalars_gmem, x_gmem, dy_gmem, storage_gmem, storage_out,
         load_subtile(ep, wg, index + slots, k0, n0)  # this buffer, once stored
     return skipped
 
+  def local_tiles():
+    """This CTA's tiles (the grid has no more CTAs than tiles)."""
+    first_tile, num_ctas = lax.axis_index("sm"), lax.axis_size("sm")
+    return (num_tiles - first_tile + num_ctas - 1) // num_ctas
+
   def stream_tiles(x_smem, dy_smem, ready, consumed, stages):
     """The memory warpgroup of the hand-written pipelines: loads x and dy
     blocks of the CTA's tiles into a ring of ``stages`` buffers, the steps
@@ -616,10 +644,8 @@ def _fused_kernel(scalars_gmem, x_gmem, dy_gmem, storage_gmem, storage_out,
             dy_gmem.at[pl.ds(t * tt, tt), pl.ds(cta_n0, cta_tn)],
             dy_smem.at[slot], barrier)
 
-    # Observe the last steps' releases too, leaving the barriers clean. The
-    # grid has no more CTAs than tiles.
-    first_tile, num_ctas = lax.axis_index("sm"), lax.axis_size("sm")
-    total = (num_tiles - first_tile + num_ctas - 1) // num_ctas * num_steps
+    # Observe the last steps' releases too, leaving the barriers clean.
+    total = local_tiles() * num_steps
 
     @pl.loop(lax.max(total - stages, 0), total)
     def _drain(count):
@@ -679,7 +705,7 @@ def _fused_kernel(scalars_gmem, x_gmem, dy_gmem, storage_gmem, storage_out,
         pl.run_scoped,
         pipeline_allocs=pipeline(ignore, ignore).get_allocations(
             x_column(0), dy_gmem.at[:, :cta_tn]),
-        **epilogue_buffers(config.compute_wgs * slots),
+        **epilogue_allocations(),
         collective_axes="wg",
     )
     def _scope(pipeline_allocs, epilogue_smem, load_barriers):
@@ -722,11 +748,15 @@ def _fused_kernel(scalars_gmem, x_gmem, dy_gmem, storage_gmem, storage_out,
     """A memory warpgroup streams x and dy for the CTA's tiles in order; the
     compute warpgroups take the tiles in turn, each running its own main
     loop and epilogue, so one updates its tile while the other's wgmma keep
-    the tensor cores busy. Nothing passes through shared memory but the
-    pipeline's and the epilogue's buffers."""
+    the tensor cores busy. A loader warpgroup fills each compute
+    warpgroup's ring of ``slots`` epilogue buffers with its tiles' kernel
+    and state sub-tiles, numbered across tiles, as soon as a buffer's
+    stores have read it: the loads run ahead of the updates, into the next
+    tile's, instead of waiting for them."""
     stages, wgs = config.max_concurrent_steps, config.compute_wgs
-    compute_registers = min(MAX_REGISTERS, (_REGISTER_FILE - MEMORY_REGISTERS)
-                            // wgs // 8 * 8)
+    memory_wg, loader_wg = wgs, wgs + 1
+    compute_registers = pingpong_compute_registers(config)
+    per_tile = len(part_subtiles)
 
     @functools.partial(
         pl.run_scoped,
@@ -739,21 +769,54 @@ def _fused_kernel(scalars_gmem, x_gmem, dy_gmem, storage_gmem, storage_out,
         # complete for the other's steps.
         loaded=plgpu.Barrier(num_arrivals=2, num_barriers=wgs * stages),
         consumed=plgpu.Barrier(num_barriers=stages),
-        **epilogue_buffers(wgs * slots),
+        buffer_free=plgpu.Barrier(num_barriers=wgs * slots),
+        **epilogue_allocations(),
         collective_axes="wg",
     )
-    def _scope(x_smem, dy_smem, loaded, consumed, epilogue_smem,
+    def _scope(x_smem, dy_smem, loaded, consumed, buffer_free, epilogue_smem,
                load_barriers):
       wg = lax.axis_index("wg")
       owner = lambda local_tile: lax.rem(local_tile, wgs)
 
-      @pl.when(wg == wgs)
+      def buffer(local_tile, index):
+        """Sub-tile ``index`` of a local tile: its epilogue buffer (in its
+        owner's ring) and its position in the owner's sequence."""
+        position = local_tile // wgs * per_tile + index
+        return owner(local_tile) * slots + lax.rem(position, slots), position
+
+      @pl.when(wg == memory_wg)
       def _memory():
         stream_tiles(
             x_smem, dy_smem,
             lambda local_tile, slot: loaded.at[owner(local_tile) * stages
                                                + slot],
             consumed, stages)
+
+      @pl.when(wg == loader_wg)
+      def _loader():
+        plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
+        ep = epilogue(epilogue_smem, load_barriers)
+
+        @plgpu.nd_loop((num_tiles,), collective_axes="sm")
+        def _tile_loop(loop_info: plgpu.NDLoopInfo):
+          k0, n0 = tile_origin(loop_info.index[0])
+          for index, (di, dj) in enumerate(part_subtiles):
+            buf, position = buffer(loop_info.local_index, index)
+
+            @pl.when(position >= slots)
+            def _wait_free():
+              plgpu.barrier_wait(buffer_free.at[buf])
+
+            ep.issue_loads(buf, k0 + di, n0 + dj, after_stores=False)
+
+        # Observe the last buffers' releases too, leaving the barriers clean.
+        for owner_wg in range(wgs):
+          total = (local_tiles() - owner_wg + wgs - 1) // wgs * per_tile
+
+          @pl.loop(lax.max(total - slots, 0), total)
+          def _drain(position):
+            plgpu.barrier_wait(
+                buffer_free.at[owner_wg * slots + lax.rem(position, slots)])
 
       @pl.when(wg < wgs)
       def _compute():
@@ -768,23 +831,22 @@ def _fused_kernel(scalars_gmem, x_gmem, dy_gmem, storage_gmem, storage_out,
             (linear,) = loop_info.index
             k0, n0 = tile_origin(linear)
 
-            def prefetch(t):
-              # After this step's wgmma: the tensor cores work while this
-              # warpgroup's last stores finish reading the buffers.
-              @pl.when(t == prefetch_step)
-              def _prefetch():
-                for index in range(slots):
-                  load_subtile(ep, wg, index, k0, n0)
-
             @functools.partial(pl.run_scoped,
                                acc_ref=plgpu.ACC((tk, tn), jnp.float32))
             def _acc_scope(acc_ref):
               acc = main_loop(
                   acc_ref, x_smem, dy_smem,
                   lambda slot: loaded.at[wg * stages + slot], consumed,
-                  stages, loop_info.local_index * num_steps, 0, prefetch)
+                  stages, loop_info.local_index * num_steps, 0)
+              skipped = jnp.zeros((), jnp.int32)
+              for index, (di, dj) in enumerate(part_subtiles):
+                buf, _ = buffer(loop_info.local_index, index)
+                skipped += ep.update(buf, k0 + di, n0 + dj,
+                                     acc[di:di + ek, dj:dj + en])
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                plgpu.barrier_arrive(buffer_free.at[buf])
               # Every thread holds the same sum: all write the same value.
-              skipped_gmem[linear] = update_part(ep, wg, k0, n0, acc)
+              skipped_gmem[linear] = skipped
 
   def warpgroup_schedule():
     """A memory warpgroup streams x and dy; the compute warpgroups accumulate
@@ -810,7 +872,7 @@ def _fused_kernel(scalars_gmem, x_gmem, dy_gmem, storage_gmem, storage_out,
         consumed=plgpu.Barrier(num_arrivals=parts, num_barriers=stages),
         acc_full=plgpu.Barrier(num_barriers=parts),
         acc_free=plgpu.Barrier(num_barriers=parts),
-        **epilogue_buffers(slots),
+        **epilogue_allocations(),
         collective_axes="wg",
     )
     def _scope(x_smem, dy_smem, acc_smem, loaded, consumed, acc_full,
