@@ -20,6 +20,7 @@ memory of the fused step (aliasing). Results: JSON (see --out).
   python benchmarks/kernel_bench.py --suite mosaic --out results.json
   python benchmarks/kernel_bench.py --suite mosaic --mosaic-defaults --out r.json
   python benchmarks/kernel_bench.py --suite mosaic-diag --out diag.json
+  python benchmarks/kernel_bench.py --suite mosaic-overlap --out overlap.json
   python benchmarks/kernel_bench.py --suite tiny   # CPU, interpret mode
 """
 
@@ -268,7 +269,7 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--suite", default="quick",
                       choices=["tiny", "quick", "sweep", "full", "mosaic",
-                               "mosaic-diag"])
+                               "mosaic-diag", "mosaic-overlap"])
   parser.add_argument("--out", default="kernel_bench.json")
   parser.add_argument("--config", default=None,
                       help="block_k,block_n,block_t,num_warps,num_stages")
@@ -304,6 +305,10 @@ def main():
     return
   if args.suite == "mosaic-diag":
     mosaic_diagnosis(result, save)
+    return
+  if args.suite == "mosaic-overlap":
+    mosaic_diagnosis(result, save, MOSAIC_OVERLAP_CONFIGS,
+                     token_counts=(64, 512))
     return
 
   # 1. Correctness at Llama-3.1-8B layer shapes, every optimizer.
@@ -404,10 +409,29 @@ def _rule_free_update(optimizer, grad, kernel, state, *_, **__):
   return kernel, state, jnp.isfinite(grad)
 
 
-def mosaic_diagnosis(result, save, k=4096, n=14336, token_counts=(512, 2048, 8192)):
-  """Mosaic kernel time with bf16 storage per epilogue config and token
-  count, beside the GEMM and GEMM + optax; for the first config also without
-  the rule's arithmetic and with plain SGD (W only, no state)."""
+#: Does the epilogue's traffic overlap the main loop? At 64 tokens (one
+#: pipeline step a tile) the kernel is nearly all epilogue: its W / m / v
+#: traffic alone. At 512, x and dy (19 MB) fit in L2 but the 705 MB of W /
+#: m / v streaming through it may evict them: then the tile order (the grid's
+#: width of consecutive N-blocks) should change the time.
+MOSAIC_OVERLAP_CONFIGS = {
+    "inline-steps5": mosaic_kernel.MosaicConfig(max_concurrent_steps=5),
+    "inline-steps5-width1": mosaic_kernel.MosaicConfig(
+        max_concurrent_steps=5, grid_tile_width=1),
+    "inline-steps5-width32": mosaic_kernel.MosaicConfig(
+        max_concurrent_steps=5, grid_tile_width=32),
+    "pingpong-steps4-slots3": _pingpong(max_concurrent_steps=4,
+                                        epilogue_slots=3),
+}
+
+
+def mosaic_diagnosis(result, save, configs=None, k=4096, n=14336,
+                     token_counts=(512, 2048, 8192)):
+  """Mosaic kernel time with bf16 storage per epilogue config (default:
+  MOSAIC_DIAG_CONFIGS) and token count, beside the GEMM and GEMM + optax;
+  for the first config also without the rule's arithmetic and with plain SGD
+  (W only, no state)."""
+  configs = configs or MOSAIC_DIAG_CONFIGS
   for tokens in token_counts:
     x, dy, w = make_inputs(jax.random.key(tokens), tokens, k, n)
     w = w.astype(jnp.bfloat16)
@@ -422,10 +446,10 @@ def mosaic_diagnosis(result, save, k=4096, n=14336, token_counts=(512, 2048, 819
       return carry["w"]
     row["unfused_ms"] = device_time_ms(run_unfused)["ms"]
     del carry["w"], carry["s"]
-    variants = [(name, "adamw", cfg) for name, cfg in MOSAIC_DIAG_CONFIGS.items()]
-    first = next(iter(MOSAIC_DIAG_CONFIGS))
-    variants += [(first + "-rule-free", "adamw", MOSAIC_DIAG_CONFIGS[first]),
-                 (first + "-sgd", "sgd", MOSAIC_DIAG_CONFIGS[first])]
+    variants = [(name, "adamw", cfg) for name, cfg in configs.items()]
+    first = next(iter(configs))
+    variants += [(first + "-rule-free", "adamw", configs[first]),
+                 (first + "-sgd", "sgd", configs[first])]
     for name, opt_name, cfg in variants:
       optimizer = CHECK_OPTIMIZERS[opt_name]
       original = mosaic_kernel.apply_update
@@ -449,14 +473,14 @@ def mosaic_diagnosis(result, save, k=4096, n=14336, token_counts=(512, 2048, 819
     result["bench"].append(row)
     save()
   timed = {name: [r[name + "_ms"] / r["gemm_ms"] for r in result["bench"]]
-           for name in MOSAIC_DIAG_CONFIGS
+           for name in configs
            if all(name + "_ms" in r for r in result["bench"])}
   result["best_diag_config"] = {
-      str(r["tokens"]): min((c for c in MOSAIC_DIAG_CONFIGS if c + "_ms" in r),
+      str(r["tokens"]): min((c for c in configs if c + "_ms" in r),
                             key=lambda c: r[c + "_ms"])
       for r in result["bench"]}
   result["best_diag_config_fields"] = {
-      t: dataclasses.asdict(MOSAIC_DIAG_CONFIGS[name])
+      t: dataclasses.asdict(configs[name])
       for t, name in result["best_diag_config"].items()}
   result["diag_over_gemm"] = timed
   save()

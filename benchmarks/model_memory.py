@@ -74,7 +74,7 @@ def main():
   if args.mosaic_config:
     from forge_jax.ops import mosaic_kernel  # pylint: disable=import-outside-toplevel
     forced = mosaic_kernel.MosaicConfig(**json.loads(args.mosaic_config))
-    mosaic_kernel.ranked_configs = lambda: (forced,)
+    mosaic_kernel.ranked_configs = lambda *_: (forced,)
 
   optimizer = fj.adamw(1e-4, weight_decay=0.1, state_dtype=args.state_dtype,
                        weight_rounding=args.weight_rounding)

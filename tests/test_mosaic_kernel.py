@@ -215,19 +215,43 @@ def test_default_config_fits_dtypes_and_shape():
     return mosaic_kernel.default_config(
         jax.ShapeDtypeStruct((tokens, 4096), BF16),
         jax.ShapeDtypeStruct((4096, n), dtype), opt)
-  ranked = mosaic_kernel.ranked_configs()
-  assert default(512, 4096, BF16) == default(8192, 4096, BF16) == ranked[0]
+  inline = mosaic_kernel.INLINE_CONFIGS
+  pingpong = mosaic_kernel.PINGPONG_CONFIGS
+  # bf16 W, m and v: the inline schedule below 2048 tokens, pingpong from
+  # there on.
+  assert default(512, 4096, BF16) == default(1024, 4096, BF16) == inline[0]
+  assert default(2048, 4096, BF16) == default(8192, 4096, BF16) == pingpong[0]
+  assert mosaic_kernel.ranked_configs(2048)[:len(pingpong)] == pingpong
   # float32 W, m and v fit one epilogue buffer per warpgroup beside the
-  # five-stage pipeline; four float32 state tensors a shallower pipeline.
+  # five-stage pipeline (no pingpong config fits); four float32 state
+  # tensors a shallower pipeline.
   four = fj.rmsprop(1e-3, centered=True, momentum=0.9)
-  assert default(2048, 4096, F32) == ranked[1]
-  assert default(2048, 4096, F32, four) == ranked[2]
+  assert default(2048, 4096, F32) == inline[1]
+  assert default(2048, 4096, F32, four) == inline[2]
+  # int8 states keep the inline ranking, one block wide (64 x 64 sub-tiles:
+  # one buffer per warpgroup beside five stages).
+  int8 = int8_sr(fj.adamw(1e-3))
+  assert default(8192, 4096, BF16, int8) == dataclasses.replace(
+      inline[1], epilogue_n=64)
   for tokens, n, dtype, opt in ((2048, 4096, F32, four),
-                                (8192, 384, BF16, fj.adamw(1e-3))):
+                                (8192, 384, BF16, fj.adamw(1e-3)),
+                                (8192, 4096, BF16, int8)):
     config = default(tokens, n, dtype, opt)
     assert mosaic_kernel.unsupported_reason(
         jnp.zeros((tokens, 4096), BF16), jnp.zeros((tokens, n), BF16),
         jnp.zeros((4096, n), dtype), opt, config) is None
+
+
+def test_too_many_epilogue_barriers_is_a_clear_error():
+  """Mosaic GPU tracks at most 32 barriers per group: 2 warpgroups x 5
+  buffers x 4 leaves (W and three state tensors) would be 40."""
+  opt = fj.rmsprop(1e-3, centered=True, momentum=0.9)
+  config = mosaic_kernel.MosaicConfig(tile_k=64, epilogue_n=8,
+                                      epilogue_slots=5)
+  x = jnp.zeros((64, 64), BF16)
+  reason = mosaic_kernel.unsupported_reason(x, x, jnp.zeros((64, 128), BF16),
+                                            opt, config)
+  assert "40 barriers, more than Mosaic GPU's 32" in reason
 
 
 # ---------------------------------------------------------------------------
@@ -535,7 +559,7 @@ def test_compiled_kernel_bits_do_not_depend_on_config_or_run(tokens, seed):
     pytest.skip("needs a Hopper or newer GPU")
   opt = fj.adamw(1e-3, weight_decay=0.1)
   inputs = random_inputs(seed, opt, (tokens, 4096), 4096, (BF16, BF16, BF16))
-  configs = set(mosaic_kernel.ranked_configs())
+  configs = set(mosaic_kernel.ranked_configs(tokens))
   configs |= {mosaic_kernel.MosaicConfig(epilogue_n=64),
               mosaic_kernel.MosaicConfig(epilogue_slots=4, prefetch_step=4),
               mosaic_kernel.MosaicConfig(schedule="epilogue-warpgroup"),

@@ -15,18 +15,27 @@ step ``prefetch_step``, so the epilogue finds them waiting. Later sub-tiles
 reuse the slots, their loads issued as soon as a slot's store has read it;
 the stores are asynchronous and drain under the next tile's main loop. A
 pipeline step's buffers are released one step late, after the
-``wgmma_wait(1)`` that proves the wgmma reading them done. The default
-config is the first of :func:`ranked_configs` that fits. ``dW`` never
-reaches device memory.
+``wgmma_wait(1)`` that proves the wgmma reading them done. This is the
+``'inline'`` schedule (:class:`MosaicConfig`); the default config is the
+first of :func:`ranked_configs` that fits. ``dW`` never reaches device
+memory.
 
-With ``MosaicConfig.epilogue_warpgroup`` the compute warpgroups only
+With ``schedule='pingpong'`` a CTA tile belongs to one compute warpgroup
+and the two take the CTA's tiles in turn: one updates its tile while the
+other's wgmma run. The x/dy pipeline is written by hand (steps numbered
+across tiles, a step's loads arriving on its owner's barrier), and a loader
+warpgroup keeps each compute warpgroup's ring of epilogue buffers full,
+running ahead into its next tile. On the H200 it is faster than the inline
+schedule from 2048 tokens (bf16 storage), slower at 512 (benchmarks/
+NOTES.md, session 5), so :func:`ranked_configs` puts it first from there.
+
+With ``schedule='epilogue-warpgroup'`` the compute warpgroups only
 accumulate: they hand their float32 parts through shared memory to a fourth
 warpgroup that updates the tile while they run the next one's main loop
-(its own TMA pipeline, with the steps and the epilogue buffers numbered
-across tiles). It is correct but not faster on the H200 (one warpgroup's
-issue rate bounds the rule, and the handed-over accumulators take the
-shared memory a deeper pipeline would use: benchmarks/NOTES.md, session 4),
-so it is not a default.
+(the same hand-written pipeline). It is correct but not faster on the H200
+(one warpgroup's issue rate bounds the rule, and the handed-over
+accumulators take the shared memory a deeper pipeline would use:
+benchmarks/NOTES.md, session 4), so it is not a default.
 
 The kernel, its state and the skipped-element counts are ``jax.new_ref``
 buffers the kernel writes in place (aliased in and out). Stacked ``[L, K,
@@ -282,18 +291,34 @@ def shared_memory_bytes(config: MosaicConfig, activation_itemsize: int,
 #: flight). float32 W, m, v or int8 states fit one epilogue buffer per
 #: warpgroup beside it; optimizers with four float32 state tensors a
 #: shallower pipeline.
-RANKED_CONFIGS = (
+INLINE_CONFIGS = (
     MosaicConfig(max_concurrent_steps=5),
     MosaicConfig(max_concurrent_steps=5, epilogue_slots=1),
     MosaicConfig(max_concurrent_steps=4, epilogue_slots=1),
     MosaicConfig(max_concurrent_steps=3, epilogue_slots=1),
     MosaicConfig(max_concurrent_steps=2, epilogue_slots=1),
 )
+#: Ranked first from ``PINGPONG_MIN_TOKENS`` tokens, where they fit. Same
+#: shape, session 5: 0.518 ms against the inline 0.560 at 2048 tokens, 1.449
+#: (five stages, two buffers) against 1.541 at 8192; at 512 tokens the inline
+#: schedule is faster (0.334 against 0.397). Not measured with float32 W, m,
+#: v, which fit only one epilogue buffer per warpgroup beside them, nor with
+#: int8 states: those keep the inline ranking.
+PINGPONG_CONFIGS = (
+    MosaicConfig(schedule="pingpong", tile_n=128, max_concurrent_steps=4,
+                 epilogue_slots=3),
+    MosaicConfig(schedule="pingpong", tile_n=128, max_concurrent_steps=5,
+                 epilogue_slots=2),
+)
+PINGPONG_MIN_TOKENS = 2048
 
 
-def ranked_configs() -> tuple:
-  """The default configs, fastest first."""
-  return RANKED_CONFIGS
+def ranked_configs(tokens: int, quantized: bool = False) -> tuple:
+  """The default configs for a call with ``tokens`` rows of x, fastest
+  first."""
+  if tokens >= PINGPONG_MIN_TOKENS and not quantized:
+    return PINGPONG_CONFIGS + INLINE_CONFIGS
+  return INLINE_CONFIGS
 
 
 def _storage_itemsizes(kernel, state) -> list:
@@ -310,7 +335,7 @@ def _fitting_config(tokens, k, n, activation_itemsize, storage_itemsizes,
   """The first ranked config whose tiles divide the shape and whose buffers
   fit in shared memory (else the last: unsupported_reason says why). With
   int8 states an epilogue sub-tile is one quantization block wide."""
-  configs = ranked_configs()
+  configs = ranked_configs(tokens, quantized)
   if quantized:
     configs = tuple(
         dataclasses.replace(config, epilogue_n=quantization.BLOCK_SIZE)
