@@ -308,7 +308,7 @@ def main():
     return
   if args.suite == "mosaic-overlap":
     mosaic_diagnosis(result, save, MOSAIC_OVERLAP_CONFIGS,
-                     token_counts=(64, 512))
+                     token_counts=(64, 512, 2048))
     return
 
   # 1. Correctness at Llama-3.1-8B layer shapes, every optimizer.

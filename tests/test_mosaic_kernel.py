@@ -210,6 +210,19 @@ def test_mosaic_hand_written_pipelines_with_uneven_tiles_and_steps(
   assert_leaves_match(actual, expected, schedule)
 
 
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_mosaic_one_pipeline_step_per_tile(schedule, seed):
+  """64 tokens: one step a tile, so each tile's only step is also its last
+  (released once the accumulator is read) and the ring of buffers is
+  reused across tiles. A pipeline that shrank to one stage here once hung
+  (interpret mode) or failed to launch (H200)."""
+  opt = fj.adamw(0.05, weight_decay=0.1)
+  inputs = random_inputs(seed, opt, (64, 128), N, (BF16, F32, BF16))
+  expected = run_reference(opt, *inputs, 2)
+  actual = run_mosaic(opt, *inputs, 2, CONFIGS[schedule])
+  assert_leaves_match(actual, expected, schedule)
+
+
 def test_default_config_fits_dtypes_and_shape():
   def default(tokens, n, dtype, opt=fj.adamw(1e-3)):
     return mosaic_kernel.default_config(

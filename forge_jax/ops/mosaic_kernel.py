@@ -2,28 +2,29 @@
 
 A persistent kernel (one CTA per SM) walks the kernel's ``tile_k x
 (compute_wgs * tile_n)`` tiles. In each CTA a memory warpgroup streams ``x``
-and ``dy`` blocks into shared memory with TMA while the compute warpgroups
-accumulate ``dW = x.T @ dy`` with wgmma (``x``'s block is the transposed A
-operand), each for its ``tile_k x tile_n`` part, in float32 registers. Each
-compute warpgroup's epilogue then walks its part in ``epilogue_k x
-epilogue_n`` sub-tiles: TMA loads of the kernel and state sub-tiles, the
-optimizer rule in registers (:func:`forge_jax.ops.update.apply_update`, the
-function the XLA reference applies to the whole array), and TMA stores of the
-new values over the old ones. The loads of the first ``epilogue_slots``
-sub-tiles are issued during the main loop, right after the wgmma of pipeline
-step ``prefetch_step``, so the epilogue finds them waiting. Later sub-tiles
-reuse the slots, their loads issued as soon as a slot's store has read it;
-the stores are asynchronous and drain under the next tile's main loop. A
-pipeline step's buffers are released one step late, after the
-``wgmma_wait(1)`` that proves the wgmma reading them done. This is the
+and ``dy`` blocks into a ring of shared-memory buffers with TMA, the steps
+numbered across the CTA's tiles, while the compute warpgroups accumulate
+``dW = x.T @ dy`` with wgmma (``x``'s block is the transposed A operand),
+each for its ``tile_k x tile_n`` part, in float32 registers. A step's
+buffers are released after the next step's ``wgmma_wait(1)`` (the last
+step's once the accumulator is read), when the wgmma reading them is known
+to be done. Each compute warpgroup's epilogue then walks its part in
+``epilogue_k x epilogue_n`` sub-tiles: TMA loads of the kernel and state
+sub-tiles, the optimizer rule in registers
+(:func:`forge_jax.ops.update.apply_update`, the function the XLA reference
+applies to the whole array), and TMA stores of the new values over the old
+ones. The loads of the first ``epilogue_slots`` sub-tiles are issued during
+the main loop, right after the wgmma of pipeline step ``prefetch_step``, so
+the epilogue finds them waiting. Later sub-tiles reuse the slots, their
+loads issued as soon as a slot's store has read it; the stores are
+asynchronous and drain under the next tile's main loop. This is the
 ``'inline'`` schedule (:class:`MosaicConfig`); the default config is the
 first of :func:`ranked_configs` that fits. ``dW`` never reaches device
 memory.
 
 With ``schedule='pingpong'`` a CTA tile belongs to one compute warpgroup
 and the two take the CTA's tiles in turn: one updates its tile while the
-other's wgmma run. The x/dy pipeline is written by hand (steps numbered
-across tiles, a step's loads arriving on its owner's barrier), and a loader
+other's wgmma run (a step's loads arrive on its owner's barrier). A loader
 warpgroup keeps each compute warpgroup's ring of epilogue buffers full,
 running ahead into its next tile. On the H200 it is faster than the inline
 schedule from 2048 tokens (bf16 storage), slower at 512 (benchmarks/
@@ -31,11 +32,11 @@ NOTES.md, session 5), so :func:`ranked_configs` puts it first from there.
 
 With ``schedule='epilogue-warpgroup'`` the compute warpgroups only
 accumulate: they hand their float32 parts through shared memory to a fourth
-warpgroup that updates the tile while they run the next one's main loop
-(the same hand-written pipeline). It is correct but not faster on the H200
-(one warpgroup's issue rate bounds the rule, and the handed-over
-accumulators take the shared memory a deeper pipeline would use:
-benchmarks/NOTES.md, session 4), so it is not a default.
+warpgroup that updates the tile while they run the next one's main loop.
+It is correct but not faster on the H200 (one warpgroup's issue rate bounds
+the rule, and the handed-over accumulators take the shared memory a deeper
+pipeline would use: benchmarks/NOTES.md, session 4), so it is not a
+default.
 
 The kernel, its state and the skipped-element counts are ``jax.new_ref``
 buffers the kernel writes in place (aliased in and out). Stacked ``[L, K,
@@ -198,7 +199,7 @@ class MosaicConfig:
           f"epilogue_slots={self.epilogue_slots} must be between 1 and the "
           f"{self.epilogue_subtiles} epilogue sub-tiles of a warpgroup's part")
     if self.schedule == "pingpong":
-      available = pingpong_compute_registers(self)
+      available = compute_warpgroup_registers(self)
       if compute > available:
         raise ValueError(
             f"the {self.tile_k} x {self.tile_n} accumulator and the update "
@@ -256,10 +257,13 @@ def warpgroup_registers(config: MosaicConfig) -> tuple:
   return compute, min(MAX_REGISTERS, rest // 8 * 8)
 
 
-def pingpong_compute_registers(config: MosaicConfig) -> int:
-  """Per-thread registers of a compute warpgroup with ``schedule='pingpong'``:
-  what the two memory warpgroups leave, shared, at most ``MAX_REGISTERS``."""
-  rest = _REGISTER_FILE - 2 * MEMORY_REGISTERS
+def compute_warpgroup_registers(config: MosaicConfig) -> int:
+  """Per-thread registers of a compute warpgroup of the inline and pingpong
+  schedules: what the memory warpgroups leave of a CTA's share of the SM,
+  split evenly, at most ``MAX_REGISTERS`` (multiples of 8: setmaxnreg)."""
+  memory_wgs = config.num_warpgroups - config.compute_wgs
+  rest = (_REGISTER_FILE // config.ctas_per_sm
+          - memory_wgs * MEMORY_REGISTERS)
   return min(MAX_REGISTERS, rest // config.compute_wgs // 8 * 8)
 
 
@@ -702,72 +706,61 @@ def _fused_kernel(scalars_gmem, x_gmem, dy_gmem, storage_gmem, storage_out,
     return acc
 
   def inline_schedule():
-    """Each compute warpgroup updates its part right after the tile's main
-    loop (emit_pipeline_warp_specialized's memory warpgroup streams x, dy)."""
-
-    def pipeline(body, compute_context):
-      # delay_release=1: a step's buffers are released after the next step's
-      # wgmma_wait(1), when the wgmma that reads them is known to be done.
-      return plgpu.emit_pipeline_warp_specialized(
-          body,
-          grid=(num_steps,),
-          memory_registers=MEMORY_REGISTERS,
-          in_specs=[
-              plgpu.BlockSpec(x_block, x_index, transforms=x_transforms,
-                              delay_release=1),
-              plgpu.BlockSpec((tt, cta_tn), lambda t: (t, 0),
-                              transforms=dy_transforms, delay_release=1),
-          ],
-          wg_axis="wg",
-          num_compute_wgs=config.compute_wgs,
-          max_concurrent_steps=config.max_concurrent_steps,
-          compute_context=compute_context,
-      )
-
-    ignore = lambda *_, **__: None
+    """The compute warpgroups share each tile's x and dy blocks, each
+    accumulating its part, and update their parts right after the tile's
+    main loop while the memory warpgroup's ring runs on into the next
+    tile."""
+    stages, wgs = config.max_concurrent_steps, config.compute_wgs
+    compute_registers = compute_warpgroup_registers(config)
 
     @functools.partial(
         pl.run_scoped,
-        pipeline_allocs=pipeline(ignore, ignore).get_allocations(
-            x_column(0), dy_gmem.at[:, :cta_tn]),
+        x_smem=plgpu.SMEM((stages, *x_block), x_gmem.dtype,
+                          transforms=x_transforms),
+        dy_smem=plgpu.SMEM((stages, tt, cta_tn), dy_gmem.dtype,
+                           transforms=dy_transforms),
+        loaded=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+        consumed=plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),
         **epilogue_allocations(),
         collective_axes="wg",
     )
-    def _scope(pipeline_allocs, epilogue_smem, load_barriers):
+    def _scope(x_smem, dy_smem, loaded, consumed, epilogue_smem,
+               load_barriers):
       wg = lax.axis_index("wg")
-      ep = epilogue(epilogue_smem, load_barriers)
 
-      @plgpu.nd_loop((num_tiles,), collective_axes="sm")
-      def _tile_loop(loop_info: plgpu.NDLoopInfo):
-        (linear,) = loop_info.index
-        k0, cta_n0 = tile_origin(linear)
-        n0 = cta_n0 + wg * tn
+      @pl.when(wg == wgs)
+      def _memory():
+        stream_tiles(x_smem, dy_smem, lambda _, slot: loaded.at[slot],
+                     consumed, stages)
 
-        def compute_context(eval_pipeline):
+      @pl.when(wg < wgs)
+      def _compute():
+        if compute_registers > _REGISTER_FILE // config.num_warpgroups:
+          plgpu.set_max_registers(compute_registers, action="increase")
+        ep = epilogue(epilogue_smem, load_barriers)
+
+        @plgpu.nd_loop((num_tiles,), collective_axes="sm")
+        def _tile_loop(loop_info: plgpu.NDLoopInfo):
+          (linear,) = loop_info.index
+          k0, cta_n0 = tile_origin(linear)
+          n0 = cta_n0 + wg * tn
+
+          def prefetch(t):
+            # After this step's wgmma: the tensor cores work while the
+            # previous tile's stores finish reading the buffers.
+            @pl.when(t == prefetch_step)
+            def _prefetch():
+              for index in range(slots):
+                load_subtile(ep, wg, index, k0, n0)
+
           @functools.partial(pl.run_scoped,
                              acc_ref=plgpu.ACC((tk, tn), jnp.float32))
           def _acc_scope(acc_ref):
-            eval_pipeline(acc_ref)  # issues the first `slots` sub-tiles' loads
-            skipped = update_part(ep, wg, k0, n0, acc_ref[...])
+            acc = main_loop(acc_ref, x_smem, dy_smem,
+                            lambda slot: loaded.at[slot], consumed, stages,
+                            loop_info.local_index * num_steps, wg, prefetch)
             # Every thread holds the same sum: all write the same value.
-            skipped_gmem[config.compute_wgs * linear + wg] = skipped
-
-        def mma(indices, x_smem, dy_smem, acc_ref):
-          wgmma(acc_ref, x_smem, dy_smem, wg)
-
-          # Issued after this step's wgmma, so the tensor cores work while
-          # the previous tile's stores finish reading the buffers.
-          @pl.when(indices[0] == prefetch_step)
-          def _prefetch():
-            for index in range(slots):
-              load_subtile(ep, wg, index, k0, n0)
-
-          plgpu.wgmma_wait(1)
-          return acc_ref
-
-        pipeline(mma, compute_context)(
-            x_column(k0), dy_gmem.at[:, pl.ds(cta_n0, cta_tn)],
-            allocations=pipeline_allocs)
+            skipped_gmem[wgs * linear + wg] = update_part(ep, wg, k0, n0, acc)
 
   def pingpong_schedule():
     """A memory warpgroup streams x and dy for the CTA's tiles in order; the
@@ -780,7 +773,7 @@ def _fused_kernel(scalars_gmem, x_gmem, dy_gmem, storage_gmem, storage_out,
     tile's, instead of waiting for them."""
     stages, wgs = config.max_concurrent_steps, config.compute_wgs
     memory_wg, loader_wg = wgs, wgs + 1
-    compute_registers = pingpong_compute_registers(config)
+    compute_registers = compute_warpgroup_registers(config)
     per_tile = len(part_subtiles)
 
     @functools.partial(
