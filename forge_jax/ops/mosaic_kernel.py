@@ -130,7 +130,9 @@ class MosaicConfig:
     epilogue overlaps the other's main loop, if both fit).
   - ``'pingpong'``: a CTA tile is one warpgroup's ``tile_k x tile_n``; the
     compute warpgroups take the CTA's tiles in turn, so one updates its tile
-    while the other's wgmma run.
+    while the other's wgmma run. A loader warpgroup fills each one's ring of
+    ``epilogue_slots`` buffers ahead, across its tiles (``prefetch_step``
+    does not apply).
   - ``'epilogue-warpgroup'``: the compute warpgroups only accumulate; they
     hand their float32 parts through shared memory to a fourth warpgroup,
     which updates one tile while they run the next one's main loop (its
@@ -294,7 +296,9 @@ def shared_memory_bytes(config: MosaicConfig, activation_itemsize: int,
 #: late, once the wgmma reading them is done, so five stages keep four in
 #: flight). float32 W, m, v or int8 states fit one epilogue buffer per
 #: warpgroup beside it; optimizers with four float32 state tensors a
-#: shallower pipeline.
+#: shallower pipeline. (Measured on emit_pipeline_warp_specialized; on the
+#: kernel's own pipeline since session 5, unchanged at 512 tokens, 11 %
+#: slower at 2048: not explained.)
 INLINE_CONFIGS = (
     MosaicConfig(max_concurrent_steps=5),
     MosaicConfig(max_concurrent_steps=5, epilogue_slots=1),
@@ -303,7 +307,7 @@ INLINE_CONFIGS = (
     MosaicConfig(max_concurrent_steps=2, epilogue_slots=1),
 )
 #: Ranked first from ``PINGPONG_MIN_TOKENS`` tokens, where they fit. Same
-#: shape, session 5: 0.518 ms against the inline 0.560 at 2048 tokens, 1.449
+#: shape, session 5: 0.518 ms against the inline 0.560 at 2048 tokens, 1.448
 #: (five stages, two buffers) against 1.541 at 8192; at 512 tokens the inline
 #: schedule is faster (0.334 against 0.397). Not measured with float32 W, m,
 #: v, which fit only one epilogue buffer per warpgroup beside them, nor with
@@ -621,25 +625,6 @@ def _fused_kernel(scalars_gmem, x_gmem, dy_gmem, storage_gmem, storage_out,
         load_barriers=plgpu.Barrier(num_barriers=num_buffers * len(tma_refs)))
 
   slots = config.epilogue_slots
-  prefetch_step = min(config.prefetch_step, num_steps - 1)
-
-  def load_subtile(ep, wg, index, k0, n0):
-    """Loads sub-tile ``index`` of the part at ``(k0, n0)`` into one of
-    warpgroup ``wg``'s ``slots`` buffers (inline and pingpong schedules)."""
-    di, dj = part_subtiles[index]
-    ep.issue_loads(wg * slots + index % slots, k0 + di, n0 + dj)
-
-  def update_part(ep, wg, k0, n0, acc):
-    """Updates the part at ``(k0, n0)`` with its accumulated ``acc``, sub-tile
-    by sub-tile through warpgroup ``wg``'s buffers, whose first loads were
-    issued under the main loop. Returns the skipped count."""
-    skipped = jnp.zeros((), jnp.int32)
-    for index, (di, dj) in enumerate(part_subtiles):
-      skipped += ep.update(wg * slots + index % slots, k0 + di, n0 + dj,
-                           acc[di:di + ek, dj:dj + en])
-      if index + slots < len(part_subtiles):
-        load_subtile(ep, wg, index + slots, k0, n0)  # this buffer, once stored
-    return skipped
 
   def local_tiles():
     """This CTA's tiles (the grid has no more CTAs than tiles)."""
@@ -647,11 +632,11 @@ def _fused_kernel(scalars_gmem, x_gmem, dy_gmem, storage_gmem, storage_out,
     return (num_tiles - first_tile + num_ctas - 1) // num_ctas
 
   def stream_tiles(x_smem, dy_smem, ready, consumed, stages):
-    """The memory warpgroup of the hand-written pipelines: loads x and dy
-    blocks of the CTA's tiles into a ring of ``stages`` buffers, the steps
-    numbered across tiles so the ring runs on into the next tile. A step's
-    loads arrive on ``ready(local_tile, slot)``; a slot is refilled once
-    ``consumed`` says its last step is done."""
+    """The memory warpgroup (every schedule): loads x and dy blocks of the
+    CTA's tiles into a ring of ``stages`` buffers, the steps numbered across
+    tiles so the ring runs on into the next tile. A step's loads arrive on
+    ``ready(local_tile, slot)``; a slot is refilled once ``consumed`` says
+    its last step is done."""
     plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
 
     @plgpu.nd_loop((num_tiles,), collective_axes="sm")
@@ -712,6 +697,25 @@ def _fused_kernel(scalars_gmem, x_gmem, dy_gmem, storage_gmem, storage_out,
     tile."""
     stages, wgs = config.max_concurrent_steps, config.compute_wgs
     compute_registers = compute_warpgroup_registers(config)
+    prefetch_step = min(config.prefetch_step, num_steps - 1)
+
+    def load_subtile(ep, wg, index, k0, n0):
+      """Loads sub-tile ``index`` of the part at ``(k0, n0)`` into one of
+      warpgroup ``wg``'s ``slots`` buffers."""
+      di, dj = part_subtiles[index]
+      ep.issue_loads(wg * slots + index % slots, k0 + di, n0 + dj)
+
+    def update_part(ep, wg, k0, n0, acc):
+      """Updates the part at ``(k0, n0)`` with its accumulated ``acc``,
+      sub-tile by sub-tile through warpgroup ``wg``'s buffers, whose first
+      loads were issued under the main loop. Returns the skipped count."""
+      skipped = jnp.zeros((), jnp.int32)
+      for index, (di, dj) in enumerate(part_subtiles):
+        skipped += ep.update(wg * slots + index % slots, k0 + di, n0 + dj,
+                             acc[di:di + ek, dj:dj + en])
+        if index + slots < len(part_subtiles):
+          load_subtile(ep, wg, index + slots, k0, n0)  # once stored
+      return skipped
 
     @functools.partial(
         pl.run_scoped,
