@@ -63,10 +63,12 @@ CONFIGS = {
         **SMALL, epilogue_n=16, epilogue_slots=1, schedule="pingpong"),
     # Four sub-tiles a CTA tile in two buffers, loaded ahead across tiles.
     "epilogue-warpgroup": mosaic_kernel.MosaicConfig(
-        **SMALL, epilogue_n=32, epilogue_slots=2, schedule="epilogue-warpgroup"),
+        **SMALL, epilogue_n=32, epilogue_slots=2,
+        schedule="epilogue-warpgroup"),
     # Eight sub-tiles a CTA tile in four buffers.
     "epilogue-warpgroup-4-buffers": mosaic_kernel.MosaicConfig(
-        **SMALL, epilogue_n=16, epilogue_slots=4, schedule="epilogue-warpgroup"),
+        **SMALL, epilogue_n=16, epilogue_slots=4,
+        schedule="epilogue-warpgroup"),
 }
 X_SHAPE, N = (2, 64, 128), 256
 # int8 states: epilogue sub-tiles of one quantization block (64 columns).
@@ -78,9 +80,11 @@ INT8_CONFIGS = {
     "int8-two-rows": mosaic_kernel.MosaicConfig(
         **{**SMALL, "tile_k": 128}, epilogue_n=64, epilogue_slots=2),
     "int8-warpgroup": mosaic_kernel.MosaicConfig(
-        **SMALL, epilogue_n=64, epilogue_slots=2, schedule="epilogue-warpgroup"),
+        **SMALL, epilogue_n=64, epilogue_slots=2,
+        schedule="epilogue-warpgroup"),
 }
-#: The two epilogue schedules of the per-optimizer tests.
+#: One config per schedule (inline, pingpong, epilogue warpgroup): the
+#: per-optimizer tests run each.
 SCHEDULES = ("all-prefetched", "pingpong", "epilogue-warpgroup")
 
 

@@ -917,8 +917,8 @@ def _fused_kernel(scalars_gmem, x_gmem, dy_gmem, storage_gmem, storage_out,
           @functools.partial(pl.run_scoped,
                              acc_ref=plgpu.ACC((tk, tn), jnp.float32))
           def _acc_scope(acc_ref):
-            acc = main_loop(acc_ref, x_smem, dy_smem, lambda slot: loaded.at[slot],
-                            consumed, stages,
+            acc = main_loop(acc_ref, x_smem, dy_smem,
+                            lambda slot: loaded.at[slot], consumed, stages,
                             loop_info.local_index * num_steps, wg)
             plgpu.barrier_wait(acc_free.at[wg])
             for index, (di, dj) in enumerate(part_subtiles):
