@@ -375,12 +375,12 @@ def main():
   print(json.dumps(summary, indent=1))
 
 
-#: bf16 kernel and states (the whole-step configuration): which epilogue
-#: schedule is fastest, and where the time goes.
 def _pingpong(**fields) -> mosaic_kernel.MosaicConfig:
   return mosaic_kernel.MosaicConfig(schedule="pingpong", tile_n=128, **fields)
 
 
+#: bf16 kernel and states (the whole-step configuration): which epilogue
+#: schedule is fastest, and where the time goes.
 MOSAIC_DIAG_CONFIGS = {
     # Session 5: the pingpong schedule (a warpgroup per 128 x 128 tile, the
     # two taking turns; a loader warpgroup keeps each one's ring of epilogue
