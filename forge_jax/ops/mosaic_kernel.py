@@ -568,15 +568,13 @@ def _fused_kernel(scalars_gmem, x_gmem, dy_gmem, storage_gmem, storage_out,
   cta_tn = config.cta_tile_n
   k_iters, n_iters = k // tk, n // cta_tn
   num_tiles, num_steps = k_iters * n_iters, tokens // tt
-  # x's columns of a tile, and its block at pipeline step t.
+  # x's block of the tile at k0, pipeline step t (transposed in interpret mode).
   if interpret:
-    x_block, x_index = (tk, tt), lambda t: (0, t)
-    x_column = lambda k0: x_gmem.at[pl.ds(k0, tk), :]
+    x_block = (tk, tt)
+    x_window = lambda k0, t: x_gmem.at[pl.ds(k0, tk), pl.ds(t * tt, tt)]
   else:
-    x_block, x_index = (tt, tk), lambda t: (t, 0)
-    x_column = lambda k0: x_gmem.at[:, pl.ds(k0, tk)]
-  x_window = lambda k0, t: x_column(k0).at[tuple(
-      pl.ds(i * size, size) for i, size in zip(x_index(t), x_block))]
+    x_block = (tt, tk)
+    x_window = lambda k0, t: x_gmem.at[pl.ds(t * tt, tt), pl.ds(k0, tk)]
   x_transforms = _swizzled(x_block[1], x_gmem.dtype)
   dy_transforms = _swizzled(cta_tn, dy_gmem.dtype)
   tma_refs = [ref for ref, scale in zip(storage_gmem, is_scale) if not scale]
@@ -625,6 +623,20 @@ def _fused_kernel(scalars_gmem, x_gmem, dy_gmem, storage_gmem, storage_out,
         load_barriers=plgpu.Barrier(num_barriers=num_buffers * len(tma_refs)))
 
   slots = config.epilogue_slots
+
+  def ring_buffers(stages):
+    """The x and dy blocks of a ring of ``stages`` pipeline steps."""
+    return dict(
+        x_smem=plgpu.SMEM((stages, *x_block), x_gmem.dtype,
+                          transforms=x_transforms),
+        dy_smem=plgpu.SMEM((stages, tt, cta_tn), dy_gmem.dtype,
+                           transforms=dy_transforms))
+
+  def take_registers(registers):
+    """Raises a compute warpgroup's registers (setmaxnreg) when ``registers``
+    is more than its share at launch."""
+    if registers > _REGISTER_FILE // config.num_warpgroups:
+      plgpu.set_max_registers(registers, action="increase")
 
   def local_tiles():
     """This CTA's tiles (the grid has no more CTAs than tiles)."""
@@ -719,10 +731,7 @@ def _fused_kernel(scalars_gmem, x_gmem, dy_gmem, storage_gmem, storage_out,
 
     @functools.partial(
         pl.run_scoped,
-        x_smem=plgpu.SMEM((stages, *x_block), x_gmem.dtype,
-                          transforms=x_transforms),
-        dy_smem=plgpu.SMEM((stages, tt, cta_tn), dy_gmem.dtype,
-                           transforms=dy_transforms),
+        **ring_buffers(stages),
         loaded=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
         consumed=plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),
         **epilogue_allocations(),
@@ -739,8 +748,7 @@ def _fused_kernel(scalars_gmem, x_gmem, dy_gmem, storage_gmem, storage_out,
 
       @pl.when(wg < wgs)
       def _compute():
-        if compute_registers > _REGISTER_FILE // config.num_warpgroups:
-          plgpu.set_max_registers(compute_registers, action="increase")
+        take_registers(compute_registers)
         ep = epilogue(epilogue_smem, load_barriers)
 
         @plgpu.nd_loop((num_tiles,), collective_axes="sm")
@@ -782,10 +790,7 @@ def _fused_kernel(scalars_gmem, x_gmem, dy_gmem, storage_gmem, storage_out,
 
     @functools.partial(
         pl.run_scoped,
-        x_smem=plgpu.SMEM((stages, *x_block), x_gmem.dtype,
-                          transforms=x_transforms),
-        dy_smem=plgpu.SMEM((stages, tt, cta_tn), dy_gmem.dtype,
-                           transforms=dy_transforms),
+        **ring_buffers(stages),
         # One barrier per (owner, slot): a thread tracks a barrier's phase by
         # waiting on every phase of it, so a warpgroup's barriers must not
         # complete for the other's steps.
@@ -842,8 +847,7 @@ def _fused_kernel(scalars_gmem, x_gmem, dy_gmem, storage_gmem, storage_out,
 
       @pl.when(wg < wgs)
       def _compute():
-        if compute_registers > _REGISTER_FILE // config.num_warpgroups:
-          plgpu.set_max_registers(compute_registers, action="increase")
+        take_registers(compute_registers)
         ep = epilogue(epilogue_smem, load_barriers)
 
         @plgpu.nd_loop((num_tiles,), collective_axes="sm")
@@ -884,10 +888,7 @@ def _fused_kernel(scalars_gmem, x_gmem, dy_gmem, storage_gmem, storage_out,
 
     @functools.partial(
         pl.run_scoped,
-        x_smem=plgpu.SMEM((stages, *x_block), x_gmem.dtype,
-                          transforms=x_transforms),
-        dy_smem=plgpu.SMEM((stages, tt, cta_tn), dy_gmem.dtype,
-                           transforms=dy_transforms),
+        **ring_buffers(stages),
         acc_smem=plgpu.SMEM((parts, len(part_subtiles), ek, en), jnp.float32,
                             transforms=_swizzled(en, jnp.float32)),
         loaded=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
@@ -909,8 +910,7 @@ def _fused_kernel(scalars_gmem, x_gmem, dy_gmem, storage_gmem, storage_out,
 
       @pl.when(wg < parts)
       def _compute():
-        if compute_registers > _REGISTER_FILE // config.num_warpgroups:
-          plgpu.set_max_registers(compute_registers, action="increase")
+        take_registers(compute_registers)
 
         @plgpu.nd_loop((num_tiles,), collective_axes="sm")
         def _tile_loop(loop_info: plgpu.NDLoopInfo):
