@@ -83,11 +83,9 @@ def _device_events(trace_dir: str):
   return events
 
 
-def kernel_profile(run_once, *, calls: int = 2, top: int = 30) -> dict:
-  """Where one call's device time goes: per call, the summed duration of
-  each kernel (by name) over ``calls`` profiled calls, the ``top`` largest,
-  and the total against the wall time (their difference: launch gaps and
-  host time)."""
+def _profiled_calls(run_once, calls: int):
+  """Profiles ``calls`` back-to-back calls of ``run_once()``: their wall time
+  per call (ms) and the device events (name, ns) they launched."""
   with tempfile.TemporaryDirectory() as trace_dir:
     with jax.profiler.trace(trace_dir):
       start = time.perf_counter()
@@ -96,7 +94,15 @@ def kernel_profile(run_once, *, calls: int = 2, top: int = 30) -> dict:
       jax.block_until_ready(out)
       wall_ms = (time.perf_counter() - start) * 1e3 / calls
       del out
-    events = _device_events(trace_dir)
+    return wall_ms, _device_events(trace_dir)
+
+
+def kernel_profile(run_once, *, calls: int = 2, top: int = 30) -> dict:
+  """Where one call's device time goes: per call, the summed duration of
+  each kernel (by name) over ``calls`` profiled calls, the ``top`` largest,
+  and the total against the wall time (their difference: launch gaps and
+  host time)."""
+  wall_ms, events = _profiled_calls(run_once, calls)
   per_name = collections.Counter()
   launches = collections.Counter()
   for name, duration_ns in events:
@@ -124,15 +130,8 @@ def device_time_ms(run_once, *, calls: int = 20, repeats: int = 5,
     jax.block_until_ready(run_once())
   per_call, wall = [], []
   for _ in range(repeats):
-    with tempfile.TemporaryDirectory() as trace_dir:
-      with jax.profiler.trace(trace_dir):
-        start = time.perf_counter()
-        for _ in range(calls):
-          out = run_once()
-        jax.block_until_ready(out)
-        wall.append((time.perf_counter() - start) * 1e3 / calls)
-        del out
-      events = _device_events(trace_dir)
+    wall_ms, events = _profiled_calls(run_once, calls)
+    wall.append(wall_ms)
     if events:
       per_call.append(sum(d for _, d in events) / 1e6 / calls)
   result = {"wall_ms": statistics.median(wall), "method": "wall-clock"}
