@@ -1,0 +1,124 @@
+"""Hardware counters of the fused Mosaic kernel beside XLA's GEMM and optax.
+
+Runs each probe once inside a CUDA profiler window (``cuProfilerStart`` /
+``cuProfilerStop``), after a warm-up call outside it, so that Nsight Compute
+started with ``--profile-from-start off`` measures exactly those launches:
+
+  ncu --profile-from-start off --clock-control none --section SpeedOfLight \\
+      --section WarpStateStats ... -o report \\
+      python benchmarks/kernel_counters.py --out probes.json
+
+The JSON lists the probes in launch order (each probe launches one kernel,
+the unfused step two or more: XLA's GEMM, then optax's fusions). Shapes are
+Llama-3.1-8B's MLP (4096 x 14336), bf16 x, dy, W and AdamW state, as in
+``kernel_bench.py --suite mosaic-diag``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import sys
+
+import jax
+import jax.numpy as jnp
+
+from forge_jax.ops import backends, mosaic_kernel
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+# pylint: disable=wrong-import-position
+from kernel_bench import (CHECK_OPTIMIZERS, MOSAIC_DIAG_CONFIGS,
+                          _rule_free_update, fused_step, make_inputs,
+                          unfused_step)
+from timing import metadata
+
+K, N = 4096, 14336
+INLINE = MOSAIC_DIAG_CONFIGS["inline-steps5"]
+PINGPONG = MOSAIC_DIAG_CONFIGS["pingpong-steps4-slots3"]
+
+#: (name, what, tokens, config, optimizer, rule-free). ``what``: 'gemm',
+#: 'unfused' or 'fused'.
+PROBES = (
+    ("gemm-T512", "gemm", 512, None, "adamw", False),
+    ("unfused-T512", "unfused", 512, None, "adamw", False),
+    ("inline-T512", "fused", 512, INLINE, "adamw", False),
+    ("inline-T512-rule-free", "fused", 512, INLINE, "adamw", True),
+    ("inline-T64-rule-free", "fused", 64, INLINE, "adamw", True),
+    ("pingpong-T512", "fused", 512, PINGPONG, "adamw", False),
+    ("gemm-T2048", "gemm", 2048, None, "adamw", False),
+    ("inline-T2048", "fused", 2048, INLINE, "adamw", False),
+    ("pingpong-T2048", "fused", 2048, PINGPONG, "adamw", False),
+    ("gemm-T8192", "gemm", 8192, None, "adamw", False),
+    ("pingpong-T8192-sgd", "fused", 8192, PINGPONG, "sgd", False),
+)
+
+
+def _profiler(call: str):
+  """cuProfilerStart / cuProfilerStop of the driver API (what
+  ``--profile-from-start off`` waits for)."""
+  result = getattr(ctypes.CDLL("libcuda.so.1"), call)()
+  if result:
+    raise RuntimeError(f"{call} returned CUresult {result}")
+
+
+def build(what, tokens, config, opt_name, rule_free):
+  """A no-argument function that launches the probe's kernel(s) once."""
+  x, dy, w = make_inputs(jax.random.key(tokens), tokens, K, N)
+  w = w.astype(jnp.bfloat16)
+  optimizer = CHECK_OPTIMIZERS[opt_name]
+  if what == "gemm":
+    gemm = jax.jit(backends.weight_gradient)
+    return lambda: gemm(x, dy)
+  if what == "unfused":
+    step, tx = unfused_step(optimizer)
+    carry = {"w": w, "s": tx.init(w)}
+
+    def run_unfused():
+      carry["w"], carry["s"] = step(carry["w"], carry["s"], x, dy)
+      return carry["w"]
+    return run_unfused
+  original = mosaic_kernel.apply_update
+  if rule_free:
+    mosaic_kernel.apply_update = _rule_free_update
+  try:
+    step = fused_step(optimizer, config)
+    carry = {"w": w, "s": optimizer.init(w)}
+    count = jnp.asarray(0, jnp.int32)
+
+    def run_fused():
+      carry["w"], carry["s"], _ = step(carry["w"], carry["s"], count, x, dy)
+      return carry["w"]
+    jax.block_until_ready(run_fused())  # compiles with the rule chosen
+    return run_fused
+  finally:
+    mosaic_kernel.apply_update = original
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--out", required=True)
+  parser.add_argument("--only", nargs="*", help="probe names (default: all)")
+  args = parser.parse_args()
+  probes = [p for p in PROBES if not args.only or p[0] in args.only]
+  runs = []
+  for name, *spec in probes:
+    run = build(*spec)
+    jax.block_until_ready(run())  # warm-up, outside the profiler's window
+    runs.append((name, run))
+  _profiler("cuProfilerStart")
+  for _, run in runs:
+    jax.block_until_ready(run())
+  _profiler("cuProfilerStop")
+  with open(args.out, "w") as f:
+    json.dump({"meta": metadata(), "k": K, "n": N,
+               "probes": [{"name": name, "what": what, "tokens": tokens,
+                           "config": None if config is None else repr(config),
+                           "optimizer": opt_name, "rule_free": rule_free}
+                          for name, what, tokens, config, opt_name, rule_free
+                          in probes]}, f, indent=1)
+  print("probes:", [name for name, _ in runs])
+
+
+if __name__ == "__main__":
+  main()
