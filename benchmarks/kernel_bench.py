@@ -379,26 +379,29 @@ def _pingpong(**fields) -> mosaic_kernel.MosaicConfig:
   return mosaic_kernel.MosaicConfig(schedule="pingpong", tile_n=128, **fields)
 
 
+def _four_wgs(**fields) -> mosaic_kernel.MosaicConfig:
+  return mosaic_kernel.MosaicConfig(compute_wgs=4, **fields)
+
+
 #: bf16 kernel and states (the whole-step configuration): which epilogue
 #: schedule is fastest, and where the time goes.
 MOSAIC_DIAG_CONFIGS = {
-    # Session 5: the pingpong schedule (a warpgroup per 128 x 128 tile, the
-    # two taking turns; a loader warpgroup keeps each one's ring of epilogue
-    # buffers full) with 3-5 pipeline stages and 2-5 epilogue buffers per
-    # warpgroup (64 x 32 or 64 x 64 sub-tiles); the session-4 default beside
-    # it. The first is also timed without the rule's arithmetic and as plain
-    # SGD.
+    # Session 6: Nsight Compute found the inline epilogue at 512 tokens
+    # bound by instruction issue (two warps a scheduler) and its loads'
+    # latency. Four compute warpgroups (a 128 x 256 CTA tile, 64 columns
+    # each): twice the warps on the rule and the loads, a wider tile for
+    # the main loop. 2-4 pipeline stages, 64 x 32 or 64 x 16 sub-tiles, one
+    # or two buffers a warpgroup. The first is also timed without the rule's
+    # arithmetic and as plain SGD. The session-5 defaults beside them.
+    "wg4-steps3-en16-slots2": _four_wgs(max_concurrent_steps=3, epilogue_n=16,
+                                        epilogue_slots=2),
+    "wg4-steps3-slots1": _four_wgs(max_concurrent_steps=3, epilogue_slots=1),
+    "wg4-steps2-slots2": _four_wgs(max_concurrent_steps=2, epilogue_slots=2),
+    "wg4-steps4-en16-slots1": _four_wgs(max_concurrent_steps=4, epilogue_n=16,
+                                        epilogue_slots=1),
+    "inline-steps5": mosaic_kernel.MosaicConfig(max_concurrent_steps=5),
     "pingpong-steps4-slots3": _pingpong(max_concurrent_steps=4,
                                         epilogue_slots=3),
-    "pingpong-steps5-slots2": _pingpong(max_concurrent_steps=5,
-                                        epilogue_slots=2),
-    "pingpong-steps3-slots4": _pingpong(max_concurrent_steps=3,
-                                        epilogue_slots=4),
-    "pingpong-steps3-slots5": _pingpong(max_concurrent_steps=3,
-                                        epilogue_slots=5),
-    "pingpong-steps3-en64-slots2": _pingpong(max_concurrent_steps=3,
-                                             epilogue_n=64, epilogue_slots=2),
-    "inline-steps5": mosaic_kernel.MosaicConfig(max_concurrent_steps=5),
 }
 
 

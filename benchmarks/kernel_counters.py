@@ -34,23 +34,30 @@ from kernel_bench import (CHECK_OPTIMIZERS, MOSAIC_DIAG_CONFIGS,
 from timing import metadata
 
 K, N = 4096, 14336
-INLINE = MOSAIC_DIAG_CONFIGS["inline-steps5"]
-PINGPONG = MOSAIC_DIAG_CONFIGS["pingpong-steps4-slots3"]
 
 #: (name, what, tokens, config, optimizer, rule-free). ``what``: 'gemm',
-#: 'unfused' or 'fused'.
+#: 'unfused' or 'fused'; ``config``: a key of MOSAIC_DIAG_CONFIGS.
 PROBES = (
     ("gemm-T512", "gemm", 512, None, "adamw", False),
     ("unfused-T512", "unfused", 512, None, "adamw", False),
-    ("inline-T512", "fused", 512, INLINE, "adamw", False),
-    ("inline-T512-rule-free", "fused", 512, INLINE, "adamw", True),
-    ("inline-T64-rule-free", "fused", 64, INLINE, "adamw", True),
-    ("pingpong-T512", "fused", 512, PINGPONG, "adamw", False),
+    ("inline-T512", "fused", 512, "inline-steps5", "adamw", False),
+    ("inline-T512-rule-free", "fused", 512, "inline-steps5", "adamw", True),
+    ("inline-T64-rule-free", "fused", 64, "inline-steps5", "adamw", True),
+    ("pingpong-T512", "fused", 512, "pingpong-steps4-slots3", "adamw", False),
     ("gemm-T2048", "gemm", 2048, None, "adamw", False),
-    ("inline-T2048", "fused", 2048, INLINE, "adamw", False),
-    ("pingpong-T2048", "fused", 2048, PINGPONG, "adamw", False),
+    ("inline-T2048", "fused", 2048, "inline-steps5", "adamw", False),
+    ("pingpong-T2048", "fused", 2048, "pingpong-steps4-slots3", "adamw",
+     False),
     ("gemm-T8192", "gemm", 8192, None, "adamw", False),
-    ("pingpong-T8192-sgd", "fused", 8192, PINGPONG, "sgd", False),
+    ("pingpong-T8192-sgd", "fused", 8192, "pingpong-steps4-slots3", "sgd",
+     False),
+    # Session 6: four compute warpgroups.
+    ("wg4-en16-T512", "fused", 512, "wg4-steps3-en16-slots2", "adamw", False),
+    ("wg4-slots1-T512", "fused", 512, "wg4-steps3-slots1", "adamw", False),
+    ("wg4-en16-T64-rule-free", "fused", 64, "wg4-steps3-en16-slots2", "adamw",
+     True),
+    ("wg4-en16-T2048", "fused", 2048, "wg4-steps3-en16-slots2", "adamw",
+     False),
 )
 
 
@@ -62,8 +69,9 @@ def _profiler(call: str):
     raise RuntimeError(f"{call} returned CUresult {result}")
 
 
-def build(what, tokens, config, opt_name, rule_free):
+def build(what, tokens, config_name, opt_name, rule_free):
   """A no-argument function that launches the probe's kernel(s) once."""
+  config = MOSAIC_DIAG_CONFIGS.get(config_name)
   x, dy, w = make_inputs(jax.random.key(tokens), tokens, K, N)
   w = w.astype(jnp.bfloat16)
   optimizer = CHECK_OPTIMIZERS[opt_name]
@@ -113,7 +121,7 @@ def main():
   with open(args.out, "w") as f:
     json.dump({"meta": metadata(), "k": K, "n": N,
                "probes": [{"name": name, "what": what, "tokens": tokens,
-                           "config": None if config is None else repr(config),
+                           "config": config,
                            "optimizer": opt_name, "rule_free": rule_free}
                           for name, what, tokens, config, opt_name, rule_free
                           in probes]}, f, indent=1)

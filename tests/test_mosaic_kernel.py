@@ -51,6 +51,11 @@ CONFIGS = {
     "one-warpgroup": mosaic_kernel.MosaicConfig(**SMALL, epilogue_n=32,
                                                 epilogue_slots=2,
                                                 compute_wgs=1),
+    # Four 64 x 32 parts a 64 x 128 CTA tile, two 64 x 16 sub-tiles each
+    # through one buffer.
+    "four-warpgroups": mosaic_kernel.MosaicConfig(
+        **{**SMALL, "tile_n": 32}, epilogue_n=16, epilogue_slots=1,
+        compute_wgs=4),
     # A 64 x 64 tile per warpgroup, in turns: four tiles a CTA, two steps
     # each; two 64 x 32 sub-tiles per tile in two buffers per warpgroup,
     # loaded ahead across tiles.
@@ -177,8 +182,11 @@ def test_mosaic_config_errors_name_the_bad_field():
     mosaic_kernel.MosaicConfig(prefetch_step=-1)
   with pytest.raises(ValueError, match=r"tile_t=32 must be a multiple of 64"):
     mosaic_kernel.MosaicConfig(tile_t=32)
-  with pytest.raises(ValueError, match=r"compute_wgs=3 must be 1 or 2"):
+  with pytest.raises(ValueError, match=r"compute_wgs=3 must be one of \(1, 2, 4\)"):
     mosaic_kernel.MosaicConfig(compute_wgs=3)
+  with pytest.raises(ValueError, match=r"compute_wgs=4 must be one of \(1, 2\) "
+                     r"with schedule='pingpong'"):
+    mosaic_kernel.MosaicConfig(compute_wgs=4, schedule="pingpong")
   with pytest.raises(ValueError, match=r"epilogue_slots=3 must divide the 8 "):
     mosaic_kernel.MosaicConfig(epilogue_slots=3, schedule="epilogue-warpgroup")
   with pytest.raises(ValueError, match=r"prefetch_step=4 does not apply"):
@@ -479,6 +487,9 @@ GPU_CONFIGS = {
         epilogue_slots=1),
     "epilogue-warpgroup": mosaic_kernel.MosaicConfig(
         schedule="epilogue-warpgroup", epilogue_slots=2),
+    "four-warpgroups": mosaic_kernel.MosaicConfig(
+        compute_wgs=4, max_concurrent_steps=2, epilogue_n=16,
+        epilogue_slots=1),
 }
 
 

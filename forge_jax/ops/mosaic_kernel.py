@@ -169,12 +169,15 @@ class MosaicConfig:
       raise ValueError(
           f"epilogue_k={self.epilogue_k} and epilogue_n={self.epilogue_n} "
           f"must divide tile_k={self.tile_k} and tile_n={self.tile_n}")
-    for name in ("compute_wgs", "ctas_per_sm"):
-      if getattr(self, name) not in (1, 2):
-        raise ValueError(f"{name}={getattr(self, name)} must be 1 or 2")
+    if self.ctas_per_sm not in (1, 2):
+      raise ValueError(f"ctas_per_sm={self.ctas_per_sm} must be 1 or 2")
     if self.schedule not in SCHEDULES:
       raise ValueError(f"schedule={self.schedule!r} must be one of "
                        f"{SCHEDULES}")
+    allowed_wgs = (1, 2, 4) if self.schedule == "inline" else (1, 2)
+    if self.compute_wgs not in allowed_wgs:
+      raise ValueError(f"compute_wgs={self.compute_wgs} must be one of "
+                       f"{allowed_wgs} with schedule={self.schedule!r}")
     if self.schedule != "inline" and self.ctas_per_sm != 1:
       raise ValueError(f"ctas_per_sm={self.ctas_per_sm} must be 1 with "
                        f"schedule={self.schedule!r} (its warpgroups take the "
