@@ -276,6 +276,12 @@ def main():
   parser.add_argument("--mosaic-defaults", action="store_true",
                       help="suite 'mosaic': no sweep; each case runs the "
                       "kernel's default config for its shape and dtypes")
+  parser.add_argument("--diag-configs", nargs="*", default=None,
+                      help="suite 'mosaic-diag': these MOSAIC_DIAG_CONFIGS "
+                      "only, without the rule-free and SGD runs")
+  parser.add_argument("--tokens", nargs="*", type=int, default=None,
+                      help="suite 'mosaic-diag': token counts (default 512 "
+                      "2048 8192)")
   parser.add_argument("--time-budget-s", type=float, default=500.0,
                       help="stop starting new cases after this many seconds")
   args = parser.parse_args()
@@ -304,7 +310,10 @@ def main():
     mosaic_suite(args, result, save, config, started)
     return
   if args.suite == "mosaic-diag":
-    mosaic_diagnosis(result, save)
+    configs = ({name: MOSAIC_DIAG_CONFIGS[name] for name in args.diag_configs}
+               if args.diag_configs else None)
+    mosaic_diagnosis(result, save, configs, extras=configs is None,
+                     token_counts=tuple(args.tokens or (512, 2048, 8192)))
     return
   if args.suite == "mosaic-overlap":
     mosaic_diagnosis(result, save, MOSAIC_OVERLAP_CONFIGS,
@@ -400,6 +409,8 @@ MOSAIC_DIAG_CONFIGS = {
     "wg4-steps4-en16-slots1": _four_wgs(max_concurrent_steps=4, epilogue_n=16,
                                         epilogue_slots=1),
     "inline-steps5": mosaic_kernel.MosaicConfig(max_concurrent_steps=5),
+    "inline-steps5-en16": mosaic_kernel.MosaicConfig(max_concurrent_steps=5,
+                                                     epilogue_n=16),
     "pingpong-steps4-slots3": _pingpong(max_concurrent_steps=4,
                                         epilogue_slots=3),
 }
@@ -429,11 +440,11 @@ MOSAIC_OVERLAP_CONFIGS = {
 
 
 def mosaic_diagnosis(result, save, configs=None, k=4096, n=14336,
-                     token_counts=(512, 2048, 8192)):
+                     token_counts=(512, 2048, 8192), extras=True):
   """Mosaic kernel time with bf16 storage per epilogue config (default:
   MOSAIC_DIAG_CONFIGS) and token count, beside the GEMM and GEMM + optax;
-  for the first config also without the rule's arithmetic and with plain SGD
-  (W only, no state)."""
+  with ``extras``, for the first config also without the rule's arithmetic
+  and with plain SGD (W only, no state)."""
   configs = configs or MOSAIC_DIAG_CONFIGS
   for tokens in token_counts:
     x, dy, w = make_inputs(jax.random.key(tokens), tokens, k, n)
@@ -451,8 +462,9 @@ def mosaic_diagnosis(result, save, configs=None, k=4096, n=14336,
     del carry["w"], carry["s"]
     variants = [(name, "adamw", cfg) for name, cfg in configs.items()]
     first = next(iter(configs))
-    variants += [(first + "-rule-free", "adamw", configs[first]),
-                 (first + "-sgd", "sgd", configs[first])]
+    if extras:
+      variants += [(first + "-rule-free", "adamw", configs[first]),
+                   (first + "-sgd", "sgd", configs[first])]
     for name, opt_name, cfg in variants:
       optimizer = CHECK_OPTIMIZERS[opt_name]
       original = mosaic_kernel.apply_update

@@ -487,9 +487,9 @@ GPU_CONFIGS = {
         epilogue_slots=1),
     "epilogue-warpgroup": mosaic_kernel.MosaicConfig(
         schedule="epilogue-warpgroup", epilogue_slots=2),
+    # Optimizers with four float32 state tensors do not fit beside it.
     "four-warpgroups": mosaic_kernel.MosaicConfig(
-        compute_wgs=4, max_concurrent_steps=2, epilogue_n=16,
-        epilogue_slots=1),
+        compute_wgs=4, max_concurrent_steps=2, epilogue_slots=1),
 }
 
 
@@ -504,12 +504,15 @@ def test_compiled_mosaic_kernel_matches_reference_on_gpu(name, opt, count,
   if not backends._on_hopper_or_newer():  # pylint: disable=protected-access
     pytest.skip("needs a Hopper or newer GPU")
   inputs = random_inputs(seed, opt, (2048, 4096), 1024, (F32, F32, BF16))
+  config = GPU_CONFIGS[schedule]
+  if config is not None and (
+      reason := mosaic_kernel.unsupported_reason(*inputs[:3], opt, config)):
+    pytest.skip(reason)
   expected = run_reference(opt, *inputs, count)
   spec = FusedDenseSpec(optimizer=opt, implementation="mosaic")
   scalars = opt.scalars(jnp.asarray(count, jnp.int32))
   fn = jax.jit(functools.partial(mosaic_kernel.mosaic_update, spec,
-                                 config=GPU_CONFIGS[schedule]),
-               donate_argnums=(2, 3))
+                                 config=config), donate_argnums=(2, 3))
   actual = host_copy(fn(*inputs, scalars, jnp.all(jnp.isfinite(inputs[1]))))
   assert_leaves_match(actual, expected, name)
 
