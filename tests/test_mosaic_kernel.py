@@ -267,6 +267,27 @@ def test_default_config_fits_dtypes_and_shape():
         jnp.zeros((4096, n), dtype), opt, config) is None
 
 
+@pytest.mark.parametrize("config", [
+    mosaic_kernel.MosaicConfig(compute_wgs=4),
+    mosaic_kernel.MosaicConfig(compute_wgs=1),
+    mosaic_kernel.MosaicConfig(ctas_per_sm=2, tile_n=32),
+    *mosaic_kernel.INLINE_CONFIGS, *mosaic_kernel.PINGPONG_CONFIGS],
+    ids=repr)
+def test_compute_warpgroups_take_only_released_registers(config):
+  """setmaxnreg raises a warpgroup's registers from what the CTA's other
+  warpgroups released and waits for them: asking for more than the memory
+  warpgroups give back hangs the kernel (four compute warpgroups did on the
+  H200)."""
+  launch = mosaic_kernel.launch_registers(config)
+  wanted = mosaic_kernel.compute_warpgroup_registers(config)
+  memory_wgs = config.num_warpgroups - config.compute_wgs
+  assert launch * config.num_warpgroups <= 512
+  if wanted > launch:
+    released = memory_wgs * (launch - mosaic_kernel.MEMORY_REGISTERS)
+    assert config.compute_wgs * (wanted - launch) <= released
+  assert wanted % 8 == 0 and wanted <= mosaic_kernel.MAX_REGISTERS
+
+
 def test_too_many_epilogue_barriers_is_a_clear_error():
   """Mosaic GPU tracks at most 32 barriers per group: 2 warpgroups x 5
   buffers x 4 leaves (W and three state tensors) would be 40."""

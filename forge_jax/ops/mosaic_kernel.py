@@ -262,14 +262,31 @@ def warpgroup_registers(config: MosaicConfig) -> tuple:
   return compute, min(MAX_REGISTERS, rest // 8 * 8)
 
 
+def launch_registers(config: MosaicConfig) -> int:
+  """Per-thread registers every warpgroup has at launch: the register file
+  split over the CTA's warpgroups, in the hardware's units of 8."""
+  return _REGISTER_FILE // config.num_warpgroups // 8 * 8
+
+
 def compute_warpgroup_registers(config: MosaicConfig) -> int:
   """Per-thread registers of a compute warpgroup of the inline and pingpong
-  schedules: what the memory warpgroups leave of a CTA's share of the SM,
-  split evenly, at most ``MAX_REGISTERS`` (multiples of 8: setmaxnreg)."""
+  schedules, at most ``MAX_REGISTERS`` (multiples of 8: setmaxnreg).
+
+  setmaxnreg raises a warpgroup's count only with registers that the CTA's
+  other warpgroups gave back, and waits until there are enough: the compute
+  warpgroups share what the memory warpgroups release going down to
+  ``MEMORY_REGISTERS`` from their launch count. (Splitting the register
+  file minus the memory warpgroups' part instead overdraws that pool when
+  the warpgroups do not divide the file evenly: with four compute
+  warpgroups the kernel hung on the H200.) With ``ctas_per_sm`` CTAs a CTA
+  has its share of the file."""
   memory_wgs = config.num_warpgroups - config.compute_wgs
-  rest = (_REGISTER_FILE // config.ctas_per_sm
-          - memory_wgs * MEMORY_REGISTERS)
-  return min(MAX_REGISTERS, rest // config.compute_wgs // 8 * 8)
+  launch = min(launch_registers(config),
+               _REGISTER_FILE // config.ctas_per_sm // config.num_warpgroups
+               // 8 * 8)
+  released = memory_wgs * (launch - MEMORY_REGISTERS)
+  return min(MAX_REGISTERS,
+             (launch + released // config.compute_wgs) // 8 * 8)
 
 
 def epilogue_buffers(config: MosaicConfig) -> int:
@@ -638,7 +655,7 @@ def _fused_kernel(scalars_gmem, x_gmem, dy_gmem, storage_gmem, storage_out,
   def take_registers(registers):
     """Raises a compute warpgroup's registers (setmaxnreg) when ``registers``
     is more than its share at launch."""
-    if registers > _REGISTER_FILE // config.num_warpgroups:
+    if registers > launch_registers(config):
       plgpu.set_max_registers(registers, action="increase")
 
   def local_tiles():
