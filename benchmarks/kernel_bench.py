@@ -409,6 +409,8 @@ MOSAIC_DIAG_CONFIGS = {
     "wg4-steps4-en16-slots1": _four_wgs(max_concurrent_steps=4, epilogue_n=16,
                                         epilogue_slots=1),
     "inline-steps5": mosaic_kernel.MosaicConfig(max_concurrent_steps=5),
+    # A power-of-two ring: its slot arithmetic is a mask.
+    "inline-steps4": mosaic_kernel.MosaicConfig(max_concurrent_steps=4),
     "inline-steps5-en16": mosaic_kernel.MosaicConfig(max_concurrent_steps=5,
                                                      epilogue_n=16),
     "pingpong-steps4-slots3": _pingpong(max_concurrent_steps=4,

@@ -702,24 +702,32 @@ def _fused_kernel(scalars_gmem, x_gmem, dy_gmem, storage_gmem, storage_out,
     """Accumulates one tile from the ring of ``stages`` buffers (steps
     ``first + t``, loads arriving on ``ready(slot)``) and returns the
     accumulator. A step's buffers are released after the next step's
-    ``wgmma_wait(1)``, which proves its wgmma done."""
-    slot = lambda t: lax.rem(first + t, stages)
+    ``wgmma_wait(1)``, which proves its wgmma done.
 
-    def step(t, acc_ref):
-      plgpu.barrier_wait(ready(slot(t)))
-      wgmma(acc_ref, x_smem.at[slot(t)], dy_smem.at[slot(t)], part)
+    The slot is carried from step to step: recomputing ``(first + t) %
+    stages`` each step (a multiply-shift division for 5 stages) put integer
+    arithmetic between the wgmma of a warpgroup that issues them all
+    (benchmarks/NOTES.md, session 6)."""
+
+    def step(t, carry):
+      acc_ref, slot, previous = carry
+      plgpu.barrier_wait(ready(slot))
+      wgmma(acc_ref, x_smem.at[slot], dy_smem.at[slot], part)
       after_wgmma(t)
       plgpu.wgmma_wait(1)
 
       @pl.when(t > 0)
       def _release():
-        plgpu.barrier_arrive(consumed.at[slot(t - 1)])
+        plgpu.barrier_arrive(consumed.at[previous])
 
-      return acc_ref
+      following = slot + 1
+      return acc_ref, lax.select(following == stages, 0, following), slot
 
-    lax.fori_loop(0, num_steps, step, acc_ref)
+    first_slot = lax.rem(first, stages)
+    _, _, last = lax.fori_loop(0, num_steps, step,
+                               (acc_ref, first_slot, first_slot))
     acc = acc_ref[...]  # waits for the last wgmma
-    plgpu.barrier_arrive(consumed.at[slot(num_steps - 1)])
+    plgpu.barrier_arrive(consumed.at[last])
     return acc
 
   def inline_schedule():
