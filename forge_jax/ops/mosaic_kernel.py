@@ -316,9 +316,9 @@ def shared_memory_bytes(config: MosaicConfig, activation_itemsize: int,
 #: late, once the wgmma reading them is done, so five stages keep four in
 #: flight). float32 W, m, v or int8 states fit one epilogue buffer per
 #: warpgroup beside it; optimizers with four float32 state tensors a
-#: shallower pipeline. (Measured on emit_pipeline_warp_specialized; on the
-#: kernel's own pipeline since session 5, unchanged at 512 tokens, 11 %
-#: slower at 2048: not explained.)
+#: shallower pipeline. Re-measured on the kernel's own pipeline (session 6,
+#: main loop carrying its slot): five stages 0.318 / 0.545 / 1.533 ms at
+#: 512 / 2048 / 8192 tokens, four 0.343 / 0.591 / 1.679.
 INLINE_CONFIGS = (
     MosaicConfig(max_concurrent_steps=5),
     MosaicConfig(max_concurrent_steps=5, epilogue_slots=1),
@@ -327,11 +327,12 @@ INLINE_CONFIGS = (
     MosaicConfig(max_concurrent_steps=2, epilogue_slots=1),
 )
 #: Ranked first from ``PINGPONG_MIN_TOKENS`` tokens, where they fit. Same
-#: shape, session 5: 0.518 ms against the inline 0.560 at 2048 tokens, 1.448
-#: (five stages, two buffers) against 1.541 at 8192; at 512 tokens the inline
-#: schedule is faster (0.334 against 0.397). Not measured with float32 W, m,
-#: v, which fit only one epilogue buffer per warpgroup beside them, nor with
-#: int8 states: those keep the inline ranking.
+#: shape, session 6: 0.525 ms against the inline 0.545 at 2048 tokens, 1.500
+#: against 1.533 at 8192 (five stages, two buffers: 1.448 in session 5); at
+#: 512 tokens the inline schedule is faster (0.318 against 0.417). Not
+#: measured with float32 W, m, v, which fit only one epilogue buffer per
+#: warpgroup beside them, nor with int8 states: those keep the inline
+#: ranking.
 PINGPONG_CONFIGS = (
     MosaicConfig(schedule="pingpong", tile_n=128, max_concurrent_steps=4,
                  epilogue_slots=3),
