@@ -51,11 +51,10 @@ CONFIGS = {
     "one-warpgroup": mosaic_kernel.MosaicConfig(**SMALL, epilogue_n=32,
                                                 epilogue_slots=2,
                                                 compute_wgs=1),
-    # Four 64 x 32 parts a 64 x 128 CTA tile, two 64 x 16 sub-tiles each
-    # through one buffer.
+    # Four 64 x 64 parts a 64 x 256 CTA tile (one a CTA), four 64 x 16
+    # sub-tiles each through one buffer.
     "four-warpgroups": mosaic_kernel.MosaicConfig(
-        **{**SMALL, "tile_n": 32}, epilogue_n=16, epilogue_slots=1,
-        compute_wgs=4),
+        **SMALL, epilogue_n=16, epilogue_slots=1, compute_wgs=4),
     # A 64 x 64 tile per warpgroup, in turns: four tiles a CTA, two steps
     # each; two 64 x 32 sub-tiles per tile in two buffers per warpgroup,
     # loaded ahead across tiles.
@@ -187,6 +186,9 @@ def test_mosaic_config_errors_name_the_bad_field():
   with pytest.raises(ValueError, match=r"compute_wgs=4 must be one of \(1, 2\) "
                      r"with schedule='pingpong'"):
     mosaic_kernel.MosaicConfig(compute_wgs=4, schedule="pingpong")
+  with pytest.raises(ValueError, match=r"tile_n=32 must be at least 64 when 2 "
+                     r"compute warpgroups share a tile"):
+    mosaic_kernel.MosaicConfig(tile_n=32)
   with pytest.raises(ValueError, match=r"epilogue_slots=3 must divide the 8 "):
     mosaic_kernel.MosaicConfig(epilogue_slots=3, schedule="epilogue-warpgroup")
   with pytest.raises(ValueError, match=r"prefetch_step=4 does not apply"):
@@ -270,7 +272,7 @@ def test_default_config_fits_dtypes_and_shape():
 @pytest.mark.parametrize("config", [
     mosaic_kernel.MosaicConfig(compute_wgs=4),
     mosaic_kernel.MosaicConfig(compute_wgs=1),
-    mosaic_kernel.MosaicConfig(ctas_per_sm=2, tile_n=32),
+    mosaic_kernel.MosaicConfig(ctas_per_sm=2),
     *mosaic_kernel.INLINE_CONFIGS, *mosaic_kernel.PINGPONG_CONFIGS],
     ids=repr)
 def test_compute_warpgroups_take_only_released_registers(config):

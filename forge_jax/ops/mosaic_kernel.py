@@ -127,7 +127,10 @@ class MosaicConfig:
   - ``'inline'``: the compute warpgroups share a CTA tile of ``tile_k x
     (compute_wgs * tile_n)`` and each updates its part right after the
     tile's main loop. ``ctas_per_sm`` persistent CTAs share an SM (2: one's
-    epilogue overlaps the other's main loop, if both fit).
+    epilogue overlaps the other's main loop, if both fit). Four compute
+    warpgroups are exact but get 104 registers a thread, where a 64-column
+    part and the rule spill: slower on the H200 (benchmarks/NOTES.md,
+    session 6).
   - ``'pingpong'``: a CTA tile is one warpgroup's ``tile_k x tile_n``; the
     compute warpgroups take the CTA's tiles in turn, so one updates its tile
     while the other's wgmma run. A loader warpgroup fills each one's ring of
@@ -178,6 +181,12 @@ class MosaicConfig:
     if self.compute_wgs not in allowed_wgs:
       raise ValueError(f"compute_wgs={self.compute_wgs} must be one of "
                        f"{allowed_wgs} with schedule={self.schedule!r}")
+    if self.parts_per_tile > 1 and self.tile_n < 64:
+      raise ValueError(
+          f"tile_n={self.tile_n} must be at least 64 when "
+          f"{self.parts_per_tile} compute warpgroups share a tile: each "
+          "takes its columns of dy's block, whose 128-byte swizzle tiles are "
+          "64 columns wide")
     if self.schedule != "inline" and self.ctas_per_sm != 1:
       raise ValueError(f"ctas_per_sm={self.ctas_per_sm} must be 1 with "
                        f"schedule={self.schedule!r} (its warpgroups take the "
