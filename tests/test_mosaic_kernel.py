@@ -208,7 +208,8 @@ def test_mosaic_config_errors_name_the_bad_field():
 
 
 @pytest.mark.parametrize("schedule,features,slots", [
-    ("epilogue-warpgroup", 128, 4), ("pingpong", 64, 2)])
+    ("all-prefetched", 128, 2), ("epilogue-warpgroup", 128, 4),
+    ("pingpong", 64, 2)])
 def test_mosaic_hand_written_pipelines_with_uneven_tiles_and_steps(
     schedule, features, slots, seed):
   """Three tiles on two CTAs (one CTA gets two, the other one: with
