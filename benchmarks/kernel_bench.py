@@ -395,26 +395,25 @@ def _four_wgs(**fields) -> mosaic_kernel.MosaicConfig:
 #: bf16 kernel and states (the whole-step configuration): which epilogue
 #: schedule is fastest, and where the time goes.
 MOSAIC_DIAG_CONFIGS = {
-    # Session 6: Nsight Compute found the inline epilogue at 512 tokens
-    # bound by instruction issue (two warps a scheduler) and its loads'
-    # latency. Four compute warpgroups (a 128 x 256 CTA tile, 64 columns
-    # each): twice the warps on the rule and the loads, a wider tile for
-    # the main loop. 2-4 pipeline stages, 64 x 32 or 64 x 16 sub-tiles, one
-    # or two buffers a warpgroup. The first is also timed without the rule's
-    # arithmetic and as plain SGD. The session-5 defaults beside them.
+    # The defaults first (the first is also timed without the rule's
+    # arithmetic and as plain SGD): inline below 2048 tokens, pingpong from
+    # there; inline with four stages (a power-of-two ring) and with 64 x 16
+    # sub-tiles.
+    "inline-steps5": mosaic_kernel.MosaicConfig(max_concurrent_steps=5),
+    "pingpong-steps4-slots3": _pingpong(max_concurrent_steps=4,
+                                        epilogue_slots=3),
+    "inline-steps4": mosaic_kernel.MosaicConfig(max_concurrent_steps=4),
+    "inline-steps5-en16": mosaic_kernel.MosaicConfig(max_concurrent_steps=5,
+                                                     epilogue_n=16),
+    # Session 6: four compute warpgroups (a 128 x 256 CTA tile, 64 columns
+    # each), meant to put twice the warps on the rule and the loads. Exact
+    # but slower on the H200: at 104 registers a thread they spill.
     "wg4-steps3-en16-slots2": _four_wgs(max_concurrent_steps=3, epilogue_n=16,
                                         epilogue_slots=2),
     "wg4-steps3-slots1": _four_wgs(max_concurrent_steps=3, epilogue_slots=1),
     "wg4-steps2-slots2": _four_wgs(max_concurrent_steps=2, epilogue_slots=2),
     "wg4-steps4-en16-slots1": _four_wgs(max_concurrent_steps=4, epilogue_n=16,
                                         epilogue_slots=1),
-    "inline-steps5": mosaic_kernel.MosaicConfig(max_concurrent_steps=5),
-    # A power-of-two ring: its slot arithmetic is a mask.
-    "inline-steps4": mosaic_kernel.MosaicConfig(max_concurrent_steps=4),
-    "inline-steps5-en16": mosaic_kernel.MosaicConfig(max_concurrent_steps=5,
-                                                     epilogue_n=16),
-    "pingpong-steps4-slots3": _pingpong(max_concurrent_steps=4,
-                                        epilogue_slots=3),
 }
 
 

@@ -8,8 +8,10 @@ started with ``--profile-from-start off`` measures exactly those launches:
       --section WarpStateStats ... -o report \\
       python benchmarks/kernel_counters.py --out probes.json
 
-The JSON lists the probes in launch order (each probe launches one kernel,
-the unfused step two or more: XLA's GEMM, then optax's fusions). Shapes are
+The JSON lists the probes in launch order. A 'gemm' probe launches XLA's
+GEMM; an 'unfused' one that GEMM and optax's fusions; a 'fused' one the
+Mosaic kernel among small XLA fusions (dy's finiteness, the step's
+scalars): ``counters_summary.py`` matches them up. Shapes are
 Llama-3.1-8B's MLP (4096 x 14336), bf16 x, dy, W and AdamW state, as in
 ``kernel_bench.py --suite mosaic-diag``.
 """
