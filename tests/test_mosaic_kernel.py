@@ -291,6 +291,24 @@ def test_compute_warpgroups_take_only_released_registers(config):
   assert wanted % 8 == 0 and wanted <= mosaic_kernel.MAX_REGISTERS
 
 
+@pytest.mark.parametrize("config", [
+    CONFIGS["epilogue-warpgroup"],  # 64 x 64 parts: below the launch count
+    mosaic_kernel.MosaicConfig(schedule="epilogue-warpgroup"),
+    mosaic_kernel.MosaicConfig(schedule="epilogue-warpgroup", compute_wgs=1,
+                               tile_n=128)], ids=repr)
+def test_epilogue_warpgroup_takes_only_released_registers(config):
+  """The epilogue warpgroup's and the compute warpgroups' raises together
+  fit in what the memory warpgroup releases. Compute warpgroups whose
+  accumulator needs less than their launch count keep it (setmaxnreg is
+  only raised), so the epilogue warpgroup cannot count on the difference."""
+  launch = mosaic_kernel.launch_registers(config)
+  compute, epilogue = mosaic_kernel.warpgroup_registers(config)
+  raised = (config.compute_wgs * max(0, compute - launch)
+            + max(0, epilogue - launch))
+  assert raised <= launch - mosaic_kernel.MEMORY_REGISTERS
+  assert epilogue >= mosaic_kernel.MIN_EPILOGUE_REGISTERS
+
+
 def test_too_many_epilogue_barriers_is_a_clear_error():
   """Mosaic GPU tracks at most 32 barriers per group: 2 warpgroups x 5
   buffers x 4 leaves (W and three state tensors) would be 40."""

@@ -259,41 +259,47 @@ MAX_REGISTERS = 232
 _REGISTER_FILE = 512
 
 
-def warpgroup_registers(config: MosaicConfig) -> tuple:
-  """Per-thread registers of a compute warpgroup and of the epilogue
-  warpgroup (``schedule='epilogue-warpgroup'``; else what is left over): a
-  compute warpgroup keeps its float32 accumulator and 64 more (setmaxnreg
-  takes multiples of 8); the epilogue warpgroup gets the rest, at most
-  ``MAX_REGISTERS``."""
-  accumulator = config.tile_k * config.tile_n // 128
-  compute = -(-(accumulator + 64) // 8) * 8
-  rest = _REGISTER_FILE - MEMORY_REGISTERS - config.compute_wgs * compute
-  return compute, min(MAX_REGISTERS, rest // 8 * 8)
-
-
 def launch_registers(config: MosaicConfig) -> int:
   """Per-thread registers every warpgroup has at launch: the register file
   split over the CTA's warpgroups, in the hardware's units of 8."""
   return _REGISTER_FILE // config.num_warpgroups // 8 * 8
 
 
+def _released_registers(config: MosaicConfig, launch: int) -> int:
+  """What the warpgroups that only issue TMA (the memory warpgroup, and
+  pingpong's loader) give back going down to ``MEMORY_REGISTERS`` from
+  ``launch``: setmaxnreg raises a warpgroup's count only from registers the
+  CTA's other warpgroups released, and waits until there are enough."""
+  memory_wgs = 1 + (config.schedule == "pingpong")
+  return memory_wgs * (launch - MEMORY_REGISTERS)
+
+
+def warpgroup_registers(config: MosaicConfig) -> tuple:
+  """Per-thread registers of a compute warpgroup and of the epilogue
+  warpgroup (``schedule='epilogue-warpgroup'``; else what is left over): a
+  compute warpgroup keeps its float32 accumulator and 64 more (setmaxnreg
+  takes multiples of 8); the epilogue warpgroup gets what the memory
+  warpgroup releases beyond the compute warpgroups' raises, at most
+  ``MAX_REGISTERS``."""
+  accumulator = config.tile_k * config.tile_n // 128
+  compute = -(-(accumulator + 64) // 8) * 8
+  launch = launch_registers(config)
+  raised = config.compute_wgs * max(0, compute - launch)
+  epilogue = launch + _released_registers(config, launch) - raised
+  return compute, min(MAX_REGISTERS, epilogue // 8 * 8)
+
+
 def compute_warpgroup_registers(config: MosaicConfig) -> int:
   """Per-thread registers of a compute warpgroup of the inline and pingpong
-  schedules, at most ``MAX_REGISTERS`` (multiples of 8: setmaxnreg).
-
-  setmaxnreg raises a warpgroup's count only with registers that the CTA's
-  other warpgroups gave back, and waits until there are enough: the compute
-  warpgroups share what the memory warpgroups release going down to
-  ``MEMORY_REGISTERS`` from their launch count. (Splitting the register
-  file minus the memory warpgroups' part instead overdraws that pool when
-  the warpgroups do not divide the file evenly: with four compute
-  warpgroups the kernel hung on the H200.) With ``ctas_per_sm`` CTAs a CTA
-  has its share of the file."""
-  memory_wgs = config.num_warpgroups - config.compute_wgs
-  launch = min(launch_registers(config),
-               _REGISTER_FILE // config.ctas_per_sm // config.num_warpgroups
-               // 8 * 8)
-  released = memory_wgs * (launch - MEMORY_REGISTERS)
+  schedules, at most ``MAX_REGISTERS`` (multiples of 8: setmaxnreg): its
+  launch count and an even share of what the memory warpgroups release.
+  (Splitting the register file minus the memory warpgroups' part instead
+  overdraws that pool when the warpgroups do not divide the file evenly:
+  with four compute warpgroups the kernel hung on the H200.) With
+  ``ctas_per_sm`` CTAs a CTA has its share of the file."""
+  launch = (_REGISTER_FILE // config.ctas_per_sm // config.num_warpgroups
+            // 8 * 8)
+  released = _released_registers(config, launch)
   return min(MAX_REGISTERS,
              (launch + released // config.compute_wgs) // 8 * 8)
 
