@@ -27,6 +27,7 @@ memory of the fused step (aliasing). Results: JSON (see --out).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import statistics
@@ -115,6 +116,30 @@ def unfused_step(optimizer):
     updates, tx_state = tx.update(grad, tx_state, w)
     return optax.apply_updates(w, updates), tx_state
   return jax.jit(step, donate_argnums=(0, 1)), tx
+
+
+def fused_runner(optimizer, config, w, x, dy):
+  """A no-argument function running one fused step per call on a copy of
+  ``w`` and a fresh state, carried (donated) from call to call."""
+  step = fused_step(optimizer, config)
+  carry = {"w": jnp.copy(w), "s": optimizer.init(w)}
+  count = jnp.asarray(0, jnp.int32)
+
+  def run():
+    carry["w"], carry["s"], _ = step(carry["w"], carry["s"], count, x, dy)
+    return carry["w"]
+  return run
+
+
+def unfused_runner(optimizer, w, x, dy):
+  """Like :func:`fused_runner` for the GEMM + optax step."""
+  step, tx = unfused_step(optimizer)
+  carry = {"w": jnp.copy(w), "s": tx.init(w)}
+
+  def run():
+    carry["w"], carry["s"] = step(carry["w"], carry["s"], x, dy)
+    return carry["w"]
+  return run
 
 
 def rel_err(a, b):
@@ -424,6 +449,20 @@ def _rule_free_update(optimizer, grad, kernel, state, *_, **__):
   return kernel, state, jnp.isfinite(grad)
 
 
+@contextlib.contextmanager
+def rule_free_epilogue(enabled: bool = True):
+  """While active (and ``enabled``), the Mosaic kernel traces its epilogue
+  without the optimizer's arithmetic: a step must first be called (traced)
+  inside."""
+  original = mosaic_kernel.apply_update
+  if enabled:
+    mosaic_kernel.apply_update = _rule_free_update
+  try:
+    yield
+  finally:
+    mosaic_kernel.apply_update = original
+
+
 #: Does the epilogue's traffic overlap the main loop? At 64 tokens (one
 #: pipeline step a tile) the kernel is nearly all epilogue: its W / m / v
 #: traffic alone. At 512, x and dy (19 MB) fit in L2 but the 705 MB of W /
@@ -453,38 +492,21 @@ def mosaic_diagnosis(result, save, configs=None, k=4096, n=14336,
     gemm = jax.jit(backends.weight_gradient)
     row = {"k": k, "n": n, "tokens": tokens, "storage": "bfloat16",
            "gemm_ms": device_time_ms(lambda: gemm(x, dy))["ms"]}
-    unfused, tx = unfused_step(BENCH_OPTIMIZERS["adamw"])
-    carry = {"w": jnp.copy(w), "s": tx.init(w)}
-
-    def run_unfused():
-      carry["w"], carry["s"] = unfused(carry["w"], carry["s"], x, dy)
-      return carry["w"]
+    run_unfused = unfused_runner(BENCH_OPTIMIZERS["adamw"], w, x, dy)
     row["unfused_ms"] = device_time_ms(run_unfused)["ms"]
-    del carry["w"], carry["s"]
+    del run_unfused  # frees its weights and state
     variants = [(name, "adamw", cfg) for name, cfg in configs.items()]
     first = next(iter(configs))
     if extras:
       variants += [(first + "-rule-free", "adamw", configs[first]),
                    (first + "-sgd", "sgd", configs[first])]
     for name, opt_name, cfg in variants:
-      optimizer = CHECK_OPTIMIZERS[opt_name]
-      original = mosaic_kernel.apply_update
-      if name.endswith("rule-free"):
-        mosaic_kernel.apply_update = _rule_free_update
       try:
-        fused = fused_step(optimizer, cfg)
-        fcarry = {"w": jnp.copy(w), "s": optimizer.init(w)}
-        count = jnp.asarray(0, jnp.int32)
-
-        def run_fused():
-          fcarry["w"], fcarry["s"], _ = fused(fcarry["w"], fcarry["s"], count,
-                                              x, dy)
-          return fcarry["w"]
-        row[name + "_ms"] = device_time_ms(run_fused)["ms"]
+        with rule_free_epilogue(name.endswith("rule-free")):
+          run_fused = fused_runner(CHECK_OPTIMIZERS[opt_name], cfg, w, x, dy)
+          row[name + "_ms"] = device_time_ms(run_fused)["ms"]
       except Exception as e:  # pylint: disable=broad-except
         row[name + "_error"] = repr(e)[-300:]
-      finally:
-        mosaic_kernel.apply_update = original
       print(f"diag T={tokens} {name}: {row.get(name + '_ms')}", flush=True)
     result["bench"].append(row)
     save()

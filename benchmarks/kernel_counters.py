@@ -26,13 +26,13 @@ import sys
 import jax
 import jax.numpy as jnp
 
-from forge_jax.ops import backends, mosaic_kernel
+from forge_jax.ops import backends
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 # pylint: disable=wrong-import-position
 from kernel_bench import (CHECK_OPTIMIZERS, MOSAIC_DIAG_CONFIGS,
-                          _rule_free_update, fused_step, make_inputs,
-                          unfused_step)
+                          fused_runner, make_inputs, rule_free_epilogue,
+                          unfused_runner)
 from timing import metadata
 
 K, N = 4096, 14336
@@ -73,7 +73,6 @@ def _profiler(call: str):
 
 def build(what, tokens, config_name, opt_name, rule_free):
   """A no-argument function that launches the probe's kernel(s) once."""
-  config = MOSAIC_DIAG_CONFIGS.get(config_name)
   x, dy, w = make_inputs(jax.random.key(tokens), tokens, K, N)
   w = w.astype(jnp.bfloat16)
   optimizer = CHECK_OPTIMIZERS[opt_name]
@@ -81,28 +80,11 @@ def build(what, tokens, config_name, opt_name, rule_free):
     gemm = jax.jit(backends.weight_gradient)
     return lambda: gemm(x, dy)
   if what == "unfused":
-    step, tx = unfused_step(optimizer)
-    carry = {"w": w, "s": tx.init(w)}
-
-    def run_unfused():
-      carry["w"], carry["s"] = step(carry["w"], carry["s"], x, dy)
-      return carry["w"]
-    return run_unfused
-  original = mosaic_kernel.apply_update
-  if rule_free:
-    mosaic_kernel.apply_update = _rule_free_update
-  try:
-    step = fused_step(optimizer, config)
-    carry = {"w": w, "s": optimizer.init(w)}
-    count = jnp.asarray(0, jnp.int32)
-
-    def run_fused():
-      carry["w"], carry["s"], _ = step(carry["w"], carry["s"], count, x, dy)
-      return carry["w"]
-    jax.block_until_ready(run_fused())  # compiles with the rule chosen
-    return run_fused
-  finally:
-    mosaic_kernel.apply_update = original
+    return unfused_runner(optimizer, w, x, dy)
+  with rule_free_epilogue(rule_free):
+    run = fused_runner(optimizer, MOSAIC_DIAG_CONFIGS[config_name], w, x, dy)
+    jax.block_until_ready(run())  # compiles with the rule chosen
+  return run
 
 
 def main():
