@@ -73,6 +73,17 @@ CONFIGS = {
     "epilogue-warpgroup-4-buffers": mosaic_kernel.MosaicConfig(
         **SMALL, epilogue_n=16, epilogue_slots=4,
         schedule="epilogue-warpgroup"),
+    # Stores from registers: each of the two buffers is refilled once its
+    # values are read, under the rule.
+    "direct-stores": mosaic_kernel.MosaicConfig(
+        **SMALL, epilogue_n=16, epilogue_slots=2, prefetch_step=0,
+        direct_stores=True),
+    "pingpong-direct-stores": mosaic_kernel.MosaicConfig(
+        **SMALL, epilogue_n=16, epilogue_slots=2, schedule="pingpong",
+        direct_stores=True),
+    "epilogue-warpgroup-direct-stores": mosaic_kernel.MosaicConfig(
+        **SMALL, epilogue_n=16, epilogue_slots=2,
+        schedule="epilogue-warpgroup", direct_stores=True),
 }
 X_SHAPE, N = (2, 64, 128), 256
 # int8 states: epilogue sub-tiles of one quantization block (64 columns).
@@ -86,6 +97,9 @@ INT8_CONFIGS = {
     "int8-warpgroup": mosaic_kernel.MosaicConfig(
         **SMALL, epilogue_n=64, epilogue_slots=2,
         schedule="epilogue-warpgroup"),
+    "int8-direct-stores": mosaic_kernel.MosaicConfig(
+        **{**SMALL, "tile_k": 128}, epilogue_n=64, epilogue_slots=1,
+        direct_stores=True),
 }
 #: One config per schedule (inline, pingpong, epilogue warpgroup): the
 #: per-optimizer tests run each.
@@ -532,6 +546,11 @@ GPU_CONFIGS = {
     # Optimizers with four float32 state tensors do not fit beside it.
     "four-warpgroups": mosaic_kernel.MosaicConfig(
         compute_wgs=4, max_concurrent_steps=2, epilogue_slots=1),
+    "direct-stores": mosaic_kernel.MosaicConfig(
+        max_concurrent_steps=4, epilogue_slots=1, direct_stores=True),
+    "pingpong-direct-stores": mosaic_kernel.MosaicConfig(
+        schedule="pingpong", tile_n=128, max_concurrent_steps=4,
+        epilogue_slots=1, direct_stores=True),
 }
 
 
@@ -642,7 +661,16 @@ def test_compiled_kernel_bits_do_not_depend_on_config_or_run(tokens, seed):
                                          max_concurrent_steps=5),
               mosaic_kernel.MosaicConfig(schedule="pingpong", tile_n=128,
                                          max_concurrent_steps=3,
-                                         epilogue_slots=4)}
+                                         epilogue_slots=4),
+              mosaic_kernel.MosaicConfig(max_concurrent_steps=5,
+                                         direct_stores=True),
+              mosaic_kernel.MosaicConfig(max_concurrent_steps=5,
+                                         epilogue_n=16, epilogue_slots=4,
+                                         direct_stores=True),
+              mosaic_kernel.MosaicConfig(schedule="pingpong", tile_n=128,
+                                         max_concurrent_steps=4,
+                                         epilogue_slots=3,
+                                         direct_stores=True)}
   spec = FusedDenseSpec(optimizer=opt, implementation="mosaic")
   scalars = opt.scalars(jnp.asarray(3, jnp.int32))
   apply = jnp.all(jnp.isfinite(inputs[1]))

@@ -121,6 +121,9 @@ class MosaicConfig:
   whose loads are issued at pipeline step ``prefetch_step`` of the main loop
   (the last step if the loop is shorter); with as many slots as sub-tiles
   the whole part's kernel and state are loaded under the main loop.
+  ``direct_stores`` frees a buffer once its values are in registers (the
+  new values are stored from registers), not once a TMA store has read
+  them.
 
   ``schedule``:
 
@@ -156,6 +159,10 @@ class MosaicConfig:
   prefetch_step: int = 0
   ctas_per_sm: int = 1
   schedule: str = "inline"
+  #: The rule's new values go from registers straight to global memory
+  #: instead of back through the epilogue buffer and a TMA store, so a
+  #: buffer is refilled as soon as its values are read, while the rule runs.
+  direct_stores: bool = False
 
   def __post_init__(self):
     for name in ("tile_k", "tile_n", "tile_t", "epilogue_k", "epilogue_n"):
@@ -523,9 +530,13 @@ class _Epilogue:
     self.layer, self.rule, self.stochastic = layer, rule, stochastic
     self.shard_origin, self.interpret = shard_origin, interpret
     self.ek, self.en = config.epilogue_k, config.epilogue_n
+    self.direct_stores = config.direct_stores
+
+  def _window_index(self, k0, n0):
+    return (*self.layer, pl.ds(k0, self.ek), pl.ds(n0, self.en))
 
   def _window(self, ref, k0, n0):
-    return ref.at[(*self.layer, pl.ds(k0, self.ek), pl.ds(n0, self.en))]
+    return ref.at[self._window_index(k0, n0)]
 
   def _scale_index(self, k0, n0):
     """The sub-tile's block scales: one column (``epilogue_n`` is a block;
@@ -537,9 +548,9 @@ class _Epilogue:
 
   def issue_loads(self, buffer, k0, n0, after_stores=True):
     """Loads the sub-tile at ``(k0, n0)`` into ``buffer``, once this
-    thread's stores have read it (``after_stores``; else the caller knows
-    they have)."""
-    if after_stores:
+    thread's TMA stores have read it (``after_stores``; else the caller
+    knows they have)."""
+    if after_stores and not self.direct_stores:
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
     for leaf, (gmem, smem) in enumerate(zip(self.tma_gmem, self.smem)):
       plgpu.copy_gmem_to_smem(self._window(gmem, k0, n0), smem.at[buffer],
@@ -560,26 +571,41 @@ class _Epilogue:
     # A strided column: no optimized (vectorized) load exists.
     return plgpu.load(gmem, self._scale_index(k0, n0), optimized=False)
 
-  def update(self, buffer, k0, n0, grad):
+  def update(self, buffer, k0, n0, grad, release=None):
     """Waits for ``buffer``'s loads, applies the rule with ``grad`` and
-    stores the new values (asynchronously). Returns the skipped count."""
+    stores the new values (asynchronously). ``release()``, if given, runs
+    once the buffer may be refilled: with ``direct_stores`` as soon as every
+    thread has read its values (the rule and the stores follow), else once
+    the TMA stores from it have read it. Returns the skipped count."""
     for leaf in range(len(self.tma_gmem)):
       plgpu.barrier_wait(self._barrier(buffer, leaf))
     smem_values = iter(smem[buffer] for smem in self.smem)
     values = [self._read_scales(gmem, k0, n0) if scale else next(smem_values)
               for gmem, scale in zip(self.storage_gmem, self.is_scale)]
+    if self.direct_stores:
+      # A warpgroup barrier: every thread's reads are done before the
+      # buffer's next TMA load is issued.
+      plgpu.commit_smem()
+      if release is not None:
+        release()
     new_values, updated = self.rule(grad, values, self._indices(k0, n0))
     to_smem = []
     for gmem, value, scale in zip(self.storage_out, new_values, self.is_scale):
       if scale:
         gmem[self._scale_index(k0, n0)] = value
+      elif self.direct_stores:
+        gmem[self._window_index(k0, n0)] = value
       else:
         to_smem.append(value)
-    for smem, value in zip(self.smem, to_smem):
-      smem[buffer] = value
-    plgpu.commit_smem()
-    for gmem, smem in zip(self.tma_out, self.smem):
-      plgpu.copy_smem_to_gmem(smem.at[buffer], self._window(gmem, k0, n0))
+    if not self.direct_stores:
+      for smem, value in zip(self.smem, to_smem):
+        smem[buffer] = value
+      plgpu.commit_smem()
+      for gmem, smem in zip(self.tma_out, self.smem):
+        plgpu.copy_smem_to_gmem(smem.at[buffer], self._window(gmem, k0, n0))
+      if release is not None:
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        release()
     # Rows first: Mosaic GPU's layout inference finds no layout for a 2-D ->
     # scalar reduction of the wgmma-layout mask.
     return jnp.sum(jnp.sum(jnp.where(updated, 0.0, 1.0), axis=1)
@@ -755,22 +781,26 @@ def _fused_kernel(scalars_gmem, x_gmem, dy_gmem, storage_gmem, storage_out,
     compute_registers = compute_warpgroup_registers(config)
     prefetch_step = min(config.prefetch_step, num_steps - 1)
 
-    def load_subtile(ep, wg, index, k0, n0):
+    def load_subtile(ep, wg, index, k0, n0, after_stores=True):
       """Loads sub-tile ``index`` of the part at ``(k0, n0)`` into one of
       warpgroup ``wg``'s ``slots`` buffers."""
       di, dj = part_subtiles[index]
-      ep.issue_loads(wg * slots + index % slots, k0 + di, n0 + dj)
+      ep.issue_loads(wg * slots + index % slots, k0 + di, n0 + dj,
+                     after_stores)
 
     def update_part(ep, wg, k0, n0, acc):
       """Updates the part at ``(k0, n0)`` with its accumulated ``acc``,
       sub-tile by sub-tile through warpgroup ``wg``'s buffers, whose first
-      loads were issued under the main loop. Returns the skipped count."""
+      loads were issued under the main loop; each buffer, once released,
+      takes the sub-tile ``slots`` on. Returns the skipped count."""
       skipped = jnp.zeros((), jnp.int32)
       for index, (di, dj) in enumerate(part_subtiles):
+        following = index + slots
+        release = (functools.partial(load_subtile, ep, wg, following, k0, n0,
+                                     after_stores=False)
+                   if following < len(part_subtiles) else None)
         skipped += ep.update(wg * slots + index % slots, k0 + di, n0 + dj,
-                             acc[di:di + ek, dj:dj + en])
-        if index + slots < len(part_subtiles):
-          load_subtile(ep, wg, index + slots, k0, n0)  # once stored
+                             acc[di:di + ek, dj:dj + en], release)
       return skipped
 
     @functools.partial(
@@ -911,10 +941,10 @@ def _fused_kernel(scalars_gmem, x_gmem, dy_gmem, storage_gmem, storage_out,
               skipped = jnp.zeros((), jnp.int32)
               for index, (di, dj) in enumerate(part_subtiles):
                 buf, _ = buffer(loop_info.local_index, index)
-                skipped += ep.update(buf, k0 + di, n0 + dj,
-                                     acc[di:di + ek, dj:dj + en])
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                plgpu.barrier_arrive(buffer_free.at[buf])
+                skipped += ep.update(
+                    buf, k0 + di, n0 + dj, acc[di:di + ek, dj:dj + en],
+                    functools.partial(plgpu.barrier_arrive,
+                                      buffer_free.at[buf]))
               # Every thread holds the same sum: all write the same value.
               skipped_gmem[linear] = skipped
 
@@ -979,11 +1009,24 @@ def _fused_kernel(scalars_gmem, x_gmem, dy_gmem, storage_gmem, storage_out,
           plgpu.barrier_arrive(acc_free.at[part])  # nothing to read yet
 
         def issue_loads(linear, position):
-          """Loads sub-tile ``position`` of tile ``linear``."""
+          """Loads sub-tile ``position`` of tile ``linear`` (its buffer's
+          stores have read it)."""
           k0, cta_n0 = tile_origin(linear)
           part, index = subtiles[position]
           di, dj = part_subtiles[index]
-          ep.issue_loads(position % slots, k0 + di, cta_n0 + part * tn + dj)
+          ep.issue_loads(position % slots, k0 + di, cta_n0 + part * tn + dj,
+                         after_stores=False)
+
+        def refill(linear, following, position):
+          """Refills sub-tile ``position``'s buffer: a later sub-tile of
+          this tile, or one of the CTA's next tile (its loads then fly under
+          this tile's remaining updates and the next main loop)."""
+          if position + slots < len(subtiles):
+            issue_loads(linear, position + slots)
+          else:
+            @pl.when(following < num_tiles)
+            def _next_tile():
+              issue_loads(following, position + slots - len(subtiles))
 
         for position in range(slots):
           issue_loads(first_tile, position)  # every CTA has a first tile
@@ -999,19 +1042,11 @@ def _fused_kernel(scalars_gmem, x_gmem, dy_gmem, storage_gmem, storage_out,
               plgpu.barrier_wait(acc_full.at[part])
             di, dj = part_subtiles[index]
             grad = acc_smem[part, index]
-            skipped[part] += ep.update(position % slots, k0 + di,
-                                       cta_n0 + part * tn + dj, grad)
+            skipped[part] += ep.update(
+                position % slots, k0 + di, cta_n0 + part * tn + dj, grad,
+                functools.partial(refill, linear, following, position))
             if index == len(part_subtiles) - 1:
               plgpu.barrier_arrive(acc_free.at[part])
-            # Refill this buffer: a later sub-tile of this tile, or one of
-            # the CTA's next tile (its loads then fly under this tile's
-            # remaining updates and the next main loop).
-            if position + slots < len(subtiles):
-              issue_loads(linear, position + slots)
-            else:
-              @pl.when(following < num_tiles)
-              def _next_tile():
-                issue_loads(following, position + slots - len(subtiles))
           for part in range(parts):
             skipped_gmem[parts * linear + part] = skipped[part]
 
