@@ -430,20 +430,12 @@ MOSAIC_DIAG_CONFIGS = {
     "inline-steps4": mosaic_kernel.MosaicConfig(max_concurrent_steps=4),
     "inline-steps5-en16": mosaic_kernel.MosaicConfig(max_concurrent_steps=5,
                                                      epilogue_n=16),
-    # Session 7: the new values stored from registers, so a buffer is
-    # refilled once its values are read (not once a TMA store has read it):
-    # as the defaults, with four 64 x 16 buffers a warpgroup (refilled
-    # sooner), with three buffers beside four stages.
-    "inline-steps5-direct": mosaic_kernel.MosaicConfig(
-        max_concurrent_steps=5, direct_stores=True),
-    "inline-steps5-en16-slots4-direct": mosaic_kernel.MosaicConfig(
-        max_concurrent_steps=5, epilogue_n=16, epilogue_slots=4,
-        direct_stores=True),
-    "inline-steps4-slots3-direct": mosaic_kernel.MosaicConfig(
-        max_concurrent_steps=4, epilogue_slots=3, direct_stores=True),
-    "pingpong-steps4-slots3-direct": _pingpong(max_concurrent_steps=4,
-                                               epilogue_slots=3,
-                                               direct_stores=True),
+    # Session 7: the kernel and state windows through the main loop's ring
+    # (bf16 storage only), five and six buffers.
+    "ring-steps5": mosaic_kernel.MosaicConfig(schedule="ring",
+                                              max_concurrent_steps=5),
+    "ring-steps6": mosaic_kernel.MosaicConfig(schedule="ring",
+                                              max_concurrent_steps=6),
     # Session 6: four compute warpgroups (a 128 x 256 CTA tile, 64 columns
     # each), meant to put twice the warps on the rule and the loads. Exact
     # but slower on the H200: at 104 registers a thread they spill.

@@ -32,7 +32,7 @@ from forge_jax.ops.fused_dense import FusedDenseSpec
 from conftest import (assert_bitwise_equal, assert_same_bits, bits,
                       host_copy, poison, ulp_distance)
 from test_kernel import (BF16, F32, OPTIMIZERS, assert_leaves_match,
-                         random_inputs, run_reference)
+                         assert_outputs_match, random_inputs, run_reference)
 from test_low_precision import exact_inputs
 
 # 64 x 64 parts, two compute warpgroups: a CTA tile is 64 x 128. K = 128,
@@ -73,17 +73,15 @@ CONFIGS = {
     "epilogue-warpgroup-4-buffers": mosaic_kernel.MosaicConfig(
         **SMALL, epilogue_n=16, epilogue_slots=4,
         schedule="epilogue-warpgroup"),
-    # Stores from registers: each of the two buffers is refilled once its
-    # values are read, under the rule.
-    "direct-stores": mosaic_kernel.MosaicConfig(
-        **SMALL, epilogue_n=16, epilogue_slots=2, prefetch_step=0,
-        direct_stores=True),
-    "pingpong-direct-stores": mosaic_kernel.MosaicConfig(
-        **SMALL, epilogue_n=16, epilogue_slots=2, schedule="pingpong",
-        direct_stores=True),
-    "epilogue-warpgroup-direct-stores": mosaic_kernel.MosaicConfig(
-        **SMALL, epilogue_n=16, epilogue_slots=2,
-        schedule="epilogue-warpgroup", direct_stores=True),
+    # The kernel and state windows through the pipeline's ring: 64-row
+    # windows, one row block a tile, five buffers (RMSprop's five leaves).
+    "ring": mosaic_kernel.MosaicConfig(
+        **{**SMALL, "max_concurrent_steps": 5}, schedule="ring"),
+    # One warpgroup, 128 x 64 tiles: two row blocks a tile, three buffers
+    # (AdamW's W, m and v take all of them in turn).
+    "ring-two-row-blocks": mosaic_kernel.MosaicConfig(
+        **{**SMALL, "tile_k": 128, "max_concurrent_steps": 3},
+        compute_wgs=1, schedule="ring"),
 }
 X_SHAPE, N = (2, 64, 128), 256
 # int8 states: epilogue sub-tiles of one quantization block (64 columns).
@@ -97,13 +95,16 @@ INT8_CONFIGS = {
     "int8-warpgroup": mosaic_kernel.MosaicConfig(
         **SMALL, epilogue_n=64, epilogue_slots=2,
         schedule="epilogue-warpgroup"),
-    "int8-direct-stores": mosaic_kernel.MosaicConfig(
-        **{**SMALL, "tile_k": 128}, epilogue_n=64, epilogue_slots=1,
-        direct_stores=True),
 }
-#: One config per schedule (inline, pingpong, epilogue warpgroup): the
+#: One config per schedule (inline, pingpong, epilogue warpgroup, ring): the
 #: per-optimizer tests run each.
-SCHEDULES = ("all-prefetched", "pingpong", "epilogue-warpgroup")
+SCHEDULES = ("all-prefetched", "pingpong", "epilogue-warpgroup", "ring")
+
+
+def dtypes_for(schedule, dtypes):
+  """(kernel, state, activation) dtypes: the ring's windows share the
+  activations' bf16 buffers."""
+  return (BF16, BF16, BF16) if schedule.startswith("ring") else dtypes
 
 
 def run_mosaic(opt, x, dy, kernel, state, count, config, layer_index=None,
@@ -133,7 +134,7 @@ def run_reference_at(opt, x, dy, kernel, state, count, step, offset=None,
 @pytest.mark.parametrize("name,opt,count", OPTIMIZERS,
                          ids=[name for name, _, _ in OPTIMIZERS])
 def test_mosaic_kernel_matches_reference(name, opt, count, schedule, seed):
-  dtypes = (F32, F32, BF16)  # wgmma takes 16-bit activations
+  dtypes = dtypes_for(schedule, (F32, F32, BF16))  # 16-bit activations
   config = CONFIGS[schedule]
   if name.startswith("rmsprop-centered") and schedule == "all-prefetched":
     config = CONFIGS["single-buffered"]  # four state tensors: less smem
@@ -158,7 +159,8 @@ def test_mosaic_configs_and_bf16_storage(config, seed):
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_mosaic_skips_and_counts_nonfinite_gradient_elements(schedule, seed):
   opt = fj.adamw(0.05)
-  x, dy, kernel, state = random_inputs(seed, opt, X_SHAPE, N, (F32, F32, BF16))
+  x, dy, kernel, state = random_inputs(
+      seed, opt, X_SHAPE, N, dtypes_for(schedule, (F32, F32, BF16)))
   x = x.at[0, 3, 17].set(jnp.nan)  # row 17 of dW is NaN: N elements skipped
   expected = run_reference(opt, x, dy, kernel, state, 2)
   actual = run_mosaic(opt, x, dy, kernel, state, 2, CONFIGS[schedule])
@@ -166,14 +168,14 @@ def test_mosaic_skips_and_counts_nonfinite_gradient_elements(schedule, seed):
   np.testing.assert_array_equal(bits(actual[0])[17], bits(kernel)[17])
   rows = np.arange(kernel.shape[0]) != 17
   for a, e in zip(jax.tree.leaves(actual[:2]), jax.tree.leaves(expected[:2])):
-    np.testing.assert_allclose(np.asarray(a)[rows], np.asarray(e)[rows],
-                               rtol=1e-5, atol=1e-6)
+    assert_outputs_match(np.asarray(a)[rows], np.asarray(e)[rows], schedule)
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_mosaic_stacked_layer_updates_only_its_entry(schedule, seed):
   opt = fj.adamw(0.05)
-  x, dy, kernel, state = random_inputs(seed, opt, X_SHAPE, N, (F32, F32, BF16))
+  x, dy, kernel, state = random_inputs(
+      seed, opt, X_SHAPE, N, dtypes_for(schedule, (F32, F32, BF16)))
   stack = lambda a: jnp.stack([a, a + 1.0, a - 1.0])
   kernels, states = stack(kernel), jax.tree.map(stack, state)
   layer = lambda tree, i: jax.tree.map(lambda a: a[i], tree)
@@ -219,21 +221,27 @@ def test_mosaic_config_errors_name_the_bad_field():
     mosaic_kernel.MosaicConfig(ctas_per_sm=2, schedule="pingpong")
   with pytest.raises(ValueError, match=r"schedule='overlap' must be one of"):
     mosaic_kernel.MosaicConfig(schedule="overlap")
+  with pytest.raises(ValueError, match=r"tile_t=128 must divide tile_k=64 "):
+    mosaic_kernel.MosaicConfig(tile_k=64, tile_t=128, schedule="ring")
 
 
 @pytest.mark.parametrize("schedule,features,slots", [
     ("all-prefetched", 128, 2), ("epilogue-warpgroup", 128, 4),
-    ("pingpong", 64, 2)])
+    ("pingpong", 64, 2), ("ring", 128, 2)])
 def test_mosaic_hand_written_pipelines_with_uneven_tiles_and_steps(
     schedule, features, slots, seed):
   """Three tiles on two CTAs (one CTA gets two, the other one: with
   'pingpong' its second warpgroup has none) and three pipeline steps on a
-  ring of two buffers: the step and sub-tile rings run across tiles, and
+  ring of two buffers (the ring schedule: three, one per leaf; its windows
+  make six steps a tile): the step and sub-tile rings run across tiles, and
   the last tile's loads must not be issued."""
   opt = fj.adamw(0.05, weight_decay=0.1)
-  inputs = random_inputs(seed, opt, (3, 64, 192), features, (BF16, F32, BF16))
+  inputs = random_inputs(seed, opt, (3, 64, 192), features,
+                         dtypes_for(schedule, (BF16, F32, BF16)))
   config = dataclasses.replace(CONFIGS[schedule], epilogue_n=16,
                                epilogue_slots=slots)
+  if schedule == "ring":
+    config = dataclasses.replace(config, max_concurrent_steps=3)
   expected = run_reference(opt, *inputs, 2)
   actual = run_mosaic(opt, *inputs, 2, config)
   assert_leaves_match(actual, expected, schedule)
@@ -246,7 +254,8 @@ def test_mosaic_one_pipeline_step_per_tile(schedule, seed):
   reused across tiles. A pipeline that shrank to one stage here once hung
   (interpret mode) or failed to launch (H200)."""
   opt = fj.adamw(0.05, weight_decay=0.1)
-  inputs = random_inputs(seed, opt, (64, 128), N, (BF16, F32, BF16))
+  inputs = random_inputs(seed, opt, (64, 128), N,
+                         dtypes_for(schedule, (BF16, F32, BF16)))
   expected = run_reference(opt, *inputs, 2)
   actual = run_mosaic(opt, *inputs, 2, CONFIGS[schedule])
   assert_leaves_match(actual, expected, schedule)
@@ -530,6 +539,20 @@ def test_mosaic_refuses_what_it_cannot_run_and_auto_falls_back():
   f16 = fj.adamw(1e-3, state_dtype="float16")
   with pytest.raises(ValueError, match=r"state dtype float16 is not"):
     backends.select("mosaic", x, x[:, :1].repeat(256, 1), kernel, f16)
+  # The ring's windows go through the activations' buffers: bf16 W and
+  # state only, a buffer per leaf at least.
+  ring = CONFIGS["ring"]
+  dy = x[:, :1].repeat(256, 1)
+  assert mosaic_kernel.unsupported_reason(x, dy, kernel.astype(BF16), opt,
+                                          ring) is None
+  with pytest.raises(ValueError, match=r"activations' bfloat16 buffers: got "
+                     r"\['float32'\]"):
+    mosaic_kernel.check_supported(x, dy, kernel, opt, ring)
+  with pytest.raises(ValueError, match=r"max_concurrent_steps=2 must be at "
+                     r"least the 3 kernel and state leaves"):
+    mosaic_kernel.check_supported(
+        x, dy, kernel.astype(BF16), opt,
+        dataclasses.replace(ring, max_concurrent_steps=2))
   # Off-GPU 'auto' is the reference.
   assert backends.select("auto", x, x, kernel, opt) is backends.xla_update
 
@@ -546,11 +569,9 @@ GPU_CONFIGS = {
     # Optimizers with four float32 state tensors do not fit beside it.
     "four-warpgroups": mosaic_kernel.MosaicConfig(
         compute_wgs=4, max_concurrent_steps=2, epilogue_slots=1),
-    "direct-stores": mosaic_kernel.MosaicConfig(
-        max_concurrent_steps=4, epilogue_slots=1, direct_stores=True),
-    "pingpong-direct-stores": mosaic_kernel.MosaicConfig(
-        schedule="pingpong", tile_n=128, max_concurrent_steps=4,
-        epilogue_slots=1, direct_stores=True),
+    # bf16 W and state (its windows share the activations' buffers).
+    "ring": mosaic_kernel.MosaicConfig(schedule="ring",
+                                       max_concurrent_steps=6),
 }
 
 
@@ -564,7 +585,8 @@ def test_compiled_mosaic_kernel_matches_reference_on_gpu(name, opt, count,
   Llama layer shape, with the default config and with each schedule."""
   if not backends._on_hopper_or_newer():  # pylint: disable=protected-access
     pytest.skip("needs a Hopper or newer GPU")
-  inputs = random_inputs(seed, opt, (2048, 4096), 1024, (F32, F32, BF16))
+  inputs = random_inputs(seed, opt, (2048, 4096), 1024,
+                         dtypes_for(schedule, (F32, F32, BF16)))
   config = GPU_CONFIGS[schedule]
   if config is not None and (
       reason := mosaic_kernel.unsupported_reason(*inputs[:3], opt, config)):
@@ -662,15 +684,10 @@ def test_compiled_kernel_bits_do_not_depend_on_config_or_run(tokens, seed):
               mosaic_kernel.MosaicConfig(schedule="pingpong", tile_n=128,
                                          max_concurrent_steps=3,
                                          epilogue_slots=4),
-              mosaic_kernel.MosaicConfig(max_concurrent_steps=5,
-                                         direct_stores=True),
-              mosaic_kernel.MosaicConfig(max_concurrent_steps=5,
-                                         epilogue_n=16, epilogue_slots=4,
-                                         direct_stores=True),
-              mosaic_kernel.MosaicConfig(schedule="pingpong", tile_n=128,
-                                         max_concurrent_steps=4,
-                                         epilogue_slots=3,
-                                         direct_stores=True)}
+              mosaic_kernel.MosaicConfig(schedule="ring",
+                                         max_concurrent_steps=5),
+              mosaic_kernel.MosaicConfig(schedule="ring",
+                                         max_concurrent_steps=6)}
   spec = FusedDenseSpec(optimizer=opt, implementation="mosaic")
   scalars = opt.scalars(jnp.asarray(3, jnp.int32))
   apply = jnp.all(jnp.isfinite(inputs[1]))

@@ -107,7 +107,7 @@ DEFAULT_NUM_SMS = 132
 
 
 #: How a CTA's warpgroups share a tile's main loop and its epilogue.
-SCHEDULES = ("inline", "pingpong", "epilogue-warpgroup")
+SCHEDULES = ("inline", "pingpong", "epilogue-warpgroup", "ring")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,9 +121,6 @@ class MosaicConfig:
   whose loads are issued at pipeline step ``prefetch_step`` of the main loop
   (the last step if the loop is shorter); with as many slots as sub-tiles
   the whole part's kernel and state are loaded under the main loop.
-  ``direct_stores`` frees a buffer once its values are in registers (the
-  new values are stored from registers), not once a TMA store has read
-  them.
 
   ``schedule``:
 
@@ -144,6 +141,17 @@ class MosaicConfig:
     which updates one tile while they run the next one's main loop (its
     ``epilogue_slots`` buffers are loaded ahead, across tiles, and divide
     the CTA tile's sub-tiles; ``prefetch_step`` does not apply).
+  - ``'ring'``: as ``'inline'``, but the kernel and state windows of a tile
+    (``tile_t`` rows of the CTA tile each) stream through the main loop's
+    own ring of dy buffers, as steps after the tile's x and dy steps, and
+    are updated in place there; the memory warpgroup stores each one once
+    both compute warpgroups have written it, then refills its buffer. The
+    windows' loads are thus issued as soon as the main loop frees a buffer,
+    up to ``max_concurrent_steps`` of them in flight, and the next tile's x
+    and dy as soon as the update frees one. The update works on ``tile_t x
+    tile_n`` sub-tiles (``epilogue_k``, ``epilogue_n``, ``epilogue_slots``
+    and ``prefetch_step`` do not apply); the kernel and every state leaf
+    must have the activations' dtype.
   """
 
   tile_k: int = 128
@@ -159,10 +167,6 @@ class MosaicConfig:
   prefetch_step: int = 0
   ctas_per_sm: int = 1
   schedule: str = "inline"
-  #: The rule's new values go from registers straight to global memory
-  #: instead of back through the epilogue buffer and a TMA store, so a
-  #: buffer is refilled as soon as its values are read, while the rule runs.
-  direct_stores: bool = False
 
   def __post_init__(self):
     for name in ("tile_k", "tile_n", "tile_t", "epilogue_k", "epilogue_n"):
@@ -198,6 +202,10 @@ class MosaicConfig:
       raise ValueError(f"ctas_per_sm={self.ctas_per_sm} must be 1 with "
                        f"schedule={self.schedule!r} (its warpgroups take the "
                        "SM's registers)")
+    if self.schedule == "ring" and self.tile_k % self.tile_t:
+      raise ValueError(f"tile_t={self.tile_t} must divide tile_k={self.tile_k} "
+                       "(schedule='ring': a tile's kernel and state windows "
+                       "are tile_t rows each)")
     if self.schedule != "inline" and self.prefetch_step:
       raise ValueError(f"prefetch_step={self.prefetch_step} does not apply "
                        f"with schedule={self.schedule!r}")
@@ -215,7 +223,8 @@ class MosaicConfig:
             f"registers a thread in each of {self.compute_wgs} compute "
             f"warpgroups, leaving {epilogue} < {MIN_EPILOGUE_REGISTERS} for the "
             "epilogue warpgroup")
-    elif not 1 <= self.epilogue_slots <= self.epilogue_subtiles:
+    elif (self.schedule != "ring"
+          and not 1 <= self.epilogue_slots <= self.epilogue_subtiles):
       raise ValueError(
           f"epilogue_slots={self.epilogue_slots} must be between 1 and the "
           f"{self.epilogue_subtiles} epilogue sub-tiles of a warpgroup's part")
@@ -251,7 +260,13 @@ class MosaicConfig:
   def num_warpgroups(self) -> int:
     """Compute warpgroups, the memory warpgroup, and the epilogue or the
     loader warpgroup."""
-    return self.compute_wgs + 1 + (self.schedule != "inline")
+    return self.compute_wgs + 1 + (self.schedule in ("pingpong",
+                                                     "epilogue-warpgroup"))
+
+  def ring_windows(self, num_leaves: int) -> int:
+    """Pipeline steps a tile's kernel and state windows take after its x and
+    dy steps (``schedule='ring'``)."""
+    return self.tile_k // self.tile_t * num_leaves
 
 
 #: Registers a thread of the memory warpgroup keeps (it only issues TMA).
@@ -313,7 +328,9 @@ def compute_warpgroup_registers(config: MosaicConfig) -> int:
 
 def epilogue_buffers(config: MosaicConfig) -> int:
   """A CTA's epilogue buffers: ``epilogue_slots`` per compute warpgroup, or
-  in all with the epilogue warpgroup."""
+  in all with the epilogue warpgroup (none with the ring's)."""
+  if config.schedule == "ring":
+    return 0
   return config.epilogue_slots * (
       1 if config.schedule == "epilogue-warpgroup" else config.compute_wgs)
 
@@ -432,6 +449,17 @@ def unsupported_reason(x, dy, kernel, optimizer,
     return f"{x.shape=} has no tokens"
   config = config or _fitting_config(tokens, k, n, activation_itemsize,
                                      itemsizes, quantized)
+  if config.schedule == "ring":
+    storage = [kernel] + jax.tree.leaves(state)
+    if quantized or any(jnp.dtype(leaf.dtype) != jnp.dtype(x.dtype)
+                        for leaf in storage):
+      return (f"schedule='ring' streams the kernel and state through the "
+              f"activations' {jnp.dtype(x.dtype).name} buffers: got "
+              f"{sorted({jnp.dtype(leaf.dtype).name for leaf in storage})}")
+    if config.max_concurrent_steps < len(storage):
+      return (f"max_concurrent_steps={config.max_concurrent_steps} must be at "
+              f"least the {len(storage)} kernel and state leaves "
+              "(schedule='ring': a row block's windows are updated together)")
   if quantized and config.epilogue_n != quantization.BLOCK_SIZE:
     return (f"int8 states are quantized in blocks of "
             f"{quantization.BLOCK_SIZE} columns: epilogue_n="
@@ -530,13 +558,9 @@ class _Epilogue:
     self.layer, self.rule, self.stochastic = layer, rule, stochastic
     self.shard_origin, self.interpret = shard_origin, interpret
     self.ek, self.en = config.epilogue_k, config.epilogue_n
-    self.direct_stores = config.direct_stores
-
-  def _window_index(self, k0, n0):
-    return (*self.layer, pl.ds(k0, self.ek), pl.ds(n0, self.en))
 
   def _window(self, ref, k0, n0):
-    return ref.at[self._window_index(k0, n0)]
+    return ref.at[(*self.layer, pl.ds(k0, self.ek), pl.ds(n0, self.en))]
 
   def _scale_index(self, k0, n0):
     """The sub-tile's block scales: one column (``epilogue_n`` is a block;
@@ -550,17 +574,17 @@ class _Epilogue:
     """Loads the sub-tile at ``(k0, n0)`` into ``buffer``, once this
     thread's TMA stores have read it (``after_stores``; else the caller
     knows they have)."""
-    if after_stores and not self.direct_stores:
+    if after_stores:
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
     for leaf, (gmem, smem) in enumerate(zip(self.tma_gmem, self.smem)):
       plgpu.copy_gmem_to_smem(self._window(gmem, k0, n0), smem.at[buffer],
                               self._barrier(buffer, leaf))
 
-  def _indices(self, k0, n0):
-    """Stochastic rounding's global (rows, cols) of the sub-tile."""
+  def _indices(self, k0, n0, shape):
+    """Stochastic rounding's global (rows, cols) of the sub-tile at ``(k0,
+    n0)`` of ``shape``."""
     if not self.stochastic:
       return None
-    shape = (self.ek, self.en)  # full tiles: their layout is the update's
     row0, col0 = self.shard_origin
     return (row0 + k0 + lax.broadcasted_iota(jnp.int32, shape, 0),
             col0 + n0 + lax.broadcasted_iota(jnp.int32, shape, 1))
@@ -571,45 +595,42 @@ class _Epilogue:
     # A strided column: no optimized (vectorized) load exists.
     return plgpu.load(gmem, self._scale_index(k0, n0), optimized=False)
 
+  def apply(self, grad, values, k0, n0):
+    """The rule on the sub-tile at ``(k0, n0)``, of ``grad``'s shape: the
+    new values and the count of skipped (non-finite) elements."""
+    new_values, updated = self.rule(grad, values,
+                                    self._indices(k0, n0, grad.shape))
+    # Rows first: Mosaic GPU's layout inference finds no layout for a 2-D ->
+    # scalar reduction of the wgmma-layout mask.
+    skipped = jnp.sum(jnp.sum(jnp.where(updated, 0.0, 1.0), axis=1))
+    return new_values, skipped.astype(jnp.int32)
+
   def update(self, buffer, k0, n0, grad, release=None):
     """Waits for ``buffer``'s loads, applies the rule with ``grad`` and
     stores the new values (asynchronously). ``release()``, if given, runs
-    once the buffer may be refilled: with ``direct_stores`` as soon as every
-    thread has read its values (the rule and the stores follow), else once
-    the TMA stores from it have read it. Returns the skipped count."""
+    once the TMA stores have read the buffer, which may then be refilled.
+    Returns the skipped count."""
     for leaf in range(len(self.tma_gmem)):
       plgpu.barrier_wait(self._barrier(buffer, leaf))
     smem_values = iter(smem[buffer] for smem in self.smem)
     values = [self._read_scales(gmem, k0, n0) if scale else next(smem_values)
               for gmem, scale in zip(self.storage_gmem, self.is_scale)]
-    if self.direct_stores:
-      # A warpgroup barrier: every thread's reads are done before the
-      # buffer's next TMA load is issued.
-      plgpu.commit_smem()
-      if release is not None:
-        release()
-    new_values, updated = self.rule(grad, values, self._indices(k0, n0))
+    new_values, skipped = self.apply(grad, values, k0, n0)
     to_smem = []
     for gmem, value, scale in zip(self.storage_out, new_values, self.is_scale):
       if scale:
         gmem[self._scale_index(k0, n0)] = value
-      elif self.direct_stores:
-        gmem[self._window_index(k0, n0)] = value
       else:
         to_smem.append(value)
-    if not self.direct_stores:
-      for smem, value in zip(self.smem, to_smem):
-        smem[buffer] = value
-      plgpu.commit_smem()
-      for gmem, smem in zip(self.tma_out, self.smem):
-        plgpu.copy_smem_to_gmem(smem.at[buffer], self._window(gmem, k0, n0))
-      if release is not None:
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-        release()
-    # Rows first: Mosaic GPU's layout inference finds no layout for a 2-D ->
-    # scalar reduction of the wgmma-layout mask.
-    return jnp.sum(jnp.sum(jnp.where(updated, 0.0, 1.0), axis=1)
-                   ).astype(jnp.int32)
+    for smem, value in zip(self.smem, to_smem):
+      smem[buffer] = value
+    plgpu.commit_smem()
+    for gmem, smem in zip(self.tma_out, self.smem):
+      plgpu.copy_smem_to_gmem(smem.at[buffer], self._window(gmem, k0, n0))
+    if release is not None:
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      release()
+    return skipped
 
 
 def _fused_kernel(scalars_gmem, x_gmem, dy_gmem, storage_gmem, storage_out,
@@ -1050,8 +1071,147 @@ def _fused_kernel(scalars_gmem, x_gmem, dy_gmem, storage_gmem, storage_out,
           for part in range(parts):
             skipped_gmem[parts * linear + part] = skipped[part]
 
+  def ring_schedule():
+    """As the inline schedule, but a tile's kernel and state windows (tile_t
+    rows of the CTA tile each, row block by row block, leaf by leaf) follow
+    its x and dy steps through the dy buffers of one ring: the memory
+    warpgroup loads a window as soon as the main loop frees a buffer, the
+    compute warpgroups update their columns of it in place, and the memory
+    warpgroup stores it before refilling that buffer with the next steps."""
+    stages, wgs = config.max_concurrent_steps, config.compute_wgs
+    compute_registers = compute_warpgroup_registers(config)
+    num_leaves = len(storage_gmem)
+    windows = config.ring_windows(num_leaves)
+    per_tile = num_steps + windows
+
+    def window(ref, layer, linear, index):
+      """Window ``index`` (row block, leaf) of tile ``linear`` in ``ref``."""
+      k0, cta_n0 = tile_origin(linear)
+      return ref.at[(*layer, pl.ds(k0 + index // num_leaves * tt, tt),
+                     pl.ds(cta_n0, cta_tn))]
+
+    def for_leaf(index, body):
+      """``body(leaf)`` for window ``index``'s leaf (a traced index)."""
+      for leaf in range(num_leaves):
+        pl.when(lax.rem(index, num_leaves) == leaf)(
+            functools.partial(body, leaf))
+
+    @functools.partial(
+        pl.run_scoped,
+        **ring_buffers(stages),
+        loaded=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+        consumed=plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),
+        collective_axes="wg",
+    )
+    def _scope(x_smem, dy_smem, loaded, consumed):
+      wg = lax.axis_index("wg")
+      first_tile, num_ctas = lax.axis_index("sm"), lax.axis_size("sm")
+      ep = epilogue([], None)
+
+      def step_of(count):
+        """The (tile, step) of the CTA's ``count``-th pipeline step."""
+        return first_tile + count // per_tile * num_ctas, count % per_tile
+
+      @pl.when(wg == wgs)
+      def _memory():
+        plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
+
+        def store_window(count, slot):
+          """Stores the buffer's window of step ``count``, if it held one
+          (both compute warpgroups have updated it), and waits until the
+          store has read the buffer."""
+          linear, t = step_of(count)
+
+          @pl.when(t >= num_steps)
+          def _store():
+            def store(leaf):
+              plgpu.copy_smem_to_gmem(
+                  dy_smem.at[slot],
+                  window(storage_out[leaf], ep.layer, linear, t - num_steps))
+            for_leaf(t - num_steps, store)
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+        @plgpu.nd_loop((num_tiles,), collective_axes="sm")
+        def _tile_loop(loop_info: plgpu.NDLoopInfo):
+          (linear,) = loop_info.index
+          k0, cta_n0 = tile_origin(linear)
+
+          @pl.loop(0, per_tile)
+          def _step(t):
+            count = loop_info.local_index * per_tile + t
+            slot = lax.rem(count, stages)
+            barrier = loaded.at[slot]
+
+            @pl.when(count >= stages)
+            def _free():
+              plgpu.barrier_wait(consumed.at[slot])
+              store_window(count - stages, slot)
+
+            @pl.when(t < num_steps)
+            def _activations():
+              plgpu.copy_gmem_to_smem(x_window(k0, t), x_smem.at[slot],
+                                      barrier)
+              plgpu.copy_gmem_to_smem(
+                  dy_gmem.at[pl.ds(t * tt, tt), pl.ds(cta_n0, cta_tn)],
+                  dy_smem.at[slot], barrier)
+
+            @pl.when(t >= num_steps)
+            def _window():
+              def load(leaf):
+                plgpu.copy_gmem_to_smem(
+                    window(storage_gmem[leaf], ep.layer, linear,
+                           t - num_steps), dy_smem.at[slot], barrier)
+              for_leaf(t - num_steps, load)
+              plgpu.barrier_arrive(barrier)  # in place of x's load
+
+        # The last steps: their releases, and their windows' stores.
+        total = local_tiles() * per_tile
+
+        @pl.loop(lax.max(total - stages, 0), total)
+        def _drain(count):
+          slot = lax.rem(count, stages)
+          plgpu.barrier_wait(consumed.at[slot])
+          store_window(count, slot)
+
+      @pl.when(wg < wgs)
+      def _compute():
+        take_registers(compute_registers)
+        columns = pl.ds(wg * tn, tn)
+
+        @plgpu.nd_loop((num_tiles,), collective_axes="sm")
+        def _tile_loop(loop_info: plgpu.NDLoopInfo):
+          (linear,) = loop_info.index
+          k0, cta_n0 = tile_origin(linear)
+          first = loop_info.local_index * per_tile
+
+          @functools.partial(pl.run_scoped,
+                             acc_ref=plgpu.ACC((tk, tn), jnp.float32))
+          def _acc_scope(acc_ref):
+            acc = main_loop(acc_ref, x_smem, dy_smem,
+                            lambda slot: loaded.at[slot], consumed, stages,
+                            first, wg)
+            skipped = jnp.zeros((), jnp.int32)
+            for row in range(tk // tt):
+              slots = [lax.rem(first + num_steps + row * num_leaves + leaf,
+                               stages) for leaf in range(num_leaves)]
+              for slot in slots:
+                plgpu.barrier_wait(loaded.at[slot])
+              values = [dy_smem.at[slot, :, columns][...] for slot in slots]
+              new_values, row_skipped = ep.apply(
+                  acc[row * tt:(row + 1) * tt], values, k0 + row * tt,
+                  cta_n0 + wg * tn)
+              skipped += row_skipped
+              for slot, value in zip(slots, new_values):
+                dy_smem.at[slot, :, columns][...] = value
+              plgpu.commit_smem()  # visible to the memory warpgroup's TMA
+              for slot in slots:
+                plgpu.barrier_arrive(consumed.at[slot])
+            # Every thread holds the same sum: all write the same value.
+            skipped_gmem[wgs * linear + wg] = skipped
+
   {"inline": inline_schedule, "pingpong": pingpong_schedule,
-   "epilogue-warpgroup": warpgroup_schedule}[config.schedule]()
+   "epilogue-warpgroup": warpgroup_schedule,
+   "ring": ring_schedule}[config.schedule]()
   plgpu.wait_smem_to_gmem(0, wait_read_only=False)
 
 
