@@ -597,25 +597,28 @@ class _Epilogue:
 
   def apply(self, grad, values, k0, n0):
     """The rule on the sub-tile at ``(k0, n0)``, of ``grad``'s shape: the
-    new values and the count of skipped (non-finite) elements."""
+    new values and each row's count of skipped (non-finite) elements (a
+    vector: the sum across warps, which takes shared memory and two
+    warpgroup barriers, is left to :func:`total_skipped`, once a part)."""
     new_values, updated = self.rule(grad, values,
                                     self._indices(k0, n0, grad.shape))
-    # Rows first: Mosaic GPU's layout inference finds no layout for a 2-D ->
-    # scalar reduction of the wgmma-layout mask.
-    skipped = jnp.sum(jnp.sum(jnp.where(updated, 0.0, 1.0), axis=1))
-    return new_values, skipped.astype(jnp.int32)
+    return new_values, jnp.sum(jnp.where(updated, 0.0, 1.0), axis=1)
 
   def update(self, buffer, k0, n0, grad, release=None):
     """Waits for ``buffer``'s loads, applies the rule with ``grad`` and
     stores the new values (asynchronously). ``release()``, if given, runs
     once the TMA stores have read the buffer, which may then be refilled.
-    Returns the skipped count."""
+    Returns each row's skipped count (:meth:`apply`)."""
     for leaf in range(len(self.tma_gmem)):
       plgpu.barrier_wait(self._barrier(buffer, leaf))
     smem_values = iter(smem[buffer] for smem in self.smem)
     values = [self._read_scales(gmem, k0, n0) if scale else next(smem_values)
               for gmem, scale in zip(self.storage_gmem, self.is_scale)]
     new_values, skipped = self.apply(grad, values, k0, n0)
+    if any(self.is_scale):
+      # Every thread's reads of the block scales are done before any writes
+      # them (the kernel runs without Mosaic GPU's automatic barriers).
+      plgpu.commit_smem()
     to_smem = []
     for gmem, value, scale in zip(self.storage_out, new_values, self.is_scale):
       if scale:
@@ -631,6 +634,12 @@ class _Epilogue:
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
       release()
     return skipped
+
+
+def total_skipped(row_counts):
+  """A part's skipped count from the sum of its sub-tiles' row counts
+  (float32: exact below 2**24 elements)."""
+  return jnp.sum(row_counts).astype(jnp.int32)
 
 
 def _fused_kernel(scalars_gmem, x_gmem, dy_gmem, storage_gmem, storage_out,
@@ -814,7 +823,7 @@ def _fused_kernel(scalars_gmem, x_gmem, dy_gmem, storage_gmem, storage_out,
       sub-tile by sub-tile through warpgroup ``wg``'s buffers, whose first
       loads were issued under the main loop; each buffer, once released,
       takes the sub-tile ``slots`` on. Returns the skipped count."""
-      skipped = jnp.zeros((), jnp.int32)
+      skipped = jnp.zeros((ek,), jnp.float32)
       for index, (di, dj) in enumerate(part_subtiles):
         following = index + slots
         release = (functools.partial(load_subtile, ep, wg, following, k0, n0,
@@ -822,7 +831,7 @@ def _fused_kernel(scalars_gmem, x_gmem, dy_gmem, storage_gmem, storage_out,
                    if following < len(part_subtiles) else None)
         skipped += ep.update(wg * slots + index % slots, k0 + di, n0 + dj,
                              acc[di:di + ek, dj:dj + en], release)
-      return skipped
+      return total_skipped(skipped)
 
     @functools.partial(
         pl.run_scoped,
@@ -959,7 +968,7 @@ def _fused_kernel(scalars_gmem, x_gmem, dy_gmem, storage_gmem, storage_out,
                   acc_ref, x_smem, dy_smem,
                   lambda slot: loaded.at[wg * stages + slot], consumed,
                   stages, loop_info.local_index * num_steps, 0)
-              skipped = jnp.zeros((), jnp.int32)
+              skipped = jnp.zeros((ek,), jnp.float32)
               for index, (di, dj) in enumerate(part_subtiles):
                 buf, _ = buffer(loop_info.local_index, index)
                 skipped += ep.update(
@@ -967,7 +976,7 @@ def _fused_kernel(scalars_gmem, x_gmem, dy_gmem, storage_gmem, storage_out,
                     functools.partial(plgpu.barrier_arrive,
                                       buffer_free.at[buf]))
               # Every thread holds the same sum: all write the same value.
-              skipped_gmem[linear] = skipped
+              skipped_gmem[linear] = total_skipped(skipped)
 
   def warpgroup_schedule():
     """A memory warpgroup streams x and dy; the compute warpgroups accumulate
@@ -1057,7 +1066,7 @@ def _fused_kernel(scalars_gmem, x_gmem, dy_gmem, storage_gmem, storage_out,
           (linear,) = loop_info.index
           following = linear + num_ctas
           k0, cta_n0 = tile_origin(linear)
-          skipped = [jnp.zeros((), jnp.int32)] * parts
+          skipped = [jnp.zeros((ek,), jnp.float32)] * parts
           for position, (part, index) in enumerate(subtiles):
             if index == 0:
               plgpu.barrier_wait(acc_full.at[part])
@@ -1069,7 +1078,8 @@ def _fused_kernel(scalars_gmem, x_gmem, dy_gmem, storage_gmem, storage_out,
             if index == len(part_subtiles) - 1:
               plgpu.barrier_arrive(acc_free.at[part])
           for part in range(parts):
-            skipped_gmem[parts * linear + part] = skipped[part]
+            skipped_gmem[parts * linear + part] = total_skipped(
+                skipped[part])
 
   def ring_schedule():
     """As the inline schedule, but a tile's kernel and state windows (tile_t
@@ -1190,7 +1200,7 @@ def _fused_kernel(scalars_gmem, x_gmem, dy_gmem, storage_gmem, storage_out,
             acc = main_loop(acc_ref, x_smem, dy_smem,
                             lambda slot: loaded.at[slot], consumed, stages,
                             first, wg)
-            skipped = jnp.zeros((), jnp.int32)
+            skipped = jnp.zeros((tt,), jnp.float32)
             for row in range(tk // tt):
               slots = [lax.rem(first + num_steps + row * num_leaves + leaf,
                                stages) for leaf in range(num_leaves)]
@@ -1207,7 +1217,7 @@ def _fused_kernel(scalars_gmem, x_gmem, dy_gmem, storage_gmem, storage_out,
               for slot in slots:
                 plgpu.barrier_arrive(consumed.at[slot])
             # Every thread holds the same sum: all write the same value.
-            skipped_gmem[wgs * linear + wg] = skipped
+            skipped_gmem[wgs * linear + wg] = total_skipped(skipped)
 
   {"inline": inline_schedule, "pingpong": pingpong_schedule,
    "epilogue-warpgroup": warpgroup_schedule,
@@ -1268,8 +1278,15 @@ def mosaic_update(spec, x, dy, kernel, opt_state, scalars, apply,
   threads = config.num_warpgroups
   mesh = plgpu.Mesh(grid=(_num_ctas(num_tiles, config, interpret),),
                     grid_names=("sm",), num_threads=threads, thread_name="wg")
+  # Without Mosaic GPU's automatic warpgroup barriers around every smem
+  # store and before every TMA load (13 a sub-tile in the epilogue, where
+  # the rule's four warps should run apart): a warp reads and writes only
+  # its own rows of an epilogue buffer, buffers are refilled or freed only
+  # after commit_smem's barrier or a per-thread barrier arrival, and every
+  # cross-warpgroup hand-off is a barrier all threads arrive on.
   compiler_params = plgpu.CompilerParams(
-      lowering_semantics=plgpu.LoweringSemantics.Warpgroup)
+      lowering_semantics=plgpu.LoweringSemantics.Warpgroup,
+      unsafe_no_auto_barriers=True)
   name = "forge_fused_dense_update_mosaic"
   if interpret:
     # Interpret mode takes no refs: the new values are separate outputs.
