@@ -305,8 +305,8 @@ def main():
                       help="suite 'mosaic-diag': these MOSAIC_DIAG_CONFIGS "
                       "only, without the rule-free and SGD runs")
   parser.add_argument("--tokens", nargs="*", type=int, default=None,
-                      help="suite 'mosaic-diag': token counts (default 512 "
-                      "2048 8192)")
+                      help="suites 'mosaic-diag' and 'mosaic': token counts "
+                      "(default 512 2048 8192 and 2048 8192)")
   parser.add_argument("--time-budget-s", type=float, default=500.0,
                       help="stop starting new cases after this many seconds")
   args = parser.parse_args()
@@ -597,7 +597,7 @@ def mosaic_suite(args, result, save, triton_config, started):
   print(f"mosaic check with a NaN column: {r}", flush=True)
   save()
 
-  for tokens in (2048, 8192):
+  for tokens in args.tokens or (2048, 8192):
     for opt_name in ("adamw", "sgd_momentum", "lion"):
       for k, n in LLAMA_SHAPES if opt_name == "adamw" else LLAMA_SHAPES[:4]:
         if time.time() - started > args.time_budget_s:
