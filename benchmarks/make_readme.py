@@ -163,6 +163,54 @@ def kernel_targets(mosaic_runs) -> str:
   return "\n".join(lines)
 
 
+def _traffic_bound(row) -> dict:
+  """What one AdamW row allows at best. The fused kernel must move W and its
+  state in and out (``2 x weight_and_state_bytes``); optax's update moves
+  those bytes and reads the gradient. Timed at the bandwidth optax's update
+  reached in the same run ((GEMM + optax) - GEMM), that traffic alone takes
+  ``traffic`` ms; a fused kernel takes at least ``max(GEMM, traffic)`` (all
+  traffic hidden under tensor-core work) and, without overlap, ``GEMM +
+  traffic``. x and dy (read once a tile, mostly from L2) are left out."""
+  params = row["k"] * row["n"]
+  fused_bytes = 2 * row["fused_memory"]["weight_and_state_bytes"]
+  gradient_bytes = params * 4  # float32 dW
+  gemm, unfused = row["gemm"]["ms"], row["unfused"]["ms"]
+  bandwidth = (fused_bytes + gradient_bytes) / (unfused - gemm)  # bytes / ms
+  traffic = fused_bytes / bandwidth
+  bound = max(gemm, traffic)
+  mosaic = row["fused_mosaic"]["ms"]
+  return {"tb_per_s": bandwidth / 1e9, "bound_over_gemm": bound / gemm,
+          "best_speedup": unfused / bound, "mosaic_over_bound": mosaic / bound,
+          "mosaic_over_serial": mosaic / (gemm + traffic),
+          "bytes_per_param": fused_bytes / params}
+
+
+def traffic_bounds(mosaic_runs) -> str:
+  """How close the targets and the Mosaic kernel are to the traffic bound."""
+  targets = KERNEL_TARGETS["Mosaic"]
+  lines = [
+      "| T | fused bytes a parameter | optax's update (TB/s) | best fused / "
+      "GEMM | target | | best unfused / fused | target | | Mosaic / best | "
+      "Mosaic / (GEMM + traffic) | run |",
+      "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+  for tokens in sorted(targets["speedup"]):
+    runs = _runs_for_tokens(mosaic_runs, tokens)
+    if not runs:
+      continue
+    run = runs[-1]  # the one with every shape
+    bounds = [_traffic_bound(r) for r in _adamw_rows(run, tokens)]
+    med = lambda key: _median([b[key] for b in bounds])
+    lines.append(
+        f"| {tokens} | {med('bytes_per_param'):.0f} | {med('tb_per_s'):.2f} | "
+        f"{med('bound_over_gemm'):.2f} | ≤ {targets['over_gemm']:.2f} | "
+        f"{'reachable' if med('bound_over_gemm') <= targets['over_gemm'] else '**out of reach**'} | "
+        f"{med('best_speedup'):.2f} | ≥ {targets['speedup'][tokens]:.2f} | "
+        f"{'reachable' if med('best_speedup') >= targets['speedup'][tokens] else '**out of reach**'} | "
+        f"{med('mosaic_over_bound'):.2f} | {med('mosaic_over_serial'):.2f} | "
+        f"`{_code_commit(run)}` |")
+  return "\n".join(lines)
+
+
 def _config_text(config: dict) -> str:
   return ", ".join(f"{k}={v}" for k, v in config.items())
 
@@ -302,6 +350,15 @@ def kernel_perf_section(mosaic_runs, triton_runs, plot) -> str:
         "AdamW shapes of the newest side-by-side run, and of the newest run "
         "with every shape where that one lacks some:")
     parts.append(kernel_targets(mosaic_runs))
+    parts.append(
+        "How far each target and the Mosaic kernel are from the traffic "
+        "bound (medians over the AdamW shapes of the run with every shape; "
+        "float32 W, m, v: `_traffic_bound` in `benchmarks/make_readme.py`). "
+        "The traffic is timed at the bandwidth optax's update reached in "
+        "the same run; the best fused kernel hides all of it under its "
+        "GEMM, so it takes max(GEMM, traffic), and a kernel that hides none "
+        "takes GEMM + traffic:")
+    parts.append(traffic_bounds(mosaic_runs))
     parts.append(mosaic_section(mosaic_runs))
   if triton_runs:
     tokens = sorted({r["tokens"] for r in triton_runs[0]["bench"]})
