@@ -38,6 +38,17 @@ the rule, and the handed-over accumulators take the shared memory a deeper
 pipeline would use: benchmarks/NOTES.md, session 4), so it is not a
 default.
 
+With ``schedule='ring'`` (bf16 kernel and state) a tile's kernel and state
+windows are extra steps of the main loop's own ring of buffers: loaded as
+soon as the main loop frees a buffer, updated in place by the compute
+warpgroups, stored by the memory warpgroup before it refills the buffer.
+Exact, and as fast as the inline schedule from 512 tokens up (faster only
+when a kernel is almost all traffic: benchmarks/NOTES.md, session 7), so
+not a default.
+
+The kernel runs without Mosaic GPU's automatic warpgroup barriers
+(``unsafe_no_auto_barriers``): every barrier it needs is explicit.
+
 The kernel, its state and the skipped-element counts are ``jax.new_ref``
 buffers the kernel writes in place (aliased in and out). Stacked ``[L, K,
 N]`` variables (``layer_index``, :mod:`forge_jax.ops.stacks`) are read and
@@ -539,8 +550,8 @@ def _swizzled(block_minor: int, dtype):
 
 
 class _Epilogue:
-  """The update of ``epilogue_k x epilogue_n`` sub-tiles, shared by both
-  schedules: TMA loads of the kernel and state windows into a shared-memory
+  """The update of ``epilogue_k x epilogue_n`` sub-tiles, shared by the
+  schedules (the ring's uses only :meth:`apply`): TMA loads of the kernel and state windows into a shared-memory
   buffer, the rule in registers, the new values stored back in place.
 
   Buffers are indexed by ``buffer``; each has one load barrier per leaf that
