@@ -380,9 +380,11 @@ SR_OPTIMIZERS = {
 @pytest.mark.parametrize("name,offset,config", [
     ("adamw", None, "double-buffered"),
     ("lion", (4096, 512), "double-buffered"),
-    ("lion", (4096, 512), "epilogue-warpgroup")],
+    ("lion", (4096, 512), "epilogue-warpgroup"),
+    ("adamw", (4096, 512), "ring-two-row-blocks")],
                          ids=["adamw-whole", "lion-shard-offset",
-                              "lion-shard-offset-epilogue-warpgroup"])
+                              "lion-shard-offset-epilogue-warpgroup",
+                              "adamw-shard-offset-ring"])
 def test_mosaic_stochastic_rounding_matches_reference_bits(name, offset,
                                                            config, seed):
   """Two steps (a new draw each); a tensor-parallel shard at a global
