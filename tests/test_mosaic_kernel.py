@@ -74,7 +74,8 @@ CONFIGS = {
         **SMALL, epilogue_n=16, epilogue_slots=4,
         schedule="epilogue-warpgroup"),
     # The kernel and state windows through the pipeline's ring: 64-row
-    # windows, one row block a tile, five buffers (RMSprop's five leaves).
+    # windows, one row block a tile, five buffers (at least one per leaf:
+    # centered RMSprop with momentum has four).
     "ring": mosaic_kernel.MosaicConfig(
         **{**SMALL, "max_concurrent_steps": 5}, schedule="ring"),
     # One warpgroup, 128 x 64 tiles: two row blocks a tile, three buffers
