@@ -551,8 +551,9 @@ def _swizzled(block_minor: int, dtype):
 
 class _Epilogue:
   """The update of ``epilogue_k x epilogue_n`` sub-tiles, shared by the
-  schedules (the ring's uses only :meth:`apply`): TMA loads of the kernel and state windows into a shared-memory
-  buffer, the rule in registers, the new values stored back in place.
+  schedules (the ring's uses only :meth:`apply`): TMA loads of the kernel
+  and state windows into a shared-memory buffer, the rule in registers, the
+  new values stored back in place.
 
   Buffers are indexed by ``buffer``; each has one load barrier per leaf that
   goes through shared memory (int8 block scales do not: their sub-tile's
@@ -746,39 +747,63 @@ def _fused_kernel(scalars_gmem, x_gmem, dy_gmem, storage_gmem, storage_out,
     first_tile, num_ctas = lax.axis_index("sm"), lax.axis_size("sm")
     return (num_tiles - first_tile + num_ctas - 1) // num_ctas
 
-  def stream_tiles(x_smem, dy_smem, ready, consumed, stages):
+  def stream_tiles(x_smem, dy_smem, ready, consumed, stages,
+                   windows=None):
     """The memory warpgroup (every schedule): loads x and dy blocks of the
     CTA's tiles into a ring of ``stages`` buffers, the steps numbered across
     tiles so the ring runs on into the next tile. A step's loads arrive on
     ``ready(local_tile, slot)``; a slot is refilled once ``consumed`` says
-    its last step is done."""
+    its last step is done.
+
+    ``windows`` (the ring schedule): ``(count, load, store)``. A tile has
+    ``count`` more steps after its x and dy steps: ``load(linear, index,
+    slot, barrier)`` loads its window ``index`` into the slot's dy buffer,
+    and ``store(count, slot)`` writes back the window of the CTA's step
+    ``count`` (if it was one) before its buffer is refilled."""
     plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
+    per_tile = num_steps + (windows[0] if windows else 0)
 
     @plgpu.nd_loop((num_tiles,), collective_axes="sm")
     def _tile_loop(loop_info: plgpu.NDLoopInfo):
-      k0, cta_n0 = tile_origin(loop_info.index[0])
+      (linear,) = loop_info.index
+      k0, cta_n0 = tile_origin(linear)
 
-      @pl.loop(0, num_steps)
+      @pl.loop(0, per_tile)
       def _step(t):
-        count = loop_info.local_index * num_steps + t
+        count = loop_info.local_index * per_tile + t
         slot = lax.rem(count, stages)
 
         @pl.when(count >= stages)
         def _wait_consumed():
           plgpu.barrier_wait(consumed.at[slot])
+          if windows:
+            windows[2](count - stages, slot)
 
         barrier = ready(loop_info.local_index, slot)
-        plgpu.copy_gmem_to_smem(x_window(k0, t), x_smem.at[slot], barrier)
-        plgpu.copy_gmem_to_smem(
-            dy_gmem.at[pl.ds(t * tt, tt), pl.ds(cta_n0, cta_tn)],
-            dy_smem.at[slot], barrier)
 
-    # Observe the last steps' releases too, leaving the barriers clean.
-    total = local_tiles() * num_steps
+        def load_activations():
+          plgpu.copy_gmem_to_smem(x_window(k0, t), x_smem.at[slot], barrier)
+          plgpu.copy_gmem_to_smem(
+              dy_gmem.at[pl.ds(t * tt, tt), pl.ds(cta_n0, cta_tn)],
+              dy_smem.at[slot], barrier)
+
+        if windows:
+          pl.when(t < num_steps)(load_activations)
+          pl.when(t >= num_steps)(
+              lambda: windows[1](linear, t - num_steps, slot, barrier))
+        else:
+          load_activations()
+
+    # Observe the last steps' releases too (and store their windows),
+    # leaving the barriers clean.
+    total = local_tiles() * per_tile
 
     @pl.loop(lax.max(total - stages, 0), total)
     def _drain(count):
-      plgpu.barrier_wait(consumed.at[lax.rem(count, stages)])
+      slot = lax.rem(count, stages)
+      plgpu.barrier_wait(consumed.at[slot])
+      if windows:
+        windows[2](count, slot)
 
   def main_loop(acc_ref, x_smem, dy_smem, ready, consumed, stages, first,
                 part, after_wgmma=lambda t: None):
@@ -1105,12 +1130,6 @@ def _fused_kernel(scalars_gmem, x_gmem, dy_gmem, storage_gmem, storage_out,
     windows = config.ring_windows(num_leaves)
     per_tile = num_steps + windows
 
-    def window(ref, layer, linear, index):
-      """Window ``index`` (row block, leaf) of tile ``linear`` in ``ref``."""
-      k0, cta_n0 = tile_origin(linear)
-      return ref.at[(*layer, pl.ds(k0 + index // num_leaves * tt, tt),
-                     pl.ds(cta_n0, cta_tn))]
-
     def for_leaf(index, body):
       """``body(leaf)`` for window ``index``'s leaf (a traced index)."""
       for leaf in range(num_leaves):
@@ -1129,70 +1148,40 @@ def _fused_kernel(scalars_gmem, x_gmem, dy_gmem, storage_gmem, storage_out,
       first_tile, num_ctas = lax.axis_index("sm"), lax.axis_size("sm")
       ep = epilogue([], None)
 
-      def step_of(count):
-        """The (tile, step) of the CTA's ``count``-th pipeline step."""
-        return first_tile + count // per_tile * num_ctas, count % per_tile
+      def window(ref, linear, index):
+        """Window ``index`` (row block, leaf) of tile ``linear`` in ``ref``."""
+        k0, cta_n0 = tile_origin(linear)
+        return ref.at[(*ep.layer, pl.ds(k0 + index // num_leaves * tt, tt),
+                       pl.ds(cta_n0, cta_tn))]
+
+      def store_window(count, slot):
+        """Stores the slot's window of the CTA's step ``count``, if it held
+        one (both compute warpgroups have updated it), and waits until the
+        store has read the buffer."""
+        linear = first_tile + count // per_tile * num_ctas
+        t = count % per_tile
+
+        @pl.when(t >= num_steps)
+        def _store():
+          def store(leaf):
+            plgpu.copy_smem_to_gmem(
+                dy_smem.at[slot],
+                window(storage_out[leaf], linear, t - num_steps))
+          for_leaf(t - num_steps, store)
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+      def load_window(linear, index, slot, barrier):
+        def load(leaf):
+          plgpu.copy_gmem_to_smem(
+              window(storage_gmem[leaf], linear, index),
+              dy_smem.at[slot], barrier)
+        for_leaf(index, load)
+        plgpu.barrier_arrive(barrier)  # in place of x's load
 
       @pl.when(wg == wgs)
       def _memory():
-        plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
-
-        def store_window(count, slot):
-          """Stores the buffer's window of step ``count``, if it held one
-          (both compute warpgroups have updated it), and waits until the
-          store has read the buffer."""
-          linear, t = step_of(count)
-
-          @pl.when(t >= num_steps)
-          def _store():
-            def store(leaf):
-              plgpu.copy_smem_to_gmem(
-                  dy_smem.at[slot],
-                  window(storage_out[leaf], ep.layer, linear, t - num_steps))
-            for_leaf(t - num_steps, store)
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
-        @plgpu.nd_loop((num_tiles,), collective_axes="sm")
-        def _tile_loop(loop_info: plgpu.NDLoopInfo):
-          (linear,) = loop_info.index
-          k0, cta_n0 = tile_origin(linear)
-
-          @pl.loop(0, per_tile)
-          def _step(t):
-            count = loop_info.local_index * per_tile + t
-            slot = lax.rem(count, stages)
-            barrier = loaded.at[slot]
-
-            @pl.when(count >= stages)
-            def _free():
-              plgpu.barrier_wait(consumed.at[slot])
-              store_window(count - stages, slot)
-
-            @pl.when(t < num_steps)
-            def _activations():
-              plgpu.copy_gmem_to_smem(x_window(k0, t), x_smem.at[slot],
-                                      barrier)
-              plgpu.copy_gmem_to_smem(
-                  dy_gmem.at[pl.ds(t * tt, tt), pl.ds(cta_n0, cta_tn)],
-                  dy_smem.at[slot], barrier)
-
-            @pl.when(t >= num_steps)
-            def _window():
-              def load(leaf):
-                plgpu.copy_gmem_to_smem(
-                    window(storage_gmem[leaf], ep.layer, linear,
-                           t - num_steps), dy_smem.at[slot], barrier)
-              for_leaf(t - num_steps, load)
-              plgpu.barrier_arrive(barrier)  # in place of x's load
-
-        # The last steps: their releases, and their windows' stores.
-        total = local_tiles() * per_tile
-
-        @pl.loop(lax.max(total - stages, 0), total)
-        def _drain(count):
-          slot = lax.rem(count, stages)
-          plgpu.barrier_wait(consumed.at[slot])
-          store_window(count, slot)
+        stream_tiles(x_smem, dy_smem, lambda _, slot: loaded.at[slot],
+                     consumed, stages, (windows, load_window, store_window))
 
       @pl.when(wg < wgs)
       def _compute():
