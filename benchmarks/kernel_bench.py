@@ -303,7 +303,11 @@ def main():
                       "kernel's default config for its shape and dtypes")
   parser.add_argument("--diag-configs", nargs="*", default=None,
                       help="suite 'mosaic-diag': these MOSAIC_DIAG_CONFIGS "
-                      "only, without the rule-free and SGD runs")
+                      "only, without the rule-free and SGD runs (unless "
+                      "--diag-extras)")
+  parser.add_argument("--diag-extras", action="store_true",
+                      help="suite 'mosaic-diag' with --diag-configs: the "
+                      "first config also rule-free and as SGD")
   parser.add_argument("--tokens", nargs="*", type=int, default=None,
                       help="suites 'mosaic-diag' and 'mosaic': token counts "
                       "(default 512 2048 8192 and 2048 8192)")
@@ -337,7 +341,8 @@ def main():
   if args.suite == "mosaic-diag":
     configs = ({name: MOSAIC_DIAG_CONFIGS[name] for name in args.diag_configs}
                if args.diag_configs else None)
-    mosaic_diagnosis(result, save, configs, extras=configs is None,
+    mosaic_diagnosis(result, save, configs,
+                     extras=configs is None or args.diag_extras,
                      token_counts=tuple(args.tokens or (512, 2048, 8192)))
     return
   if args.suite == "mosaic-overlap":
@@ -436,6 +441,13 @@ MOSAIC_DIAG_CONFIGS = {
                                               max_concurrent_steps=5),
     "ring-steps6": mosaic_kernel.MosaicConfig(schedule="ring",
                                               max_concurrent_steps=6),
+    # Session 8: one compute warpgroup on 128 x 128 tiles hands its
+    # accumulator to two epilogue warpgroups (mosaic_kernel.
+    # TWO_EPILOGUE_WG_CONFIGS): three stages and two buffers each, four
+    # stages and one buffer, four stages and two 64 x 16 buffers.
+    "ew2-steps3-slots2": mosaic_kernel.TWO_EPILOGUE_WG_CONFIGS[0],
+    "ew2-steps4-slots1": mosaic_kernel.TWO_EPILOGUE_WG_CONFIGS[1],
+    "ew2-steps4-en16-slots2": mosaic_kernel.TWO_EPILOGUE_WG_CONFIGS[2],
     # Session 6: four compute warpgroups (a 128 x 256 CTA tile, 64 columns
     # each), meant to put twice the warps on the rule and the loads. Exact
     # but slower on the H200: at 104 registers a thread they spill.

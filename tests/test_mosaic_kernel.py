@@ -73,6 +73,11 @@ CONFIGS = {
     "epilogue-warpgroup-4-buffers": mosaic_kernel.MosaicConfig(
         **SMALL, epilogue_n=16, epilogue_slots=4,
         schedule="epilogue-warpgroup"),
+    # One compute warpgroup, 64 x 64 tiles; two epilogue warpgroups, each
+    # with two of a tile's four 64 x 16 sub-tiles in its two buffers.
+    "two-epilogue-warpgroups": mosaic_kernel.MosaicConfig(
+        **SMALL, epilogue_n=16, epilogue_slots=2, compute_wgs=1,
+        epilogue_wgs=2, schedule="epilogue-warpgroup"),
     # The kernel and state windows through the pipeline's ring: 64-row
     # windows, one row block a tile, five buffers (at least one per leaf:
     # centered RMSprop with momentum has four).
@@ -97,9 +102,10 @@ INT8_CONFIGS = {
         **SMALL, epilogue_n=64, epilogue_slots=2,
         schedule="epilogue-warpgroup"),
 }
-#: One config per schedule (inline, pingpong, epilogue warpgroup, ring): the
-#: per-optimizer tests run each.
-SCHEDULES = ("all-prefetched", "pingpong", "epilogue-warpgroup", "ring")
+#: One config per schedule (inline, pingpong, one and two epilogue
+#: warpgroups, ring): the per-optimizer tests run each.
+SCHEDULES = ("all-prefetched", "pingpong", "epilogue-warpgroup",
+             "two-epilogue-warpgroups", "ring")
 
 
 def dtypes_for(schedule, dtypes):
@@ -172,6 +178,38 @@ def test_mosaic_skips_and_counts_nonfinite_gradient_elements(schedule, seed):
     assert_outputs_match(np.asarray(a)[rows], np.asarray(e)[rows], schedule)
 
 
+def overflowing_inputs(x, dy, rows, columns):
+  """x and dy whose dW = xᵀ·dy overflows to inf exactly at ``rows`` x
+  ``columns`` (dy stays finite, so the step applies): token 0 has x = 3e38
+  at ``rows`` and dy = 4 at ``columns``, 0 at dy's other columns."""
+  x2, dy2 = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
+  x2 = x2.at[0, jnp.asarray(rows)].set(3e38)
+  dy2 = dy2.at[0].set(0).at[0, jnp.asarray(columns)].set(4)
+  return x2.reshape(x.shape), dy2.reshape(dy.shape)
+
+
+def uneven_columns(n):
+  """Non-finite columns whose count differs between 64-column parts (0, ~9
+  or ~18 a part), so each warpgroup's count differs from its neighbour's."""
+  return [j for j in range(n) if j % 7 < j // 64 % 3]
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in matmul")
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_mosaic_counts_skipped_elements_per_warpgroup(schedule, seed):
+  """Warpgroups whose parts skip different numbers of elements: the total
+  is each one's count, not one's twice."""
+  opt = fj.adamw(0.05)
+  x, dy, kernel, state = random_inputs(
+      seed, opt, X_SHAPE, N, dtypes_for(schedule, (F32, F32, BF16)))
+  rows, columns = [3, 70], uneven_columns(N)
+  x, dy = overflowing_inputs(x, dy, rows, columns)
+  expected = run_reference(opt, x, dy, kernel, state, 2)
+  actual = run_mosaic(opt, x, dy, kernel, state, 2, CONFIGS[schedule])
+  assert int(expected[2]) == int(actual[2]) == len(rows) * len(columns)
+  assert_leaves_match(actual, expected, schedule)
+
+
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_mosaic_stacked_layer_updates_only_its_entry(schedule, seed):
   opt = fj.adamw(0.05)
@@ -198,6 +236,14 @@ def test_mosaic_config_errors_name_the_bad_field():
     mosaic_kernel.MosaicConfig(prefetch_step=-1)
   with pytest.raises(ValueError, match=r"tile_t=32 must be a multiple of 64"):
     mosaic_kernel.MosaicConfig(tile_t=32)
+  with pytest.raises(ValueError, match=r"epilogue_wgs=2 must be 1, or 2 with "
+                     r"schedule='epilogue-warpgroup'"):
+    mosaic_kernel.MosaicConfig(epilogue_wgs=2)
+  # Session 4's hang: two 128 x 64 compute warpgroups and two epilogue
+  # warpgroups overdraw the registers the memory warpgroup releases.
+  with pytest.raises(ValueError, match=r"leaving 88 < 128 for each of 2 "
+                     r"epilogue warpgroups"):
+    mosaic_kernel.MosaicConfig(schedule="epilogue-warpgroup", epilogue_wgs=2)
   with pytest.raises(ValueError, match=r"compute_wgs=3 must be one of \(1, 2, 4\)"):
     mosaic_kernel.MosaicConfig(compute_wgs=3)
   with pytest.raises(ValueError, match=r"compute_wgs=4 must be one of \(1, 2\) "
@@ -319,7 +365,9 @@ def test_compute_warpgroups_take_only_released_registers(config):
     CONFIGS["epilogue-warpgroup"],  # 64 x 64 parts: below the launch count
     mosaic_kernel.MosaicConfig(schedule="epilogue-warpgroup"),
     mosaic_kernel.MosaicConfig(schedule="epilogue-warpgroup", compute_wgs=1,
-                               tile_n=128)], ids=repr)
+                               tile_n=128),
+    CONFIGS["two-epilogue-warpgroups"],
+    *mosaic_kernel.TWO_EPILOGUE_WG_CONFIGS], ids=repr)
 def test_epilogue_warpgroup_takes_only_released_registers(config):
   """The epilogue warpgroup's and the compute warpgroups' raises together
   fit in what the memory warpgroup releases. Compute warpgroups whose
@@ -328,7 +376,7 @@ def test_epilogue_warpgroup_takes_only_released_registers(config):
   launch = mosaic_kernel.launch_registers(config)
   compute, epilogue = mosaic_kernel.warpgroup_registers(config)
   raised = (config.compute_wgs * max(0, compute - launch)
-            + max(0, epilogue - launch))
+            + config.epilogue_wgs * max(0, epilogue - launch))
   assert raised <= launch - mosaic_kernel.MEMORY_REGISTERS
   assert epilogue >= mosaic_kernel.MIN_EPILOGUE_REGISTERS
 
@@ -575,6 +623,12 @@ GPU_CONFIGS = {
     # bf16 W and state (its windows share the activations' buffers).
     "ring": mosaic_kernel.MosaicConfig(schedule="ring",
                                        max_concurrent_steps=6),
+    # One 128 x 128 compute warpgroup, two epilogue warpgroups; 64 x 16
+    # sub-tiles, one buffer each, so four float32 state tensors fit.
+    "two-epilogue-warpgroups": mosaic_kernel.MosaicConfig(
+        schedule="epilogue-warpgroup", compute_wgs=1, tile_n=128,
+        epilogue_wgs=2, max_concurrent_steps=3, epilogue_n=16,
+        epilogue_slots=1),
 }
 
 
@@ -601,6 +655,32 @@ def test_compiled_mosaic_kernel_matches_reference_on_gpu(name, opt, count,
                                  config=config), donate_argnums=(2, 3))
   actual = host_copy(fn(*inputs, scalars, jnp.all(jnp.isfinite(inputs[1]))))
   assert_leaves_match(actual, expected, name)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("schedule", sorted(GPU_CONFIGS))
+def test_compiled_mosaic_kernel_counts_skipped_elements_on_gpu(schedule, seed):
+  """On sm90+: parts with different skipped counts, updated by warpgroups
+  at the same time (the counts once raced in a shared reduction scratch)."""
+  if not backends._on_hopper_or_newer():  # pylint: disable=protected-access
+    pytest.skip("needs a Hopper or newer GPU")
+  opt = fj.adamw(1e-3, weight_decay=0.1)
+  inputs = random_inputs(seed, opt, (2048, 4096), 1024,
+                         dtypes_for(schedule, (F32, F32, BF16)))
+  rows, columns = [5, 700, 2049, 4000], uneven_columns(1024)
+  inputs = (*overflowing_inputs(*inputs[:2], rows, columns), *inputs[2:])
+  expected = run_reference(opt, *inputs, 3)
+  spec = FusedDenseSpec(optimizer=opt, implementation="mosaic")
+  fn = jax.jit(functools.partial(mosaic_kernel.mosaic_update, spec,
+                                 config=GPU_CONFIGS[schedule]),
+               donate_argnums=(2, 3))
+  for _ in range(3):  # a race may hit one call and not the next
+    kernel, state = jax.tree.map(jnp.copy, inputs[2:])
+    actual = host_copy(fn(*inputs[:2], kernel, state,
+                          opt.scalars(jnp.asarray(3, jnp.int32)),
+                          jnp.bool_(True)))
+    assert int(expected[2]) == int(actual[2]) == len(rows) * len(columns)
+    assert_leaves_match(actual, expected, schedule)
 
 
 #: On the H200 (session 3) these left some weight more than one bf16 ulp
@@ -690,7 +770,8 @@ def test_compiled_kernel_bits_do_not_depend_on_config_or_run(tokens, seed):
               mosaic_kernel.MosaicConfig(schedule="ring",
                                          max_concurrent_steps=5),
               mosaic_kernel.MosaicConfig(schedule="ring",
-                                         max_concurrent_steps=6)}
+                                         max_concurrent_steps=6),
+              *mosaic_kernel.TWO_EPILOGUE_WG_CONFIGS}
   spec = FusedDenseSpec(optimizer=opt, implementation="mosaic")
   scalars = opt.scalars(jnp.asarray(3, jnp.int32))
   apply = jnp.all(jnp.isfinite(inputs[1]))

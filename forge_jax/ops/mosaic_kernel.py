@@ -148,10 +148,14 @@ class MosaicConfig:
     ``epilogue_slots`` buffers ahead, across its tiles (``prefetch_step``
     does not apply).
   - ``'epilogue-warpgroup'``: the compute warpgroups only accumulate; they
-    hand their float32 parts through shared memory to a fourth warpgroup,
-    which updates one tile while they run the next one's main loop (its
-    ``epilogue_slots`` buffers are loaded ahead, across tiles, and divide
-    the CTA tile's sub-tiles; ``prefetch_step`` does not apply).
+    hand their float32 parts through shared memory to ``epilogue_wgs``
+    epilogue warpgroups, which update one tile while they run the next
+    one's main loop. Each epilogue warpgroup takes an equal share of every
+    part's sub-tiles (row blocks first) through its own ``epilogue_slots``
+    buffers, loaded ahead across tiles (``prefetch_step`` does not apply).
+    Two epilogue warpgroups put eight warps on the rule: with one compute
+    warpgroup on ``128 x 128`` tiles they fit the register file (192
+    registers a compute thread, 136 an epilogue thread).
   - ``'ring'``: as ``'inline'``, but the kernel and state windows of a tile
     (``tile_t`` rows of the CTA tile each) stream through the main loop's
     own ring of dy buffers, as steps after the tile's x and dy steps, and
@@ -178,6 +182,7 @@ class MosaicConfig:
   prefetch_step: int = 0
   ctas_per_sm: int = 1
   schedule: str = "inline"
+  epilogue_wgs: int = 1
 
   def __post_init__(self):
     for name in ("tile_k", "tile_n", "tile_t", "epilogue_k", "epilogue_n"):
@@ -213,6 +218,10 @@ class MosaicConfig:
       raise ValueError(f"ctas_per_sm={self.ctas_per_sm} must be 1 with "
                        f"schedule={self.schedule!r} (its warpgroups take the "
                        "SM's registers)")
+    if self.epilogue_wgs not in (1, 2) or (
+        self.epilogue_wgs > 1 and self.schedule != "epilogue-warpgroup"):
+      raise ValueError(f"epilogue_wgs={self.epilogue_wgs} must be 1, or 2 with "
+                       "schedule='epilogue-warpgroup'")
     if self.schedule == "ring" and self.tile_k % self.tile_t:
       raise ValueError(f"tile_t={self.tile_t} must divide tile_k={self.tile_k} "
                        "(schedule='ring': a tile's kernel and state windows "
@@ -222,18 +231,24 @@ class MosaicConfig:
                        f"with schedule={self.schedule!r}")
     compute, epilogue = warpgroup_registers(self)
     if self.schedule == "epilogue-warpgroup":
-      subtiles = self.compute_wgs * self.epilogue_subtiles
+      if self.epilogue_subtiles % self.epilogue_wgs:
+        raise ValueError(
+            f"epilogue_wgs={self.epilogue_wgs} must divide the "
+            f"{self.epilogue_subtiles} epilogue sub-tiles of a part")
+      subtiles = (self.compute_wgs * self.epilogue_subtiles
+                  // self.epilogue_wgs)
       if subtiles % self.epilogue_slots:
         raise ValueError(
             f"epilogue_slots={self.epilogue_slots} must divide the {subtiles} "
-            "epilogue sub-tiles of a CTA tile "
+            "epilogue sub-tiles of a CTA tile each epilogue warpgroup updates "
             "(schedule='epilogue-warpgroup')")
       if epilogue < MIN_EPILOGUE_REGISTERS:
         raise ValueError(
             f"the {self.tile_k} x {self.tile_n} accumulators take {compute} "
             f"registers a thread in each of {self.compute_wgs} compute "
-            f"warpgroups, leaving {epilogue} < {MIN_EPILOGUE_REGISTERS} for the "
-            "epilogue warpgroup")
+            f"warpgroups, leaving {epilogue} < {MIN_EPILOGUE_REGISTERS} for "
+            + ("the epilogue warpgroup" if self.epilogue_wgs == 1 else
+               f"each of {self.epilogue_wgs} epilogue warpgroups"))
     elif (self.schedule != "ring"
           and not 1 <= self.epilogue_slots <= self.epilogue_subtiles):
       raise ValueError(
@@ -259,6 +274,14 @@ class MosaicConfig:
     return 1 if self.schedule == "pingpong" else self.compute_wgs
 
   @property
+  def counters_per_tile(self) -> int:
+    """Warpgroups that update part of a tile, each counting its skipped
+    elements (:func:`skipped_rows_shape`)."""
+    if self.schedule == "epilogue-warpgroup":
+      return self.epilogue_wgs
+    return 1 if self.schedule == "pingpong" else self.compute_wgs
+
+  @property
   def cta_tile_n(self) -> int:
     return self.parts_per_tile * self.tile_n
 
@@ -270,9 +293,9 @@ class MosaicConfig:
   @property
   def num_warpgroups(self) -> int:
     """Compute warpgroups, the memory warpgroup, and the epilogue or the
-    loader warpgroup."""
-    return self.compute_wgs + 1 + (self.schedule in ("pingpong",
-                                                     "epilogue-warpgroup"))
+    loader warpgroups."""
+    others = {"pingpong": 1, "epilogue-warpgroup": self.epilogue_wgs}
+    return self.compute_wgs + 1 + others.get(self.schedule, 0)
 
   def ring_windows(self, num_leaves: int) -> int:
     """Pipeline steps a tile's kernel and state windows take after its x and
@@ -308,17 +331,18 @@ def _released_registers(config: MosaicConfig, launch: int) -> int:
 
 
 def warpgroup_registers(config: MosaicConfig) -> tuple:
-  """Per-thread registers of a compute warpgroup and of the epilogue
+  """Per-thread registers of a compute warpgroup and of each epilogue
   warpgroup (``schedule='epilogue-warpgroup'``; else what is left over): a
   compute warpgroup keeps its float32 accumulator and 64 more (setmaxnreg
-  takes multiples of 8); the epilogue warpgroup gets what the memory
+  takes multiples of 8); the epilogue warpgroups share what the memory
   warpgroup releases beyond the compute warpgroups' raises, at most
-  ``MAX_REGISTERS``."""
+  ``MAX_REGISTERS`` each."""
   accumulator = config.tile_k * config.tile_n // 128
   compute = -(-(accumulator + 64) // 8) * 8
   launch = launch_registers(config)
   raised = config.compute_wgs * max(0, compute - launch)
-  epilogue = launch + _released_registers(config, launch) - raised
+  spare = _released_registers(config, launch) - raised
+  epilogue = launch + spare // config.epilogue_wgs
   return compute, min(MAX_REGISTERS, epilogue // 8 * 8)
 
 
@@ -338,12 +362,13 @@ def compute_warpgroup_registers(config: MosaicConfig) -> int:
 
 
 def epilogue_buffers(config: MosaicConfig) -> int:
-  """A CTA's epilogue buffers: ``epilogue_slots`` per compute warpgroup, or
-  in all with the epilogue warpgroup (none with the ring's)."""
+  """A CTA's epilogue buffers: ``epilogue_slots`` per warpgroup that runs
+  the rule (compute or epilogue warpgroups; none with the ring's)."""
   if config.schedule == "ring":
     return 0
   return config.epilogue_slots * (
-      1 if config.schedule == "epilogue-warpgroup" else config.compute_wgs)
+      config.epilogue_wgs if config.schedule == "epilogue-warpgroup"
+      else config.compute_wgs)
 
 
 def shared_memory_bytes(config: MosaicConfig, activation_itemsize: int,
@@ -390,6 +415,18 @@ PINGPONG_CONFIGS = (
                  epilogue_slots=2),
 )
 PINGPONG_MIN_TOKENS = 2048
+#: One compute warpgroup on 128 x 128 tiles, two epilogue warpgroups (eight
+#: warps on the rule while the next tile's wgmma run). With the 64 KB of
+#: handed-over accumulators a CTA fits three pipeline stages and two
+#: buffers an epilogue warpgroup, or four stages and one buffer (or two of
+#: 64 x 16). Not ranked: benchmarks/NOTES.md, session 8.
+TWO_EPILOGUE_WG_CONFIGS = tuple(
+    MosaicConfig(schedule="epilogue-warpgroup", compute_wgs=1, tile_n=128,
+                 epilogue_wgs=2, **fields)
+    for fields in (dict(max_concurrent_steps=3, epilogue_slots=2),
+                   dict(max_concurrent_steps=4, epilogue_slots=1),
+                   dict(max_concurrent_steps=4, epilogue_n=16,
+                        epilogue_slots=2)))
 
 
 def ranked_configs(tokens: int, quantized: bool = False) -> tuple:
@@ -610,8 +647,7 @@ class _Epilogue:
   def apply(self, grad, values, k0, n0):
     """The rule on the sub-tile at ``(k0, n0)``, of ``grad``'s shape: the
     new values and each row's count of skipped (non-finite) elements (a
-    vector: the sum across warps, which takes shared memory and two
-    warpgroup barriers, is left to :func:`total_skipped`, once a part)."""
+    vector, summed within warps only: see :func:`skipped_rows_shape`)."""
     new_values, updated = self.rule(grad, values,
                                     self._indices(k0, n0, grad.shape))
     return new_values, jnp.sum(jnp.where(updated, 0.0, 1.0), axis=1)
@@ -648,10 +684,17 @@ class _Epilogue:
     return skipped
 
 
-def total_skipped(row_counts):
-  """A part's skipped count from the sum of its sub-tiles' row counts
-  (float32: exact below 2**24 elements)."""
-  return jnp.sum(row_counts).astype(jnp.int32)
+def skipped_rows_shape(config: MosaicConfig, num_tiles: int) -> tuple:
+  """The kernel's skipped-element counts: for each tile, each warpgroup that
+  updates part of it writes one row of per-row counts (float32, exact: a
+  row has at most ``cta_tile_n`` elements); the caller sums them.
+
+  The kernel sums no count across warps: Mosaic GPU's cross-warp reduction
+  uses one shared-memory scratch at the same offset for every warpgroup, so
+  two warpgroups reducing at once (the compute warpgroups of the inline,
+  ring and pingpong schedules do) read each other's partial sums."""
+  rows = config.tile_t if config.schedule == "ring" else config.epilogue_k
+  return (config.counters_per_tile * num_tiles, rows)
 
 
 def _fused_kernel(scalars_gmem, x_gmem, dy_gmem, storage_gmem, storage_out,
@@ -662,8 +705,9 @@ def _fused_kernel(scalars_gmem, x_gmem, dy_gmem, storage_gmem, storage_out,
   (on the GPU the same refs: in place). ``scalars_gmem`` is
   :func:`forge_jax.ops.update.pack_kernel_scalars`'s vector (``stacked``:
   the refs are ``[L, K, N]`` stacks, stepped at its layer index).
-  ``skipped_gmem[compute_wgs * tile + part]`` counts the skipped elements of
-  each warpgroup's part of each tile."""
+  ``skipped_gmem[counters_per_tile * tile + counter]`` has the per-row
+  skipped counts of each tile's updating warpgroups
+  (:func:`skipped_rows_shape`)."""
   # x is [tokens, k]; in interpret mode it arrives transposed, [k, tokens].
   tokens, k = x_gmem.shape[::-1] if interpret else x_gmem.shape
   n = dy_gmem.shape[1]
@@ -858,7 +902,7 @@ def _fused_kernel(scalars_gmem, x_gmem, dy_gmem, storage_gmem, storage_out,
       """Updates the part at ``(k0, n0)`` with its accumulated ``acc``,
       sub-tile by sub-tile through warpgroup ``wg``'s buffers, whose first
       loads were issued under the main loop; each buffer, once released,
-      takes the sub-tile ``slots`` on. Returns the skipped count."""
+      takes the sub-tile ``slots`` on. Returns the per-row skipped counts."""
       skipped = jnp.zeros((ek,), jnp.float32)
       for index, (di, dj) in enumerate(part_subtiles):
         following = index + slots
@@ -867,7 +911,7 @@ def _fused_kernel(scalars_gmem, x_gmem, dy_gmem, storage_gmem, storage_out,
                    if following < len(part_subtiles) else None)
         skipped += ep.update(wg * slots + index % slots, k0 + di, n0 + dj,
                              acc[di:di + ek, dj:dj + en], release)
-      return total_skipped(skipped)
+      return skipped
 
     @functools.partial(
         pl.run_scoped,
@@ -911,7 +955,6 @@ def _fused_kernel(scalars_gmem, x_gmem, dy_gmem, storage_gmem, storage_out,
             acc = main_loop(acc_ref, x_smem, dy_smem,
                             lambda slot: loaded.at[slot], consumed, stages,
                             loop_info.local_index * num_steps, wg, prefetch)
-            # Every thread holds the same sum: all write the same value.
             skipped_gmem[wgs * linear + wg] = update_part(ep, wg, k0, n0, acc)
 
   def pingpong_schedule():
@@ -1011,20 +1054,26 @@ def _fused_kernel(scalars_gmem, x_gmem, dy_gmem, storage_gmem, storage_out,
                     buf, k0 + di, n0 + dj, acc[di:di + ek, dj:dj + en],
                     functools.partial(plgpu.barrier_arrive,
                                       buffer_free.at[buf]))
-              # Every thread holds the same sum: all write the same value.
-              skipped_gmem[linear] = total_skipped(skipped)
+              skipped_gmem[linear] = skipped
 
   def warpgroup_schedule():
     """A memory warpgroup streams x and dy; the compute warpgroups accumulate
-    their parts and hand them through shared memory to an epilogue
-    warpgroup, which updates one tile while they run the next one's main
-    loop."""
+    their parts and hand them through shared memory to the epilogue
+    warpgroups, which update one tile while they run the next one's main
+    loop. Each epilogue warpgroup takes its share of every part's
+    sub-tiles."""
     stages, parts = config.max_concurrent_steps, config.compute_wgs
-    memory_wg, epilogue_wg = parts, parts + 1
+    epilogue_wgs = config.epilogue_wgs
+    memory_wg, first_epilogue_wg = parts, parts + 1
     compute_registers, epilogue_registers = warpgroup_registers(config)
-    # The epilogue's sub-tiles of a CTA tile, in order: (part, index).
-    subtiles = [(part, index) for part in range(parts)
-                for index in range(len(part_subtiles))]
+    share = len(part_subtiles) // epilogue_wgs
+
+    def subtiles(epilogue_wg):
+      """Epilogue warpgroup ``epilogue_wg``'s sub-tiles of a CTA tile, in
+      order: (part, index)."""
+      return [(part, index) for part in range(parts)
+              for index in range(epilogue_wg * share,
+                                 (epilogue_wg + 1) * share)]
 
     @functools.partial(
         pl.run_scoped,
@@ -1034,7 +1083,7 @@ def _fused_kernel(scalars_gmem, x_gmem, dy_gmem, storage_gmem, storage_out,
         loaded=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
         consumed=plgpu.Barrier(num_arrivals=parts, num_barriers=stages),
         acc_full=plgpu.Barrier(num_barriers=parts),
-        acc_free=plgpu.Barrier(num_barriers=parts),
+        acc_free=plgpu.Barrier(num_arrivals=epilogue_wgs, num_barriers=parts),
         **epilogue_allocations(),
         collective_axes="wg",
     )
@@ -1067,10 +1116,11 @@ def _fused_kernel(scalars_gmem, x_gmem, dy_gmem, storage_gmem, storage_out,
 
         plgpu.barrier_wait(acc_free.at[wg])  # the last tile's: keep in step
 
-      @pl.when(wg == epilogue_wg)
-      def _epilogue():
-        plgpu.set_max_registers(epilogue_registers, action="increase")
+      def epilogue_warpgroup(epilogue_wg):
+        if epilogue_registers > launch_registers(config):
+          plgpu.set_max_registers(epilogue_registers, action="increase")
         ep = epilogue(epilogue_smem, load_barriers)
+        mine = subtiles(epilogue_wg)
         for part in range(parts):
           plgpu.barrier_arrive(acc_free.at[part])  # nothing to read yet
 
@@ -1078,21 +1128,21 @@ def _fused_kernel(scalars_gmem, x_gmem, dy_gmem, storage_gmem, storage_out,
           """Loads sub-tile ``position`` of tile ``linear`` (its buffer's
           stores have read it)."""
           k0, cta_n0 = tile_origin(linear)
-          part, index = subtiles[position]
+          part, index = mine[position]
           di, dj = part_subtiles[index]
-          ep.issue_loads(position % slots, k0 + di, cta_n0 + part * tn + dj,
-                         after_stores=False)
+          ep.issue_loads(epilogue_wg * slots + position % slots, k0 + di,
+                         cta_n0 + part * tn + dj, after_stores=False)
 
         def refill(linear, following, position):
           """Refills sub-tile ``position``'s buffer: a later sub-tile of
           this tile, or one of the CTA's next tile (its loads then fly under
           this tile's remaining updates and the next main loop)."""
-          if position + slots < len(subtiles):
+          if position + slots < len(mine):
             issue_loads(linear, position + slots)
           else:
             @pl.when(following < num_tiles)
             def _next_tile():
-              issue_loads(following, position + slots - len(subtiles))
+              issue_loads(following, position + slots - len(mine))
 
         for position in range(slots):
           issue_loads(first_tile, position)  # every CTA has a first tile
@@ -1102,20 +1152,25 @@ def _fused_kernel(scalars_gmem, x_gmem, dy_gmem, storage_gmem, storage_out,
           (linear,) = loop_info.index
           following = linear + num_ctas
           k0, cta_n0 = tile_origin(linear)
-          skipped = [jnp.zeros((ek,), jnp.float32)] * parts
-          for position, (part, index) in enumerate(subtiles):
-            if index == 0:
+          skipped = jnp.zeros((ek,), jnp.float32)
+          for position, (part, index) in enumerate(mine):
+            if position == 0 or mine[position - 1][0] != part:
               plgpu.barrier_wait(acc_full.at[part])
             di, dj = part_subtiles[index]
             grad = acc_smem[part, index]
-            skipped[part] += ep.update(
-                position % slots, k0 + di, cta_n0 + part * tn + dj, grad,
-                functools.partial(refill, linear, following, position))
-            if index == len(part_subtiles) - 1:
+            if position + 1 == len(mine) or mine[position + 1][0] != part:
+              # The part's last read: its compute warpgroup may overwrite
+              # it while the rule runs.
               plgpu.barrier_arrive(acc_free.at[part])
-          for part in range(parts):
-            skipped_gmem[parts * linear + part] = total_skipped(
-                skipped[part])
+            skipped += ep.update(
+                epilogue_wg * slots + position % slots, k0 + di,
+                cta_n0 + part * tn + dj, grad,
+                functools.partial(refill, linear, following, position))
+          skipped_gmem[epilogue_wgs * linear + epilogue_wg] = skipped
+
+      for epilogue_wg in range(epilogue_wgs):
+        pl.when(wg == first_epilogue_wg + epilogue_wg)(
+            functools.partial(epilogue_warpgroup, epilogue_wg))
 
   def ring_schedule():
     """As the inline schedule, but a tile's kernel and state windows (tile_t
@@ -1216,8 +1271,7 @@ def _fused_kernel(scalars_gmem, x_gmem, dy_gmem, storage_gmem, storage_out,
               plgpu.commit_smem()  # visible to the memory warpgroup's TMA
               for slot in slots:
                 plgpu.barrier_arrive(consumed.at[slot])
-            # Every thread holds the same sum: all write the same value.
-            skipped_gmem[wgs * linear + wg] = total_skipped(skipped)
+            skipped_gmem[wgs * linear + wg] = skipped
 
   {"inline": inline_schedule, "pingpong": pingpong_schedule,
    "epilogue-warpgroup": warpgroup_schedule,
@@ -1273,8 +1327,8 @@ def mosaic_update(spec, x, dy, kernel, opt_state, scalars, apply,
       is_scale=tuple([False] + quantization.scale_leaf_mask(kernel_state)))
   storage = [kernel] + state_leaves
   num_tiles = (k // config.tile_k) * (n // config.cta_tile_n)
-  skipped_type = jax.ShapeDtypeStruct((config.parts_per_tile * num_tiles,),
-                                      jnp.int32)
+  skipped_type = jax.ShapeDtypeStruct(skipped_rows_shape(config, num_tiles),
+                                      jnp.float32)
   threads = config.num_warpgroups
   mesh = plgpu.Mesh(grid=(_num_ctas(num_tiles, config, interpret),),
                     grid_names=("sm",), num_threads=threads, thread_name="wg")
@@ -1306,7 +1360,7 @@ def mosaic_update(spec, x, dy, kernel, opt_state, scalars, apply,
     # pl.kernel (not plgpu.kernel, whose batching wrapper rejects refs): the
     # refs passed in are aliased in and out, so the update is in place.
     refs = [jax.new_ref(a) for a in storage]
-    skipped_ref = jax.new_ref(jnp.zeros(skipped_type.shape, jnp.int32))
+    skipped_ref = jax.new_ref(jnp.zeros(skipped_type.shape, jnp.float32))
     pl.kernel(
         lambda s, x, dy, *refs: kernel_fn(s, x, dy, refs[:-1], refs[:-1],
                                           refs[-1]),
@@ -1316,4 +1370,4 @@ def mosaic_update(spec, x, dy, kernel, opt_state, scalars, apply,
     skipped = skipped_ref[...]
   new_state = quantization.codes_as_container(
       jax.tree.unflatten(state_treedef, new_storage[1:]))
-  return new_storage[0], new_state, jnp.sum(skipped)
+  return new_storage[0], new_state, jnp.sum(skipped.astype(jnp.int32))
