@@ -60,6 +60,10 @@ PROBES = (
      True),
     ("wg4-en16-T2048", "fused", 2048, "wg4-steps3-en16-slots2", "adamw",
      False),
+    # Session 8: two epilogue warpgroups (slower than inline at 512 tokens,
+    # even without the rule).
+    ("ew2-T512", "fused", 512, "ew2-steps4-slots1", "adamw", False),
+    ("ew2-T512-rule-free", "fused", 512, "ew2-steps4-slots1", "adamw", True),
 )
 
 

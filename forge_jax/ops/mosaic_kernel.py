@@ -738,7 +738,7 @@ def _fused_kernel(scalars_gmem, x_gmem, dy_gmem, storage_gmem, storage_out,
   def wgmma(acc_ref, x_smem, dy_smem, part):
     # The interpreter's wgmma takes no transposed operand: there x arrives
     # transposed (the GPU tests check the transposed path).
-    lhs = x_smem if interpret else plgpu.transpose_ref(x_smem, (1, 0))
+    lhs = x_smem if interpret else x_smem.transpose((1, 0))
     plgpu.wgmma(acc_ref, lhs, dy_smem.at[:, pl.ds(part * tn, tn)])
 
   def epilogue(smem, barriers):
