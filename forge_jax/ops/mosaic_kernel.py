@@ -31,12 +31,15 @@ schedule from 2048 tokens (bf16 storage), slower at 512 (benchmarks/
 NOTES.md, session 5), so :func:`ranked_configs` puts it first from there.
 
 With ``schedule='epilogue-warpgroup'`` the compute warpgroups only
-accumulate: they hand their float32 parts through shared memory to a fourth
-warpgroup that updates the tile while they run the next one's main loop.
-It is correct but not faster on the H200 (one warpgroup's issue rate bounds
-the rule, and the handed-over accumulators take the shared memory a deeper
-pipeline would use: benchmarks/NOTES.md, session 4), so it is not a
-default.
+accumulate: they hand their float32 parts through shared memory to one or
+two (``epilogue_wgs``) epilogue warpgroups that update the tile while they
+run the next one's main loop. It is correct but not faster on the H200: one
+epilogue warpgroup's issue rate bounds the rule (session 4); two, beside
+one compute warpgroup on 128 x 128 tiles, get 136 registers a thread, wait
+on their loads most of the time even without the rule, and their unrolled
+code no longer fits the instruction cache (session 8); the handed-over
+accumulators take 64 KB of the shared memory a deeper pipeline would use
+(benchmarks/NOTES.md). So it is not a default.
 
 With ``schedule='ring'`` (bf16 kernel and state) a tile's kernel and state
 windows are extra steps of the main loop's own ring of buffers: loaded as
