@@ -448,20 +448,6 @@ MOSAIC_DIAG_CONFIGS = {
     "ew2-steps3-slots2": mosaic_kernel.TWO_EPILOGUE_WG_CONFIGS[0],
     "ew2-steps4-slots1": mosaic_kernel.TWO_EPILOGUE_WG_CONFIGS[1],
     "ew2-steps4-en16-slots2": mosaic_kernel.TWO_EPILOGUE_WG_CONFIGS[2],
-    # Session 8: the memory warpgroup prefetches the kernel and state of the
-    # CTA's tile one (or two) tiles ahead into L2.
-    "inline-steps5-l2pf1": mosaic_kernel.MosaicConfig(max_concurrent_steps=5,
-                                                      l2_prefetch=1),
-    "inline-steps5-l2pf2": mosaic_kernel.MosaicConfig(max_concurrent_steps=5,
-                                                      l2_prefetch=2),
-    "pingpong-steps4-slots3-l2pf1": _pingpong(max_concurrent_steps=4,
-                                              epilogue_slots=3,
-                                              l2_prefetch=1),
-    "ring-steps6-l2pf1": mosaic_kernel.MosaicConfig(schedule="ring",
-                                                    max_concurrent_steps=6,
-                                                    l2_prefetch=1),
-    "ew2-steps4-slots1-l2pf1": dataclasses.replace(
-        mosaic_kernel.TWO_EPILOGUE_WG_CONFIGS[1], l2_prefetch=1),
     # Session 6: four compute warpgroups (a 128 x 256 CTA tile, 64 columns
     # each), meant to put twice the warps on the rule and the loads. Exact
     # but slower on the H200: at 104 registers a thread they spill.

@@ -73,11 +73,6 @@ CONFIGS = {
     "epilogue-warpgroup-4-buffers": mosaic_kernel.MosaicConfig(
         **SMALL, epilogue_n=16, epilogue_slots=4,
         schedule="epilogue-warpgroup"),
-    # L2 prefetch of the next tile's kernel and state: a hint the
-    # interpreter has no counterpart for (skipped there; the GPU tests run
-    # it).
-    "l2-prefetch": mosaic_kernel.MosaicConfig(**SMALL, epilogue_n=32,
-                                              epilogue_slots=2, l2_prefetch=1),
     # One compute warpgroup, 64 x 64 tiles; two epilogue warpgroups, each
     # with two of a tile's four 64 x 16 sub-tiles in its two buffers.
     "two-epilogue-warpgroups": mosaic_kernel.MosaicConfig(
@@ -241,8 +236,6 @@ def test_mosaic_config_errors_name_the_bad_field():
     mosaic_kernel.MosaicConfig(prefetch_step=-1)
   with pytest.raises(ValueError, match=r"tile_t=32 must be a multiple of 64"):
     mosaic_kernel.MosaicConfig(tile_t=32)
-  with pytest.raises(ValueError, match=r"l2_prefetch=-1 must be >= 0"):
-    mosaic_kernel.MosaicConfig(l2_prefetch=-1)
   with pytest.raises(ValueError, match=r"epilogue_wgs=2 must be 1, or 2 with "
                      r"schedule='epilogue-warpgroup'"):
     mosaic_kernel.MosaicConfig(epilogue_wgs=2)
@@ -630,9 +623,6 @@ GPU_CONFIGS = {
     # bf16 W and state (its windows share the activations' buffers).
     "ring": mosaic_kernel.MosaicConfig(schedule="ring",
                                        max_concurrent_steps=6),
-    # The next tile's kernel and state prefetched into L2 (no shared memory;
-    # one epilogue buffer a warpgroup, so four float32 state tensors fit).
-    "l2-prefetch": mosaic_kernel.MosaicConfig(epilogue_slots=1, l2_prefetch=1),
     # One 128 x 128 compute warpgroup, two epilogue warpgroups; 64 x 16
     # sub-tiles, one buffer each, so four float32 state tensors fit.
     "two-epilogue-warpgroups": mosaic_kernel.MosaicConfig(
@@ -781,12 +771,7 @@ def test_compiled_kernel_bits_do_not_depend_on_config_or_run(tokens, seed):
                                          max_concurrent_steps=5),
               mosaic_kernel.MosaicConfig(schedule="ring",
                                          max_concurrent_steps=6),
-              *mosaic_kernel.TWO_EPILOGUE_WG_CONFIGS,
-              mosaic_kernel.MosaicConfig(max_concurrent_steps=5,
-                                         l2_prefetch=1),
-              mosaic_kernel.MosaicConfig(schedule="pingpong", tile_n=128,
-                                         max_concurrent_steps=4,
-                                         epilogue_slots=3, l2_prefetch=1)}
+              *mosaic_kernel.TWO_EPILOGUE_WG_CONFIGS}
   spec = FusedDenseSpec(optimizer=opt, implementation="mosaic")
   scalars = opt.scalars(jnp.asarray(3, jnp.int32))
   apply = jnp.all(jnp.isfinite(inputs[1]))

@@ -170,11 +170,6 @@ class MosaicConfig:
     tile_n`` sub-tiles (``epilogue_k``, ``epilogue_n``, ``epilogue_slots``
     and ``prefetch_step`` do not apply); the kernel and every state leaf
     must have the activations' dtype.
-
-  ``l2_prefetch`` (every schedule): as the memory warpgroup starts a tile's
-  x and dy, it asks L2 (a TMA prefetch, no shared memory) for the kernel
-  and state of the CTA's tile that many tiles later (0: none), so the
-  epilogue's loads of them find L2 instead of waiting on HBM.
   """
 
   tile_k: int = 128
@@ -191,7 +186,6 @@ class MosaicConfig:
   ctas_per_sm: int = 1
   schedule: str = "inline"
   epilogue_wgs: int = 1
-  l2_prefetch: int = 0
 
   def __post_init__(self):
     for name in ("tile_k", "tile_n", "tile_t", "epilogue_k", "epilogue_n"):
@@ -271,8 +265,6 @@ class MosaicConfig:
             f"take {compute} registers a thread, more than the {available} "
             f"of each of {self.compute_wgs} compute warpgroups "
             "(schedule='pingpong')")
-    if self.l2_prefetch < 0:
-      raise ValueError(f"l2_prefetch={self.l2_prefetch} must be >= 0")
     if self.prefetch_step < 0:
       raise ValueError(f"prefetch_step={self.prefetch_step} must be >= 0")
     if self.max_concurrent_steps < 2:
@@ -797,16 +789,6 @@ def _fused_kernel(scalars_gmem, x_gmem, dy_gmem, storage_gmem, storage_out,
     if registers > launch_registers(config):
       plgpu.set_max_registers(registers, action="increase")
 
-  def prefetch_storage(linear):
-    """Asks L2 for tile ``linear``'s kernel and state windows that go
-    through TMA (``l2_prefetch``)."""
-    layer = (read_kernel_scalars(scalars_gmem, scalars_treedef).layer_index,
-             ) if stacked else ()
-    k0, cta_n0 = tile_origin(linear)
-    for ref in tma_refs:
-      plgpu.async_prefetch(
-          ref.at[(*layer, pl.ds(k0, tk), pl.ds(cta_n0, cta_tn))])
-
   def local_tiles():
     """This CTA's tiles (the grid has no more CTAs than tiles)."""
     first_tile, num_ctas = lax.axis_index("sm"), lax.axis_size("sm")
@@ -827,15 +809,11 @@ def _fused_kernel(scalars_gmem, x_gmem, dy_gmem, storage_gmem, storage_out,
     ``count`` (if it was one) before its buffer is refilled."""
     plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
     per_tile = num_steps + (windows[0] if windows else 0)
-    num_ctas = lax.axis_size("sm")
 
     @plgpu.nd_loop((num_tiles,), collective_axes="sm")
     def _tile_loop(loop_info: plgpu.NDLoopInfo):
       (linear,) = loop_info.index
       k0, cta_n0 = tile_origin(linear)
-      if config.l2_prefetch and not interpret:  # a hint: none to interpret
-        ahead = linear + config.l2_prefetch * num_ctas
-        pl.when(ahead < num_tiles)(lambda: prefetch_storage(ahead))
 
       @pl.loop(0, per_tile)
       def _step(t):
