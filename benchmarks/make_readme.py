@@ -467,7 +467,12 @@ def _mm_key(r):
           r.get("param_dtype", "bfloat16"), r.get("state_dtype", "bfloat16"),
           r.get("weight_rounding", "nearest"), r.get("attention") or "xla",
           r.get("remat_policy"), json.dumps(r.get("mosaic_config"),
-                                            sort_keys=True))
+                                            sort_keys=True), _xla_flags(r))
+
+
+def _xla_flags(r) -> str:
+  """The ``XLA_FLAGS`` a run had (recorded from session 8 on; none before)."""
+  return r["meta"].get("xla_flags", "")
 
 
 def _as_default_run(r):
@@ -483,7 +488,8 @@ def _as_default_run(r):
 
 def _is_default_run(r) -> bool:
   """Full remat and the kernel's own configs (not a diagnostic run)."""
-  return r.get("remat_policy") is None and r.get("mosaic_config") is None
+  return (r.get("remat_policy") is None and r.get("mosaic_config") is None
+          and not _xla_flags(r))
 
 
 def _mm_sort(r):
@@ -518,6 +524,8 @@ def _variant(r) -> str:
     name += f", Mosaic config forced to `{_config_text(r['mosaic_config'])}`"
   if r.get("forced_current_default"):
     name += " (the current default Mosaic config, forced)"
+  if _xla_flags(r):
+    name += f", `XLA_FLAGS={_xla_flags(r)}`"
   return name
 
 
@@ -580,6 +588,7 @@ def model_memory_table(runs) -> str:
       if (f["variant"] == "forge" and f.get("mosaic_config") is None
           and all(f.get(k) == o.get(k)
                   for k in ("config", "batch", "seq", "remat_policy"))
+          and _xla_flags(f) == _xla_flags(o)
           and (f.get("attention") or "xla") == (o.get("attention") or "xla")):
         pairs.append((o, f))
   if pairs:
@@ -600,6 +609,7 @@ def model_memory_table(runs) -> str:
              (None, "xla") else "")
           + (f", remat policy `{f['remat_policy']}`" if f.get("remat_policy")
              else "")
+          + (f", `XLA_FLAGS={_xla_flags(f)}`" if _xla_flags(f) else "")
           + f" | {f['batch']} x {f['seq']} | {_precision(f)} | "
           f"{speedup:.3f} | {f'≥ {goal:g}' if goal else '-'} | "
           f"{_verdict(speedup >= goal) if goal else ''} | "

@@ -46,6 +46,7 @@ def metadata() -> dict:
       "python": platform.python_version(),
       "commit": commit + ("-dirty" if dirty else ""),
       "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+      "xla_flags": os.environ.get("XLA_FLAGS", ""),
   }
 
 
