@@ -29,12 +29,13 @@ def _current_default(tokens: int) -> dict:
 
 def _with_schedule(config: dict) -> dict:
   """A recorded MosaicConfig's fields, sessions before 5 included (their
-  ``epilogue_warpgroup`` flag is now ``schedule``)."""
+  ``epilogue_warpgroup`` flag is now ``schedule``), with the defaults of
+  fields added since it was recorded."""
   config = dict(config)
   if "epilogue_warpgroup" in config:
     config["schedule"] = ("epilogue-warpgroup"
                           if config.pop("epilogue_warpgroup") else "inline")
-  return config
+  return {**dataclasses.asdict(mosaic_kernel.MosaicConfig()), **config}
 
 
 def _load(pattern):
@@ -642,7 +643,9 @@ def model_memory_table(runs) -> str:
 
 
 def model_memory_plot(runs) -> str | None:
-  """Peak memory of the newest 8B run of each configuration, with targets."""
+  """Peak memory of the newest 8B run of each configuration, with targets
+  (diagnostic runs, with a forced Mosaic config, a remat policy or XLA
+  flags, have their default run's peak and are left out)."""
   try:
     import matplotlib  # pylint: disable=import-outside-toplevel
     matplotlib.use("Agg")
@@ -651,7 +654,8 @@ def model_memory_plot(runs) -> str | None:
     return None
   config = "llama-3.1-8b"
   rows = sorted((r for r in _latest_model_runs(runs).values()
-                 if r["config"] == config), key=_mm_sort)
+                 if r["config"] == config and _is_default_run(r)),
+                key=_mm_sort)
   if not rows:
     return None
   colors = {"optax": "tab:gray", "bfloat16": "tab:blue", "float32": "tab:purple",

@@ -34,3 +34,37 @@ def test_traffic_bound_is_the_gemm_when_the_traffic_hides_under_it():
   assert bound["bound_over_gemm"] == pytest.approx(1.0)
   assert bound["best_speedup"] == pytest.approx(1.28)
   assert bound["mosaic_over_serial"] == pytest.approx(1.2 / 1.24)
+
+
+def _model_run(variant, step_ms, flags="", mosaic_config=None):
+  return {"config": "llama-3.1-8b", "num_layers": 32, "variant": variant,
+          "batch": 1, "seq": 512, "step_ms_median": step_ms,
+          "step_ms_all": [step_ms], "peak_bytes_in_use": 2**30,
+          "compiled_temp_bytes": 0, "projection_kernel_bytes": 2**30,
+          "mosaic_config": mosaic_config,
+          "meta": {"device": "H200", "jax_version": "0.11.2", "commit": "c0ffee",
+                   "date": "2026-11-30", "xla_flags": flags},
+          "_file": f"model_memory_{variant}{flags}.json"}
+
+
+def test_forge_is_paired_with_optax_only_under_the_same_xla_flags():
+  flag = "--xla_gpu_enable_dynamic_slice_fusion=true"
+  runs = [_model_run("optax", 110.0), _model_run("forge", 100.0),
+          _model_run("optax", 90.0, flag), _model_run("forge", 100.0, flag)]
+  table = make_readme.model_memory_table(runs)
+  pairs = [line for line in table.splitlines()
+           if line.startswith("| llama-3.1-8b") and "1 x 512" in line]
+  assert len(pairs) == 2
+  assert "| 1.100 |" in next(p for p in pairs if flag not in p)
+  assert "| 0.900 |" in next(p for p in pairs if flag in p)
+
+
+def test_recorded_mosaic_configs_get_the_defaults_of_newer_fields():
+  """A config recorded before a field existed (and with the flag that
+  became ``schedule``) still compares equal to today's config."""
+  recorded = make_readme.dataclasses.asdict(
+      make_readme.mosaic_kernel.MosaicConfig(max_concurrent_steps=5))
+  del recorded["epilogue_wgs"], recorded["schedule"]
+  recorded["epilogue_warpgroup"] = False
+  assert make_readme._with_schedule(recorded) == make_readme.dataclasses.asdict(  # pylint: disable=protected-access
+      make_readme.mosaic_kernel.MosaicConfig(max_concurrent_steps=5))
