@@ -305,6 +305,9 @@ def main():
                       help="suite 'mosaic-diag': these MOSAIC_DIAG_CONFIGS "
                       "only, without the rule-free and SGD runs (unless "
                       "--diag-extras)")
+  parser.add_argument("--diag-shape", nargs=2, type=int, default=(4096, 14336),
+                      metavar=("K", "N"),
+                      help="suite 'mosaic-diag': the kernel's shape")
   parser.add_argument("--diag-extras", action="store_true",
                       help="suite 'mosaic-diag' with --diag-configs: the "
                       "first config also rule-free and as SGD")
@@ -341,7 +344,7 @@ def main():
   if args.suite == "mosaic-diag":
     configs = ({name: MOSAIC_DIAG_CONFIGS[name] for name in args.diag_configs}
                if args.diag_configs else None)
-    mosaic_diagnosis(result, save, configs,
+    mosaic_diagnosis(result, save, configs, *args.diag_shape,
                      extras=configs is None or args.diag_extras,
                      token_counts=tuple(args.tokens or (512, 2048, 8192)))
     return
