@@ -10,7 +10,7 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 C=${FORGE_COMMIT}
 for S in "4096 14336" "57344 1024" "458752 128"; do
   set -- $S
-  timeout 120 python3 benchmarks/kernel_bench.py --suite mosaic-diag --tokens 64 \
+  timeout 100 python3 benchmarks/kernel_bench.py --suite mosaic-diag --tokens 64 \
     --diag-shape $1 $2 --diag-configs inline-steps5 --diag-extras \
     --out $OUT/mosaic_diag_T64_${1}x${2}_h200_$C.json 2>&1 | grep "^diag\|Error"
 done
