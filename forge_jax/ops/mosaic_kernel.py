@@ -689,13 +689,15 @@ class _Epilogue:
 
 def skipped_rows_shape(config: MosaicConfig, num_tiles: int) -> tuple:
   """The kernel's skipped-element counts: for each tile, each warpgroup that
-  updates part of it writes one row of per-row counts (float32, exact: a
-  row has at most ``cta_tile_n`` elements); the caller sums them.
+  updates part of it writes one vector of per-row counts, summed over its
+  sub-tiles (float32, exact: an entry counts at most a tile's elements);
+  the caller sums them.
 
   The kernel sums no count across warps: Mosaic GPU's cross-warp reduction
   uses one shared-memory scratch at the same offset for every warpgroup, so
   two warpgroups reducing at once (the compute warpgroups of the inline,
-  ring and pingpong schedules do) read each other's partial sums."""
+  ring and pingpong schedules, two epilogue warpgroups) could read each
+  other's partial sums."""
   rows = config.tile_t if config.schedule == "ring" else config.epilogue_k
   return (config.counters_per_tile * num_tiles, rows)
 
