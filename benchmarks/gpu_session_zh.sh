@@ -7,6 +7,8 @@
 # run on the GPU since). (3) The diagnosis: inline, pingpong and the three
 # two-epilogue-warpgroup configs (the first also rule-free and as SGD).
 # (4) The bits across configs and calls at 512 tokens.
+# Step (1) needs the old kernel beside the tree, untracked:
+#   git show 360e368:forge_jax/ops/mosaic_kernel.py > benchmarks/old_mosaic_kernel_360e368.py
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 C=${FORGE_COMMIT}
