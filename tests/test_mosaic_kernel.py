@@ -661,7 +661,8 @@ def test_compiled_mosaic_kernel_matches_reference_on_gpu(name, opt, count,
 @pytest.mark.parametrize("schedule", sorted(GPU_CONFIGS))
 def test_compiled_mosaic_kernel_counts_skipped_elements_on_gpu(schedule, seed):
   """On sm90+: parts with different skipped counts, updated by warpgroups
-  at the same time (the counts once raced in a shared reduction scratch)."""
+  at the same time (their counts were once summed across warps through a
+  reduction scratch every warpgroup shares)."""
   if not backends._on_hopper_or_newer():  # pylint: disable=protected-access
     pytest.skip("needs a Hopper or newer GPU")
   opt = fj.adamw(1e-3, weight_decay=0.1)
