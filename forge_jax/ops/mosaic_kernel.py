@@ -810,7 +810,8 @@ def _fused_kernel(scalars_gmem, x_gmem, dy_gmem, storage_gmem, storage_out,
     and ``store(count, slot)`` writes back the window of the CTA's step
     ``count`` (if it was one) before its buffer is refilled."""
     plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
-    per_tile = num_steps + (windows[0] if windows else 0)
+    num_windows, load_window, store_window = windows or (0, None, None)
+    per_tile = num_steps + num_windows
 
     @plgpu.nd_loop((num_tiles,), collective_axes="sm")
     def _tile_loop(loop_info: plgpu.NDLoopInfo):
@@ -826,7 +827,7 @@ def _fused_kernel(scalars_gmem, x_gmem, dy_gmem, storage_gmem, storage_out,
         def _wait_consumed():
           plgpu.barrier_wait(consumed.at[slot])
           if windows:
-            windows[2](count - stages, slot)
+            store_window(count - stages, slot)
 
         barrier = ready(loop_info.local_index, slot)
 
@@ -839,7 +840,7 @@ def _fused_kernel(scalars_gmem, x_gmem, dy_gmem, storage_gmem, storage_out,
         if windows:
           pl.when(t < num_steps)(load_activations)
           pl.when(t >= num_steps)(
-              lambda: windows[1](linear, t - num_steps, slot, barrier))
+              lambda: load_window(linear, t - num_steps, slot, barrier))
         else:
           load_activations()
 
@@ -852,7 +853,7 @@ def _fused_kernel(scalars_gmem, x_gmem, dy_gmem, storage_gmem, storage_out,
       slot = lax.rem(count, stages)
       plgpu.barrier_wait(consumed.at[slot])
       if windows:
-        windows[2](count, slot)
+        store_window(count, slot)
 
   def main_loop(acc_ref, x_smem, dy_smem, ready, consumed, stages, first,
                 part, after_wgmma=lambda t: None):
@@ -1187,8 +1188,8 @@ def _fused_kernel(scalars_gmem, x_gmem, dy_gmem, storage_gmem, storage_out,
     stages, wgs = config.max_concurrent_steps, config.compute_wgs
     compute_registers = compute_warpgroup_registers(config)
     num_leaves = len(storage_gmem)
-    windows = config.ring_windows(num_leaves)
-    per_tile = num_steps + windows
+    num_windows = config.ring_windows(num_leaves)
+    per_tile = num_steps + num_windows
 
     def for_leaf(index, body):
       """``body(leaf)`` for window ``index``'s leaf (a traced index)."""
@@ -1241,7 +1242,8 @@ def _fused_kernel(scalars_gmem, x_gmem, dy_gmem, storage_gmem, storage_out,
       @pl.when(wg == wgs)
       def _memory():
         stream_tiles(x_smem, dy_smem, lambda _, slot: loaded.at[slot],
-                     consumed, stages, (windows, load_window, store_window))
+                     consumed, stages,
+                     (num_windows, load_window, store_window))
 
       @pl.when(wg < wgs)
       def _compute():
