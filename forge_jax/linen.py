@@ -153,9 +153,8 @@ class ForgeDense(nn.Module):
     layout = self._layout(inputs, kernel_meta)
     if layout is None:
       return forge_dense(inputs, variables, bias, spec, layer_index)
-    return parallel.forge_dense_sharded(inputs, variables, bias, spec, layout,
-                                        where=f"ForgeDense {self.path!r}",
-                                        layer_index=layer_index)
+    return forge_dense(inputs, variables, bias, spec, layer_index, layout,
+                       where=f"ForgeDense {self.path!r}")
 
   def _kernel_metadata(self, kernel_shape):
     """The partitioning box ``kernel_init`` wraps the kernel in, or None."""

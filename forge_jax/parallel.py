@@ -12,8 +12,9 @@ gradient is complete at backward time:
 
 The fused op cannot be left to XLA's partitioner (the Pallas kernel is
 opaque to it, and a partitioner that gathers a weight defeats the point), so
-:func:`forge_dense_sharded` runs the layer per shard inside ``jax.shard_map``
-with its collectives written out:
+:func:`forge_jax.forge_dense`, given the :class:`ShardedLayout` that
+:func:`plan_layout` makes here, runs the layer per shard inside
+``jax.shard_map`` (:func:`per_shard`) with its collectives written out:
 
 ================  ==========================  ===============================
 where             forward                     backward
@@ -36,10 +37,14 @@ bits one device would. int8 block states are sharded with the kernel, their
 scales ``[K, ceil(N / 64)]`` too; column shards must hold whole blocks of 64
 (:func:`check_block_split`), so each shard's scales are exactly its blocks.
 
-The whole layer is one ``jax.custom_vjp`` over *global* arrays whose forward
-and backward rules are each a ``shard_map``: JAX never transposes the
-``shard_map``, so no cotangent is implicitly summed over devices, and the
-updated kernel shards come back with exactly the kernel's sharding.
+The whole layer is the one-device op's ``jax.custom_vjp``
+(:mod:`forge_jax.ops.fused_dense`) over *global* arrays, whose forward and
+backward rules are each a ``shard_map`` of the same per-shard code that runs
+on one device, where every collective is the identity: JAX never transposes
+the ``shard_map``, so no cotangent is implicitly summed over devices, and
+the updated kernel shards come back with exactly the kernel's sharding. This
+module plans and checks layouts and places the operands; it holds no part
+of the op's forward or backward.
 
 **Data parallelism is refused by default.** FORGE applies the update inside
 the backward pass, from the gradient of the tokens the shard sees. If tokens
@@ -58,7 +63,6 @@ update is still fused into the backward pass.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from typing import Any, Optional, Sequence
 
@@ -66,18 +70,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.custom_derivatives import SymbolicZero
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 import flax.linen as nn
-from flax.linen import dtypes as flax_dtypes
 
 from forge_jax import quantization
-from forge_jax.ops import backends
-from forge_jax.ops import stacks
-from forge_jax.ops.fused_dense import (ForgeVariables, FusedDenseSpec, _dense,
-                                       _validate, check_differentiated,
-                                       layer_step, order_after, primal_values,
-                                       step_scalars, stepped)
 
 DATA_PARALLEL_MODES = ("error", "psum")
 
@@ -152,8 +148,12 @@ def _mesh_sizes(mesh) -> dict:
 class ShardedLayout:
   """How one ForgeDense call is sharded (static and hashable).
 
+  The layout without a mesh (:func:`unsharded_layout`) is the one-device
+  op: nothing is sharded and every collective is the identity.
+
   Attributes:
-    mesh: the ``Mesh`` (or ``AbstractMesh``) the op runs on.
+    mesh: the ``Mesh`` (or ``AbstractMesh``) the op runs on; None: one
+      device.
     x: mesh axes of every dimension of the input ``[..., K]``.
     kernel: mesh axes of the kernel's ``(K, N)`` dimensions.
     y: mesh axes of every dimension of the output ``[..., N]``.
@@ -185,8 +185,25 @@ class ShardedLayout:
   def n_axes(self) -> Axes:
     return self.kernel[1]
 
+  @property
+  def mesh_axes(self) -> Axes:
+    """Every axis of the mesh (none without one)."""
+    return () if self.mesh is None else tuple(self.mesh.axis_names)
+
   def kernel_spec(self) -> P:
     return _spec(self.kernel)
+
+  def y_spec(self) -> P:
+    return _spec(self.y)
+
+  def bias_spec(self) -> P:
+    return _spec((self.n_axes,))
+
+
+def unsharded_layout(x_ndim: int) -> ShardedLayout:
+  """The layout of the one-device op: no mesh, no dimension sharded."""
+  return ShardedLayout(mesh=None, x=((),) * x_ndim, kernel=((), ()),
+                       y=((),) * x_ndim)
 
 
 def plan_layout(mesh, x_ndim: int, kernel_spec, x_spec=None, y_spec=None,
@@ -321,11 +338,10 @@ def follows_kernel(leaf_shape, kernel_shape) -> bool:
                                quantization.block_scale_shape(kernel_shape))
 
 
-def variables_specs(variables: ForgeVariables, kernel_spec: P,
-                    stacked: bool = False):
-  """PartitionSpecs for a :class:`ForgeVariables`: the kernel's for every
-  leaf that follows the kernel, replicated for scalars; ``stacked``: each
-  behind a replicated leading layer axis."""
+def variables_specs(variables, kernel_spec: P, stacked: bool = False):
+  """PartitionSpecs for a :class:`forge_jax.ForgeVariables`: the kernel's
+  for every leaf that follows the kernel, replicated for scalars;
+  ``stacked``: each behind a replicated leading layer axis."""
   shape = jnp.shape(variables.kernel)
   layers = (None,) if stacked else ()
 
@@ -343,7 +359,7 @@ def variables_specs(variables: ForgeVariables, kernel_spec: P,
   return jax.tree.map(leaf_spec, variables)
 
 
-def check_block_split(where, variables: ForgeVariables, n_axes: Axes, sizes):
+def check_block_split(where, variables, n_axes: Axes, sizes):
   """Column shards of a kernel with int8 states must hold whole blocks of
   64 columns (a block shares one scale, which one shard must own)."""
   if not quantization.has_quantized(variables.opt_state):
@@ -370,22 +386,13 @@ def _check_divisible(where, name, shape, dims, sizes):
 
 
 # ---------------------------------------------------------------------------
-# The op.
+# Running a layer per shard: checks, placement, shard_map.
 
 
-def forge_dense_sharded(x: jax.Array, variables: ForgeVariables,
-                        bias: Optional[jax.Array], spec: FusedDenseSpec,
-                        layout: ShardedLayout, where: str = "forge_dense",
-                        layer_index: Optional[jax.Array] = None) -> jax.Array:
-  """:func:`forge_jax.forge_dense`, run per shard as ``layout`` says.
-
-  ``x``, ``variables`` and ``bias`` are global arrays; the backward pass
-  returns the updated variables (their cotangent) with the kernel's
-  sharding on every leaf that follows the kernel (:func:`follows_kernel`),
-  replicated scalars. With a ``layer_index`` the variables are stacks (see
-  ``forge_dense``), their layer axis replicated.
-  """
-  _validate(x, variables, bias, spec, layer_index)
+def check_layout(x: jax.Array, variables, layout: ShardedLayout,
+                 where: str = "forge_dense", stacked: bool = False):
+  """Raise unless ``x`` and ``variables`` (a ``ForgeVariables``; ``stacked``:
+  on a leading layer axis) can run per shard as ``layout`` says."""
   sizes = _mesh_sizes(layout.mesh)
   manual = _manual_axes()
   if manual:
@@ -401,15 +408,23 @@ def forge_dense_sharded(x: jax.Array, variables: ForgeVariables,
                    layout.kernel, sizes)
   check_block_split(where, variables, layout.n_axes, sizes)
   # Raises on leaves that cannot be sharded like the kernel.
-  v_specs = variables_specs(variables, layout.kernel_spec(),
-                            stacked=layer_index is not None)
-  if is_explicit(layout.mesh):
-    x = _reshard(x, layout.mesh, _spec(layout.x))
-    variables = jax.tree.map(
-        lambda v, s: _reshard(v, layout.mesh, s), variables, v_specs)
-    if bias is not None:
-      bias = _reshard(bias, layout.mesh, _spec((layout.n_axes,)))
-  return _sharded_op(spec, layout, x, variables, bias, layer_index)
+  variables_specs(variables, layout.kernel_spec(), stacked=stacked)
+
+
+def to_layout(x: jax.Array, variables, bias: Optional[jax.Array],
+              layout: ShardedLayout, stacked: bool = False):
+  """``(x, variables, bias)`` resharded as ``layout`` says on a mesh with
+  Explicit axes (where the sharding is in the types); as they are
+  otherwise."""
+  if not is_explicit(layout.mesh):
+    return x, variables, bias
+  x_s, v_s, b_s, _ = operand_specs(layout, variables, bias, stacked)
+  x = _reshard(x, layout.mesh, x_s)
+  variables = jax.tree.map(
+      lambda v, s: _reshard(v, layout.mesh, s), variables, v_s)
+  if bias is not None:
+    bias = _reshard(bias, layout.mesh, b_s)
+  return x, variables, bias
 
 
 def is_explicit(mesh) -> bool:
@@ -428,147 +443,20 @@ def _manual_axes() -> tuple:
   return tuple(mesh.manual_axes)
 
 
-def _shard_map(fn, layout, in_specs, out_specs):
-  return jax.shard_map(fn, mesh=layout.mesh, in_specs=in_specs,
-                       out_specs=out_specs, check_vma=False)
-
-
-def _specs(layout, variables, bias, layer_index):
+def operand_specs(layout: ShardedLayout, variables, bias, stacked: bool):
   """In-specs of x, variables, bias and the layer index (replicated)."""
   x = _spec(layout.x)
-  v = variables_specs(variables, layout.kernel_spec(), layer_index is not None)
-  b = None if bias is None else _spec((layout.n_axes,))
+  v = variables_specs(variables, layout.kernel_spec(), stacked)
+  b = None if bias is None else layout.bias_spec()
   return x, v, b, P()
 
 
-# Collectives on optional axes (an empty tuple of axes is the identity).
-
-
-def _psum(value, axes):
-  return lax.psum(value, axes) if axes else value
-
-
-def _all_gather(value, where):
-  if where is None:
-    return value
-  dim, axes = where
-  return lax.all_gather(value, axes, axis=dim, tiled=True)
-
-
-def _reduce(value, axes, scatter):
-  """Sum partials over ``axes``; reduce-scatter the ``scatter`` part."""
-  if scatter is None:
-    return _psum(value, axes)
-  dim, scattered = scatter
-  value = _psum(value, tuple(a for a in axes if a not in scattered))
-  return lax.psum_scatter(value, scattered, scatter_dimension=dim, tiled=True)
-
-
-def _add_bias(y, bias, spec):
-  if bias is None:
-    return y
-  _, _, bias = flax_dtypes.promote_dtype(y, y, bias, dtype=spec.dtype)
-  return y + jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,))
-
-
-def _local_forward(spec, layout, x, kernel, bias, layer_index):
-  x = _all_gather(x, layout.gather)
-  y = _dense(x, stacks.layer_entry(kernel, layer_index), None, spec)
-  y = _reduce(y, layout.k_axes, layout.scatter)
-  return _add_bias(y, bias, spec)
-
-
-def _forward(spec, layout, x, variables, bias, layer_index):
-  x_s, v_s, b_s, i_s = _specs(layout, variables, bias, layer_index)
-  fn = functools.partial(_local_forward, spec, layout)
-  return _shard_map(fn, layout, (x_s, v_s.kernel, b_s, i_s), _spec(layout.y))(
-      x, variables.kernel, bias, layer_index)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _sharded_op(spec, layout, x, variables, bias, layer_index):
-  return _forward(spec, layout, x, variables, bias, layer_index)
-
-
-def _sharded_op_fwd(spec, layout, x, variables, bias, layer_index):
-  check_differentiated(x, variables, bias)
-  x, variables, bias, layer_index = primal_values(
-      (x, variables, bias, layer_index))
-  return (_forward(spec, layout, x, variables, bias, layer_index),
-          (x, variables, bias, layer_index))
-
-
-def _local_backward(spec, layout, x, variables, bias, layer_index, dy):
-  kernel = stacks.layer_entry(variables.kernel, layer_index)
-  all_axes = tuple(layout.mesh.axis_names)
-  x = _all_gather(x, layout.gather)      # the tokens the forward used
-  dy = _all_gather(dy, layout.scatter)   # transpose of the reduce-scatter
-  # dx with the old kernel, as autodiff of the local matmul, then the sum
-  # of the partials over the kernel's N axes.
-  _, dense_vjp = jax.vjp(lambda x: _dense(x, kernel, None, spec), x)
-  (dx,) = dense_vjp(dy)
-  dx = _reduce(dx, layout.n_axes, layout.gather)
-  dbias = None
-  if bias is not None:
-    _, bias_vjp = jax.vjp(lambda b: _add_bias(jnp.zeros_like(dy), b, spec), bias)
-    (dbias,) = bias_vjp(dy)
-    dbias = _psum(dbias, layout.data_axes)
-
-  after_dx = order_after(dx)
-  # One decision for the whole layer: skip it when any shard's dY is not
-  # finite. (pmin of the same value over axes it does not vary on is itself.)
-  finite = jnp.all(jnp.isfinite(dy)).astype(jnp.int32)
-  finite = lax.pmin(finite, all_axes) > 0
-  apply = jnp.logical_and(finite, after_dx)
-  scalars = step_scalars(spec, variables, layer_index)
-  x_c, _, _ = flax_dtypes.promote_dtype(x, kernel, None, dtype=spec.dtype)
-  step = layer_step(variables, layer_index)
-  offset = _shard_offset(layout, kernel.shape)
-  if layout.data_axes:  # data_parallel == 'psum'
-    grad = backends.weight_gradient(x_c, dy, spec.precision)
-    grad = lax.psum(grad, layout.data_axes)
-    new_kernel, new_state, skipped = backends.apply_gradient(
-        spec, grad, variables.kernel, variables.opt_state, scalars, apply,
-        step=step, offset=offset, layer_index=layer_index)
-  else:
-    backend = backends.select(spec.implementation, x_c, dy, kernel,
-                              spec.optimizer)
-    new_kernel, new_state, skipped = backend(
-        spec, x_c, dy, variables.kernel, variables.opt_state, scalars, apply,
-        step=step, offset=offset, layer_index=layer_index)
-  skipped = _psum(skipped, layout.k_axes + layout.n_axes)
-  return dx, stepped(variables, new_kernel, new_state, skipped, apply,
-                     layer_index), dbias
-
-
-def _shard_offset(layout, local_shape) -> tuple:
-  """The global ``(row, column)`` of this shard's kernel element ``(0, 0)``
-  (stochastic rounding hashes global indices: the bits of one device)."""
-  return tuple(_axis_offset(axes, size)
-               for axes, size in zip(layout.kernel, local_shape))
-
-
-def _axis_offset(axes, local_size):
-  """This shard's first global index along a dimension sharded over
-  ``axes`` (the first axis major, as in a PartitionSpec)."""
-  if not axes:
-    return jnp.zeros((), jnp.int32)
-  return lax.axis_index(axes) * local_size
-
-
-def _sharded_op_bwd(spec, layout, residuals, dy):
-  x, variables, bias, layer_index = residuals
-  if isinstance(dy, SymbolicZero):
-    dy = jnp.zeros(dy.shape, dy.dtype)
-  x_s, v_s, b_s, i_s = _specs(layout, variables, bias, layer_index)
-  fn = functools.partial(_local_backward, spec, layout)
-  dx, new_variables, dbias = _shard_map(
-      fn, layout, (x_s, v_s, b_s, i_s, _spec(layout.y)), (x_s, v_s, b_s))(
-          x, variables, bias, layer_index, dy)
-  return dx, new_variables, dbias, None
-
-
-_sharded_op.defvjp(_sharded_op_fwd, _sharded_op_bwd, symbolic_zeros=True)
+def per_shard(fn, layout: ShardedLayout, in_specs, out_specs):
+  """``fn`` run on each shard of ``layout.mesh`` (``jax.shard_map``). ``fn``
+  writes its collectives out; ``check_vma=False``: JAX neither checks nor
+  adds any."""
+  return jax.shard_map(fn, mesh=layout.mesh, in_specs=in_specs,
+                       out_specs=out_specs, check_vma=False)
 
 
 # ---------------------------------------------------------------------------
@@ -585,7 +473,7 @@ def _varying(value) -> Optional[frozenset]:
   return None if vma is None else frozenset(vma)
 
 
-def check_unpartitioned(x: jax.Array, variables: ForgeVariables,
+def check_unpartitioned(x: jax.Array, variables,
                         where: str = "forge_dense"):
   """Refuse data parallelism that the unpartitioned op would get wrong.
 

@@ -12,6 +12,14 @@ Stacked mode (``fj.scan_layers``' backward): given a ``layer_index``, every
 leaf of the variables is a stack over a leading layer axis; the op uses the
 layer's kernel, steps only that layer, and the cotangent is the whole stacks
 with that layer updated, in place (:mod:`forge_jax.ops.stacks`).
+
+Sharded mode (tensor / sequence parallelism): given a
+:class:`forge_jax.parallel.ShardedLayout`, the forward and backward rules
+each run per shard in ``jax.shard_map``, with the all-gathers, all-reduces
+and reduce-scatters the layout plans written out (see
+:mod:`forge_jax.parallel`). On one device the layout is empty, every
+collective is the identity and there is no ``shard_map``: one forward and
+one backward serve both.
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ from jax import lax
 from jax.custom_derivatives import SymbolicZero
 from flax.linen import dtypes as flax_dtypes
 
+from forge_jax import parallel
 from forge_jax.optimizers import ForgeOptimizer
 from forge_jax.ops import backends
 from forge_jax.ops import stacks
@@ -76,11 +85,13 @@ class FusedDenseSpec:
   layer_id: int = 0
 
 
-def _dense(x, kernel, bias, spec: FusedDenseSpec):
-  """``flax.linen.Dense``'s forward, operation for operation."""
+def _dense(x, kernel, bias, spec: FusedDenseSpec, reduce=lambda y: y):
+  """``flax.linen.Dense``'s forward, operation for operation; ``reduce``
+  sums a shard's partial products before the bias is added."""
   x, kernel, bias = flax_dtypes.promote_dtype(x, kernel, bias, dtype=spec.dtype)
   y = lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())),
                       precision=spec.precision)
+  y = reduce(y)
   if bias is not None:
     y += jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,))
   return y
@@ -141,7 +152,9 @@ def _not_elementwise_message(optimizer) -> str:
 
 def forge_dense(x: jax.Array, variables: ForgeVariables,
                 bias: Optional[jax.Array], spec: FusedDenseSpec,
-                layer_index: Optional[jax.Array] = None) -> jax.Array:
+                layer_index: Optional[jax.Array] = None,
+                layout: Optional[parallel.ShardedLayout] = None,
+                where: str = "forge_dense") -> jax.Array:
   """``x @ kernel + bias``; differentiating it w.r.t. ``variables`` steps them.
 
   Args:
@@ -152,21 +165,33 @@ def forge_dense(x: jax.Array, variables: ForgeVariables,
     spec: static configuration (optimizer, implementation, precision, dtype).
     layer_index: None, or an int32 scalar: the layer of the stacks to use
       and step (its cotangent is zero).
+    layout: None (one device), or the
+      :class:`forge_jax.parallel.ShardedLayout` that
+      ``parallel.plan_layout`` made: the op runs per shard as it says.
+      ``x``, ``variables`` and ``bias`` are global arrays either way.
+    where: the layer's name for error messages.
 
   Returns:
     ``[..., features]``, bit for bit what ``flax.linen.Dense`` computes. The
     cotangent returned for ``variables`` is the *updated* variables (with a
-    ``layer_index``: the stacks, that layer updated).
+    ``layer_index``: the stacks, that layer updated); under a ``layout``,
+    sharded like the kernel on every leaf that follows the kernel
+    (:func:`forge_jax.parallel.follows_kernel`), the scalars replicated.
   """
   _validate(x, variables, bias, spec, layer_index)
-  from forge_jax import parallel  # pylint: disable=import-outside-toplevel
-  parallel.check_unpartitioned(x, variables)
-  return _forge_dense(spec, x, variables, bias, layer_index)
+  stacked = layer_index is not None
+  if layout is None:
+    parallel.check_unpartitioned(x, variables, where)
+    layout = parallel.unsharded_layout(jnp.ndim(x))
+  else:
+    parallel.check_layout(x, variables, layout, where, stacked)
+    x, variables, bias = parallel.to_layout(x, variables, bias, layout, stacked)
+  return _forge_dense(spec, layout, x, variables, bias, layer_index)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _forge_dense(spec, x, variables, bias, layer_index):
-  return _dense(x, stacks.layer_entry(variables.kernel, layer_index), bias, spec)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _forge_dense(spec, layout, x, variables, bias, layer_index):
+  return _forward(spec, layout, x, variables, bias, layer_index)
 
 
 def check_differentiated(x, variables, bias):
@@ -193,14 +218,14 @@ def primal_values(tree):
       is_leaf=lambda p: isinstance(p, jax.custom_derivatives.CustomVJPPrimal))
 
 
-def _forge_dense_fwd(spec, x, variables, bias, layer_index):
+def _forge_dense_fwd(spec, layout, x, variables, bias, layer_index):
   check_differentiated(x, variables, bias)
   x, variables, bias, layer_index = primal_values(
       (x, variables, bias, layer_index))
   # The dot itself, not a nested call of the custom_vjp: remat policies
   # (``dots_saveable``, ...) see a dot_general and may save its output.
-  y = _dense(x, stacks.layer_entry(variables.kernel, layer_index), bias, spec)
-  return y, (x, variables, bias, layer_index)
+  return (_forward(spec, layout, x, variables, bias, layer_index),
+          (x, variables, bias, layer_index))
 
 
 def order_after(dx):
@@ -253,25 +278,126 @@ def stepped(variables: ForgeVariables, new_kernel, new_state, skipped,
       intact=variables.intact)
 
 
-def _forge_dense_bwd(spec, residuals, dy):
+# ---------------------------------------------------------------------------
+# The forward and backward of one shard, with the collectives the layout
+# plans. A collective over no axes is the identity: with the one-device
+# layout this is the unsharded op, run on the global arrays directly.
+
+
+def _psum(value, axes):
+  return lax.psum(value, axes) if axes else value
+
+
+def _all_gather(value, where):
+  if where is None:
+    return value
+  dim, axes = where
+  return lax.all_gather(value, axes, axis=dim, tiled=True)
+
+
+def _reduce(value, axes, scatter):
+  """Sum partials over ``axes``; reduce-scatter the ``scatter`` part."""
+  if scatter is None:
+    return _psum(value, axes)
+  dim, scattered = scatter
+  value = _psum(value, tuple(a for a in axes if a not in scattered))
+  return lax.psum_scatter(value, scattered, scatter_dimension=dim, tiled=True)
+
+
+def _on_every_shard(flag, axes):
+  """Whether the boolean scalar ``flag`` holds on every shard over ``axes``
+  (pmin of a value over axes it does not vary on is the value itself)."""
+  if not axes:
+    return flag
+  return lax.pmin(flag.astype(jnp.int32), axes) > 0
+
+
+def _forward(spec, layout, x, variables, bias, layer_index):
+  forward = functools.partial(_local_forward, spec, layout)
+  if layout.mesh is not None:
+    x_s, v_s, b_s, i_s = parallel.operand_specs(layout, variables, bias,
+                                                 layer_index is not None)
+    forward = parallel.per_shard(forward, layout, (x_s, v_s.kernel, b_s, i_s),
+                                 layout.y_spec())
+  return forward(x, variables.kernel, bias, layer_index)
+
+
+def _local_forward(spec, layout, x, kernel, bias, layer_index):
+  x = _all_gather(x, layout.gather)
+  reduce = functools.partial(_reduce, axes=layout.k_axes,
+                             scatter=layout.scatter)
+  return _dense(x, stacks.layer_entry(kernel, layer_index), bias, spec, reduce)
+
+
+def _local_backward(spec, layout, x, variables, bias, layer_index, dy):
+  kernel = stacks.layer_entry(variables.kernel, layer_index)
+  x = _all_gather(x, layout.gather)      # the tokens the forward used
+  dy = _all_gather(dy, layout.scatter)   # transpose of the reduce-scatter
+  # dx and dbias exactly as autodiff of flax.linen.Dense, with the old
+  # kernel; then dx summed over the kernel's N axes, dbias over the tokens'
+  # data axes.
+  _, dense_vjp = jax.vjp(lambda x, b: _dense(x, kernel, b, spec), x, bias)
+  dx, dbias = dense_vjp(dy)
+  dx = _reduce(dx, layout.n_axes, layout.gather)
+  if dbias is not None:
+    dbias = _psum(dbias, layout.data_axes)
+
+  after_dx = order_after(dx)
+  # One decision for the whole layer: skip it when any shard's dY is not
+  # finite.
+  finite = _on_every_shard(jnp.all(jnp.isfinite(dy)), layout.mesh_axes)
+  apply = jnp.logical_and(finite, after_dx)
+  scalars = step_scalars(spec, variables, layer_index)
+  x_c, _, _ = flax_dtypes.promote_dtype(x, kernel, None, dtype=spec.dtype)
+  step = layer_step(variables, layer_index)
+  offset = _shard_offset(layout, kernel.shape)
+  if layout.data_axes:  # data_parallel == 'psum'
+    grad = backends.weight_gradient(x_c, dy, spec.precision)
+    grad = lax.psum(grad, layout.data_axes)
+    new_kernel, new_state, skipped = backends.apply_gradient(
+        spec, grad, variables.kernel, variables.opt_state, scalars, apply,
+        step=step, offset=offset, layer_index=layer_index)
+  else:
+    backend = backends.select(spec.implementation, x_c, dy, kernel,
+                              spec.optimizer)
+    new_kernel, new_state, skipped = backend(
+        spec, x_c, dy, variables.kernel, variables.opt_state, scalars, apply,
+        step=step, offset=offset, layer_index=layer_index)
+  skipped = _psum(skipped, layout.k_axes + layout.n_axes)
+  return dx, stepped(variables, new_kernel, new_state, skipped, apply,
+                     layer_index), dbias
+
+
+def _shard_offset(layout, local_shape) -> Optional[tuple]:
+  """The global ``(row, column)`` of this shard's kernel element ``(0, 0)``
+  (stochastic rounding hashes global indices: the bits of one device);
+  None for a kernel that is not sharded."""
+  if not layout.k_axes and not layout.n_axes:
+    return None
+  return tuple(_axis_offset(axes, size)
+               for axes, size in zip(layout.kernel, local_shape))
+
+
+def _axis_offset(axes, local_size):
+  """This shard's first global index along a dimension sharded over
+  ``axes`` (the first axis major, as in a PartitionSpec)."""
+  if not axes:
+    return jnp.zeros((), jnp.int32)
+  return lax.axis_index(axes) * local_size
+
+
+def _forge_dense_bwd(spec, layout, residuals, dy):
   x, variables, bias, layer_index = residuals
   if isinstance(dy, SymbolicZero):
     dy = jnp.zeros(dy.shape, dy.dtype)
-  kernel = stacks.layer_entry(variables.kernel, layer_index)
-  # dx and dbias exactly as autodiff of flax.linen.Dense, with the old kernel.
-  _, dense_vjp = jax.vjp(lambda x, b: _dense(x, kernel, b, spec), x, bias)
-  dx, dbias = dense_vjp(dy)
-  after_dx = order_after(dx)
-  apply = jnp.logical_and(jnp.all(jnp.isfinite(dy)), after_dx)
-  scalars = step_scalars(spec, variables, layer_index)
-  x_c, _, _ = flax_dtypes.promote_dtype(x, kernel, None, dtype=spec.dtype)
-  backend = backends.select(spec.implementation, x_c, dy, kernel,
-                            spec.optimizer)
-  new_kernel, new_state, skipped = backend(
-      spec, x_c, dy, variables.kernel, variables.opt_state, scalars, apply,
-      step=layer_step(variables, layer_index), layer_index=layer_index)
-  new_variables = stepped(variables, new_kernel, new_state, skipped, apply,
-                          layer_index)
+  backward = functools.partial(_local_backward, spec, layout)
+  if layout.mesh is not None:
+    x_s, v_s, b_s, i_s = parallel.operand_specs(layout, variables, bias,
+                                                 layer_index is not None)
+    backward = parallel.per_shard(
+        backward, layout, (x_s, v_s, b_s, i_s, layout.y_spec()),
+        (x_s, v_s, b_s))
+  dx, new_variables, dbias = backward(x, variables, bias, layer_index, dy)
   return dx, new_variables, dbias, None
 
 
