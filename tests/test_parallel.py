@@ -796,6 +796,41 @@ def test_nonfinite_dy_on_one_shard_skips_the_whole_layer():
   assert float(new[COLL]["count"]) == 1.0
 
 
+# The op with a layout: the one-device op run per shard.
+
+OP_LAYOUTS = {
+    "column-sp": dict(kernel_spec=P(None, "model"), x_spec=(None, "model", None)),
+    "row-sp": dict(kernel_spec=P("model", None), x_spec=(None, None, "model"),
+                   y_spec=(None, "model", None)),
+}
+
+
+@needs_devices
+@pytest.mark.parametrize("tp", [1, 4])
+@pytest.mark.parametrize("name", sorted(OP_LAYOUTS))
+def test_forge_dense_with_a_layout_is_the_one_device_op(name, tp):
+  """``fj.forge_dense`` given a ``parallel.plan_layout`` layout against the
+  same call without one: output, dx, dbias and the stepped variables; on a
+  mesh of one device, bit for bit."""
+  spec = fj.FusedDenseSpec(OPT, "xla")
+  keys = jax.random.split(jax.random.key(3), 4)
+  x = jax.random.normal(keys[0], (2, 8, 16))
+  variables = fj.init_variables(OPT, jax.random.normal(keys[1], (16, 32)))
+  bias = jax.random.normal(keys[2], (32,))
+  dy = jax.random.normal(keys[3], (2, 8, 32))
+  layout = parallel.plan_layout(parallel.make_mesh(tp), 3, **OP_LAYOUTS[name])
+
+  def step(layout, x, variables, bias, dy):
+    y, vjp = jax.vjp(lambda *a: fj.forge_dense(*a, spec, layout=layout),
+                     x, variables, bias)
+    return y, vjp(dy)
+
+  want = jax.jit(functools.partial(step, None))(x, variables, bias, dy)
+  got = jax.jit(functools.partial(step, layout))(x, variables, bias, dy)
+  _assert_trees_close(_host(got), _host(want), rtol=0 if tp == 1 else RTOL)
+  assert float(got[1][1].count) == 1.0
+
+
 def test_layout_errors_are_clear():
   mesh = jax.sharding.AbstractMesh((2, 2), ("data", "model"))
   with pytest.raises(ValueError, match="features are sharded over model but "
