@@ -1,5 +1,5 @@
 """Largest micro-batch under a per-process memory cap, and its throughput, at
-a given tensor-parallel degree: FORGE against nn.Dense + optax (issue #8).
+a given tensor-parallel degree: FORGE against nn.Dense + optax.
 
 For each variant, micro-batches 1, 2, 4, ... (up to ``--max-batch``) run
 each in a fresh process whose XLA allocator is capped with

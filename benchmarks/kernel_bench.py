@@ -20,7 +20,6 @@ memory of the fused step (aliasing). Results: JSON (see --out).
   python benchmarks/kernel_bench.py --suite mosaic --out results.json
   python benchmarks/kernel_bench.py --suite mosaic --mosaic-defaults --out r.json
   python benchmarks/kernel_bench.py --suite mosaic-diag --out diag.json
-  python benchmarks/kernel_bench.py --suite mosaic-overlap --out overlap.json
   python benchmarks/kernel_bench.py --suite tiny   # CPU, interpret mode
 """
 
@@ -33,13 +32,14 @@ import json
 import statistics
 import sys
 import time
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import optax
 
 import forge_jax as fj
-from forge_jax.ops import backends, mosaic_kernel, triton_kernel
+from forge_jax.ops import backends, mosaic, triton_kernel
 from forge_jax.ops.fused_dense import FusedDenseSpec
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
@@ -83,8 +83,8 @@ def make_inputs(key, tokens, k, n, act_dtype=jnp.bfloat16):
 
 def fused_step(optimizer, config, interpret=None):
   """The fused kernel that ``config`` configures (Triton or Mosaic GPU)."""
-  update = (mosaic_kernel.mosaic_update
-            if isinstance(config, mosaic_kernel.MosaicConfig)
+  update = (mosaic.mosaic_update
+            if isinstance(config, mosaic.MosaicConfig)
             else triton_kernel.triton_update)
   spec = FusedDenseSpec(optimizer=optimizer)
 
@@ -251,14 +251,15 @@ SWEEP_CONFIGS = [
 
 
 MOSAIC_SWEEP_CONFIGS = [
-    # Session 5 (float32 storage): the session-4 default beside the pingpong
-    # schedule (a warpgroup per 128 x 128 tile, the two taking turns).
-    mosaic_kernel.MosaicConfig(max_concurrent_steps=5, epilogue_slots=1),
-    mosaic_kernel.MosaicConfig(schedule="pingpong", tile_n=128,
+    # float32 storage: the inline schedule with five stages and one
+    # epilogue buffer a warpgroup beside pingpong (a warpgroup per 128 x 128
+    # tile, the two taking turns).
+    mosaic.MosaicConfig(max_concurrent_steps=5, epilogue_slots=1),
+    mosaic.MosaicConfig(schedule="pingpong", tile_n=128,
                                max_concurrent_steps=5, epilogue_slots=1),
-    mosaic_kernel.MosaicConfig(schedule="pingpong", tile_n=128,
+    mosaic.MosaicConfig(schedule="pingpong", tile_n=128,
                                max_concurrent_steps=4, epilogue_slots=1),
-    mosaic_kernel.MosaicConfig(schedule="pingpong", tile_n=128,
+    mosaic.MosaicConfig(schedule="pingpong", tile_n=128,
                                max_concurrent_steps=3, epilogue_slots=2),
 ]
 
@@ -294,7 +295,7 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--suite", default="quick",
                       choices=["tiny", "quick", "sweep", "full", "mosaic",
-                               "mosaic-diag", "mosaic-overlap"])
+                               "mosaic-diag"])
   parser.add_argument("--out", default="kernel_bench.json")
   parser.add_argument("--config", default=None,
                       help="block_k,block_n,block_t,num_warps,num_stages")
@@ -347,10 +348,6 @@ def main():
     mosaic_diagnosis(result, save, configs, *args.diag_shape,
                      extras=configs is None or args.diag_extras,
                      token_counts=tuple(args.tokens or (512, 2048, 8192)))
-    return
-  if args.suite == "mosaic-overlap":
-    mosaic_diagnosis(result, save, MOSAIC_OVERLAP_CONFIGS,
-                     token_counts=(64, 512, 2048))
     return
 
   # 1. Correctness at Llama-3.1-8B layer shapes, every optimizer.
@@ -417,49 +414,29 @@ def main():
   print(json.dumps(summary, indent=1))
 
 
-def _pingpong(**fields) -> mosaic_kernel.MosaicConfig:
-  return mosaic_kernel.MosaicConfig(schedule="pingpong", tile_n=128, **fields)
+def _pingpong(**fields) -> mosaic.MosaicConfig:
+  return mosaic.MosaicConfig(schedule="pingpong", tile_n=128, **fields)
 
 
-def _four_wgs(**fields) -> mosaic_kernel.MosaicConfig:
-  return mosaic_kernel.MosaicConfig(compute_wgs=4, **fields)
-
-
-#: bf16 kernel and states (the whole-step configuration): which epilogue
-#: schedule is fastest, and where the time goes.
+#: bf16 kernel and states (the whole-step configuration): which schedule is
+#: fastest, and where the time goes.
 MOSAIC_DIAG_CONFIGS = {
     # The defaults first (the first is also timed without the rule's
     # arithmetic and as plain SGD): inline below 2048 tokens, pingpong from
     # there; inline with four stages (a power-of-two ring) and with 64 x 16
     # sub-tiles.
-    "inline-steps5": mosaic_kernel.MosaicConfig(max_concurrent_steps=5),
+    "inline-steps5": mosaic.MosaicConfig(max_concurrent_steps=5),
     "pingpong-steps4-slots3": _pingpong(max_concurrent_steps=4,
                                         epilogue_slots=3),
-    "inline-steps4": mosaic_kernel.MosaicConfig(max_concurrent_steps=4),
-    "inline-steps5-en16": mosaic_kernel.MosaicConfig(max_concurrent_steps=5,
-                                                     epilogue_n=16),
-    # Session 7: the kernel and state windows through the main loop's ring
-    # (bf16 storage only), five and six buffers.
-    "ring-steps5": mosaic_kernel.MosaicConfig(schedule="ring",
-                                              max_concurrent_steps=5),
-    "ring-steps6": mosaic_kernel.MosaicConfig(schedule="ring",
-                                              max_concurrent_steps=6),
-    # Session 8: one compute warpgroup on 128 x 128 tiles hands its
-    # accumulator to two epilogue warpgroups (mosaic_kernel.
-    # TWO_EPILOGUE_WG_CONFIGS): three stages and two buffers each, four
-    # stages and one buffer, four stages and two 64 x 16 buffers.
-    "ew2-steps3-slots2": mosaic_kernel.TWO_EPILOGUE_WG_CONFIGS[0],
-    "ew2-steps4-slots1": mosaic_kernel.TWO_EPILOGUE_WG_CONFIGS[1],
-    "ew2-steps4-en16-slots2": mosaic_kernel.TWO_EPILOGUE_WG_CONFIGS[2],
-    # Session 6: four compute warpgroups (a 128 x 256 CTA tile, 64 columns
-    # each), meant to put twice the warps on the rule and the loads. Exact
-    # but slower on the H200: at 104 registers a thread they spill.
-    "wg4-steps3-en16-slots2": _four_wgs(max_concurrent_steps=3, epilogue_n=16,
-                                        epilogue_slots=2),
-    "wg4-steps3-slots1": _four_wgs(max_concurrent_steps=3, epilogue_slots=1),
-    "wg4-steps2-slots2": _four_wgs(max_concurrent_steps=2, epilogue_slots=2),
-    "wg4-steps4-en16-slots1": _four_wgs(max_concurrent_steps=4, epilogue_n=16,
-                                        epilogue_slots=1),
+    "inline-steps4": mosaic.MosaicConfig(max_concurrent_steps=4),
+    "inline-steps5-en16": mosaic.MosaicConfig(max_concurrent_steps=5,
+                                              epilogue_n=16),
+    # Does the W / m / v stream evict x and dy from L2? Then the tile order
+    # (the grid's width of consecutive N-blocks) changes the time.
+    "inline-steps5-width1": mosaic.MosaicConfig(max_concurrent_steps=5,
+                                                grid_tile_width=1),
+    "inline-steps5-width32": mosaic.MosaicConfig(max_concurrent_steps=5,
+                                                 grid_tile_width=32),
 }
 
 
@@ -471,33 +448,27 @@ def _rule_free_update(optimizer, grad, kernel, state, *_, **__):
 
 
 @contextlib.contextmanager
+def mosaic_patched(name: str, value: Any, enabled: bool = True):
+  """While active (and ``enabled``), every module of the Mosaic kernel sees
+  ``value`` as ``name`` (a kernel traced inside uses it)."""
+  modules = [m for key, m in list(sys.modules.items())
+             if key.startswith("forge_jax.ops.mosaic") and hasattr(m, name)]
+  originals = [getattr(m, name) for m in modules]
+  if enabled:
+    for module in modules:
+      setattr(module, name, value)
+  try:
+    yield
+  finally:
+    for module, original in zip(modules, originals):
+      setattr(module, name, original)
+
+
 def rule_free_epilogue(enabled: bool = True):
   """While active (and ``enabled``), the Mosaic kernel traces its epilogue
   without the optimizer's arithmetic: a step must first be called (traced)
   inside."""
-  original = mosaic_kernel.apply_update
-  if enabled:
-    mosaic_kernel.apply_update = _rule_free_update
-  try:
-    yield
-  finally:
-    mosaic_kernel.apply_update = original
-
-
-#: Does the epilogue's traffic overlap the main loop? At 64 tokens (one
-#: pipeline step a tile) the kernel is nearly all epilogue: its W / m / v
-#: traffic alone. At 512, x and dy (19 MB) fit in L2 but the 705 MB of W /
-#: m / v streaming through it may evict them: then the tile order (the grid's
-#: width of consecutive N-blocks) should change the time.
-MOSAIC_OVERLAP_CONFIGS = {
-    "inline-steps5": mosaic_kernel.MosaicConfig(max_concurrent_steps=5),
-    "inline-steps5-width1": mosaic_kernel.MosaicConfig(
-        max_concurrent_steps=5, grid_tile_width=1),
-    "inline-steps5-width32": mosaic_kernel.MosaicConfig(
-        max_concurrent_steps=5, grid_tile_width=32),
-    "pingpong-steps4-slots3": _pingpong(max_concurrent_steps=4,
-                                        epilogue_slots=3),
-}
+  return mosaic_patched("apply_update", _rule_free_update, enabled)
 
 
 def mosaic_diagnosis(result, save, configs=None, k=4096, n=14336,
@@ -547,7 +518,7 @@ def mosaic_diagnosis(result, save, configs=None, k=4096, n=14336,
                    indent=1))
 
 
-def mosaic_sweep(result, save, triton_config) -> mosaic_kernel.MosaicConfig:
+def mosaic_sweep(result, save, triton_config) -> mosaic.MosaicConfig:
   """Times every MOSAIC_SWEEP_CONFIGS entry at 4096 x 4096 (T = 8192, 2048)
   and returns the best over both token counts: least summed time relative
   to each count's fastest (correct runs only)."""
@@ -578,8 +549,8 @@ def mosaic_sweep(result, save, triton_config) -> mosaic_kernel.MosaicConfig:
   complete = [k for k in score
               if sum(json.dumps(r["mosaic_config"], sort_keys=True) == k
                      for r in ok) == len(fastest)]
-  return (mosaic_kernel.MosaicConfig(**json.loads(min(complete, key=score.get)))
-          if complete else mosaic_kernel.MosaicConfig())
+  return (mosaic.MosaicConfig(**json.loads(min(complete, key=score.get)))
+          if complete else mosaic.MosaicConfig())
 
 
 def mosaic_suite(args, result, save, triton_config, started):
@@ -588,7 +559,7 @@ def mosaic_suite(args, result, save, triton_config, started):
   table beside the Triton kernel."""
   if args.mosaic_defaults:
     def config_for(optimizer, k, n, tokens):
-      return mosaic_kernel.default_config(
+      return mosaic.default_config(
           jax.ShapeDtypeStruct((tokens, k), jnp.bfloat16),
           jax.ShapeDtypeStruct((k, n), jnp.float32), optimizer)
   else:

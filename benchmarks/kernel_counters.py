@@ -53,17 +53,6 @@ PROBES = (
     ("gemm-T8192", "gemm", 8192, None, "adamw", False),
     ("pingpong-T8192-sgd", "fused", 8192, "pingpong-steps4-slots3", "sgd",
      False),
-    # Session 6: four compute warpgroups.
-    ("wg4-en16-T512", "fused", 512, "wg4-steps3-en16-slots2", "adamw", False),
-    ("wg4-slots1-T512", "fused", 512, "wg4-steps3-slots1", "adamw", False),
-    ("wg4-en16-T64-rule-free", "fused", 64, "wg4-steps3-en16-slots2", "adamw",
-     True),
-    ("wg4-en16-T2048", "fused", 2048, "wg4-steps3-en16-slots2", "adamw",
-     False),
-    # Session 8: two epilogue warpgroups (slower than inline at 512 tokens,
-    # even without the rule).
-    ("ew2-T512", "fused", 512, "ew2-steps4-slots1", "adamw", False),
-    ("ew2-T512-rule-free", "fused", 512, "ew2-steps4-slots1", "adamw", True),
 )
 
 

@@ -41,7 +41,7 @@ from jax.experimental.pallas import triton as plgpu
 
 import forge_jax as fj
 from forge_jax import quantization as Q
-from forge_jax.ops import backends, mosaic_kernel, triton_kernel
+from forge_jax.ops import backends, mosaic, triton_kernel
 from forge_jax.ops.fused_dense import FusedDenseSpec
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -68,7 +68,7 @@ OPTIMIZERS = {
 LOWP = dict(state_dtype="int8", weight_rounding="stochastic", rounding_seed=3)
 #: The fused kernels and their backend functions.
 KERNELS = {"triton": triton_kernel.triton_update,
-           "mosaic": mosaic_kernel.mosaic_update}
+           "mosaic": mosaic.mosaic_update}
 
 
 def _compare(a, b):
@@ -178,7 +178,7 @@ def mosaic_unsupported(name, k, n, tokens):
   x = jax.ShapeDtypeStruct((tokens, k), jnp.bfloat16)
   dy = jax.ShapeDtypeStruct((tokens, n), jnp.bfloat16)
   w = jax.ShapeDtypeStruct((k, n), jnp.bfloat16)
-  return mosaic_kernel.unsupported_reason(x, dy, w, OPTIMIZERS[name](**LOWP))
+  return mosaic.unsupported_reason(x, dy, w, OPTIMIZERS[name](**LOWP))
 
 
 def check_fused(name, k, n, tokens, steps, interpret, implementation="triton"):

@@ -22,6 +22,7 @@ steps (each blocked on), after two warm-up steps.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -35,8 +36,9 @@ from forge_jax import train as train_lib
 from forge_jax.models import llama
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from timing import kernel_profile, metadata, time_steps  # pylint: disable=wrong-import-position
-import buffer_report  # pylint: disable=wrong-import-position
+# pylint: disable=wrong-import-position
+from timing import kernel_profile, metadata, time_steps
+import buffer_report
 
 
 def main():
@@ -71,11 +73,19 @@ def main():
                       "only default config for this run")
   parser.add_argument("--out", required=True)
   args = parser.parse_args()
-  if args.mosaic_config:
-    from forge_jax.ops import mosaic_kernel  # pylint: disable=import-outside-toplevel
-    forced = mosaic_kernel.MosaicConfig(**json.loads(args.mosaic_config))
-    mosaic_kernel.ranked_configs = lambda *_: (forced,)
+  with contextlib.ExitStack() as stack:
+    if args.mosaic_config:
+      # pylint: disable=import-outside-toplevel
+      from forge_jax.ops import mosaic
+      from kernel_bench import mosaic_patched
+      forced = mosaic.MosaicConfig(**json.loads(args.mosaic_config))
+      stack.enter_context(mosaic_patched("ranked_configs",
+                                         lambda *_: (forced,)))
+    measure(args)
 
+
+def measure(args):
+  """Builds, compiles and times the step; writes ``args.out``."""
   optimizer = fj.adamw(1e-4, weight_decay=0.1, state_dtype=args.state_dtype,
                        weight_rounding=args.weight_rounding)
   overrides = dict(param_dtype=jnp.bfloat16, dtype=jnp.bfloat16,
@@ -121,6 +131,7 @@ def main():
       "config": args.config, "variant": args.variant,
       "num_layers": config.num_layers, "batch": args.batch, "seq": args.seq,
       "remat_policy": args.remat_policy,
+      "implementation": args.implementation,
       "mosaic_config": (json.loads(args.mosaic_config)
                         if args.mosaic_config else None),
       "param_dtype": "bfloat16",

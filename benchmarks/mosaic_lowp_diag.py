@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import forge_jax as fj
-from forge_jax.ops import backends, mosaic_kernel
+from forge_jax.ops import backends, mosaic
 from forge_jax.ops.fused_dense import FusedDenseSpec
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
@@ -40,7 +40,7 @@ def identical_fractions(opt, k=4096, n=1024, tokens=2048, count=3):
   step = jnp.int32(count)
   out = {}
   for name, impl in (("reference", backends.xla_update),
-                     ("mosaic", mosaic_kernel.mosaic_update)):
+                     ("mosaic", mosaic.mosaic_update)):
     spec = FusedDenseSpec(optimizer=opt, layer_id=9)
     fn = jax.jit(functools.partial(impl, spec, step=step))
     out[name] = jax.device_get(fn(x, dy, jnp.copy(w), jax.tree.map(jnp.copy, state),

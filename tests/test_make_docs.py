@@ -1,0 +1,90 @@
+"""The benchmark docs generator (benchmarks/make_docs.py) on the kept results."""
+
+import os
+import re
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+import make_docs  # pylint: disable=wrong-import-position
+
+
+def _row(gemm_ms, unfused_ms, mosaic_ms, k=1000, n=1000):
+  """An AdamW row of a kernel run: float32 W, m and v (12 bytes a weight)."""
+  return {"k": k, "n": n, "gemm": {"ms": gemm_ms},
+          "unfused": {"ms": unfused_ms}, "fused_mosaic": {"ms": mosaic_ms},
+          "fused_memory": {"weight_and_state_bytes": 12 * k * n}}
+
+
+def test_traffic_bound_times_the_fused_bytes_at_optax_bandwidth():
+  # optax's update moves 28 MB (W, m, v in and out, dW read) in 0.28 ms:
+  # 100 GB/s here, so the fused kernel's 24 MB take 0.24 ms.
+  bound = make_docs.traffic_bound(_row(0.2, 0.48, 0.6))
+  assert bound["bytes_per_param"] == 24
+  assert bound["tb_per_s"] == pytest.approx(0.1)
+  assert bound["bound_over_gemm"] == pytest.approx(0.24 / 0.2)
+  assert bound["best_speedup"] == pytest.approx(0.48 / 0.24)
+  assert bound["mosaic_over_bound"] == pytest.approx(0.6 / 0.24)
+  assert bound["mosaic_over_serial"] == pytest.approx(0.6 / 0.44)
+
+
+def test_traffic_bound_is_the_gemm_when_the_traffic_hides_under_it():
+  bound = make_docs.traffic_bound(_row(1.0, 1.28, 1.2))
+  assert bound["bound_over_gemm"] == pytest.approx(1.0)
+  assert bound["best_speedup"] == pytest.approx(1.28)
+  assert bound["mosaic_over_serial"] == pytest.approx(1.2 / 1.24)
+
+
+def _model_run(variant, step_ms, flags="", date="2026-11-30"):
+  return {"config": "llama-3.1-8b", "num_layers": 32, "variant": variant,
+          "batch": 1, "seq": 512, "step_ms_median": step_ms,
+          "step_ms_all": [step_ms], "peak_bytes_in_use": 2**30,
+          "compiled_temp_bytes": 0, "projection_kernel_bytes": 2**30,
+          "mosaic_config": None,
+          "meta": {"device": "H200", "jax_version": "0.11.2", "commit": "c0ffee0",
+                   "date": date, "xla_flags": flags},
+          "_file": f"model_memory_{variant}{flags}_c0ffee0.json"}
+
+
+def test_forge_is_paired_with_optax_only_under_the_same_xla_flags():
+  flag = "--xla_gpu_enable_dynamic_slice_fusion=true"
+  runs = [_model_run("optax", 110.0), _model_run("forge", 100.0),
+          _model_run("optax", 90.0, flag), _model_run("forge", 100.0, flag)]
+  text = make_docs.step_section(runs)
+  pairs = [line for line in text.splitlines()
+           if line.startswith("| llama-3.1-8b") and "1 x 512" in line]
+  assert len(pairs) == 2
+  assert "| 1.100 |" in next(p for p in pairs if flag not in p)
+  assert "| 0.900 |" in next(p for p in pairs if flag in p)
+
+
+def test_tables_take_the_newest_run_of_each_configuration():
+  runs = [_model_run("optax", 110.0), _model_run("forge", 100.0),
+          _model_run("forge", 50.0, date="2026-12-01")]
+  runs[2]["_file"] = "model_memory_forge_newer_c0ffee0.json"
+  table = make_docs.readme_table(runs)
+  assert "| 50 / 110 |" in table and "| 100 / 110 |" not in table
+
+
+def test_docs_are_generated_from_the_kept_results():
+  """README's generated sections and docs/benchmarks.md are what the
+  generator writes from benchmarks/results/, and every kept result file
+  appears in a table (older runs of a configuration leave the tree)."""
+  with open(make_docs.README) as f:
+    readme = f.read()
+  for name, body in make_docs.readme_sections().items():
+    section = re.search(rf"<!-- BEGIN {name} -->\n(.*?)\n<!-- END {name} -->",
+                        readme, re.S)
+    assert section and section.group(1) == body, (
+        f"README's {name!r} section is stale: run python "
+        "benchmarks/make_docs.py")
+  with open(make_docs.BENCHMARKS_MD) as f:
+    assert f.read() == make_docs.benchmarks_page(), (
+        "docs/benchmarks.md is stale: run python benchmarks/make_docs.py")
+  kept = {os.path.relpath(os.path.join(dirpath, name), ROOT)
+          for dirpath, _, names in os.walk(make_docs.RESULTS) for name in names}
+  assert kept == make_docs.used_results(), (
+      "result files no table uses: "
+      f"{sorted(kept - make_docs.used_results())}")
