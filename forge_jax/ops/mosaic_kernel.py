@@ -1349,10 +1349,18 @@ def mosaic_update(spec, x, dy, kernel, opt_state, scalars, apply,
       lowering_semantics=plgpu.LoweringSemantics.Warpgroup,
       unsafe_no_auto_barriers=True)
   name = "forge_fused_dense_update_mosaic"
-  if interpret:
-    # Interpret mode takes no refs: the new values are separate outputs.
-    from jax._src.pallas.mosaic_gpu.interpret import params  # pylint: disable=import-outside-toplevel
+  if interpret or layer_index is None:
+    # Separate outputs: interpret mode takes no refs; and an unstacked call
+    # must not alias its operands. Inside a loop (nn.scan's transpose, any
+    # lax.scan) XLA's dynamic-slice fusion hands an aliased Mosaic GPU call
+    # slices of the stacks it reads and writes, and the updated kernel and
+    # state never reach the loop's output (they come back as zeros).
     num = len(storage)
+    if interpret:
+      from jax._src.pallas.mosaic_gpu.interpret import params  # pylint: disable=import-outside-toplevel
+      x_operand, interpret_params = x2.T, params.InterpretGPUParams()
+    else:
+      x_operand, interpret_params = x2, None
     outputs = plgpu.kernel(
         lambda s, x, dy, *refs: kernel_fn(s, x, dy, refs[:num],
                                           refs[num:2 * num], refs[-1]),
@@ -1360,12 +1368,13 @@ def mosaic_update(spec, x, dy, kernel, opt_state, scalars, apply,
         + [skipped_type],
         grid=mesh.grid, grid_names=mesh.grid_names, num_threads=threads,
         thread_name="wg", compiler_params=compiler_params,
-        interpret=params.InterpretGPUParams(), kernel_name=name,
-    )(scalar_vector, x2.T, dy2, *storage)
+        interpret=interpret_params, kernel_name=name,
+    )(scalar_vector, x_operand, dy2, *storage)
     new_storage, skipped = outputs[:-1], outputs[-1]
   else:
-    # pl.kernel (not plgpu.kernel, whose batching wrapper rejects refs): the
-    # refs passed in are aliased in and out, so the update is in place.
+    # Stacked: the whole stacks go in as refs, aliased in and out, and the
+    # layer's entries are updated in place at its index (a TMA coordinate).
+    # pl.kernel, not plgpu.kernel, whose batching wrapper rejects refs.
     refs = [jax.new_ref(a) for a in storage]
     skipped_ref = jax.new_ref(jnp.zeros(skipped_type.shape, jnp.float32))
     pl.kernel(
