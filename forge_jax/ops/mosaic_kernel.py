@@ -30,25 +30,6 @@ running ahead into its next tile. On the H200 it is faster than the inline
 schedule from 2048 tokens (bf16 storage), slower at 512 (benchmarks/
 NOTES.md, session 5), so :func:`ranked_configs` puts it first from there.
 
-With ``schedule='epilogue-warpgroup'`` the compute warpgroups only
-accumulate: they hand their float32 parts through shared memory to one or
-two (``epilogue_wgs``) epilogue warpgroups that update the tile while they
-run the next one's main loop. It is correct but not faster on the H200: one
-epilogue warpgroup's issue rate bounds the rule (session 4); two, beside
-one compute warpgroup on 128 x 128 tiles, get 136 registers a thread, wait
-on their loads most of the time even without the rule, and their unrolled
-code no longer fits the instruction cache (session 8); the handed-over
-accumulators take 64 KB of the shared memory a deeper pipeline would use
-(benchmarks/NOTES.md). So it is not a default.
-
-With ``schedule='ring'`` (bf16 kernel and state) a tile's kernel and state
-windows are extra steps of the main loop's own ring of buffers: loaded as
-soon as the main loop frees a buffer, updated in place by the compute
-warpgroups, stored by the memory warpgroup before it refills the buffer.
-Exact, and as fast as the inline schedule from 512 tokens up (faster only
-when a kernel is almost all traffic: benchmarks/NOTES.md, session 7), so
-not a default.
-
 The kernel runs without Mosaic GPU's automatic warpgroup barriers
 (``unsafe_no_auto_barriers``): every barrier it needs is explicit.
 
@@ -121,7 +102,7 @@ DEFAULT_NUM_SMS = 132
 
 
 #: How a CTA's warpgroups share a tile's main loop and its epilogue.
-SCHEDULES = ("inline", "pingpong", "epilogue-warpgroup", "ring")
+SCHEDULES = ("inline", "pingpong")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,35 +122,12 @@ class MosaicConfig:
   - ``'inline'``: the compute warpgroups share a CTA tile of ``tile_k x
     (compute_wgs * tile_n)`` and each updates its part right after the
     tile's main loop. ``ctas_per_sm`` persistent CTAs share an SM (2: one's
-    epilogue overlaps the other's main loop, if both fit). Four compute
-    warpgroups are exact but get 104 registers a thread, where a 64-column
-    part and the rule spill: slower on the H200 (benchmarks/NOTES.md,
-    session 6).
+    epilogue overlaps the other's main loop, if both fit).
   - ``'pingpong'``: a CTA tile is one warpgroup's ``tile_k x tile_n``; the
     compute warpgroups take the CTA's tiles in turn, so one updates its tile
     while the other's wgmma run. A loader warpgroup fills each one's ring of
     ``epilogue_slots`` buffers ahead, across its tiles (``prefetch_step``
     does not apply).
-  - ``'epilogue-warpgroup'``: the compute warpgroups only accumulate; they
-    hand their float32 parts through shared memory to ``epilogue_wgs``
-    epilogue warpgroups, which update one tile while they run the next
-    one's main loop. Each epilogue warpgroup takes an equal share of every
-    part's sub-tiles (row blocks first) through its own ``epilogue_slots``
-    buffers, loaded ahead across tiles (``prefetch_step`` does not apply).
-    Two epilogue warpgroups put eight warps on the rule: with one compute
-    warpgroup on ``128 x 128`` tiles they fit the register file (192
-    registers a compute thread, 136 an epilogue thread).
-  - ``'ring'``: as ``'inline'``, but the kernel and state windows of a tile
-    (``tile_t`` rows of the CTA tile each) stream through the main loop's
-    own ring of dy buffers, as steps after the tile's x and dy steps, and
-    are updated in place there; the memory warpgroup stores each one once
-    both compute warpgroups have written it, then refills its buffer. The
-    windows' loads are thus issued as soon as the main loop frees a buffer,
-    up to ``max_concurrent_steps`` of them in flight, and the next tile's x
-    and dy as soon as the update frees one. The update works on ``tile_t x
-    tile_n`` sub-tiles (``epilogue_k``, ``epilogue_n``, ``epilogue_slots``
-    and ``prefetch_step`` do not apply); the kernel and every state leaf
-    must have the activations' dtype.
   """
 
   tile_k: int = 128
@@ -185,7 +143,6 @@ class MosaicConfig:
   prefetch_step: int = 0
   ctas_per_sm: int = 1
   schedule: str = "inline"
-  epilogue_wgs: int = 1
 
   def __post_init__(self):
     for name in ("tile_k", "tile_n", "tile_t", "epilogue_k", "epilogue_n"):
@@ -207,10 +164,8 @@ class MosaicConfig:
     if self.schedule not in SCHEDULES:
       raise ValueError(f"schedule={self.schedule!r} must be one of "
                        f"{SCHEDULES}")
-    allowed_wgs = (1, 2, 4) if self.schedule == "inline" else (1, 2)
-    if self.compute_wgs not in allowed_wgs:
-      raise ValueError(f"compute_wgs={self.compute_wgs} must be one of "
-                       f"{allowed_wgs} with schedule={self.schedule!r}")
+    if self.compute_wgs not in (1, 2):
+      raise ValueError(f"compute_wgs={self.compute_wgs} must be 1 or 2")
     if self.parts_per_tile > 1 and self.tile_n < 64:
       raise ValueError(
           f"tile_n={self.tile_n} must be at least 64 when "
@@ -221,43 +176,15 @@ class MosaicConfig:
       raise ValueError(f"ctas_per_sm={self.ctas_per_sm} must be 1 with "
                        f"schedule={self.schedule!r} (its warpgroups take the "
                        "SM's registers)")
-    if self.epilogue_wgs not in (1, 2) or (
-        self.epilogue_wgs > 1 and self.schedule != "epilogue-warpgroup"):
-      raise ValueError(f"epilogue_wgs={self.epilogue_wgs} must be 1, or 2 with "
-                       "schedule='epilogue-warpgroup'")
-    if self.schedule == "ring" and self.tile_k % self.tile_t:
-      raise ValueError(f"tile_t={self.tile_t} must divide tile_k={self.tile_k} "
-                       "(schedule='ring': a tile's kernel and state windows "
-                       "are tile_t rows each)")
     if self.schedule != "inline" and self.prefetch_step:
       raise ValueError(f"prefetch_step={self.prefetch_step} does not apply "
                        f"with schedule={self.schedule!r}")
-    compute, epilogue = warpgroup_registers(self)
-    if self.schedule == "epilogue-warpgroup":
-      if self.epilogue_subtiles % self.epilogue_wgs:
-        raise ValueError(
-            f"epilogue_wgs={self.epilogue_wgs} must divide the "
-            f"{self.epilogue_subtiles} epilogue sub-tiles of a part")
-      subtiles = (self.compute_wgs * self.epilogue_subtiles
-                  // self.epilogue_wgs)
-      if subtiles % self.epilogue_slots:
-        raise ValueError(
-            f"epilogue_slots={self.epilogue_slots} must divide the {subtiles} "
-            "epilogue sub-tiles of a CTA tile each epilogue warpgroup updates "
-            "(schedule='epilogue-warpgroup')")
-      if epilogue < MIN_EPILOGUE_REGISTERS:
-        raise ValueError(
-            f"the {self.tile_k} x {self.tile_n} accumulators take {compute} "
-            f"registers a thread in each of {self.compute_wgs} compute "
-            f"warpgroups, leaving {epilogue} < {MIN_EPILOGUE_REGISTERS} for "
-            + ("the epilogue warpgroup" if self.epilogue_wgs == 1 else
-               f"each of {self.epilogue_wgs} epilogue warpgroups"))
-    elif (self.schedule != "ring"
-          and not 1 <= self.epilogue_slots <= self.epilogue_subtiles):
+    if not 1 <= self.epilogue_slots <= self.epilogue_subtiles:
       raise ValueError(
           f"epilogue_slots={self.epilogue_slots} must be between 1 and the "
           f"{self.epilogue_subtiles} epilogue sub-tiles of a warpgroup's part")
     if self.schedule == "pingpong":
+      compute = accumulator_registers(self)
       available = compute_warpgroup_registers(self)
       if compute > available:
         raise ValueError(
@@ -277,14 +204,6 @@ class MosaicConfig:
     return 1 if self.schedule == "pingpong" else self.compute_wgs
 
   @property
-  def counters_per_tile(self) -> int:
-    """Warpgroups that update part of a tile, each counting its skipped
-    elements (:func:`skipped_rows_shape`)."""
-    if self.schedule == "epilogue-warpgroup":
-      return self.epilogue_wgs
-    return 1 if self.schedule == "pingpong" else self.compute_wgs
-
-  @property
   def cta_tile_n(self) -> int:
     return self.parts_per_tile * self.tile_n
 
@@ -295,21 +214,12 @@ class MosaicConfig:
 
   @property
   def num_warpgroups(self) -> int:
-    """Compute warpgroups, the memory warpgroup, and the epilogue or the
-    loader warpgroups."""
-    others = {"pingpong": 1, "epilogue-warpgroup": self.epilogue_wgs}
-    return self.compute_wgs + 1 + others.get(self.schedule, 0)
-
-  def ring_windows(self, num_leaves: int) -> int:
-    """Pipeline steps a tile's kernel and state windows take after its x and
-    dy steps (``schedule='ring'``)."""
-    return self.tile_k // self.tile_t * num_leaves
+    """Compute warpgroups, the memory warpgroup, and pingpong's loader."""
+    return self.compute_wgs + 1 + (self.schedule == "pingpong")
 
 
 #: Registers a thread of the memory warpgroup keeps (it only issues TMA).
 MEMORY_REGISTERS = 40
-#: Below this the epilogue warpgroup's rule would spill.
-MIN_EPILOGUE_REGISTERS = 128
 #: The most a thread may keep after setmaxnreg (as in JAX's Hopper attention
 #: kernel).
 MAX_REGISTERS = 232
@@ -333,20 +243,11 @@ def _released_registers(config: MosaicConfig, launch: int) -> int:
   return memory_wgs * (launch - MEMORY_REGISTERS)
 
 
-def warpgroup_registers(config: MosaicConfig) -> tuple:
-  """Per-thread registers of a compute warpgroup and of each epilogue
-  warpgroup (``schedule='epilogue-warpgroup'``; else what is left over): a
-  compute warpgroup keeps its float32 accumulator and 64 more (setmaxnreg
-  takes multiples of 8); the epilogue warpgroups share what the memory
-  warpgroup releases beyond the compute warpgroups' raises, at most
-  ``MAX_REGISTERS`` each."""
+def accumulator_registers(config: MosaicConfig) -> int:
+  """Per-thread registers a compute warpgroup needs: its float32
+  accumulator and 64 more (setmaxnreg takes multiples of 8)."""
   accumulator = config.tile_k * config.tile_n // 128
-  compute = -(-(accumulator + 64) // 8) * 8
-  launch = launch_registers(config)
-  raised = config.compute_wgs * max(0, compute - launch)
-  spare = _released_registers(config, launch) - raised
-  epilogue = launch + spare // config.epilogue_wgs
-  return compute, min(MAX_REGISTERS, epilogue // 8 * 8)
+  return -(-(accumulator + 64) // 8) * 8
 
 
 def compute_warpgroup_registers(config: MosaicConfig) -> int:
@@ -354,8 +255,8 @@ def compute_warpgroup_registers(config: MosaicConfig) -> int:
   schedules, at most ``MAX_REGISTERS`` (multiples of 8: setmaxnreg): its
   launch count and an even share of what the memory warpgroups release.
   (Splitting the register file minus the memory warpgroups' part instead
-  overdraws that pool when the warpgroups do not divide the file evenly:
-  with four compute warpgroups the kernel hung on the H200.) With
+  overdraws that pool when the warpgroups do not divide the file evenly,
+  and the last setmaxnreg waits forever.) With
   ``ctas_per_sm`` CTAs a CTA has its share of the file."""
   launch = (_REGISTER_FILE // config.ctas_per_sm // config.num_warpgroups
             // 8 * 8)
@@ -365,26 +266,18 @@ def compute_warpgroup_registers(config: MosaicConfig) -> int:
 
 
 def epilogue_buffers(config: MosaicConfig) -> int:
-  """A CTA's epilogue buffers: ``epilogue_slots`` per warpgroup that runs
-  the rule (compute or epilogue warpgroups; none with the ring's)."""
-  if config.schedule == "ring":
-    return 0
-  return config.epilogue_slots * (
-      config.epilogue_wgs if config.schedule == "epilogue-warpgroup"
-      else config.compute_wgs)
+  """A CTA's epilogue buffers: ``epilogue_slots`` per compute warpgroup."""
+  return config.epilogue_slots * config.compute_wgs
 
 
 def shared_memory_bytes(config: MosaicConfig, activation_itemsize: int,
                         storage_itemsizes) -> int:
-  """A CTA's pipeline buffers + its epilogue buffers (+ the accumulators
-  handed to the epilogue warpgroup)."""
+  """A CTA's pipeline buffers + its epilogue buffers."""
   pipeline = (config.max_concurrent_steps * config.tile_t
               * (config.tile_k + config.cta_tile_n) * activation_itemsize)
   epilogue = (epilogue_buffers(config) * config.epilogue_k * config.epilogue_n
               * sum(storage_itemsizes))
-  accumulators = (config.compute_wgs * config.tile_k * config.tile_n * 4
-                  if config.schedule == "epilogue-warpgroup" else 0)
-  return pipeline + epilogue + accumulators
+  return pipeline + epilogue
 
 
 #: Defaults, fastest first: the first whose buffers fit in shared memory and
@@ -418,20 +311,6 @@ PINGPONG_CONFIGS = (
                  epilogue_slots=2),
 )
 PINGPONG_MIN_TOKENS = 2048
-#: One compute warpgroup on 128 x 128 tiles, two epilogue warpgroups (eight
-#: warps on the rule while the next tile's wgmma run). With the 64 KB of
-#: handed-over accumulators a CTA fits three pipeline stages and two
-#: buffers an epilogue warpgroup, or four stages and one buffer (or two of
-#: 64 x 16). Not ranked: benchmarks/NOTES.md, session 8.
-TWO_EPILOGUE_WG_CONFIGS = tuple(
-    MosaicConfig(schedule="epilogue-warpgroup", compute_wgs=1, tile_n=128,
-                 epilogue_wgs=2, **fields)
-    for fields in (dict(max_concurrent_steps=3, epilogue_slots=2),
-                   dict(max_concurrent_steps=4, epilogue_slots=1),
-                   dict(max_concurrent_steps=4, epilogue_n=16,
-                        epilogue_slots=2)))
-
-
 def ranked_configs(tokens: int, quantized: bool = False) -> tuple:
   """The default configs for a call with ``tokens`` rows of x, fastest
   first."""
@@ -500,17 +379,6 @@ def unsupported_reason(x, dy, kernel, optimizer,
     return f"{x.shape=} has no tokens"
   config = config or _fitting_config(tokens, k, n, activation_itemsize,
                                      itemsizes, quantized)
-  if config.schedule == "ring":
-    storage = [kernel] + jax.tree.leaves(state)
-    if quantized or any(jnp.dtype(leaf.dtype) != jnp.dtype(x.dtype)
-                        for leaf in storage):
-      return (f"schedule='ring' streams the kernel and state through the "
-              f"activations' {jnp.dtype(x.dtype).name} buffers: got "
-              f"{sorted({jnp.dtype(leaf.dtype).name for leaf in storage})}")
-    if config.max_concurrent_steps < len(storage):
-      return (f"max_concurrent_steps={config.max_concurrent_steps} must be at "
-              f"least the {len(storage)} kernel and state leaves "
-              "(schedule='ring': a row block's windows are updated together)")
   if quantized and config.epilogue_n != quantization.BLOCK_SIZE:
     return (f"int8 states are quantized in blocks of "
             f"{quantization.BLOCK_SIZE} columns: epilogue_n="
@@ -591,7 +459,7 @@ def _swizzled(block_minor: int, dtype):
 
 class _Epilogue:
   """The update of ``epilogue_k x epilogue_n`` sub-tiles, shared by the
-  schedules (the ring's uses only :meth:`apply`): TMA loads of the kernel
+  schedules: TMA loads of the kernel
   and state windows into a shared-memory buffer, the rule in registers, the
   new values stored back in place.
 
@@ -695,11 +563,9 @@ def skipped_rows_shape(config: MosaicConfig, num_tiles: int) -> tuple:
 
   The kernel sums no count across warps: Mosaic GPU's cross-warp reduction
   uses one shared-memory scratch at the same offset for every warpgroup, so
-  two warpgroups reducing at once (the compute warpgroups of the inline,
-  ring and pingpong schedules, two epilogue warpgroups) could read each
-  other's partial sums."""
-  rows = config.tile_t if config.schedule == "ring" else config.epilogue_k
-  return (config.counters_per_tile * num_tiles, rows)
+  two warpgroups reducing at once (the compute warpgroups of either
+  schedule) could read each other's partial sums."""
+  return (config.parts_per_tile * num_tiles, config.epilogue_k)
 
 
 def _fused_kernel(scalars_gmem, x_gmem, dy_gmem, storage_gmem, storage_out,
@@ -710,7 +576,7 @@ def _fused_kernel(scalars_gmem, x_gmem, dy_gmem, storage_gmem, storage_out,
   (on the GPU the same refs: in place). ``scalars_gmem`` is
   :func:`forge_jax.ops.update.pack_kernel_scalars`'s vector (``stacked``:
   the refs are ``[L, K, N]`` stacks, stepped at its layer index).
-  ``skipped_gmem[counters_per_tile * tile + counter]`` has the per-row
+  ``skipped_gmem[parts_per_tile * tile + part]`` has the per-row
   skipped counts of each tile's updating warpgroups
   (:func:`skipped_rows_shape`)."""
   # x is [tokens, k]; in interpret mode it arrives transposed, [k, tokens].
@@ -796,64 +662,39 @@ def _fused_kernel(scalars_gmem, x_gmem, dy_gmem, storage_gmem, storage_out,
     first_tile, num_ctas = lax.axis_index("sm"), lax.axis_size("sm")
     return (num_tiles - first_tile + num_ctas - 1) // num_ctas
 
-  def stream_tiles(x_smem, dy_smem, ready, consumed, stages,
-                   windows=None):
+  def stream_tiles(x_smem, dy_smem, ready, consumed, stages):
     """The memory warpgroup (every schedule): loads x and dy blocks of the
     CTA's tiles into a ring of ``stages`` buffers, the steps numbered across
     tiles so the ring runs on into the next tile. A step's loads arrive on
     ``ready(local_tile, slot)``; a slot is refilled once ``consumed`` says
-    its last step is done.
-
-    ``windows`` (the ring schedule): ``(count, load, store)``. A tile has
-    ``count`` more steps after its x and dy steps: ``load(linear, index,
-    slot, barrier)`` loads its window ``index`` into the slot's dy buffer,
-    and ``store(count, slot)`` writes back the window of the CTA's step
-    ``count`` (if it was one) before its buffer is refilled."""
+    its last step is done."""
     plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
-    num_windows, load_window, store_window = windows or (0, None, None)
-    per_tile = num_steps + num_windows
 
     @plgpu.nd_loop((num_tiles,), collective_axes="sm")
     def _tile_loop(loop_info: plgpu.NDLoopInfo):
-      (linear,) = loop_info.index
-      k0, cta_n0 = tile_origin(linear)
+      k0, cta_n0 = tile_origin(loop_info.index[0])
 
-      @pl.loop(0, per_tile)
+      @pl.loop(0, num_steps)
       def _step(t):
-        count = loop_info.local_index * per_tile + t
+        count = loop_info.local_index * num_steps + t
         slot = lax.rem(count, stages)
 
         @pl.when(count >= stages)
         def _wait_consumed():
           plgpu.barrier_wait(consumed.at[slot])
-          if windows:
-            store_window(count - stages, slot)
 
         barrier = ready(loop_info.local_index, slot)
+        plgpu.copy_gmem_to_smem(x_window(k0, t), x_smem.at[slot], barrier)
+        plgpu.copy_gmem_to_smem(
+            dy_gmem.at[pl.ds(t * tt, tt), pl.ds(cta_n0, cta_tn)],
+            dy_smem.at[slot], barrier)
 
-        def load_activations():
-          plgpu.copy_gmem_to_smem(x_window(k0, t), x_smem.at[slot], barrier)
-          plgpu.copy_gmem_to_smem(
-              dy_gmem.at[pl.ds(t * tt, tt), pl.ds(cta_n0, cta_tn)],
-              dy_smem.at[slot], barrier)
-
-        if windows:
-          pl.when(t < num_steps)(load_activations)
-          pl.when(t >= num_steps)(
-              lambda: load_window(linear, t - num_steps, slot, barrier))
-        else:
-          load_activations()
-
-    # Observe the last steps' releases too (and store their windows),
-    # leaving the barriers clean.
-    total = local_tiles() * per_tile
+    # Observe the last steps' releases too, leaving the barriers clean.
+    total = local_tiles() * num_steps
 
     @pl.loop(lax.max(total - stages, 0), total)
     def _drain(count):
-      slot = lax.rem(count, stages)
-      plgpu.barrier_wait(consumed.at[slot])
-      if windows:
-        store_window(count, slot)
+      plgpu.barrier_wait(consumed.at[lax.rem(count, stages)])
 
   def main_loop(acc_ref, x_smem, dy_smem, ready, consumed, stages, first,
                 part, after_wgmma=lambda t: None):
@@ -1062,227 +903,8 @@ def _fused_kernel(scalars_gmem, x_gmem, dy_gmem, storage_gmem, storage_out,
                                       buffer_free.at[buf]))
               skipped_gmem[linear] = skipped
 
-  def warpgroup_schedule():
-    """A memory warpgroup streams x and dy; the compute warpgroups accumulate
-    their parts and hand them through shared memory to the epilogue
-    warpgroups, which update one tile while they run the next one's main
-    loop. Each epilogue warpgroup takes its share of every part's
-    sub-tiles."""
-    stages, parts = config.max_concurrent_steps, config.compute_wgs
-    epilogue_wgs = config.epilogue_wgs
-    memory_wg, first_epilogue_wg = parts, parts + 1
-    compute_registers, epilogue_registers = warpgroup_registers(config)
-    share = len(part_subtiles) // epilogue_wgs
-
-    def subtiles(epilogue_wg):
-      """Epilogue warpgroup ``epilogue_wg``'s sub-tiles of a CTA tile, in
-      order: (part, index)."""
-      return [(part, index) for part in range(parts)
-              for index in range(epilogue_wg * share,
-                                 (epilogue_wg + 1) * share)]
-
-    @functools.partial(
-        pl.run_scoped,
-        **ring_buffers(stages),
-        acc_smem=plgpu.SMEM((parts, len(part_subtiles), ek, en), jnp.float32,
-                            transforms=_swizzled(en, jnp.float32)),
-        loaded=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-        consumed=plgpu.Barrier(num_arrivals=parts, num_barriers=stages),
-        acc_full=plgpu.Barrier(num_barriers=parts),
-        acc_free=plgpu.Barrier(num_arrivals=epilogue_wgs, num_barriers=parts),
-        **epilogue_allocations(),
-        collective_axes="wg",
-    )
-    def _scope(x_smem, dy_smem, acc_smem, loaded, consumed, acc_full,
-               acc_free, epilogue_smem, load_barriers):
-      wg = lax.axis_index("wg")
-      first_tile, num_ctas = lax.axis_index("sm"), lax.axis_size("sm")
-
-      @pl.when(wg == memory_wg)
-      def _memory():
-        stream_tiles(x_smem, dy_smem, lambda _, slot: loaded.at[slot],
-                     consumed, stages)
-
-      @pl.when(wg < parts)
-      def _compute():
-        take_registers(compute_registers)
-
-        @plgpu.nd_loop((num_tiles,), collective_axes="sm")
-        def _tile_loop(loop_info: plgpu.NDLoopInfo):
-          @functools.partial(pl.run_scoped,
-                             acc_ref=plgpu.ACC((tk, tn), jnp.float32))
-          def _acc_scope(acc_ref):
-            acc = main_loop(acc_ref, x_smem, dy_smem,
-                            lambda slot: loaded.at[slot], consumed, stages,
-                            loop_info.local_index * num_steps, wg)
-            plgpu.barrier_wait(acc_free.at[wg])
-            for index, (di, dj) in enumerate(part_subtiles):
-              acc_smem[wg, index] = acc[di:di + ek, dj:dj + en]
-            plgpu.barrier_arrive(acc_full.at[wg])
-
-        plgpu.barrier_wait(acc_free.at[wg])  # the last tile's: keep in step
-
-      def epilogue_warpgroup(epilogue_wg):
-        if epilogue_registers > launch_registers(config):
-          plgpu.set_max_registers(epilogue_registers, action="increase")
-        ep = epilogue(epilogue_smem, load_barriers)
-        mine = subtiles(epilogue_wg)
-        for part in range(parts):
-          plgpu.barrier_arrive(acc_free.at[part])  # nothing to read yet
-
-        def issue_loads(linear, position):
-          """Loads sub-tile ``position`` of tile ``linear`` (its buffer's
-          stores have read it)."""
-          k0, cta_n0 = tile_origin(linear)
-          part, index = mine[position]
-          di, dj = part_subtiles[index]
-          ep.issue_loads(epilogue_wg * slots + position % slots, k0 + di,
-                         cta_n0 + part * tn + dj, after_stores=False)
-
-        def refill(linear, following, position):
-          """Refills sub-tile ``position``'s buffer: a later sub-tile of
-          this tile, or one of the CTA's next tile (its loads then fly under
-          this tile's remaining updates and the next main loop)."""
-          if position + slots < len(mine):
-            issue_loads(linear, position + slots)
-          else:
-            @pl.when(following < num_tiles)
-            def _next_tile():
-              issue_loads(following, position + slots - len(mine))
-
-        for position in range(slots):
-          issue_loads(first_tile, position)  # every CTA has a first tile
-
-        @plgpu.nd_loop((num_tiles,), collective_axes="sm")
-        def _tile_loop(loop_info: plgpu.NDLoopInfo):
-          (linear,) = loop_info.index
-          following = linear + num_ctas
-          k0, cta_n0 = tile_origin(linear)
-          skipped = jnp.zeros((ek,), jnp.float32)
-          for position, (part, index) in enumerate(mine):
-            if position == 0 or mine[position - 1][0] != part:
-              plgpu.barrier_wait(acc_full.at[part])
-            di, dj = part_subtiles[index]
-            grad = acc_smem[part, index]
-            if position + 1 == len(mine) or mine[position + 1][0] != part:
-              # The part's last read: its compute warpgroup may overwrite
-              # it while the rule runs.
-              plgpu.barrier_arrive(acc_free.at[part])
-            skipped += ep.update(
-                epilogue_wg * slots + position % slots, k0 + di,
-                cta_n0 + part * tn + dj, grad,
-                functools.partial(refill, linear, following, position))
-          skipped_gmem[epilogue_wgs * linear + epilogue_wg] = skipped
-
-      for epilogue_wg in range(epilogue_wgs):
-        pl.when(wg == first_epilogue_wg + epilogue_wg)(
-            functools.partial(epilogue_warpgroup, epilogue_wg))
-
-  def ring_schedule():
-    """As the inline schedule, but a tile's kernel and state windows (tile_t
-    rows of the CTA tile each, row block by row block, leaf by leaf) follow
-    its x and dy steps through the dy buffers of one ring: the memory
-    warpgroup loads a window as soon as the main loop frees a buffer, the
-    compute warpgroups update their columns of it in place, and the memory
-    warpgroup stores it before refilling that buffer with the next steps."""
-    stages, wgs = config.max_concurrent_steps, config.compute_wgs
-    compute_registers = compute_warpgroup_registers(config)
-    num_leaves = len(storage_gmem)
-    num_windows = config.ring_windows(num_leaves)
-    per_tile = num_steps + num_windows
-
-    def for_leaf(index, body):
-      """``body(leaf)`` for window ``index``'s leaf (a traced index)."""
-      for leaf in range(num_leaves):
-        pl.when(lax.rem(index, num_leaves) == leaf)(
-            functools.partial(body, leaf))
-
-    @functools.partial(
-        pl.run_scoped,
-        **ring_buffers(stages),
-        loaded=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-        consumed=plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),
-        collective_axes="wg",
-    )
-    def _scope(x_smem, dy_smem, loaded, consumed):
-      wg = lax.axis_index("wg")
-      first_tile, num_ctas = lax.axis_index("sm"), lax.axis_size("sm")
-      ep = epilogue([], None)
-
-      def window(ref, linear, index):
-        """Window ``index`` (row block, leaf) of tile ``linear`` in ``ref``."""
-        k0, cta_n0 = tile_origin(linear)
-        return ref.at[(*ep.layer, pl.ds(k0 + index // num_leaves * tt, tt),
-                       pl.ds(cta_n0, cta_tn))]
-
-      def store_window(count, slot):
-        """Stores the slot's window of the CTA's step ``count``, if it held
-        one (both compute warpgroups have updated it), and waits until the
-        store has read the buffer."""
-        linear = first_tile + count // per_tile * num_ctas
-        t = count % per_tile
-
-        @pl.when(t >= num_steps)
-        def _store():
-          def store(leaf):
-            plgpu.copy_smem_to_gmem(
-                dy_smem.at[slot],
-                window(storage_out[leaf], linear, t - num_steps))
-          for_leaf(t - num_steps, store)
-          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
-      def load_window(linear, index, slot, barrier):
-        def load(leaf):
-          plgpu.copy_gmem_to_smem(
-              window(storage_gmem[leaf], linear, index),
-              dy_smem.at[slot], barrier)
-        for_leaf(index, load)
-        plgpu.barrier_arrive(barrier)  # in place of x's load
-
-      @pl.when(wg == wgs)
-      def _memory():
-        stream_tiles(x_smem, dy_smem, lambda _, slot: loaded.at[slot],
-                     consumed, stages,
-                     (num_windows, load_window, store_window))
-
-      @pl.when(wg < wgs)
-      def _compute():
-        take_registers(compute_registers)
-        columns = pl.ds(wg * tn, tn)
-
-        @plgpu.nd_loop((num_tiles,), collective_axes="sm")
-        def _tile_loop(loop_info: plgpu.NDLoopInfo):
-          (linear,) = loop_info.index
-          k0, cta_n0 = tile_origin(linear)
-          first = loop_info.local_index * per_tile
-
-          @functools.partial(pl.run_scoped,
-                             acc_ref=plgpu.ACC((tk, tn), jnp.float32))
-          def _acc_scope(acc_ref):
-            acc = main_loop(acc_ref, x_smem, dy_smem,
-                            lambda slot: loaded.at[slot], consumed, stages,
-                            first, wg)
-            skipped = jnp.zeros((tt,), jnp.float32)
-            for row in range(tk // tt):
-              slots = [lax.rem(first + num_steps + row * num_leaves + leaf,
-                               stages) for leaf in range(num_leaves)]
-              for slot in slots:
-                plgpu.barrier_wait(loaded.at[slot])
-              values = [dy_smem.at[slot, :, columns][...] for slot in slots]
-              new_values, row_skipped = ep.apply(
-                  acc[row * tt:(row + 1) * tt], values, k0 + row * tt,
-                  cta_n0 + wg * tn)
-              skipped += row_skipped
-              for slot, value in zip(slots, new_values):
-                dy_smem.at[slot, :, columns][...] = value
-              plgpu.commit_smem()  # visible to the memory warpgroup's TMA
-              for slot in slots:
-                plgpu.barrier_arrive(consumed.at[slot])
-            skipped_gmem[wgs * linear + wg] = skipped
-
-  {"inline": inline_schedule, "pingpong": pingpong_schedule,
-   "epilogue-warpgroup": warpgroup_schedule,
-   "ring": ring_schedule}[config.schedule]()
+  {"inline": inline_schedule,
+   "pingpong": pingpong_schedule}[config.schedule]()
   plgpu.wait_smem_to_gmem(0, wait_read_only=False)
 
 
