@@ -1,6 +1,6 @@
 """The Mosaic GPU kernel (GPU interpret mode on CPU) against the XLA reference.
 
-``mosaic_kernel.mosaic_update`` has ``backends.xla_update``'s contract. On
+``mosaic.mosaic_update`` has ``backends.xla_update``'s contract. On
 CPU it runs in Mosaic GPU's interpret mode, which simulates the CTAs'
 warpgroups, shared memory, TMA copies and barriers, so the persistent tile
 loop, the warp-specialized pipeline and the epilogue's load/update/store
@@ -26,7 +26,8 @@ import pytest
 
 import forge_jax as fj
 from forge_jax import quantization as Q
-from forge_jax.ops import backends, mosaic_kernel, triton_kernel
+from forge_jax.ops import backends, mosaic, triton_kernel
+from forge_jax.ops.mosaic import config as mosaic_config
 from forge_jax.ops.fused_dense import FusedDenseSpec
 
 from conftest import (assert_bitwise_equal, assert_same_bits, bits,
@@ -42,24 +43,24 @@ from test_low_precision import exact_inputs
 SMALL = dict(tile_k=64, tile_n=64, tile_t=64, max_concurrent_steps=2,
              epilogue_k=64)
 CONFIGS = {
-    "all-prefetched": mosaic_kernel.MosaicConfig(**SMALL, epilogue_n=32,
+    "all-prefetched": mosaic.MosaicConfig(**SMALL, epilogue_n=32,
                                                  epilogue_slots=2),
-    "double-buffered": mosaic_kernel.MosaicConfig(
+    "double-buffered": mosaic.MosaicConfig(
         **SMALL, epilogue_n=16, epilogue_slots=2, prefetch_step=0),
-    "single-buffered": mosaic_kernel.MosaicConfig(**SMALL, epilogue_n=32,
+    "single-buffered": mosaic.MosaicConfig(**SMALL, epilogue_n=32,
                                                   epilogue_slots=1),
-    "one-warpgroup": mosaic_kernel.MosaicConfig(**SMALL, epilogue_n=32,
+    "one-warpgroup": mosaic.MosaicConfig(**SMALL, epilogue_n=32,
                                                 epilogue_slots=2,
                                                 compute_wgs=1),
     # A 64 x 64 tile per warpgroup, in turns: four tiles a CTA, two steps
     # each; two 64 x 32 sub-tiles per tile in two buffers per warpgroup,
     # loaded ahead across tiles.
-    "pingpong": mosaic_kernel.MosaicConfig(**SMALL, epilogue_n=32,
+    "pingpong": mosaic.MosaicConfig(**SMALL, epilogue_n=32,
                                            epilogue_slots=2,
                                            schedule="pingpong"),
     # Four sub-tiles a tile, single-buffered: each load waits for the
     # previous sub-tile's stores.
-    "pingpong-single-buffered": mosaic_kernel.MosaicConfig(
+    "pingpong-single-buffered": mosaic.MosaicConfig(
         **SMALL, epilogue_n=16, epilogue_slots=1, schedule="pingpong"),
 }
 X_SHAPE, N = (2, 64, 128), 256
@@ -67,9 +68,9 @@ X_SHAPE, N = (2, 64, 128), 256
 # 'int8': 2 x 2 tiles of 64 x 128, one sub-tile per part; 'int8-two-rows':
 # one row of 128 x 128 tiles, two sub-tiles per part (double-buffered).
 INT8_CONFIGS = {
-    "int8": mosaic_kernel.MosaicConfig(**SMALL, epilogue_n=64,
+    "int8": mosaic.MosaicConfig(**SMALL, epilogue_n=64,
                                        epilogue_slots=1),
-    "int8-two-rows": mosaic_kernel.MosaicConfig(
+    "int8-two-rows": mosaic.MosaicConfig(
         **{**SMALL, "tile_k": 128}, epilogue_n=64, epilogue_slots=2),
 }
 #: One config per schedule (inline, pingpong): the per-optimizer tests run
@@ -83,7 +84,7 @@ def run_mosaic(opt, x, dy, kernel, state, count, config, layer_index=None,
                         layer_id=layer_id)
   apply = jnp.all(jnp.isfinite(dy))
   scalars = opt.scalars(jnp.asarray(count, jnp.int32))
-  fn = jax.jit(functools.partial(mosaic_kernel.mosaic_update, spec,
+  fn = jax.jit(functools.partial(mosaic.mosaic_update, spec,
                                  config=config, interpret=True,
                                  layer_index=layer_index, offset=offset))
   return host_copy(fn(x, dy, kernel, state, scalars, apply, step=step))
@@ -194,31 +195,31 @@ def test_mosaic_stacked_layer_updates_only_its_entry(schedule, seed):
 def test_mosaic_config_errors_name_the_bad_field():
   with pytest.raises(ValueError, match=r"epilogue_slots=5 must be between 1 "
                      r"and the 4 epilogue sub-tiles"):
-    mosaic_kernel.MosaicConfig(epilogue_slots=5)
+    mosaic.MosaicConfig(epilogue_slots=5)
   with pytest.raises(ValueError, match=r"prefetch_step=-1 must be >= 0"):
-    mosaic_kernel.MosaicConfig(prefetch_step=-1)
+    mosaic.MosaicConfig(prefetch_step=-1)
   with pytest.raises(ValueError, match=r"tile_t=32 must be a multiple of 64"):
-    mosaic_kernel.MosaicConfig(tile_t=32)
+    mosaic.MosaicConfig(tile_t=32)
   with pytest.raises(ValueError, match=r"compute_wgs=3 must be 1 or 2"):
-    mosaic_kernel.MosaicConfig(compute_wgs=3)
-  for schedule in mosaic_kernel.SCHEDULES:
+    mosaic.MosaicConfig(compute_wgs=3)
+  for schedule in mosaic.SCHEDULES:
     with pytest.raises(ValueError, match=r"compute_wgs=4 must be 1 or 2"):
-      mosaic_kernel.MosaicConfig(compute_wgs=4, schedule=schedule)
+      mosaic.MosaicConfig(compute_wgs=4, schedule=schedule)
   with pytest.raises(ValueError, match=r"tile_n=32 must be at least 64 when 2 "
                      r"compute warpgroups share a tile"):
-    mosaic_kernel.MosaicConfig(tile_n=32)
+    mosaic.MosaicConfig(tile_n=32)
   with pytest.raises(ValueError, match=r"prefetch_step=1 does not apply"):
-    mosaic_kernel.MosaicConfig(prefetch_step=1, schedule="pingpong")
+    mosaic.MosaicConfig(prefetch_step=1, schedule="pingpong")
   with pytest.raises(ValueError, match=r"take 320 registers a thread, more "
                      r"than the 216 of each of 2 compute warpgroups"):
-    mosaic_kernel.MosaicConfig(tile_n=256, schedule="pingpong")
+    mosaic.MosaicConfig(tile_n=256, schedule="pingpong")
   with pytest.raises(ValueError, match=r"ctas_per_sm=2 must be 1 with "
                      r"schedule='pingpong'"):
-    mosaic_kernel.MosaicConfig(ctas_per_sm=2, schedule="pingpong")
+    mosaic.MosaicConfig(ctas_per_sm=2, schedule="pingpong")
   for removed in ("overlap", "epilogue-warpgroup", "ring"):
     with pytest.raises(ValueError, match=rf"schedule='{removed}' must be one "
                        r"of \('inline', 'pingpong'\)"):
-      mosaic_kernel.MosaicConfig(schedule=removed)
+      mosaic.MosaicConfig(schedule=removed)
 
 
 @pytest.mark.parametrize("schedule,features,slots", [
@@ -255,16 +256,16 @@ def test_mosaic_one_pipeline_step_per_tile(schedule, seed):
 
 def test_default_config_fits_dtypes_and_shape():
   def default(tokens, n, dtype, opt=fj.adamw(1e-3)):
-    return mosaic_kernel.default_config(
+    return mosaic.default_config(
         jax.ShapeDtypeStruct((tokens, 4096), BF16),
         jax.ShapeDtypeStruct((4096, n), dtype), opt)
-  inline = mosaic_kernel.INLINE_CONFIGS
-  pingpong = mosaic_kernel.PINGPONG_CONFIGS
+  inline = mosaic.INLINE_CONFIGS
+  pingpong = mosaic.PINGPONG_CONFIGS
   # bf16 W, m and v: the inline schedule below 2048 tokens, pingpong from
   # there on.
   assert default(512, 4096, BF16) == default(1024, 4096, BF16) == inline[0]
   assert default(2048, 4096, BF16) == default(8192, 4096, BF16) == pingpong[0]
-  assert mosaic_kernel.ranked_configs(2048)[:len(pingpong)] == pingpong
+  assert mosaic.ranked_configs(2048)[:len(pingpong)] == pingpong
   # float32 W, m and v fit one epilogue buffer per warpgroup beside the
   # five-stage pipeline (no pingpong config fits); four float32 state
   # tensors a shallower pipeline.
@@ -280,38 +281,38 @@ def test_default_config_fits_dtypes_and_shape():
                                 (8192, 384, BF16, fj.adamw(1e-3)),
                                 (8192, 4096, BF16, int8)):
     config = default(tokens, n, dtype, opt)
-    assert mosaic_kernel.unsupported_reason(
+    assert mosaic.unsupported_reason(
         jnp.zeros((tokens, 4096), BF16), jnp.zeros((tokens, n), BF16),
         jnp.zeros((4096, n), dtype), opt, config) is None
 
 
 @pytest.mark.parametrize("config", [
-    mosaic_kernel.MosaicConfig(compute_wgs=1),
-    mosaic_kernel.MosaicConfig(ctas_per_sm=2),
-    *mosaic_kernel.INLINE_CONFIGS, *mosaic_kernel.PINGPONG_CONFIGS],
+    mosaic.MosaicConfig(compute_wgs=1),
+    mosaic.MosaicConfig(ctas_per_sm=2),
+    *mosaic.INLINE_CONFIGS, *mosaic.PINGPONG_CONFIGS],
     ids=repr)
 def test_compute_warpgroups_take_only_released_registers(config):
   """setmaxnreg raises a warpgroup's registers from what the CTA's other
   warpgroups released and waits for them: asking for more than the memory
   warpgroups give back hangs the kernel."""
-  launch = mosaic_kernel.launch_registers(config)
-  wanted = mosaic_kernel.compute_warpgroup_registers(config)
+  launch = mosaic_config.launch_registers(config)
+  wanted = mosaic_config.compute_warpgroup_registers(config)
   memory_wgs = config.num_warpgroups - config.compute_wgs
   assert launch * config.num_warpgroups <= 512
   if wanted > launch:
-    released = memory_wgs * (launch - mosaic_kernel.MEMORY_REGISTERS)
+    released = memory_wgs * (launch - mosaic_config.MEMORY_REGISTERS)
     assert config.compute_wgs * (wanted - launch) <= released
-  assert wanted % 8 == 0 and wanted <= mosaic_kernel.MAX_REGISTERS
+  assert wanted % 8 == 0 and wanted <= mosaic_config.MAX_REGISTERS
 
 
 def test_too_many_epilogue_barriers_is_a_clear_error():
   """Mosaic GPU tracks at most 32 barriers per group: 2 warpgroups x 5
   buffers x 4 leaves (W and three state tensors) would be 40."""
   opt = fj.rmsprop(1e-3, centered=True, momentum=0.9)
-  config = mosaic_kernel.MosaicConfig(tile_k=64, epilogue_n=8,
+  config = mosaic.MosaicConfig(tile_k=64, epilogue_n=8,
                                       epilogue_slots=5)
   x = jnp.zeros((64, 64), BF16)
-  reason = mosaic_kernel.unsupported_reason(x, x, jnp.zeros((64, 128), BF16),
+  reason = mosaic.unsupported_reason(x, x, jnp.zeros((64, 128), BF16),
                                             opt, config)
   assert "40 barriers, more than Mosaic GPU's 32" in reason
 
@@ -494,7 +495,7 @@ def test_mosaic_refuses_what_it_cannot_run_and_auto_falls_back():
   x = jnp.zeros((128, 128), BF16)
   kernel = jnp.zeros((128, 256), F32)
   for supported in (opt, SR_OPTIMIZERS["adamw"]):
-    assert mosaic_kernel.unsupported_reason(x, x[:, :1].repeat(256, 1),
+    assert mosaic.unsupported_reason(x, x[:, :1].repeat(256, 1),
                                             kernel, supported) is None
   odd = jnp.zeros((128, 200), F32)
   with pytest.raises(ValueError, match=r"features=200 must be a multiple"):
@@ -502,11 +503,11 @@ def test_mosaic_refuses_what_it_cannot_run_and_auto_falls_back():
   with pytest.raises(ValueError, match=r"x.dtype=float32 must be bfloat16"):
     backends.select("mosaic", x.astype(F32), x.astype(F32), kernel, opt)
   int8 = fj.adamw(1e-3, state_dtype="int8")
-  assert mosaic_kernel.unsupported_reason(x, x[:, :1].repeat(256, 1), kernel,
+  assert mosaic.unsupported_reason(x, x[:, :1].repeat(256, 1), kernel,
                                           int8) is None
-  assert mosaic_kernel.default_config(x, kernel, int8).epilogue_n == 64
+  assert mosaic.default_config(x, kernel, int8).epilogue_n == 64
   with pytest.raises(ValueError, match=r"epilogue_n=32 must be 64"):
-    mosaic_kernel.check_supported(x, x[:, :1].repeat(256, 1), kernel, int8,
+    mosaic.check_supported(x, x[:, :1].repeat(256, 1), kernel, int8,
                                   CONFIGS["single-buffered"])
   f16 = fj.adamw(1e-3, state_dtype="float16")
   with pytest.raises(ValueError, match=r"state dtype float16 is not"):
@@ -519,7 +520,7 @@ def test_mosaic_refuses_what_it_cannot_run_and_auto_falls_back():
 #: every optimizer's float32 state fits.
 GPU_CONFIGS = {
     "default": None,
-    "pingpong": mosaic_kernel.MosaicConfig(
+    "pingpong": mosaic.MosaicConfig(
         schedule="pingpong", tile_n=128, max_concurrent_steps=4,
         epilogue_slots=1),
 }
@@ -539,12 +540,12 @@ def test_compiled_mosaic_kernel_matches_reference_on_gpu(name, opt, count,
                          (F32, F32, BF16))
   config = GPU_CONFIGS[schedule]
   if config is not None and (
-      reason := mosaic_kernel.unsupported_reason(*inputs[:3], opt, config)):
+      reason := mosaic.unsupported_reason(*inputs[:3], opt, config)):
     pytest.skip(reason)
   expected = run_reference(opt, *inputs, count)
   spec = FusedDenseSpec(optimizer=opt, implementation="mosaic")
   scalars = opt.scalars(jnp.asarray(count, jnp.int32))
-  fn = jax.jit(functools.partial(mosaic_kernel.mosaic_update, spec,
+  fn = jax.jit(functools.partial(mosaic.mosaic_update, spec,
                                  config=config), donate_argnums=(2, 3))
   actual = host_copy(fn(*inputs, scalars, jnp.all(jnp.isfinite(inputs[1]))))
   assert_leaves_match(actual, expected, name)
@@ -565,7 +566,7 @@ def test_compiled_mosaic_kernel_counts_skipped_elements_on_gpu(schedule, seed):
   inputs = (*overflowing_inputs(*inputs[:2], rows, columns), *inputs[2:])
   expected = run_reference(opt, *inputs, 3)
   spec = FusedDenseSpec(optimizer=opt, implementation="mosaic")
-  fn = jax.jit(functools.partial(mosaic_kernel.mosaic_update, spec,
+  fn = jax.jit(functools.partial(mosaic.mosaic_update, spec,
                                  config=GPU_CONFIGS[schedule]),
                donate_argnums=(2, 3))
   for _ in range(3):  # a race may hit one call and not the next
@@ -604,7 +605,7 @@ def test_compiled_mosaic_kernel_int8_sr_matches_reference_on_gpu(
        ).astype(BF16)
   state = opt.init(w)
   spec = FusedDenseSpec(optimizer=opt, implementation="mosaic", layer_id=9)
-  fn = jax.jit(functools.partial(mosaic_kernel.mosaic_update, spec),
+  fn = jax.jit(functools.partial(mosaic.mosaic_update, spec),
                donate_argnums=(2, 3))
   for count in (count, count + 1):
     step = jnp.int32(count)
@@ -628,14 +629,14 @@ def test_auto_selects_mosaic_on_hopper_and_triton_where_it_cannot_run():
   sr = fj.adamw(1e-3, weight_rounding="stochastic")
   for opt in (fj.adamw(1e-3), sr):
     assert backends.select("auto", x, dy, kernel, opt) is (
-        mosaic_kernel.mosaic_update)
+        mosaic.mosaic_update)
   # int8 states: Triton first (faster on the whole 8B step); float16 states:
   # Triton only.
   for opt in (int8_sr(fj.adamw(1e-3)), fj.adamw(1e-3, state_dtype="float16")):
     assert backends.select("auto", x, dy, kernel, opt) is (
         triton_kernel.triton_update)
   assert backends.select("mosaic", x, dy, kernel, int8_sr(fj.adamw(1e-3))) is (
-      mosaic_kernel.mosaic_update)
+      mosaic.mosaic_update)
 
 
 @pytest.mark.gpu
@@ -650,12 +651,12 @@ def test_compiled_kernel_bits_do_not_depend_on_config_or_run(tokens, seed):
     pytest.skip("needs a Hopper or newer GPU")
   opt = fj.adamw(1e-3, weight_decay=0.1)
   inputs = random_inputs(seed, opt, (tokens, 4096), 4096, (BF16, BF16, BF16))
-  configs = set(mosaic_kernel.ranked_configs(tokens))
-  configs |= {mosaic_kernel.MosaicConfig(epilogue_n=64),
-              mosaic_kernel.MosaicConfig(epilogue_slots=4, prefetch_step=4),
-              mosaic_kernel.MosaicConfig(schedule="pingpong", tile_n=128,
+  configs = set(mosaic.ranked_configs(tokens))
+  configs |= {mosaic.MosaicConfig(epilogue_n=64),
+              mosaic.MosaicConfig(epilogue_slots=4, prefetch_step=4),
+              mosaic.MosaicConfig(schedule="pingpong", tile_n=128,
                                          max_concurrent_steps=5),
-              mosaic_kernel.MosaicConfig(schedule="pingpong", tile_n=128,
+              mosaic.MosaicConfig(schedule="pingpong", tile_n=128,
                                          max_concurrent_steps=3,
                                          epilogue_slots=4)}
   spec = FusedDenseSpec(optimizer=opt, implementation="mosaic")
@@ -663,7 +664,7 @@ def test_compiled_kernel_bits_do_not_depend_on_config_or_run(tokens, seed):
   apply = jnp.all(jnp.isfinite(inputs[1]))
   first = None
   for config in sorted(configs, key=repr):
-    fn = jax.jit(functools.partial(mosaic_kernel.mosaic_update, spec,
+    fn = jax.jit(functools.partial(mosaic.mosaic_update, spec,
                                    config=config), donate_argnums=(2, 3))
     for _ in range(3):
       kernel, state = jax.tree.map(jnp.copy, inputs[2:])
