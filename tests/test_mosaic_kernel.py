@@ -1,17 +1,23 @@
 """The Mosaic GPU kernel (GPU interpret mode on CPU) against the XLA reference.
 
-``mosaic.mosaic_update`` has ``backends.xla_update``'s contract. On
-CPU it runs in Mosaic GPU's interpret mode, which simulates the CTAs'
-warpgroups, shared memory, TMA copies and barriers, so the persistent tile
-loop, the warp-specialized pipeline and the epilogue's load/update/store
-sequence (single- and double-buffered) are checked here. One part is not:
-the interpreter's wgmma takes no transposed operand, so there x arrives
-transposed (``mosaic_update``'s interpret path); the GPU tests and
-``benchmarks/kernel_bench.py --suite mosaic`` check the transposed wgmma.
+``mosaic.mosaic_update`` has ``backends.xla_update``'s contract. On CPU it
+runs in Mosaic GPU's interpret mode, which simulates the CTAs' warpgroups,
+shared memory, TMA copies and barriers, so the persistent tile loop, the
+warp-specialized pipeline and the epilogue's load/update/store sequence
+(single- and double-buffered) of both schedules are checked here. One part
+is not: the interpreter's wgmma takes no transposed operand, so there x
+arrives transposed (``mosaic_update``'s interpret path); the compiled path
+(transposed wgmma, in-place refs, setmaxnreg) goes through Mosaic GPU's CUDA
+lowering on the CPU here, and runs in the GPU tests and
+``benchmarks/kernel_bench.py --suite mosaic``.
 
-Tolerances are test_kernel.py's (a float32 sum in another order). Each call
-takes a few seconds, so the table is the optimizers, not their product with
-every dtype; shapes are the smallest that span several tiles.
+Tolerances are test_kernel.py's (a float32 sum in another order). Each
+interpreted call takes several seconds (the interpreter compiles the kernel
+body for every simulated warpgroup of every CTA), so shapes are the
+smallest that span several tiles, and the default run is a subset of the
+tables: every optimizer once, every schedule with every storage mode
+(float32, bfloat16, bfloat16 with stochastic rounding, int8 states), every
+pipeline edge case; ``-m slow`` runs the rest.
 """
 
 from __future__ import annotations
@@ -44,20 +50,18 @@ SMALL = dict(tile_k=64, tile_n=64, tile_t=64, max_concurrent_steps=2,
              epilogue_k=64)
 CONFIGS = {
     "all-prefetched": mosaic.MosaicConfig(**SMALL, epilogue_n=32,
-                                                 epilogue_slots=2),
+                                          epilogue_slots=2),
     "double-buffered": mosaic.MosaicConfig(
         **SMALL, epilogue_n=16, epilogue_slots=2, prefetch_step=0),
     "single-buffered": mosaic.MosaicConfig(**SMALL, epilogue_n=32,
-                                                  epilogue_slots=1),
+                                           epilogue_slots=1),
     "one-warpgroup": mosaic.MosaicConfig(**SMALL, epilogue_n=32,
-                                                epilogue_slots=2,
-                                                compute_wgs=1),
+                                         epilogue_slots=2, compute_wgs=1),
     # A 64 x 64 tile per warpgroup, in turns: four tiles a CTA, two steps
     # each; two 64 x 32 sub-tiles per tile in two buffers per warpgroup,
     # loaded ahead across tiles.
-    "pingpong": mosaic.MosaicConfig(**SMALL, epilogue_n=32,
-                                           epilogue_slots=2,
-                                           schedule="pingpong"),
+    "pingpong": mosaic.MosaicConfig(**SMALL, epilogue_n=32, epilogue_slots=2,
+                                    schedule="pingpong"),
     # Four sub-tiles a tile, single-buffered: each load waits for the
     # previous sub-tile's stores.
     "pingpong-single-buffered": mosaic.MosaicConfig(
@@ -66,16 +70,43 @@ CONFIGS = {
 X_SHAPE, N = (2, 64, 128), 256
 # int8 states: epilogue sub-tiles of one quantization block (64 columns).
 # 'int8': 2 x 2 tiles of 64 x 128, one sub-tile per part; 'int8-two-rows':
-# one row of 128 x 128 tiles, two sub-tiles per part (double-buffered).
+# one row of 128 x 128 tiles, two sub-tiles per part (double-buffered);
+# 'int8-pingpong': eight 64 x 64 tiles, one sub-tile each.
 INT8_CONFIGS = {
-    "int8": mosaic.MosaicConfig(**SMALL, epilogue_n=64,
-                                       epilogue_slots=1),
+    "int8": mosaic.MosaicConfig(**SMALL, epilogue_n=64, epilogue_slots=1),
+    "int8-pingpong": mosaic.MosaicConfig(**SMALL, epilogue_n=64,
+                                         epilogue_slots=1,
+                                         schedule="pingpong"),
     "int8-two-rows": mosaic.MosaicConfig(
         **{**SMALL, "tile_k": 128}, epilogue_n=64, epilogue_slots=2),
 }
 #: One config per schedule (inline, pingpong): the per-optimizer tests run
 #: each.
 SCHEDULES = ("all-prefetched", "pingpong")
+#: The optimizers the default run checks with float32 storage, one schedule
+#: each in turn; it checks the others with int8 states (which every one of
+#: them can hold: centered RMSprop and plain SGD cannot).
+FP32_DEFAULT = ("adam", "nadam", "radam-unrectified", "lion",
+                "rmsprop-centered-nesterov", "rmsprop-bias-correction", "sgd")
+INT8_DEFAULT = ("adamw-schedule", "nadamw", "radam-rectified", "adagrad",
+                "sgd-nesterov")
+
+
+def slow_unless(default, *values, case_id=None):
+  """``pytest.param(*values)``, marked slow unless the default run takes it."""
+  return pytest.param(*values, id=case_id,
+                      marks=() if default else pytest.mark.slow)
+
+
+def fp32_default_schedule(name):
+  """The schedule the default run checks optimizer ``name`` on (float32)."""
+  return SCHEDULES[FP32_DEFAULT.index(name) % len(SCHEDULES)]
+
+
+def by_schedule(default_schedules):
+  """One case per schedule, slow unless in ``default_schedules``."""
+  return [slow_unless(schedule in default_schedules, schedule,
+                      case_id=schedule) for schedule in SCHEDULES]
 
 
 def run_mosaic(opt, x, dy, kernel, state, count, config, layer_index=None,
@@ -101,9 +132,14 @@ def run_reference_at(opt, x, dy, kernel, state, count, step, offset=None,
                       jnp.all(jnp.isfinite(dy)), step=step))
 
 
-@pytest.mark.parametrize("schedule", SCHEDULES)
-@pytest.mark.parametrize("name,opt,count", OPTIMIZERS,
-                         ids=[name for name, _, _ in OPTIMIZERS])
+FP32_CASES = [
+    slow_unless(name in FP32_DEFAULT
+                and schedule == fp32_default_schedule(name),
+                name, opt, count, schedule, case_id=f"{name}-{schedule}")
+    for name, opt, count in OPTIMIZERS for schedule in SCHEDULES]
+
+
+@pytest.mark.parametrize("name,opt,count,schedule", FP32_CASES)
 def test_mosaic_kernel_matches_reference(name, opt, count, schedule, seed):
   dtypes = (F32, F32, BF16)  # 16-bit activations
   config = CONFIGS[schedule]
@@ -118,7 +154,11 @@ def test_mosaic_kernel_matches_reference(name, opt, count, schedule, seed):
   assert (bits(actual[0]) != bits(old_kernel)).mean() > 0.5
 
 
-@pytest.mark.parametrize("config", sorted(CONFIGS))
+BF16_CASES = [slow_unless(config in SCHEDULES, config, case_id=config)
+              for config in sorted(CONFIGS)]
+
+
+@pytest.mark.parametrize("config", BF16_CASES)
 def test_mosaic_configs_and_bf16_storage(config, seed):
   opt = fj.adamw(0.05, weight_decay=0.1)
   inputs = random_inputs(seed, opt, X_SHAPE, N, (BF16, BF16, BF16))
@@ -127,11 +167,11 @@ def test_mosaic_configs_and_bf16_storage(config, seed):
   assert_leaves_match(actual, expected, config)
 
 
-@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("schedule", by_schedule({"pingpong"}))
 def test_mosaic_skips_and_counts_nonfinite_gradient_elements(schedule, seed):
   opt = fj.adamw(0.05)
-  x, dy, kernel, state = random_inputs(
-      seed, opt, X_SHAPE, N, (F32, F32, BF16))
+  x, dy, kernel, state = random_inputs(seed, opt, X_SHAPE, N,
+                                       (F32, F32, BF16))
   x = x.at[0, 3, 17].set(jnp.nan)  # row 17 of dW is NaN: N elements skipped
   expected = run_reference(opt, x, dy, kernel, state, 2)
   actual = run_mosaic(opt, x, dy, kernel, state, 2, CONFIGS[schedule])
@@ -164,8 +204,8 @@ def test_mosaic_counts_skipped_elements_per_warpgroup(schedule, seed):
   """Warpgroups whose parts skip different numbers of elements: the total
   is each one's count, not one's twice."""
   opt = fj.adamw(0.05)
-  x, dy, kernel, state = random_inputs(
-      seed, opt, X_SHAPE, N, (F32, F32, BF16))
+  x, dy, kernel, state = random_inputs(seed, opt, X_SHAPE, N,
+                                       (F32, F32, BF16))
   rows, columns = [3, 70], uneven_columns(N)
   x, dy = overflowing_inputs(x, dy, rows, columns)
   expected = run_reference(opt, x, dy, kernel, state, 2)
@@ -174,11 +214,13 @@ def test_mosaic_counts_skipped_elements_per_warpgroup(schedule, seed):
   assert_leaves_match(actual, expected, schedule)
 
 
-@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("schedule", by_schedule({"all-prefetched"}))
 def test_mosaic_stacked_layer_updates_only_its_entry(schedule, seed):
+  """Interpret mode steps the layer's entries outside the kernel
+  (``mosaic_update``), the same for either schedule."""
   opt = fj.adamw(0.05)
-  x, dy, kernel, state = random_inputs(
-      seed, opt, X_SHAPE, N, (F32, F32, BF16))
+  x, dy, kernel, state = random_inputs(seed, opt, X_SHAPE, N,
+                                       (F32, F32, BF16))
   stack = lambda a: jnp.stack([a, a + 1.0, a - 1.0])
   kernels, states = stack(kernel), jax.tree.map(stack, state)
   layer = lambda tree, i: jax.tree.map(lambda a: a[i], tree)
@@ -247,8 +289,7 @@ def test_mosaic_one_pipeline_step_per_tile(schedule, seed):
   reused across tiles. A pipeline that shrank to one stage here once hung
   (interpret mode) or failed to launch (H200)."""
   opt = fj.adamw(0.05, weight_decay=0.1)
-  inputs = random_inputs(seed, opt, (64, 128), N,
-                         (BF16, F32, BF16))
+  inputs = random_inputs(seed, opt, (64, 128), N, (BF16, F32, BF16))
   expected = run_reference(opt, *inputs, 2)
   actual = run_mosaic(opt, *inputs, 2, CONFIGS[schedule])
   assert_leaves_match(actual, expected, schedule)
@@ -309,11 +350,10 @@ def test_too_many_epilogue_barriers_is_a_clear_error():
   """Mosaic GPU tracks at most 32 barriers per group: 2 warpgroups x 5
   buffers x 4 leaves (W and three state tensors) would be 40."""
   opt = fj.rmsprop(1e-3, centered=True, momentum=0.9)
-  config = mosaic.MosaicConfig(tile_k=64, epilogue_n=8,
-                                      epilogue_slots=5)
+  config = mosaic.MosaicConfig(tile_k=64, epilogue_n=8, epilogue_slots=5)
   x = jnp.zeros((64, 64), BF16)
-  reason = mosaic.unsupported_reason(x, x, jnp.zeros((64, 128), BF16),
-                                            opt, config)
+  reason = mosaic.unsupported_reason(x, x, jnp.zeros((64, 128), BF16), opt,
+                                     config)
   assert "40 barriers, more than Mosaic GPU's 32" in reason
 
 
@@ -350,12 +390,16 @@ SR_OPTIMIZERS = {
 }
 
 
-@pytest.mark.parametrize("name,offset,config", [
-    ("adamw", None, "double-buffered"),
-    ("lion", (4096, 512), "double-buffered"),
-    ("lion", (4096, 512), "pingpong")],
-                         ids=["adamw-whole", "lion-shard-offset",
-                              "lion-shard-offset-pingpong"])
+SR_CASES = [
+    slow_unless(True, "adamw", None, "double-buffered",
+                case_id="adamw-whole"),
+    slow_unless(False, "lion", (4096, 512), "double-buffered",
+                case_id="lion-shard-offset"),
+    slow_unless(True, "lion", (4096, 512), "pingpong",
+                case_id="lion-shard-offset-pingpong")]
+
+
+@pytest.mark.parametrize("name,offset,config", SR_CASES)
 def test_mosaic_stochastic_rounding_matches_reference_bits(name, offset,
                                                            config, seed):
   """Two steps (a new draw each); a tensor-parallel shard at a global
@@ -363,6 +407,7 @@ def test_mosaic_stochastic_rounding_matches_reference_bits(name, offset,
   run_lowp_steps(SR_OPTIMIZERS[name], seed, CONFIGS[config], offset=offset)
 
 
+@pytest.mark.slow
 def test_mosaic_stochastic_rounding_of_a_stacked_layer(seed):
   opt = SR_OPTIMIZERS["adamw"]
   x, dy = exact_inputs(seed, X_SHAPE, N, BF16)
@@ -425,17 +470,19 @@ def int8_inputs(seed, opt):
   return (*exact_inputs(seed, X_SHAPE, N, BF16), kernel, state)
 
 
-@pytest.mark.parametrize(
-    "name,opt,count,config",
-    [(name, opt, count, sorted(INT8_CONFIGS)[i % len(INT8_CONFIGS)])
-     for i, (name, opt, count) in enumerate(INT8_OPTIMIZERS)],
-    ids=[name for name, _, _ in INT8_OPTIMIZERS])
+INT8_CASES = [
+    slow_unless(name in INT8_DEFAULT, name, opt, count,
+                sorted(INT8_CONFIGS)[i % len(INT8_CONFIGS)], case_id=name)
+    for i, (name, opt, count) in enumerate(INT8_OPTIMIZERS)]
+
+
+@pytest.mark.parametrize("name,opt,count,config", INT8_CASES)
 def test_mosaic_int8_states_match_reference_bits(name, opt, count, config,
                                                  seed):
   """One step from a random int8 state, with stochastic rounding: codes,
   scales and weights are the reference's but for rare elements whose
   float32 update XLA compiles differently in the interpreter's tile (NAdam:
-  one of 32768 weights one bf16 ulp off, with two of the three configs)."""
+  one of 32768 weights one bf16 ulp off, with some configs)."""
   inputs = int8_inputs(seed, opt)
   step = jnp.int32(count + 1)
   expected = run_reference_at(opt, *inputs, count, step, layer_id=9)
@@ -447,6 +494,7 @@ def test_mosaic_int8_states_match_reference_bits(name, opt, count, config,
     assert (bits(new) != bits(old)).any(), f"{name}: a leaf did not move"
 
 
+@pytest.mark.slow
 def test_mosaic_int8_steps_of_a_shard_and_of_a_stacked_layer(seed):
   """Two AdamW steps of a tensor-parallel shard; then a stacked layer."""
   opt = int8_sr(SR_OPTIMIZERS["adamw"], 11)
@@ -495,8 +543,8 @@ def test_mosaic_refuses_what_it_cannot_run_and_auto_falls_back():
   x = jnp.zeros((128, 128), BF16)
   kernel = jnp.zeros((128, 256), F32)
   for supported in (opt, SR_OPTIMIZERS["adamw"]):
-    assert mosaic.unsupported_reason(x, x[:, :1].repeat(256, 1),
-                                            kernel, supported) is None
+    assert mosaic.unsupported_reason(x, x[:, :1].repeat(256, 1), kernel,
+                                     supported) is None
   odd = jnp.zeros((128, 200), F32)
   with pytest.raises(ValueError, match=r"features=200 must be a multiple"):
     backends.select("mosaic", x, jnp.zeros((128, 200), BF16), odd, opt)
@@ -504,11 +552,11 @@ def test_mosaic_refuses_what_it_cannot_run_and_auto_falls_back():
     backends.select("mosaic", x.astype(F32), x.astype(F32), kernel, opt)
   int8 = fj.adamw(1e-3, state_dtype="int8")
   assert mosaic.unsupported_reason(x, x[:, :1].repeat(256, 1), kernel,
-                                          int8) is None
+                                   int8) is None
   assert mosaic.default_config(x, kernel, int8).epilogue_n == 64
   with pytest.raises(ValueError, match=r"epilogue_n=32 must be 64"):
     mosaic.check_supported(x, x[:, :1].repeat(256, 1), kernel, int8,
-                                  CONFIGS["single-buffered"])
+                           CONFIGS["single-buffered"])
   f16 = fj.adamw(1e-3, state_dtype="float16")
   with pytest.raises(ValueError, match=r"state dtype float16 is not"):
     backends.select("mosaic", x, x[:, :1].repeat(256, 1), kernel, f16)
@@ -524,6 +572,114 @@ GPU_CONFIGS = {
         schedule="pingpong", tile_n=128, max_concurrent_steps=4,
         epilogue_slots=1),
 }
+
+#: Storage modes: the kernel's dtype and the optimizer's state and rounding.
+STORAGE_MODES = {
+    "fp32": (F32, lambda opt, seed: opt),
+    "bf16": (BF16, lambda opt, seed: dataclasses.replace(
+        opt, state_dtype="bfloat16")),
+    "bf16-sr": (BF16, lambda opt, seed: dataclasses.replace(
+        opt, state_dtype="bfloat16", weight_rounding="stochastic",
+        rounding_seed=seed)),
+    "int8": (BF16, int8_sr),
+}
+INT8_NAMES = {name for name, _, _ in INT8_OPTIMIZERS}
+
+
+def lowering_cases():
+  """Every schedule x optimizer x storage mode; the default run lowers each
+  optimizer once per schedule, the storage modes in turn."""
+  for i, (name, opt, _) in enumerate(OPTIMIZERS):
+    storages = [storage for storage in STORAGE_MODES
+                if storage != "int8" or name in INT8_NAMES]
+    for j, schedule in enumerate(mosaic.SCHEDULES):
+      for storage in storages:
+        yield slow_unless(storage == storages[(i + j) % len(storages)],
+                          schedule, name, opt, storage,
+                          case_id=f"{schedule}-{name}-{storage}")
+
+
+LOWERING_CASES = list(lowering_cases())
+
+
+def lower_for_cuda(opt, kernel_shape, kernel_dtype, schedule, tokens=512,
+                   layer_index=None):
+  """``mosaic_update`` through Mosaic GPU's CUDA lowering (the compiled
+  path: transposed wgmma, refs updated in place, setmaxnreg), on the CPU,
+  with a config a GPU runs: the default ranking's for 'inline',
+  ``GPU_CONFIGS['pingpong']`` for 'pingpong'. Returns the lowered text."""
+  k, n = kernel_shape[-2:]
+  x = jax.ShapeDtypeStruct((tokens, k), BF16)
+  dy = jax.ShapeDtypeStruct((tokens, n), BF16)
+  kernel = jax.ShapeDtypeStruct(kernel_shape, kernel_dtype)
+  if schedule == "inline":
+    config = mosaic.default_config(x, kernel, opt)
+  else:
+    config = GPU_CONFIGS[schedule]
+    if opt.state_dtype == "int8":
+      config = dataclasses.replace(config, epilogue_n=Q.BLOCK_SIZE)
+  assert config.schedule == schedule
+  assert mosaic.unsupported_reason(x, dy, kernel, opt, config) is None
+  spec = FusedDenseSpec(optimizer=opt, implementation="mosaic", layer_id=3)
+
+  def update(x, dy, kernel, state, scalars, apply, step):
+    return mosaic.mosaic_update(spec, x, dy, kernel, state, scalars, apply,
+                                config, interpret=False, step=step,
+                                layer_index=layer_index)
+
+  traced = jax.jit(update).trace(
+      x, dy, kernel, jax.eval_shape(opt.init, kernel),
+      jax.eval_shape(opt.scalars, jnp.int32(3)),
+      jax.ShapeDtypeStruct((), jnp.bool_), jax.ShapeDtypeStruct((), jnp.int32))
+  return traced.lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("schedule,name,opt,storage", LOWERING_CASES)
+def test_mosaic_kernel_lowers_for_cuda_on_cpu(schedule, name, opt, storage):
+  """Every op of the kernel body, the rule's included, has a Mosaic GPU
+  warpgroup lowering (:mod:`forge_jax.ops.mosaic.compat` supplies the
+  missing ones) and every layout is inferred, int8 block scales' strided
+  loads too."""
+  del name
+  kernel_dtype, storage_optimizer = STORAGE_MODES[storage]
+  text = lower_for_cuda(storage_optimizer(opt, 7), (256, 512), kernel_dtype,
+                        schedule)
+  assert "mosaic_gpu" in text
+
+
+@pytest.mark.parametrize("schedule", mosaic.SCHEDULES)
+def test_mosaic_stacked_kernel_lowers_for_cuda_on_cpu(schedule):
+  """A stacked layer's kernel and state, read and written in place at the
+  layer's index (a TMA coordinate: no interpret-mode test sees it)."""
+  opt = SR_OPTIMIZERS["adamw"]
+  text = lower_for_cuda(opt, (3, 256, 512), BF16, schedule,
+                        layer_index=jnp.int32(1))
+  assert "mosaic_gpu" in text
+
+
+def test_default_run_covers_every_schedule_optimizer_and_storage_mode():
+  """The default run (not ``slow``) checks every optimizer at least once
+  and every schedule with every storage mode, in interpret mode and through
+  the CUDA lowering, where it lowers every optimizer on every schedule."""
+  def default(cases):
+    return [case.values for case in cases if not case.marks]
+
+  def schedule_of(config):
+    return {**CONFIGS, **INT8_CONFIGS}[config].schedule
+
+  names = {name for name, _, _ in OPTIMIZERS}
+  assert {case[0] for case in default(FP32_CASES) + default(INT8_CASES)} == (
+      names)
+  for cases, config_index in ((FP32_CASES, 3), (BF16_CASES, 0),
+                              (SR_CASES, 2), (INT8_CASES, 3)):
+    assert {schedule_of(case[config_index])
+            for case in default(cases)} == set(mosaic.SCHEDULES)
+  lowered = default(LOWERING_CASES)
+  assert {(case[0], case[1]) for case in lowered} == {
+      (schedule, name) for schedule in mosaic.SCHEDULES for name in names}
+  assert {(case[0], case[3]) for case in lowered} == {
+      (schedule, storage) for schedule in mosaic.SCHEDULES
+      for storage in STORAGE_MODES}
 
 
 @pytest.mark.gpu
@@ -655,10 +811,9 @@ def test_compiled_kernel_bits_do_not_depend_on_config_or_run(tokens, seed):
   configs |= {mosaic.MosaicConfig(epilogue_n=64),
               mosaic.MosaicConfig(epilogue_slots=4, prefetch_step=4),
               mosaic.MosaicConfig(schedule="pingpong", tile_n=128,
-                                         max_concurrent_steps=5),
+                                  max_concurrent_steps=5),
               mosaic.MosaicConfig(schedule="pingpong", tile_n=128,
-                                         max_concurrent_steps=3,
-                                         epilogue_slots=4)}
+                                  max_concurrent_steps=3, epilogue_slots=4)}
   spec = FusedDenseSpec(optimizer=opt, implementation="mosaic")
   scalars = opt.scalars(jnp.asarray(3, jnp.int32))
   apply = jnp.all(jnp.isfinite(inputs[1]))
