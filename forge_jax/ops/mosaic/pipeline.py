@@ -65,7 +65,8 @@ class Pipeline:
     self.num_tiles = self.k_iters * self.n_iters
     self.num_steps = tokens // tt
     self.slots = config.epilogue_slots
-    # x's block of the tile at k0, pipeline step t (transposed in interpret mode).
+    # x's block of the tile at k0, pipeline step t (transposed in interpret
+    # mode).
     if interpret:
       self.x_block = (tk, tt)
       self.x_window = lambda k0, t: x_gmem.at[pl.ds(k0, tk), pl.ds(t * tt, tt)]
