@@ -106,16 +106,16 @@ def select(implementation: str, x, dy, kernel, optimizer):
   # pylint: disable=import-outside-toplevel
   if implementation == "xla":
     return xla_update
-  from forge_jax.ops import mosaic_kernel, triton_kernel
+  from forge_jax.ops import mosaic, triton_kernel
   if implementation == "triton":
     triton_kernel.check_supported(x, dy, kernel, optimizer)
     return triton_kernel.triton_update
   if implementation == "mosaic":
-    mosaic_kernel.check_supported(x, dy, kernel, optimizer)
-    return mosaic_kernel.mosaic_update
+    mosaic.check_supported(x, dy, kernel, optimizer)
+    return mosaic.mosaic_update
   if implementation == "auto":
     kernels = [
-        (_on_hopper_or_newer(), mosaic_kernel, mosaic_kernel.mosaic_update),
+        (_on_hopper_or_newer(), mosaic, mosaic.mosaic_update),
         (_on_gpu(), triton_kernel, triton_kernel.triton_update)]
     if _on_gpu() and quantization.has_quantized(
         stacks.layer_state_shapes(kernel, optimizer)):

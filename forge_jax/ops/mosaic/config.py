@@ -1,0 +1,277 @@
+"""Tile shapes and schedules of the Mosaic GPU kernel, what they cost, and
+the default configs.
+
+:class:`MosaicConfig` checks that a config can run; the functions below give
+its registers per thread (setmaxnreg) and its shared memory per CTA, and
+:func:`default_config` picks the first of :func:`ranked_configs` whose tiles
+divide a call's shape and whose buffers fit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+
+from forge_jax import quantization
+from forge_jax.ops import stacks
+
+#: Shared memory a CTA may take (H100/H200: 227 KB), less some for barriers.
+SHARED_MEMORY_BUDGET = 220 * 1024
+#: Mosaic GPU tracks a group of barriers' phases in one 32-bit register.
+MAX_BARRIERS = 32
+
+#: How a CTA's warpgroups share a tile's main loop and its epilogue.
+SCHEDULES = ("inline", "pingpong")
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicConfig:
+  """Tile shapes and schedule of the Mosaic GPU kernel.
+
+  Each compute warpgroup accumulates a ``tile_k x tile_n`` part of dW,
+  streaming ``tile_t`` tokens per pipeline step, ``max_concurrent_steps``
+  steps in flight. The epilogue works on ``epilogue_k x epilogue_n``
+  sub-tiles of each part, with ``epilogue_slots`` buffers per warpgroup,
+  whose loads are issued at pipeline step ``prefetch_step`` of the main loop
+  (the last step if the loop is shorter); with as many slots as sub-tiles
+  the whole part's kernel and state are loaded under the main loop.
+
+  ``schedule``:
+
+  - ``'inline'`` (:mod:`forge_jax.ops.mosaic.inline`): the compute
+    warpgroups share a CTA tile of ``tile_k x (compute_wgs * tile_n)`` and
+    each updates its part right after the tile's main loop. ``ctas_per_sm``
+    persistent CTAs share an SM (2: one's epilogue overlaps the other's
+    main loop, if both fit).
+  - ``'pingpong'`` (:mod:`forge_jax.ops.mosaic.pingpong`): a CTA tile is
+    one warpgroup's ``tile_k x tile_n``; the compute warpgroups take the
+    CTA's tiles in turn, so one updates its tile while the other's wgmma
+    run. A loader warpgroup fills each one's ring of ``epilogue_slots``
+    buffers ahead, across its tiles (``prefetch_step`` does not apply).
+  """
+
+  tile_k: int = 128
+  tile_n: int = 64
+  tile_t: int = 64
+  max_concurrent_steps: int = 3
+  epilogue_k: int = 64
+  epilogue_n: int = 32
+  #: Tiles of this many consecutive N-blocks share their x blocks in L2.
+  grid_tile_width: int = 8
+  compute_wgs: int = 2
+  epilogue_slots: int = 2
+  prefetch_step: int = 0
+  ctas_per_sm: int = 1
+  schedule: str = "inline"
+
+  def __post_init__(self):
+    for name in ("tile_k", "tile_n", "tile_t", "epilogue_k", "epilogue_n"):
+      value = getattr(self, name)
+      if value < 8 or value & (value - 1):
+        raise ValueError(f"{name}={value} must be a power of two >= 8")
+    if self.tile_t % 64:
+      raise ValueError(f"tile_t={self.tile_t} must be a multiple of 64 "
+                       "(wgmma's contraction with a transposed operand)")
+    if self.tile_k % 64 or self.epilogue_k % 64:
+      raise ValueError(f"tile_k={self.tile_k} and epilogue_k={self.epilogue_k} "
+                       "must be multiples of 64 (a warpgroup's wgmma rows)")
+    if self.tile_k % self.epilogue_k or self.tile_n % self.epilogue_n:
+      raise ValueError(
+          f"epilogue_k={self.epilogue_k} and epilogue_n={self.epilogue_n} "
+          f"must divide tile_k={self.tile_k} and tile_n={self.tile_n}")
+    if self.ctas_per_sm not in (1, 2):
+      raise ValueError(f"ctas_per_sm={self.ctas_per_sm} must be 1 or 2")
+    if self.schedule not in SCHEDULES:
+      raise ValueError(f"schedule={self.schedule!r} must be one of "
+                       f"{SCHEDULES}")
+    if self.compute_wgs not in (1, 2):
+      raise ValueError(f"compute_wgs={self.compute_wgs} must be 1 or 2")
+    if self.parts_per_tile > 1 and self.tile_n < 64:
+      raise ValueError(
+          f"tile_n={self.tile_n} must be at least 64 when "
+          f"{self.parts_per_tile} compute warpgroups share a tile: each "
+          "takes its columns of dy's block, whose 128-byte swizzle tiles are "
+          "64 columns wide")
+    if self.schedule != "inline" and self.ctas_per_sm != 1:
+      raise ValueError(f"ctas_per_sm={self.ctas_per_sm} must be 1 with "
+                       f"schedule={self.schedule!r} (its warpgroups take the "
+                       "SM's registers)")
+    if self.schedule != "inline" and self.prefetch_step:
+      raise ValueError(f"prefetch_step={self.prefetch_step} does not apply "
+                       f"with schedule={self.schedule!r}")
+    if not 1 <= self.epilogue_slots <= self.epilogue_subtiles:
+      raise ValueError(
+          f"epilogue_slots={self.epilogue_slots} must be between 1 and the "
+          f"{self.epilogue_subtiles} epilogue sub-tiles of a warpgroup's part")
+    if self.schedule == "pingpong":
+      compute = accumulator_registers(self)
+      available = compute_warpgroup_registers(self)
+      if compute > available:
+        raise ValueError(
+            f"the {self.tile_k} x {self.tile_n} accumulator and the update "
+            f"take {compute} registers a thread, more than the {available} "
+            f"of each of {self.compute_wgs} compute warpgroups "
+            "(schedule='pingpong')")
+    if self.prefetch_step < 0:
+      raise ValueError(f"prefetch_step={self.prefetch_step} must be >= 0")
+    if self.max_concurrent_steps < 2:
+      raise ValueError(f"max_concurrent_steps={self.max_concurrent_steps} "
+                       "must be at least 2")
+
+  @property
+  def parts_per_tile(self) -> int:
+    """Compute warpgroups sharing a CTA tile (each has a part)."""
+    return 1 if self.schedule == "pingpong" else self.compute_wgs
+
+  @property
+  def cta_tile_n(self) -> int:
+    return self.parts_per_tile * self.tile_n
+
+  @property
+  def epilogue_subtiles(self) -> int:
+    """Sub-tiles of one warpgroup's ``tile_k x tile_n`` part."""
+    return (self.tile_k // self.epilogue_k) * (self.tile_n // self.epilogue_n)
+
+  @property
+  def num_warpgroups(self) -> int:
+    """Compute warpgroups, the memory warpgroup, and pingpong's loader."""
+    return self.compute_wgs + 1 + (self.schedule == "pingpong")
+
+
+#: Registers a thread of the memory warpgroup keeps (it only issues TMA).
+MEMORY_REGISTERS = 40
+#: The most a thread may keep after setmaxnreg (as in JAX's Hopper attention
+#: kernel).
+MAX_REGISTERS = 232
+#: The SM's 64K registers, counted in registers per thread of one warpgroup
+#: (128 threads); at launch every warpgroup has an equal share.
+_REGISTER_FILE = 512
+
+
+def launch_registers(config: MosaicConfig) -> int:
+  """Per-thread registers every warpgroup has at launch: the register file
+  split over the CTA's warpgroups, in the hardware's units of 8."""
+  return _REGISTER_FILE // config.num_warpgroups // 8 * 8
+
+
+def _released_registers(config: MosaicConfig, launch: int) -> int:
+  """What the warpgroups that only issue TMA (the memory warpgroup, and
+  pingpong's loader) give back going down to ``MEMORY_REGISTERS`` from
+  ``launch``: setmaxnreg raises a warpgroup's count only from registers the
+  CTA's other warpgroups released, and waits until there are enough."""
+  memory_wgs = 1 + (config.schedule == "pingpong")
+  return memory_wgs * (launch - MEMORY_REGISTERS)
+
+
+def accumulator_registers(config: MosaicConfig) -> int:
+  """Per-thread registers a compute warpgroup needs: its float32
+  accumulator and 64 more (setmaxnreg takes multiples of 8)."""
+  accumulator = config.tile_k * config.tile_n // 128
+  return -(-(accumulator + 64) // 8) * 8
+
+
+def compute_warpgroup_registers(config: MosaicConfig) -> int:
+  """Per-thread registers of a compute warpgroup of the inline and pingpong
+  schedules, at most ``MAX_REGISTERS`` (multiples of 8: setmaxnreg): its
+  launch count and an even share of what the memory warpgroups release.
+  (Splitting the register file minus the memory warpgroups' part instead
+  overdraws that pool when the warpgroups do not divide the file evenly,
+  and the last setmaxnreg waits forever.) With ``ctas_per_sm`` CTAs a CTA
+  has its share of the file."""
+  launch = (_REGISTER_FILE // config.ctas_per_sm // config.num_warpgroups
+            // 8 * 8)
+  released = _released_registers(config, launch)
+  return min(MAX_REGISTERS,
+             (launch + released // config.compute_wgs) // 8 * 8)
+
+
+def epilogue_buffers(config: MosaicConfig) -> int:
+  """A CTA's epilogue buffers: ``epilogue_slots`` per compute warpgroup."""
+  return config.epilogue_slots * config.compute_wgs
+
+
+def shared_memory_bytes(config: MosaicConfig, activation_itemsize: int,
+                        storage_itemsizes) -> int:
+  """A CTA's pipeline buffers + its epilogue buffers."""
+  pipeline = (config.max_concurrent_steps * config.tile_t
+              * (config.tile_k + config.cta_tile_n) * activation_itemsize)
+  epilogue = (epilogue_buffers(config) * config.epilogue_k * config.epilogue_n
+              * sum(storage_itemsizes))
+  return pipeline + epilogue
+
+
+#: Defaults, fastest first: the first whose buffers fit in shared memory and
+#: whose tiles divide the shape. On the H200 (AdamW, bf16 storage, 4096 x
+#: 14336) a five-stage pipeline is fastest at 512, 2048 and 8192 tokens
+#: alike (0.32 / 0.55 / 1.53 ms, four stages 0.34 / 0.59 / 1.68): a step's
+#: buffers are released one step late, once the wgmma reading them is done,
+#: so five stages keep four in flight. float32 W, m, v or int8 states fit one
+#: epilogue buffer per warpgroup beside it; optimizers with four float32
+#: state tensors a shallower pipeline.
+INLINE_CONFIGS = (
+    MosaicConfig(max_concurrent_steps=5),
+    MosaicConfig(max_concurrent_steps=5, epilogue_slots=1),
+    MosaicConfig(max_concurrent_steps=4, epilogue_slots=1),
+    MosaicConfig(max_concurrent_steps=3, epilogue_slots=1),
+    MosaicConfig(max_concurrent_steps=2, epilogue_slots=1),
+)
+#: Ranked first from ``PINGPONG_MIN_TOKENS`` tokens, where they fit: faster
+#: than the inline schedule from 2048 tokens, slower at 512
+#: (:mod:`forge_jax.ops.mosaic.pingpong` says why). Not measured with
+#: float32 W, m, v, which fit only one epilogue buffer per warpgroup beside
+#: them, nor with int8 states: those keep the inline ranking.
+PINGPONG_CONFIGS = (
+    MosaicConfig(schedule="pingpong", tile_n=128, max_concurrent_steps=4,
+                 epilogue_slots=3),
+    MosaicConfig(schedule="pingpong", tile_n=128, max_concurrent_steps=5,
+                 epilogue_slots=2),
+)
+PINGPONG_MIN_TOKENS = 2048
+
+
+def ranked_configs(tokens: int, quantized: bool = False) -> tuple:
+  """The default configs for a call with ``tokens`` rows of x, fastest
+  first."""
+  if tokens >= PINGPONG_MIN_TOKENS and not quantized:
+    return PINGPONG_CONFIGS + INLINE_CONFIGS
+  return INLINE_CONFIGS
+
+
+def storage_itemsizes(kernel, state) -> list:
+  """Bytes per element of the kernel and of each state leaf that passes
+  through shared memory (all but int8 block scales)."""
+  is_scale = [False] + quantization.scale_leaf_mask(state)
+  return [jnp.dtype(leaf.dtype).itemsize
+          for leaf, scale in zip([kernel] + jax.tree.leaves(state), is_scale)
+          if not scale]
+
+
+def fitting_config(tokens, k, n, activation_itemsize, itemsizes,
+                   quantized: bool) -> MosaicConfig:
+  """The first ranked config whose tiles divide the shape and whose buffers
+  fit in shared memory (else the last: ``unsupported_reason`` says why);
+  ``itemsizes`` are :func:`storage_itemsizes`. With int8 states an epilogue
+  sub-tile is one quantization block wide."""
+  configs = ranked_configs(tokens, quantized)
+  if quantized:
+    configs = tuple(
+        dataclasses.replace(config, epilogue_n=quantization.BLOCK_SIZE)
+        for config in configs)
+  for config in configs:
+    if (shared_memory_bytes(config, activation_itemsize, itemsizes)
+        <= SHARED_MEMORY_BUDGET and not k % config.tile_k
+        and not n % config.cta_tile_n and not tokens % config.tile_t):
+      return config
+  return configs[-1]
+
+
+def default_config(x, kernel, optimizer) -> MosaicConfig:
+  """The fastest default config for this call's shapes and dtypes."""
+  state = stacks.layer_state_shapes(kernel, optimizer)
+  return fitting_config(math.prod(x.shape[:-1]), *kernel.shape[-2:],
+                        jnp.dtype(x.dtype).itemsize,
+                        storage_itemsizes(kernel, state),
+                        quantization.has_quantized(state))

@@ -1,0 +1,269 @@
+"""The Mosaic GPU kernel's entry point: dW tiles by wgmma, the update fused.
+
+A persistent kernel (one CTA per SM) walks the kernel's tiles. In each CTA a
+memory warpgroup streams ``x`` and ``dy`` blocks into a ring of
+shared-memory buffers with TMA, the steps numbered across the CTA's tiles,
+while compute warpgroups accumulate ``dW = x.T @ dy`` with wgmma (``x``'s
+block is the transposed A operand), each for its ``tile_k x tile_n`` part,
+in float32 registers. A step's buffers are released after the next step's
+``wgmma_wait(1)`` (the last step's once the accumulator is read), when the
+wgmma reading them is known to be done. The epilogue then walks each part
+in ``epilogue_k x epilogue_n`` sub-tiles: TMA loads of the kernel and state
+sub-tiles, the optimizer rule in registers
+(:func:`forge_jax.ops.update.apply_update`, the function the XLA reference
+applies to the whole array), and TMA stores of the new values over the old
+ones. ``dW`` never reaches device memory. The schedule
+(:class:`~forge_jax.ops.mosaic.config.MosaicConfig`) says which warpgroup
+runs what: :mod:`forge_jax.ops.mosaic.inline` or
+:mod:`forge_jax.ops.mosaic.pingpong`; the default config is the first of
+:func:`~forge_jax.ops.mosaic.config.ranked_configs` that fits.
+
+The kernel runs without Mosaic GPU's automatic warpgroup barriers
+(``unsafe_no_auto_barriers``): every barrier it needs is explicit.
+
+The kernel, its state and the skipped-element counts are ``jax.new_ref``
+buffers the kernel writes in place (aliased in and out). Stacked ``[L, K,
+N]`` variables (``layer_index``, :mod:`forge_jax.ops.stacks`) are read and
+written at the layer's index, a TMA coordinate: no slice of a stack goes in
+or out of the call.
+
+Coverage: 16-bit activations (wgmma's transposed operand), float32 or
+bfloat16 kernels (bfloat16 stochastically rounded too), float32, bfloat16 or
+int8 block-64 states, shapes that divide into whole tiles. Other calls get a
+reason from :func:`unsupported_reason`; 'auto' then uses the Triton-lowering
+kernel, which it also tries first for int8 states (faster on the whole
+step: :func:`forge_jax.ops.backends.select`).
+
+Low precision (:mod:`forge_jax.quantization`, the reference's functions):
+stochastic rounding hashes each element's global row and column (the tile's
+offset plus an iota, plus the shard's ``offset`` under tensor parallelism)
+and the step, which travel with the scalars (exact in float32 up to 2**24),
+so the kernel draws the reference's bits. int8 states: the codes arrive as
+int8 (bitcast from their float8 container outside the kernel) and go
+through shared memory by TMA like the other leaves; their block scales do
+not (:mod:`forge_jax.ops.mosaic.epilogue` says why). The warpgroup lowering
+lacks ``floor`` (:mod:`forge_jax.ops.mosaic.compat` supplies it) and
+pointwise ops on 8-bit vectors (the quantizer selects codes as int32).
+
+Off-GPU the kernel runs in Mosaic GPU's interpret mode (how the CPU tests
+check it), which simulates the warpgroups, shared memory, TMA and barriers;
+its wgmma takes no transposed operand, so there ``x`` arrives transposed.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from forge_jax import quantization
+from forge_jax.ops import stacks
+from forge_jax.ops.mosaic import compat
+from forge_jax.ops.mosaic.config import (MAX_BARRIERS, SHARED_MEMORY_BUDGET,
+                                         MosaicConfig, default_config,
+                                         epilogue_buffers, fitting_config,
+                                         shared_memory_bytes,
+                                         storage_itemsizes)
+from forge_jax.ops.mosaic.inline import inline_schedule
+from forge_jax.ops.mosaic.pingpong import pingpong_schedule
+from forge_jax.ops.mosaic.pipeline import Pipeline
+from forge_jax.ops.update import pack_kernel_scalars
+
+_ACTIVATION_DTYPES = (jnp.bfloat16, jnp.float16)
+_STORAGE_DTYPES = (jnp.float32, jnp.bfloat16)
+#: int8 states: codes in their one-byte container and float32 block scales.
+_STATE_DTYPES = _STORAGE_DTYPES + (quantization.CODES_CONTAINER,)
+#: Streaming multiprocessors of an H100/H200 (the persistent grid's size when
+#: no GPU is present, i.e. interpret mode and cross-lowering).
+DEFAULT_NUM_SMS = 132
+
+
+def unsupported_reason(x, dy, kernel, optimizer,
+                       config: Optional[MosaicConfig] = None) -> Optional[str]:
+  """Why the Mosaic GPU kernel cannot run this call, or None if it can."""
+  for name, value in (("x", x), ("dy", dy)):
+    if jnp.dtype(value.dtype) not in map(jnp.dtype, _ACTIVATION_DTYPES):
+      return f"{name}.dtype={value.dtype} must be bfloat16 or float16"
+  if x.dtype != dy.dtype:
+    return f"{x.dtype=} and {dy.dtype=} must match"
+  if jnp.dtype(kernel.dtype) not in map(jnp.dtype, _STORAGE_DTYPES):
+    return f"kernel.dtype={kernel.dtype} must be float32 or bfloat16"
+  state = stacks.layer_state_shapes(kernel, optimizer)
+  quantized = quantization.has_quantized(state)
+  for leaf in jax.tree.leaves(state):
+    if jnp.dtype(leaf.dtype) not in map(jnp.dtype, _STATE_DTYPES):
+      return (f"optimizer state dtype {leaf.dtype} is not supported (float32, "
+              "bfloat16 or int8 blocks)")
+  activation_itemsize = jnp.dtype(x.dtype).itemsize
+  itemsizes = storage_itemsizes(kernel, state)
+  k, n = kernel.shape[-2:]
+  tokens = math.prod(x.shape[:-1])
+  if tokens == 0:
+    return f"{x.shape=} has no tokens"
+  config = config or fitting_config(tokens, k, n, activation_itemsize,
+                                    itemsizes, quantized)
+  if quantized and config.epilogue_n != quantization.BLOCK_SIZE:
+    return (f"int8 states are quantized in blocks of "
+            f"{quantization.BLOCK_SIZE} columns: epilogue_n="
+            f"{config.epilogue_n} must be {quantization.BLOCK_SIZE}")
+  for name, size, tile in (("in_features", k, config.tile_k),
+                           ("features", n, config.cta_tile_n),
+                           ("tokens", tokens, config.tile_t)):
+    if size % tile:
+      return f"{name}={size} must be a multiple of {tile}"
+  barriers = epilogue_buffers(config) * len(itemsizes)
+  if barriers > MAX_BARRIERS:
+    return (f"{config} loads {len(itemsizes)} leaves into each of "
+            f"{epilogue_buffers(config)} epilogue buffers: {barriers} "
+            f"barriers, more than Mosaic GPU's {MAX_BARRIERS} per group")
+  needed = shared_memory_bytes(config, activation_itemsize, itemsizes)
+  if needed * config.ctas_per_sm > SHARED_MEMORY_BUDGET:
+    return (f"the tiles of {config} need {needed} bytes of shared memory "
+            f"per CTA, {config.ctas_per_sm} CTAs per SM: more than "
+            f"{SHARED_MEMORY_BUDGET}")
+  return None
+
+
+def check_supported(x, dy, kernel, optimizer, config=None):
+  """Raises ``ValueError`` with :func:`unsupported_reason`'s reason, if any."""
+  reason = unsupported_reason(x, dy, kernel, optimizer, config)
+  if reason is not None:
+    raise ValueError(f"implementation='mosaic' cannot run this call: {reason}")
+
+
+def skipped_rows_shape(config: MosaicConfig, num_tiles: int) -> tuple:
+  """The kernel's skipped-element counts: for each tile, each warpgroup that
+  updates part of it writes one vector of per-row counts, summed over its
+  sub-tiles (float32, exact: an entry counts at most a tile's elements);
+  the caller sums them.
+
+  The kernel sums no count across warps: Mosaic GPU's cross-warp reduction
+  uses one shared-memory scratch at the same offset for every warpgroup, so
+  two warpgroups reducing at once (the compute warpgroups of either
+  schedule) could read each other's partial sums."""
+  return (config.parts_per_tile * num_tiles, config.epilogue_k)
+
+
+def _fused_kernel(scalars_gmem, x_gmem, dy_gmem, storage_gmem, storage_out,
+                  skipped_gmem, *, optimizer, state_treedef, scalars_treedef,
+                  config: MosaicConfig, layer_id, interpret, stacked,
+                  is_scale):
+  """The kernel body: the config's schedule on this call's :class:`Pipeline`
+  (whose docstring says what the refs hold)."""
+  compat.register_missing_lowerings()  # before Mosaic GPU lowers this body
+  pipeline = Pipeline(
+      scalars_gmem, x_gmem, dy_gmem, storage_gmem, storage_out, skipped_gmem,
+      optimizer=optimizer, state_treedef=state_treedef,
+      scalars_treedef=scalars_treedef, config=config, layer_id=layer_id,
+      interpret=interpret, stacked=stacked, is_scale=is_scale)
+  {"inline": inline_schedule,
+   "pingpong": pingpong_schedule}[config.schedule](pipeline)
+  plgpu.wait_smem_to_gmem(0, wait_read_only=False)
+
+
+def _num_ctas(num_tiles: int, config: MosaicConfig, interpret: bool) -> int:
+  """``ctas_per_sm`` CTAs per SM (persistent), never more than there are
+  tiles. Interpret mode simulates every CTA's threads on the CPU: two CTAs
+  keep it quick and still check the persistent loop."""
+  if interpret:
+    return min(num_tiles, 2)
+  sms = (jax.devices()[0].core_count if jax.default_backend() == "gpu"
+         else DEFAULT_NUM_SMS)
+  return min(num_tiles, sms * config.ctas_per_sm)
+
+
+def mosaic_update(spec, x, dy, kernel, opt_state, scalars, apply,
+                  config: Optional[MosaicConfig] = None,
+                  interpret: Optional[bool] = None, *, step=None,
+                  offset=None, layer_index=None):
+  """Backend entry point: same contract as ``backends.xla_update``."""
+  optimizer = spec.optimizer
+  if interpret is None:
+    interpret = jax.default_backend() != "gpu"
+  if interpret and layer_index is not None:
+    # Interpret mode writes separate outputs, not the stacks in place: step
+    # the layer's entries and put them back (same values).
+    new_kernel, new_state, skipped = mosaic_update(
+        spec, x, dy, stacks.layer_entry(kernel, layer_index),
+        stacks.layer_entries(opt_state, layer_index), scalars, apply,
+        config, interpret, step=step, offset=offset)
+    return (stacks.with_layer_entry(kernel, new_kernel, layer_index),
+            stacks.with_layer_entries(opt_state, new_state, layer_index),
+            skipped)
+  config = config or default_config(x, kernel, optimizer)
+  check_supported(x, dy, kernel, optimizer, config)
+  k, n = kernel.shape[-2:]
+  x2 = x.reshape(-1, k)
+  dy2 = dy.reshape(-1, n)
+
+  # int8 codes travel as int8 (their float8 container is for jax.grad only).
+  kernel_state = quantization.codes_as_int8(opt_state)
+  state_leaves, state_treedef = jax.tree.flatten(kernel_state)
+  scalar_vector, scalars_treedef = pack_kernel_scalars(
+      scalars, apply, step, offset, layer_index)
+  kernel_fn = functools.partial(
+      _fused_kernel, optimizer=optimizer, state_treedef=state_treedef,
+      scalars_treedef=scalars_treedef,
+      config=config, layer_id=spec.layer_id, interpret=interpret,
+      stacked=layer_index is not None,
+      is_scale=tuple([False] + quantization.scale_leaf_mask(kernel_state)))
+  storage = [kernel] + state_leaves
+  num_tiles = (k // config.tile_k) * (n // config.cta_tile_n)
+  skipped_type = jax.ShapeDtypeStruct(skipped_rows_shape(config, num_tiles),
+                                      jnp.float32)
+  threads = config.num_warpgroups
+  mesh = plgpu.Mesh(grid=(_num_ctas(num_tiles, config, interpret),),
+                    grid_names=("sm",), num_threads=threads, thread_name="wg")
+  # Without Mosaic GPU's automatic warpgroup barriers around every smem
+  # store and before every TMA load (13 a sub-tile in the epilogue, where
+  # the rule's four warps should run apart): a warp reads and writes only
+  # its own rows of an epilogue buffer, buffers are refilled or freed only
+  # after commit_smem's barrier or a per-thread barrier arrival, and every
+  # cross-warpgroup hand-off is a barrier all threads arrive on.
+  compiler_params = plgpu.CompilerParams(
+      lowering_semantics=plgpu.LoweringSemantics.Warpgroup,
+      unsafe_no_auto_barriers=True)
+  name = "forge_fused_dense_update_mosaic"
+  if interpret or layer_index is None:
+    # Separate outputs: interpret mode takes no refs, and an unstacked call
+    # must not alias its operands. Inside a loop (nn.scan's transpose, any
+    # lax.scan) XLA's dynamic-slice fusion hands an aliased Mosaic GPU call
+    # slices of the stacks it reads and writes, and the updated kernel and
+    # state never reach the loop's output (they come back as zeros).
+    num = len(storage)
+    if interpret:
+      from jax._src.pallas.mosaic_gpu.interpret import params  # pylint: disable=import-outside-toplevel
+      x_operand, interpret_params = x2.T, params.InterpretGPUParams()
+    else:
+      x_operand, interpret_params = x2, None
+    outputs = plgpu.kernel(
+        lambda s, x, dy, *refs: kernel_fn(s, x, dy, refs[:num],
+                                          refs[num:2 * num], refs[-1]),
+        out_type=[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in storage]
+        + [skipped_type],
+        grid=mesh.grid, grid_names=mesh.grid_names, num_threads=threads,
+        thread_name="wg", compiler_params=compiler_params,
+        interpret=interpret_params, kernel_name=name,
+    )(scalar_vector, x_operand, dy2, *storage)
+    new_storage, skipped = outputs[:-1], outputs[-1]
+  else:
+    # Stacked: the whole stacks go in as refs, aliased in and out, and the
+    # layer's entries are updated in place at its index (a TMA coordinate).
+    # pl.kernel, not plgpu.kernel, whose batching wrapper rejects refs.
+    refs = [jax.new_ref(a) for a in storage]
+    skipped_ref = jax.new_ref(jnp.zeros(skipped_type.shape, jnp.float32))
+    pl.kernel(
+        lambda s, x, dy, *refs: kernel_fn(s, x, dy, refs[:-1], refs[:-1],
+                                          refs[-1]),
+        out_type=(), mesh=mesh, compiler_params=compiler_params, name=name,
+    )(scalar_vector, x2, dy2, *refs, skipped_ref)
+    new_storage = [r[...] for r in refs]
+    skipped = skipped_ref[...]
+  new_state = quantization.codes_as_container(
+      jax.tree.unflatten(state_treedef, new_storage[1:]))
+  return new_storage[0], new_state, jnp.sum(skipped.astype(jnp.int32))
