@@ -21,11 +21,12 @@ runs what: :mod:`forge_jax.ops.mosaic.inline` or
 The kernel runs without Mosaic GPU's automatic warpgroup barriers
 (``unsafe_no_auto_barriers``): every barrier it needs is explicit.
 
-The kernel, its state and the skipped-element counts are ``jax.new_ref``
-buffers the kernel writes in place (aliased in and out). Stacked ``[L, K,
-N]`` variables (``layer_index``, :mod:`forge_jax.ops.stacks`) are read and
-written at the layer's index, a TMA coordinate: no slice of a stack goes in
-or out of the call.
+Stacked ``[L, K, N]`` variables (``layer_index``,
+:mod:`forge_jax.ops.stacks`) are ``jax.new_ref`` buffers the kernel updates
+in place (aliased in and out) at the layer's index, a TMA coordinate: no
+slice of a stack goes in or out of the call. An unstacked kernel and state
+are read from their operands and written to separate outputs: aliased, a
+call inside a loop can lose its results to XLA's dynamic-slice fusion.
 
 Coverage: 16-bit activations (wgmma's transposed operand), float32 or
 bfloat16 kernels (bfloat16 stochastically rounded too), float32, bfloat16 or
