@@ -4,10 +4,12 @@ The optimizer step of each linear layer runs inside the backward pass's
 weight-gradient GEMM, so weight gradients are never stored.
 """
 
-from forge_jax.linen import FORGE_COLLECTION, ForgeDense, wiped_layers
+from forge_jax.linen import (FORGE_COLLECTION, ForgeDense, ForgeMemoryWarning,
+                              wiped_layers)
 from forge_jax.ops.fused_dense import (ForgeVariables, FusedDenseSpec,
                                        forge_dense, init_variables)
-from forge_jax.scan import scan_layers
+from forge_jax.scan import scan
+from forge_jax.train_state import TrainState
 from forge_jax.optimizers import (Adagrad, Adam, ForgeOptimizer, Lion, RAdam,
                                   RMSprop, SGD, adagrad, adam, adamw, lion,
                                   nadam, nadamw, radam, rmsprop, sgd)

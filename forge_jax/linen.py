@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import functools
-from typing import Any, NamedTuple, Optional
+import re
+import warnings
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
@@ -14,12 +14,12 @@ import flax.linen as nn
 from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
 from jax.sharding import PartitionSpec as P
 
+from forge_jax import layer_context
 from forge_jax import parallel
 from forge_jax import quantization
-from forge_jax.optimizers import ForgeOptimizer
+from forge_jax.optimizers import ForgeOptimizer, not_elementwise_message
 from forge_jax.ops.fused_dense import (ForgeVariables, FusedDenseSpec,
-                                       forge_dense, init_variables,
-                                       _not_elementwise_message)
+                                       forge_dense, init_variables)
 
 #: The collection that holds every ForgeDense kernel and optimizer state.
 #: ``flax.training.train_state.TrainState.apply_gradients`` overwrites it with
@@ -27,27 +27,43 @@ from forge_jax.ops.fused_dense import (ForgeVariables, FusedDenseSpec,
 FORGE_COLLECTION = OVERWRITE_WITH_GRADIENT
 
 
-class _StackedLayer(NamedTuple):
-  index: jax.Array  # int32 scalar, traced in the backward loop's body
-  length: int       # the number of stacked layers
+class ForgeMemoryWarning(UserWarning):
+  """A ForgeDense trains correctly but holds more memory than it needs to.
+
+  Silence it with
+  ``warnings.filterwarnings('ignore', category=fj.ForgeMemoryWarning)``.
+  """
 
 
-#: Private to :mod:`forge_jax.scan`: while its backward traces one layer's
-#: recompute and vjp, every ForgeDense receives its whole variable stacks and
-#: steps layer ``index`` of them in place (stacked mode of ``forge_dense``).
-#: None elsewhere.
-_STACKED_LAYER: contextvars.ContextVar[Optional[_StackedLayer]] = (
-    contextvars.ContextVar("forge_stacked_layer", default=None))
+#: Flax transforms that stack or map a ForgeDense's variables. Their
+#: transpose builds new buffers for every cotangent, so the updated kernels
+#: and states of all layers exist beside the old ones until the step ends.
+_STACKING_TRANSFORMS = ("scan", "vmap", "map_variables")
 
 
-@contextlib.contextmanager
-def _stacked_layer(index: jax.Array, length: int):
-  """ForgeDense calls traced inside use layer ``index`` of their stacks."""
-  token = _STACKED_LAYER.set(_StackedLayer(index, length))
-  try:
-    yield
-  finally:
-    _STACKED_LAYER.reset(token)
+def _stacking_transform(scope) -> Optional[str]:
+  """The first stacking transform on the module's scope path, or None."""
+  for part in getattr(scope, "debug_path", ()):
+    # Nested transforms read "remat(scan(Block_0))".
+    for name in _STACKING_TRANSFORMS:
+      if re.search(rf"\b{name}\(", part):
+        return name
+  return None
+
+
+def _warn_stacked(path, transform: str):
+  fix = ("fj.scan(...) with the same arguments instead of nn.scan(...)"
+         if transform == "scan" else
+         "fj.scan over the layers (or unrolled layers) instead of "
+         f"nn.{transform}")
+  warnings.warn(
+      f"ForgeDense {'/'.join(path)!r} runs inside nn.{transform}: it trains "
+      f"correctly, but the transpose of nn.{transform} keeps the updated "
+      "kernels and optimizer states of all layers beside the old ones until "
+      "the step ends, which costs more memory than optax. Write "
+      f"{fix} to update the stacks in place. (Silence with "
+      "warnings.filterwarnings('ignore', category=fj.ForgeMemoryWarning).)",
+      ForgeMemoryWarning, stacklevel=4)
 
 
 class ForgeDense(nn.Module):
@@ -123,7 +139,8 @@ class ForgeDense(nn.Module):
   @nn.compact
   def __call__(self, inputs: jax.Array) -> jax.Array:
     if not isinstance(self.optimizer, ForgeOptimizer):
-      raise TypeError(_not_elementwise_message(self.optimizer))
+      raise TypeError(not_elementwise_message(self.optimizer))
+    self._check_collection()
     in_features = jnp.shape(inputs)[-1]
     kernel_shape = (in_features, self.features)
     kernel_meta = self._kernel_metadata(kernel_shape)
@@ -139,22 +156,44 @@ class ForgeDense(nn.Module):
     bias = (self.param("bias", self.bias_init, (self.features,),
                        self.param_dtype) if self.use_bias else None)
     variables = ForgeVariables(kernel, opt_state, count, skipped, intact)
-    stacked = _STACKED_LAYER.get()
+    context = layer_context.stacked_layer()
+    stacked = context if context is not None and context.index is not None else None
     self._check_variables(variables, _stacked_shapes(jax.eval_shape(
         functools.partial(init_variables, self.optimizer),
         jax.ShapeDtypeStruct(kernel_shape, self.param_dtype)), stacked),
                           stacked)
     layer_index = None if stacked is None else stacked.index
     self._check_single_use(kernel)
+    path = (context.path if context is not None else ()) + tuple(self.path)
+    if not self.is_initializing():
+      transform = (_stacking_transform(self.scope)
+                   if context is None else None)
+      if transform is not None:
+        _warn_stacked(path, transform)
+      layer_context.record(path, layer_context.FORWARD, self.optimizer)
     spec = FusedDenseSpec(optimizer=self.optimizer,
                           implementation=self.implementation,
                           precision=self.precision, dtype=self.dtype,
-                          layer_id=self._layer_id())
+                          layer_id=self._layer_id(), path=path)
     layout = self._layout(inputs, kernel_meta)
     if layout is None:
       return forge_dense(inputs, variables, bias, spec, layer_index)
     return forge_dense(inputs, variables, bias, spec, layer_index, layout,
                        where=f"ForgeDense {self.path!r}")
+
+  def _check_collection(self):
+    """FORGE's collection must come with the variables: flax's own error
+    (``ScopeCollectionNotFound``) points the wrong way."""
+    if (self.is_initializing() or self.has_variable(FORGE_COLLECTION, "kernel")
+        or self.is_mutable_collection(FORGE_COLLECTION)):
+      return
+    raise ValueError(
+        f"ForgeDense {'/'.join(self.path)!r} has no variables in the "
+        f"{FORGE_COLLECTION!r} collection, where FORGE keeps its kernel and "
+        "optimizer state. Keep the whole variables dict that init returns: "
+        "fj.TrainState.create(apply_fn=model.apply, params=variables, tx=...) "
+        "(not variables['params']), and apply the model with all of it, "
+        "model.apply(state.params, ...).")
 
   def _kernel_metadata(self, kernel_shape):
     """The partitioning box ``kernel_init`` wraps the kernel in, or None."""
@@ -212,7 +251,7 @@ class ForgeDense(nn.Module):
 
   def _check_variables(self, variables: ForgeVariables,
                        expected: ForgeVariables,
-                       stacked: Optional[_StackedLayer]):
+                       stacked: Optional[layer_context.StackedLayer]):
     """Shapes and dtypes as init made them: a transformed copy would receive
     the new weights through the transformation's transpose."""
     actual = jax.tree.map(lambda x: (jnp.shape(x), jnp.result_type(x)), variables)
@@ -221,11 +260,11 @@ class ForgeDense(nn.Module):
       if stacked is not None:
         raise TypeError(
             f"ForgeDense {self.path!r}: its variables are {actual} but "
-            f"{wanted} was expected: fj.scan_layers' backward hands every "
+            f"{wanted} was expected: fj.scan's backward hands every "
             f"ForgeDense of the block its variables stacked over the "
             f"{stacked.length} layers, so the block must use them as they "
-            "come (no nn.scan, nn.vmap or fj.scan_layers over ForgeDense "
-            "inside it).")
+            "come (no nn.scan, nn.vmap or fj.scan over ForgeDense inside "
+            "it).")
       raise TypeError(
           f"ForgeDense {self.path!r}: its variables are {actual} but "
           f"{wanted} was expected for param_dtype={self.param_dtype} and "
@@ -247,7 +286,7 @@ class ForgeDense(nn.Module):
     object.__setattr__(self, "_forge_kernel_in_use", kernel)
 
 
-def _stacked_shapes(variables, stacked: Optional[_StackedLayer]):
+def _stacked_shapes(variables, stacked: Optional[layer_context.StackedLayer]):
   """``variables``' shapes, on a leading layer axis when ``stacked``."""
   if stacked is None:
     return variables

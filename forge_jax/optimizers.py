@@ -701,3 +701,107 @@ def sgd(learning_rate: ScalarOrSchedule, momentum: Optional[float] = None,
   return SGD(learning_rate, momentum, nesterov, accumulator_dtype,
              state_dtype=state_dtype, weight_rounding=weight_rounding,
               rounding_seed=rounding_seed)
+
+
+# ---------------------------------------------------------------------------
+# Recognizing optax transformations (for clear errors).
+
+#: The optax alias each forge_jax optimizer twins, by the name of the rule
+#: inside the alias's chain.
+_TWINS = {"scale_by_adam": "adamw / adam / nadamw / nadam",
+          "scale_by_radam": "radam", "scale_by_lion": "lion",
+          "scale_by_rms": "rmsprop", "scale_by_stddev": "rmsprop",
+          "scale_by_rss": "adagrad", "trace": "sgd"}
+
+#: Transformations that need the whole gradient (or hold it across steps):
+#: FORGE's layers never form it.
+WHOLE_GRADIENT_TRANSFORMATIONS = (
+    "clip_by_global_norm", "apply_if_finite", "skip_not_finite",
+    "skip_large_updates", "MultiSteps", "zero_nans", "adafactor",
+    "scale_by_factored_rms", "scale_by_trust_ratio", "scale_by_lbfgs",
+    "scale_by_shampoo", "scale_by_muon", "scale_by_sm3")
+
+
+def transformation_names(tx, depth: int = 6) -> set:
+  """Names of the optax transformations ``tx`` is built from.
+
+  optax builds a transformation from closures (``chain`` closes over its
+  members' functions): the names are the outermost function names of every
+  function reachable through ``init``/``update`` and their closures, and
+  ``MultiSteps`` for its bound methods.
+  """
+  names, seen = set(), set()
+
+  def visit(obj, level):
+    if level > depth or id(obj) in seen:
+      return
+    seen.add(id(obj))
+    owner = getattr(obj, "__self__", None)
+    if owner is not None and not isinstance(owner, type):
+      names.add(type(owner).__name__)
+      visit(getattr(owner, "_opt", None), level + 1)
+    func = getattr(obj, "__func__", obj)
+    qualname = getattr(func, "__qualname__", None)
+    if callable(func) and qualname:
+      names.add(qualname.split(".<locals>")[0].split(".")[0])
+      for cell in getattr(func, "__closure__", None) or ():
+        try:
+          visit(cell.cell_contents, level + 1)
+        except ValueError:  # an empty cell
+          pass
+    elif isinstance(obj, (tuple, list)):
+      for item in obj:
+        visit(item, level + 1)
+    if hasattr(obj, "init") and hasattr(obj, "update") and not callable(obj):
+      visit(obj.init, level + 1)
+      visit(obj.update, level + 1)
+
+  if type(tx).__name__ == "MultiSteps":
+    names.add("MultiSteps")
+  visit(tx, 0)
+  return names
+
+
+def optax_twin(tx) -> Optional[str]:
+  """The forge_jax optimizer(s) that twin the optax alias ``tx``, or None."""
+  names = transformation_names(tx)
+  for rule, twin in _TWINS.items():
+    if rule in names:
+      return twin
+  if "add_decayed_weights" in names:
+    return "adamw"
+  if names & {"scale_by_learning_rate", "scale"}:
+    return "sgd"
+  return None
+
+
+def not_elementwise_message(optimizer) -> str:
+  """Why ``optimizer`` cannot be a ForgeDense's optimizer, and what to use."""
+  shown = ("an optax transformation"
+           if isinstance(optimizer, optax.GradientTransformation)
+           or hasattr(optimizer, "update") else repr(optimizer))
+  text = (f"optimizer={shown} must be a forge_jax optimizer (fj.adamw, "
+          "fj.sgd, ...).")
+  names = transformation_names(optimizer)
+  if "MultiSteps" in names:
+    return text + (
+        " Gradient accumulation (optax.MultiSteps) cannot work: FORGE never "
+        "stores the gradient it would have to accumulate. Use a larger "
+        "micro-batch instead; FORGE frees the gradient memory to make room "
+        "for it.")
+  whole = sorted(names.intersection(WHOLE_GRADIENT_TRANSFORMATIONS))
+  if whole:
+    return text + (
+        f" It holds {', '.join(whole)}, which needs the whole gradient: "
+        "FORGE applies the update tile by tile inside the weight-gradient "
+        "GEMM, so only elementwise rules can be fused.")
+  twin = optax_twin(optimizer)
+  if twin is not None:
+    twins = " / ".join(f"fj.{name}" for name in twin.split(" / "))
+    return text + (
+        f" It is an optax alias: its FORGE twin is {twins}, with the same "
+        "arguments; opt.to_optax() gives the optax alias back for the "
+        "parameters FORGE does not own.")
+  return text + (" FORGE applies the update tile by tile inside the "
+                 "weight-gradient GEMM, so only elementwise rules can be "
+                 "fused.")

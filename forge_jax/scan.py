@@ -1,102 +1,176 @@
-"""Scan over layers whose backward updates stacked ForgeDense kernels in place.
+"""``fj.scan``: ``nn.scan`` over layers, with FORGE's in-place backward pass.
 
-``nn.scan`` over layers that hold ForgeDense variables works, but its
-transpose builds *new* stacked buffers for every cotangent, so the updated
-kernels and states of all layers exist beside the old ones until the step
-ends: worse than optax. :func:`scan_layers` keeps ``nn.scan``'s variable
-layout (every collection stacked on a leading layer axis) and replaces the
-backward pass with a hand-written reverse loop over ``l = L-1 .. 0`` that
-recomputes layer ``l``'s forward pass (remat) and runs its backward.
+``nn.scan`` over layers that hold ForgeDense variables trains correctly, but
+its transpose builds *new* stacked buffers for every cotangent, so the
+updated kernels and states of all layers exist beside the old ones until the
+step ends: more memory than optax. :func:`scan` takes ``nn.scan``'s
+arguments and keeps its variable layout (every collection stacked on a
+leading layer axis), and replaces the backward pass with a reverse loop over
+``l = L-1 .. 0`` that runs layer ``l``'s pullback.
 
 FORGE's collection is *not* sliced: every ForgeDense of the layer receives
 its whole stacks (kernel, optimizer state, and the ``[L]`` count, skipped
-and intact) and the index ``l`` (through a private context variable of
-:mod:`forge_jax.linen` set while the layer is traced), reads the layer's
-kernel at ``l`` and steps entry ``l`` of its stacks. The cotangent of each
-stack is then the updated stack itself, carried to the next iteration. A
-slice would not do: an update that is a custom call (the Pallas kernel)
-cannot alias into a slice of a stack, so ``dynamic_slice -> update ->
-dynamic_update_slice`` makes XLA copy the layer's kernels and states. The
-other collections (norm scales, biases) are sliced, and their gradients
-written into stacked gradients with ``dynamic_update_slice``.
+and intact) and the index ``l`` (:func:`forge_jax.layer_context.stacking`),
+reads the layer's kernel at ``l`` and steps entry ``l`` of its stacks. The
+cotangent of each stack is then the updated stack itself, carried to the
+next iteration. A slice would not do: an update that is a custom call (the
+Pallas kernel) cannot alias into a slice of a stack, so ``dynamic_slice ->
+update -> dynamic_update_slice`` makes XLA copy the layer's kernels and
+states. The other collections (norm scales, biases) are sliced, and their
+gradients written into stacked gradients with ``dynamic_update_slice``.
 
-With a remat ``policy`` the forward runs each layer the way the backward
-will (stacked mode) under ``jax.vjp(jax.checkpoint(layer, policy=policy))``
-and keeps the pullback: its leaves are the residuals. Leaves that are the
-layer's own variables or broadcast arguments are not saved; the backward
-puts its own there (for FORGE's collection: the stacks as stepped so far).
-The other leaves (what the policy saved, the layer's input) are scan
-outputs, stacked per layer.
+The forward runs each layer the way the backward will (stacked mode) under
+``jax.vjp`` and keeps the pullback: its leaves are the residuals. With a
+block wrapped in ``nn.remat(Block, policy=...)`` they are what the policy
+saves (the layer's input alone by default). Leaves that are the layer's own
+variables or the broadcast arguments are not saved per layer (the
+backward puts its own there; for FORGE's collection: the stacks as stepped
+so far). The other leaves are scan outputs, stacked per layer.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, NamedTuple
+import warnings
+from typing import Any, Callable, Mapping, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 import flax.linen as nn
+from flax.core import FrozenDict
 
-from forge_jax.linen import FORGE_COLLECTION, _STACKED_LAYER, _stacked_layer
+from forge_jax import layer_context
+from forge_jax.linen import FORGE_COLLECTION, ForgeMemoryWarning
 
 
-def scan_layers(block: type[nn.Module], length: int,
-                num_broadcast_args: int = 0,
-                metadata_params: dict | None = None,
-                policy: Callable | None = None) -> type[nn.Module]:
-  """``nn.scan`` over ``block`` with FORGE's in-place backward pass.
+def scan(target: type[nn.Module],
+         variable_axes: Mapping[Any, int] = FrozenDict(),
+         variable_broadcast: Any = False,
+         variable_carry: Any = False,
+         split_rngs: Mapping[Any, bool] = FrozenDict(),
+         in_axes: Any = 0,
+         out_axes: Any = 0,
+         length: int | None = None,
+         reverse: bool = False,
+         unroll: int = 1,
+         data_transform: Callable | None = None,
+         metadata_params: Mapping[Any, Any] | None = None,
+         methods: Any = None) -> type[nn.Module]:
+  """``nn.scan`` over layers whose ForgeDense variables update in place.
 
-  Use it where you would write::
+  Replace ``nn.scan`` with ``fj.scan`` and keep the arguments::
 
-    nn.scan(nn.remat(block), variable_axes={True: 0},
-            split_rngs={'params': True},
-            in_axes=(nn.broadcast,) * num_broadcast_args, length=length)
+    Stack = fj.scan(nn.remat(Block, prevent_cse=False),
+                    variable_axes={True: 0}, split_rngs={'params': True,
+                    'dropout': True}, in_axes=(nn.broadcast,), length=16)
 
-  (with ``nn.remat(block, policy=policy)`` when a ``policy`` is given).
-  ``metadata_params`` is nn.scan's (e.g. ``{nn.PARTITION_NAME: 'layers'}``
-  to name the stacking axis in partitioned variables' metadata).
-  ``block(...)(carry, *broadcast_args)`` must return ``(carry, None)``. The
-  variables have exactly nn.scan's layout, so checkpoints move between the
-  two.
+  The variables have exactly ``nn.scan``'s layout, so checkpoints move
+  between the two. ``target(...)(carry, *args)`` must return
+  ``(carry, None)``; every extra argument is broadcast (``nn.broadcast``)
+  to all layers, and its gradient is summed over them. Rng streams are
+  split per layer or broadcast as ``split_rngs`` says (the layers draw from
+  the same streams as under ``nn.scan``, though not the same bits). A block
+  wrapped in ``nn.remat`` saves, per layer, what its policy saves; an
+  unwrapped block saves every residual, as ``nn.scan`` would.
 
-  ``policy`` None: each layer is recomputed in the backward pass (nn.remat's
-  default: only its input is saved). A ``jax.checkpoint_policies`` policy
-  (``dots_with_no_batch_dims_saveable``, ``save_only_these_names(...)``,
-  ...): the forward saves, per layer and stacked on the layer axis, the
-  values the policy allows, and the backward recomputes the rest. FORGE's
-  stacks are not saved (the backward passes its own, the later layers
-  already stepped), nor anything computed from them but ForgeDense's
-  output (its forward reads the layer's kernel only for the dot).
+  While a collection other than ``params`` and FORGE's is mutable (a decode
+  cache, ``sow``'s intermediates), the call runs as ``nn.scan`` itself:
+  correct, without the in-place backward.
 
-  The broadcast arguments (RoPE tables, masks) are treated as constants:
-  their cotangent is zero. The block must use its ForgeDense variables as
-  they come (no nn.scan, nn.vmap or another scan_layers over ForgeDense
-  inside it): the backward hands them over as whole stacks.
+  Raises:
+    ValueError: for an argument of ``nn.scan`` that fj.scan cannot honor
+      (``variable_broadcast``, ``variable_carry``, ``reverse``,
+      ``data_transform``, ``methods``, a per-layer ``in_axes``, an axis
+      other than 0, no ``length``), naming it.
   """
-  scanned = nn.scan(block, variable_axes={True: 0},
-                    split_rngs={"params": True},
-                    in_axes=(nn.broadcast,) * num_broadcast_args,
-                    length=length, metadata_params=metadata_params or {})
+  _check_arguments(variable_axes, variable_broadcast, variable_carry,
+                   reverse, data_transform, methods, length, out_axes)
+  scanned = nn.scan(target, variable_axes=variable_axes,
+                    split_rngs=split_rngs, in_axes=in_axes,
+                    out_axes=out_axes, length=length, unroll=unroll,
+                    metadata_params=dict(metadata_params or {}))
+  rng_splits = dict(split_rngs)
 
   class ForgeScan(scanned):  # pylint: disable=missing-class-docstring
-    def __call__(self, carry, *broadcast_args):
-      if self.is_initializing():
-        return super().__call__(carry, *broadcast_args)
-      if _STACKED_LAYER.get() is not None:
+    def __call__(self, carry, *args):
+      _check_in_axes(in_axes, len(args))
+      mutable = [c for c in self.variables if c not in ("params", FORGE_COLLECTION)
+                 and self.is_mutable_collection(c)]
+      if self.is_initializing() or mutable:
+        if mutable and not self.is_initializing():
+          warnings.warn(
+              f"fj.scan {'/'.join(self.path)!r} runs as nn.scan while "
+              f"{mutable} is mutable: correct, without FORGE's in-place "
+              "backward.", ForgeMemoryWarning, stacklevel=2)
+        # nn.scan's layers have their whole paths: no prefix.
+        with layer_context.stacking(None, length, ()):
+          return super().__call__(carry, *args)
+      context = layer_context.stacked_layer()
+      if context is not None and context.index is not None:
         raise NotImplementedError(
-            f"fj.scan_layers({block.__name__}) inside the block of another "
-            "fj.scan_layers: the outer backward hands its ForgeDense "
-            "variables over as whole stacks")
-      fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(block)
+            f"fj.scan({target.__name__}) inside the block of another "
+            "fj.scan: the outer backward hands its ForgeDense variables over "
+            "as whole stacks")
+      fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(target)
                 if f.init and f.name not in ("parent", "name")}
-      layer = block(**fields, parent=None)
-      return _scan_apply(layer, length, carry, self.variables,
-                         tuple(broadcast_args), policy), None
+      layer = target(**fields, parent=None)
+      rngs = self._layer_rngs(rng_splits)
+      out = _scan_apply(layer, length, carry, dict(self.variables), rngs,
+                        tuple(args), tuple(self.path), unroll)
+      return out, None
 
-  ForgeScan.__name__ = f"ForgeScan{block.__name__}"
+    def _layer_rngs(self, splits):
+      """``(per-layer keys [L], broadcast keys)`` of the rng streams given."""
+      split, broadcast = {}, {}
+      for name in sorted(getattr(self.scope, "rngs", {})):
+        if name == "params":
+          continue
+        how = splits.get(name, splits.get(True))
+        if how is None:
+          continue
+        key = self.make_rng(name)
+        if how:
+          split[name] = jax.random.split(key, length)
+        else:
+          broadcast[name] = key
+      return split, broadcast
+
+  ForgeScan.__name__ = f"ForgeScan{target.__name__}"
   return ForgeScan
+
+
+def _check_arguments(variable_axes, variable_broadcast, variable_carry,
+                     reverse, data_transform, methods, length, out_axes):
+  refused = {"variable_broadcast": variable_broadcast,
+             "variable_carry": variable_carry, "reverse": reverse,
+             "data_transform": data_transform, "methods": methods}
+  for name, value in refused.items():
+    if value not in (False, None):
+      raise ValueError(
+          f"fj.scan({name}={value!r}) is not supported: fj.scan stacks every "
+          "collection on a leading layer axis and steps the layers from the "
+          f"last to the first. Use nn.scan for a {name}.")
+  if not isinstance(length, int) or length < 1:
+    raise ValueError(f"fj.scan(length={length!r}) must be the number of "
+                     "layers (a positive int)")
+  if any(axis != 0 for axis in dict(variable_axes).values()):
+    raise ValueError(f"fj.scan(variable_axes={dict(variable_axes)!r}): "
+                     "every collection must be stacked on axis 0")
+  if out_axes != 0:
+    raise ValueError(f"fj.scan(out_axes={out_axes!r}) is not supported: the "
+                     "block returns (carry, None)")
+
+
+def _check_in_axes(in_axes, num_args):
+  axes = in_axes if isinstance(in_axes, (tuple, list)) else (in_axes,) * num_args
+  if len(axes) != num_args or any(a is not nn.broadcast for a in axes):
+    raise ValueError(
+        f"fj.scan(in_axes={in_axes!r}) with {num_args} argument(s) after "
+        "the carry: every argument must be nn.broadcast (the same value for "
+        "every layer). Per-layer inputs are not supported: stack them in a "
+        "variable collection, or use nn.scan.")
 
 
 def _split_forge(variables):
@@ -105,136 +179,127 @@ def _split_forge(variables):
   return forge, {k: v for k, v in variables.items() if k != FORGE_COLLECTION}
 
 
-def _scan_apply(layer: nn.Module, length: int, carry, variables, broadcast_args,
-                policy=None):
-  """``carry`` through ``length`` layers; a custom_vjp over the stacks."""
-
-  def layer_fn(layer_variables, x, args):
-    out, _ = layer.apply(layer_variables, x, *args)
-    return out
-
-  @jax.custom_vjp
-  def run(carry, variables, args):
-    out, _ = lax.scan(lambda x, v: (layer_fn(v, x, args), None), carry, variables)
-    return out
-
-  if policy is None:
-    run.defvjp(*_full_remat_vjp(layer_fn, length))
-  else:
-    run.defvjp(*_policy_remat_vjp(layer_fn, length, policy))
-  return run(carry, dict(variables), broadcast_args)
-
-
-def _full_remat_vjp(layer_fn, length):
-  """fwd and bwd that save each layer's input only."""
-
-  def run_fwd(carry, variables, args):
-    out, inputs = lax.scan(lambda x, v: (layer_fn(v, x, args), x), carry,
-                           variables)
-    return out, (variables, inputs, args)
-
-  def run_bwd(residuals, d_out):
-    variables, inputs, args = residuals
-    forge, others = _split_forge(variables)
-
-    def layer_vjp(index, forge_stack, d_x):
-      take = lambda a: lax.dynamic_index_in_dim(a, index, keepdims=False)
-      # Layer `index` of the FORGE stacks is not updated yet: it holds the
-      # old values. Its cotangent is the stacks with that layer stepped.
-      layer_vars = {**jax.tree.map(take, others), FORGE_COLLECTION: forge_stack}
-      with _stacked_layer(index, length):
-        _, pullback = jax.vjp(lambda v, x: layer_fn(v, x, args), layer_vars,
-                              take(inputs))
-        d_vars, d_x = pullback(d_x)
-      forge_ct = d_vars.pop(FORGE_COLLECTION)
-      return d_vars, forge_ct, d_x
-
-    return _reverse_loop(layer_vjp, length, forge, others, d_out, args)
-
-  return run_fwd, run_bwd
-
-
-def _reverse_loop(layer_vjp, length, forge, others, d_out, args):
-  """The backward loop over ``l = L-1 .. 0``: ``layer_vjp(l, forge_stack,
-  d_x) -> (others' grads, updated forge stacks, d_x)``."""
-
-  def body(i, loop_carry):
-    d_x, forge_stack, others_grad = loop_carry
-    index = length - 1 - i
-    d_others, forge_stack, d_x = layer_vjp(index, forge_stack, d_x)
-    put = lambda stack, value: lax.dynamic_update_index_in_dim(
-        stack, value, index, 0)
-    others_grad = jax.tree.map(put, others_grad, d_others)
-    return d_x, forge_stack, others_grad
-
-  d_carry, new_forge, others_grad = lax.fori_loop(
-      0, length, body, (d_out, forge, jax.tree.map(jnp.zeros_like, others)))
-  d_variables = dict(others_grad)
-  if forge:
-    d_variables[FORGE_COLLECTION] = new_forge
-  return d_carry, d_variables, jax.tree.map(jnp.zeros_like, args)
-
-
 class _PullbackLayout(NamedTuple):
   """How to rebuild one layer's pullback (``jax.vjp``'s function, a pytree)
   in the backward loop; static, recorded while the forward traces.
 
   ``sources[i]`` says where leaf ``i`` of the pullback comes from: an
-  ``int``, the leaf of ``(others[l], forge stacks, broadcast args)`` it is
-  (the backward passes its own: the stacks with layers > l stepped), or
-  None: a value saved per layer (stacked on the layer axis).
+  ``int``, the leaf of ``(others[l], forge stacks, broadcast args)`` it is (the backward passes its own: the stacks with layers > l
+  stepped), or None: a value saved per layer (stacked on the layer axis).
   """
   treedef: Any
   sources: tuple
 
 
-def _policy_remat_vjp(layer_fn, length, policy):
-  """fwd and bwd that save per layer what ``policy`` allows.
+def _zero_cotangent(value):
+  """A zero cotangent for ``value`` (float0 for integer and key arrays)."""
+  if jnp.issubdtype(jnp.result_type(value), jnp.inexact):
+    return jnp.zeros_like(value)
+  return np.zeros(jnp.shape(value), jax.dtypes.float0)
 
-  The forward runs each layer as the backward will (stacked mode, layer
-  ``l`` of the whole FORGE stacks) under ``jax.vjp(jax.checkpoint(...,
-  policy))``: the pullback's leaves are its residuals. Those that are the
-  layer's variables or the broadcast arguments are not saved (the backward
-  has them, and must pass its stepped stacks); the rest are.
-  """
-  remat_fn = jax.checkpoint(
-      lambda others, forge, x, args: layer_fn(
-          {**others, FORGE_COLLECTION: forge}, x, args),
-      policy=policy, prevent_cse=False)
-  layout = []  # one _PullbackLayout, set when run_fwd's scan body traces
 
-  def run_fwd(carry, variables, args):
+def _scan_apply(layer: nn.Module, length: int, carry, variables, rngs,
+                broadcast_args, path: tuple, unroll: int):
+  """``carry`` through ``length`` layers; a custom_vjp over the stacks."""
+  split_rngs, broadcast_rngs = rngs
+  # Keys travel as their raw data: integers, which custom_vjp and jax.vjp
+  # give float0 cotangents.
+  impls = {name: jax.random.key_impl(keys) for name, keys in split_rngs.items()}
+  split_data = {name: jax.random.key_data(keys)
+                for name, keys in split_rngs.items()}
+
+  def layer_fn(layer_variables, x, key_data, args):
+    keys = {name: jax.random.wrap_key_data(data, impl=impls[name])
+            for name, data in key_data.items()}
+    out, per_layer = layer.apply(layer_variables, x, *args,
+                                 rngs={**broadcast_rngs, **keys})
+    if per_layer is not None:
+      raise ValueError(
+          f"fj.scan's block returned (carry, {type(per_layer).__name__}): it "
+          "must return (carry, None); per-layer outputs are not supported")
+    return out
+
+  layout = []  # one _PullbackLayout, set when the forward's scan body traces
+  take = lambda index: lambda a: lax.dynamic_index_in_dim(a, index,
+                                                          keepdims=False)
+
+  @jax.custom_vjp
+  def run(carry, variables, layer_rngs, args):
+    def body(x, xs):
+      layer_variables, keys = xs
+      return layer_fn(layer_variables, x, keys, args), None
+    with layer_context.stacking(None, length, path):
+      out, _ = lax.scan(body, carry, (variables, layer_rngs), unroll=unroll)
+    return out
+
+  def run_fwd(carry, variables, layer_rngs, args):
     forge, others = _split_forge(variables)
 
-    def body(x, index_and_others):
-      index, layer_others = index_and_others
-      with _stacked_layer(index, length):
-        out, pullback = jax.vjp(remat_fn, layer_others, forge, x, args)
+    def body(x, xs):
+      index, layer_others, keys = xs
+      layer_vjp_fn = lambda others, forge, x, args: layer_fn(
+          {**others, FORGE_COLLECTION: forge}, x, keys, args)
+      with layer_context.stacking(index, length, path):
+        out, pullback = jax.vjp(layer_vjp_fn, layer_others, forge, x, args)
       leaves, treedef = jax.tree.flatten(pullback)
-      at_hand = {id(leaf): i for i, leaf in
-                 enumerate(jax.tree.leaves((layer_others, forge, args)))}
+      at_hand = {id(leaf): i for i, leaf in enumerate(
+          jax.tree.leaves((layer_others, forge, args)))}
       sources = tuple(at_hand.get(id(leaf)) for leaf in leaves)
+      _check_stacks_not_saved(leaves, sources, forge)
       layout[:] = [_PullbackLayout(treedef, sources)]
       return out, [leaf for leaf, source in zip(leaves, sources)
                    if source is None]
 
-    out, saved = lax.scan(body, carry, (jnp.arange(length), others))
-    return out, (variables, saved, args)
+    out, saved = lax.scan(body, carry, (jnp.arange(length), others,
+                                        layer_rngs), unroll=unroll)
+    return out, (variables, saved, layer_rngs, args)
 
   def run_bwd(residuals, d_out):
-    variables, saved, args = residuals
+    variables, saved, layer_rngs, args = residuals
     forge, others = _split_forge(variables)
     (treedef, sources), = layout
 
-    def layer_vjp(index, forge_stack, d_x):
-      take = lambda a: lax.dynamic_index_in_dim(a, index, keepdims=False)
-      at_hand = jax.tree.leaves((jax.tree.map(take, others), forge_stack, args))
+    def body(i, loop_carry):
+      d_x, forge_stack, others_grad, args_grad = loop_carry
+      index = length - 1 - i
+      at = take(index)
+      at_hand = jax.tree.leaves((jax.tree.map(at, others), forge_stack, args))
       saved_leaves = iter(saved)
-      leaves = [take(next(saved_leaves)) if source is None else at_hand[source]
+      leaves = [at(next(saved_leaves)) if source is None else at_hand[source]
                 for source in sources]
-      d_others, forge_ct, d_x, _ = jax.tree.unflatten(treedef, leaves)(d_x)
-      return d_others, forge_ct, d_x
+      with layer_context.stacking(index, length, path):
+        d_others, forge_stack, d_x, d_args = jax.tree.unflatten(
+            treedef, leaves)(d_x)
+      put = lambda stack, value: lax.dynamic_update_index_in_dim(
+          stack, value, index, 0)
+      others_grad = jax.tree.map(put, others_grad, d_others)
+      args_grad = jax.tree.map(
+          lambda total, d: total + d if total.dtype != jax.dtypes.float0
+          else total, args_grad, d_args)
+      return d_x, forge_stack, others_grad, args_grad
 
-    return _reverse_loop(layer_vjp, length, forge, others, d_out, args)
+    d_carry, new_forge, others_grad, args_grad = lax.fori_loop(
+        0, length, body,
+        (d_out, forge, jax.tree.map(jnp.zeros_like, others),
+         jax.tree.map(_zero_cotangent, args)), unroll=unroll)
+    d_variables = dict(others_grad)
+    if forge:
+      d_variables[FORGE_COLLECTION] = new_forge
+    return (d_carry, d_variables, jax.tree.map(_zero_cotangent, layer_rngs),
+            args_grad)
 
-  return run_fwd, run_bwd
+  run.defvjp(run_fwd, run_bwd)
+  return run(carry, variables, split_data, broadcast_args)
+
+
+def _check_stacks_not_saved(leaves, sources, forge):
+  """FORGE's stacks are never residuals saved per layer (that would hold
+  ``L`` copies of them)."""
+  stacks = {(jnp.shape(s), jnp.result_type(s)) for s in jax.tree.leaves(forge)
+            if jnp.ndim(s) > 1}
+  for leaf, source in zip(leaves, sources):
+    if source is None and (jnp.shape(leaf), jnp.result_type(leaf)) in stacks:
+      raise RuntimeError(
+          "fj.scan would save a FORGE stack of shape "
+          f"{jnp.shape(leaf)} once per layer: the block must read its "
+          "ForgeDense variables as they come (no transform of them)")

@@ -29,7 +29,7 @@ import numpy as np
 
 from forge_jax.linen import FORGE_COLLECTION, ForgeDense
 from forge_jax.optimizers import ForgeOptimizer
-from forge_jax.scan import scan_layers
+from forge_jax.scan import scan as forge_scan
 
 
 #: ``LlamaConfig.remat_policy`` names -> ``jax.checkpoint_policies``.
@@ -378,21 +378,21 @@ class Llama(nn.Module):
     cos, sin = rope_tables(c, tokens.shape[-1])
     block = (nn.remat(Block, prevent_cse=not c.scan_layers,
                       policy=c.checkpoint_policy) if c.remat else Block)
-    if c.scan_layers and c.forge_optimizer is not None:
-      # FORGE's scan: the backward walks the layers in reverse, recomputes
-      # each one and updates the stacked kernels and states in place.
-      x, _ = scan_layers(Block, c.num_layers, num_broadcast_args=2,
-                         metadata_params={nn.PARTITION_NAME: "layers"},
-                         policy=c.checkpoint_policy)(
-                             c, name="layers")(x, cos, sin)
-    elif c.scan_layers:
+    if c.scan_layers:
       # variable_axes={True: 0}: every collection (params and FORGE's
       # _overwrite_with_gradient) is stacked along a leading layer axis.
-      stack = nn.scan(block, variable_axes={True: 0},
-                      split_rngs={"params": True},
-                      in_axes=(nn.broadcast, nn.broadcast),
-                      length=c.num_layers,
-                      metadata_params={nn.PARTITION_NAME: "layers"})
+      # FORGE's scan walks the layers in reverse in the backward, recomputes
+      # each one and updates the stacked kernels and states in place.
+      if c.forge_optimizer is not None:
+        scan = forge_scan
+        block = nn.remat(Block, prevent_cse=False, policy=c.checkpoint_policy)
+      else:
+        scan = nn.scan
+      stack = scan(block, variable_axes={True: 0},
+                   split_rngs={"params": True},
+                   in_axes=(nn.broadcast, nn.broadcast),
+                   length=c.num_layers,
+                   metadata_params={nn.PARTITION_NAME: "layers"})
       x, _ = stack(c, name="layers")(x, cos, sin)
     else:
       for i in range(c.num_layers):

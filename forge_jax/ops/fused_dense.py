@@ -34,8 +34,9 @@ from jax import lax
 from jax.custom_derivatives import SymbolicZero
 from flax.linen import dtypes as flax_dtypes
 
+from forge_jax import layer_context
 from forge_jax import parallel
-from forge_jax.optimizers import ForgeOptimizer
+from forge_jax.optimizers import ForgeOptimizer, not_elementwise_message
 from forge_jax.ops import backends
 from forge_jax.ops import stacks
 from forge_jax.ops.update import true_after
@@ -83,6 +84,9 @@ class FusedDenseSpec:
   dtype: Any = None
   #: Static id of the layer, one input of stochastic rounding's hash.
   layer_id: int = 0
+  #: The layer's module path; its backward records that it ran
+  #: (:mod:`forge_jax.layer_context`). Empty: nothing is recorded.
+  path: tuple = ()
 
 
 def _dense(x, kernel, bias, spec: FusedDenseSpec, reduce=lambda y: y):
@@ -116,7 +120,7 @@ def _validate(x, variables: ForgeVariables, bias, spec: FusedDenseSpec,
     raise ValueError(
         f"{spec.implementation=} must be one of {IMPLEMENTATIONS}")
   if not isinstance(spec.optimizer, ForgeOptimizer):
-    raise TypeError(_not_elementwise_message(spec.optimizer))
+    raise TypeError(not_elementwise_message(spec.optimizer))
 
 
 def _validate_stacked(variables: ForgeVariables, layer_index):
@@ -134,20 +138,6 @@ def _validate_stacked(variables: ForgeVariables, layer_index):
           f"variables{jax.tree_util.keystr(path)} has shape {jnp.shape(leaf)}: "
           f"with a layer_index every leaf must be stacked on a leading axis "
           f"of {layers} layers")
-
-
-def _not_elementwise_message(optimizer) -> str:
-  text = (f"optimizer={optimizer!r} must be a forge_jax optimizer "
-          "(fj.adamw, fj.sgd, ...). FORGE applies the update tile by tile "
-          "inside the weight-gradient GEMM, so only elementwise rules can be "
-          "fused; optax transformations that need the whole gradient "
-          "(clip_by_global_norm, adafactor, ...) cannot.")
-  if "MultiSteps" in type(optimizer).__name__ or "MultiSteps" in repr(optimizer):
-    text += (" Gradient accumulation (optax.MultiSteps) cannot work either: "
-             "FORGE never stores the gradient it would have to accumulate. "
-             "Use a larger micro-batch instead; FORGE frees the gradient "
-             "memory to make room for it.")
-  return text
 
 
 def forge_dense(x: jax.Array, variables: ForgeVariables,
@@ -388,6 +378,8 @@ def _axis_offset(axes, local_size):
 
 def _forge_dense_bwd(spec, layout, residuals, dy):
   x, variables, bias, layer_index = residuals
+  if spec.path:
+    layer_context.record(spec.path, layer_context.BACKWARD)
   if isinstance(dy, SymbolicZero):
     dy = jnp.zeros(dy.shape, dy.dtype)
   backward = functools.partial(_local_backward, spec, layout)

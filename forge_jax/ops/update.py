@@ -36,7 +36,8 @@ def apply_update(optimizer: ForgeOptimizer, grad: jax.Array, kernel: jax.Array,
   The rule runs in float32 whatever the storage dtypes; its kernel half
   reads this step's new state in float32, before it is rounded or quantized
   for storage (as optax does), and every backend computes the same bits.
-  Elements whose gradient is not finite, and every element when ``apply`` is
+  Elements whose gradient is not finite, whose new kernel or state would not
+  be finite (:func:`finite_result`), and every element when ``apply`` is
   false, keep their old kernel and state bit for bit (int8 states: see
   :func:`forge_jax.quantization.update`).
 
@@ -65,13 +66,15 @@ def apply_update(optimizer: ForgeOptimizer, grad: jax.Array, kernel: jax.Array,
   """
   grad = grad.astype(jnp.float32)
   kernel_f32 = stacks.layer_entry(kernel, layer_index).astype(jnp.float32)
-  ok = jnp.logical_and(jnp.isfinite(grad), apply)
   old_state = quantization.load_state(stacks.layer_entries(state, layer_index))
   new_state_f32 = optimizer.update_state(grad, kernel_f32, old_state, scalars)
   read = old_state if optimizer.kernel_reads_old_state else new_state_f32
+  stepped_kernel = optimizer.update_kernel(grad, kernel_f32, read, scalars)
+  ok = jnp.logical_and(
+      jnp.logical_and(jnp.isfinite(grad), apply),
+      finite_result(stepped_kernel, new_state_f32, scalars))
   new_kernel = quantization.round_weights(
-      jnp.where(ok, optimizer.update_kernel(grad, kernel_f32, read, scalars),
-                kernel_f32),
+      jnp.where(ok, stepped_kernel, kernel_f32),
       kernel.dtype, rounding=optimizer.weight_rounding,
       seed=optimizer.rounding_seed, layer_id=layer_id, step=step,
       indices=indices)
@@ -98,6 +101,20 @@ def apply_update(optimizer: ForgeOptimizer, grad: jax.Array, kernel: jax.Array,
   new_state = quantization.update_state(
       new_state_f32, stacks.layer_entries(state, store_index), store_ok, valid)
   return new_kernel, new_state, ok
+
+
+def finite_result(new_kernel, new_state, scalars) -> jax.Array:
+  """False where the rule made a non-finite kernel or state element.
+
+  Such an element keeps its old values and counts as skipped, like one with
+  a non-finite gradient: no update writes a NaN or an infinity from finite
+  inputs unreported. A NaN learning rate (a wiped layer's poison, see
+  ``fused_dense.step_scalars``) is let through on purpose.
+  """
+  finite = jnp.isfinite(new_kernel)
+  for leaf in jax.tree.leaves(new_state):
+    finite = jnp.logical_and(finite, jnp.isfinite(leaf))
+  return jnp.logical_or(finite, jnp.isnan(scalars.neg_lr))
 
 
 class KernelScalars(NamedTuple):

@@ -1,0 +1,186 @@
+"""``fj.TrainState``: flax's ``TrainState`` that keeps FORGE's layers safe.
+
+FORGE's backward pass makes each ForgeDense's cotangents its *updated*
+variables, and ``TrainState.apply_gradients`` installs them (the
+``_overwrite_with_gradient`` collection). flax's stock ``TrainState`` installs
+whatever arrives: a layer the loss did not reach gets zero cotangents and
+its kernel and state are overwritten with zeros. :class:`TrainState`
+installs a layer's cotangents only where FORGE wrote them (their ``intact``
+flag), keeps the other layers' variables bit for bit, and records which
+layers the step reached. It also refuses optax transformations that cannot
+be right for FORGE's layers.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+from flax.training import train_state
+
+from forge_jax import layer_context
+from forge_jax.linen import FORGE_COLLECTION
+from forge_jax.optimizers import (WHOLE_GRADIENT_TRANSFORMATIONS,
+                                  transformation_names)
+
+
+class TrainState(train_state.TrainState):
+  """flax's ``TrainState`` (same fields and ``create``) for FORGE models.
+
+  Create it from the *whole* variables dict that ``model.init`` returns, with
+  the layers' optimizer as ``tx`` for the parameters FORGE does not own::
+
+    state = fj.TrainState.create(apply_fn=model.apply, params=variables,
+                                 tx=opt.to_optax())
+
+  and differentiate the loss with respect to all of ``state.params``.
+
+  Attributes:
+    reached: after a step, ``{layer path: 1.0 or 0.0}`` (float32; ``[L]``
+      for layers stacked by a scan): whether the step's loss reached the
+      ForgeDense layer. A layer it did not reach keeps its kernel, state and
+      count as they were. None before the first step.
+  """
+
+  reached: Any = None
+
+  @classmethod
+  def create(cls, *, apply_fn: Callable, params, tx, **kwargs):
+    check_transformation(tx)
+    return super().create(apply_fn=apply_fn, params=params, tx=tx, **kwargs)
+
+  def apply_gradients(self, *, grads, **kwargs):
+    old = (self.params.get(FORGE_COLLECTION)
+           if isinstance(self.params, Mapping) else None)
+    if not old:
+      return super().apply_gradients(grads=grads, **kwargs)
+    if FORGE_COLLECTION not in grads:
+      raise ValueError(
+          f"grads has no {FORGE_COLLECTION!r} collection, so FORGE's layers "
+          "would train nothing: differentiate the loss with respect to all "
+          "of state.params (jax.grad(loss)(state.params)), not "
+          "state.params['params'] alone.")
+    check_layer_optimizers(self.tx, old)
+    new, reached = install(old, grads[FORGE_COLLECTION])
+    grads = {**grads, FORGE_COLLECTION: new}
+    return super().apply_gradients(grads=grads, reached=reached, **kwargs)
+
+  def unreached_layers(self) -> list[str]:
+    """Paths of the layers the last step's loss did not reach (host side;
+    layers stacked by a scan are named ``path[i]``)."""
+    names = []
+    for name, flags in (self.reached or {}).items():
+      flags = np.asarray(jax.device_get(flags))
+      if flags.ndim == 0:
+        names += [name] if flags == 0 else []
+      else:
+        names += [f"{name}[{i}]" for i in np.flatnonzero(flags == 0)]
+    return names
+
+
+def _layers(collection, path=()):
+  """``(path, layer variables)`` of every ForgeDense in the collection."""
+  if isinstance(collection, Mapping) and "intact" in collection:
+    yield path, collection
+  elif isinstance(collection, Mapping):
+    for key, value in collection.items():
+      yield from _layers(value, path + (key,))
+
+
+def _set(tree: Mapping, path: tuple, value) -> dict:
+  if not path:
+    return value
+  return {**tree, path[0]: _set(tree[path[0]], path[1:], value)}
+
+
+def install(old, cotangents):
+  """FORGE's new variables and ``{path: reached}``.
+
+  A layer whose backward was traced last (:mod:`forge_jax.layer_context`)
+  takes its cotangents as they are, so its update stays in place. Any other
+  layer is checked at run time: where FORGE did not write its cotangents
+  (``intact`` is 0: the loss did not reach it) the old values stay.
+  """
+  new, reached = cotangents, {}
+  for path, layer in _layers(old):
+    written = _get(cotangents, path)
+    flags = (written["intact"] > 0)
+    reached["/".join(path)] = flags.astype(jnp.float32)
+    if layer_context.last_event(path) == layer_context.BACKWARD:
+      continue
+    keep = lambda ct, value: jnp.where(
+        jnp.reshape(flags, jnp.shape(flags) + (1,) * (jnp.ndim(ct) - jnp.ndim(flags))),
+        ct, value)
+    new = _set(new, path, jax.tree.map(keep, written, dict(layer)))
+  return new, reached
+
+
+def _get(tree, path):
+  for key in path:
+    tree = tree[key]
+  return tree
+
+
+def check_transformation(tx):
+  """Refuses a ``tx`` that cannot be right beside FORGE's layers."""
+  names = transformation_names(tx)
+  if "MultiSteps" in names:
+    raise ValueError(
+        "tx=optax.MultiSteps(...) cannot work with FORGE: the ForgeDense "
+        "layers update inside every backward pass and never store the "
+        "gradient it would accumulate, so the kernels would step every "
+        "micro-step and the rest every k-th. Use a larger micro-batch "
+        "instead: FORGE frees the gradient memory to make room for it.")
+  whole = sorted(names.intersection(WHOLE_GRADIENT_TRANSFORMATIONS))
+  if whole:
+    raise ValueError(
+        f"tx holds {', '.join(whole)}, which needs the whole gradient; the "
+        "ForgeDense layers update inside the backward pass and their "
+        "gradients never reach tx, so it would act on the other parameters "
+        "only. Remove it from tx.")
+
+
+@functools.lru_cache(maxsize=64)
+def _same_rule(tx, optimizer) -> bool | None:
+  """Whether ``tx`` steps a probe like ``optimizer.to_optax()`` does (None:
+  ``tx`` cannot run on the probe, e.g. it labels parameters by name)."""
+  params = {"w": jnp.asarray([0.5, -1.0, 2.0, -0.25, 3.0], jnp.float32)}
+  grads = [{"w": jnp.asarray(g, jnp.float32)} for g in
+           ([0.1, -0.3, 0.02, 0.5, -1.0], [-0.2, 0.1, 0.4, -0.05, 0.3])]
+  reference = optimizer.to_optax()
+  try:
+    states = [tx.init(params), reference.init(params)]
+    for g in grads:
+      steps = []
+      for i, t in enumerate((tx, reference)):
+        updates, states[i] = t.update(g, states[i], params)
+        steps.append(updates["w"])
+      if not np.allclose(steps[0], steps[1], rtol=1e-5, atol=1e-8):
+        return False
+    return True
+  except Exception:  # pylint: disable=broad-exception-caught
+    return None
+
+
+def check_layer_optimizers(tx, collection):
+  """Refuses a ``tx`` that is not the optimizer of the ForgeDense layers
+  traced last (the parameters it trains would follow another rule)."""
+  optimizers = {layer_context.optimizer(path) for path, _ in _layers(collection)}
+  optimizers.discard(None)
+  if not optimizers:
+    return
+  try:
+    verdicts = [_same_rule(tx, opt) for opt in optimizers]
+  except TypeError:  # an unhashable tx: nothing to compare with
+    return
+  if any(v is None or v for v in verdicts):
+    return
+  names = ", ".join(sorted(repr(o) for o in optimizers))
+  raise ValueError(
+      f"tx is not the optimizer of the ForgeDense layers ({names}): the "
+      "layers and the other parameters would train by different rules. "
+      "Pass tx=opt.to_optax() for the layers' optimizer opt.")
