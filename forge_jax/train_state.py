@@ -51,6 +51,9 @@ class TrainState(train_state.TrainState):
   @classmethod
   def create(cls, *, apply_fn: Callable, params, tx, **kwargs):
     check_transformation(tx)
+    if isinstance(params, Mapping) and FORGE_COLLECTION in params:
+      # A model whose every parameter is FORGE's has no 'params' collection.
+      params = {"params": {}, **params}
     return super().create(apply_fn=apply_fn, params=params, tx=tx, **kwargs)
 
   def apply_gradients(self, *, grads, **kwargs):
@@ -148,22 +151,26 @@ def check_transformation(tx):
 def _same_rule(tx, optimizer) -> bool | None:
   """Whether ``tx`` steps a probe like ``optimizer.to_optax()`` does (None:
   ``tx`` cannot run on the probe, e.g. it labels parameters by name)."""
-  params = {"w": jnp.asarray([0.5, -1.0, 2.0, -0.25, 3.0], jnp.float32)}
-  grads = [{"w": jnp.asarray(g, jnp.float32)} for g in
-           ([0.1, -0.3, 0.02, 0.5, -1.0], [-0.2, 0.1, 0.4, -0.05, 0.3])]
-  reference = optimizer.to_optax()
   try:
-    states = [tx.init(params), reference.init(params)]
-    for g in grads:
-      steps = []
-      for i, t in enumerate((tx, reference)):
-        updates, states[i] = t.update(g, states[i], params)
-        steps.append(updates["w"])
-      if not np.allclose(steps[0], steps[1], rtol=1e-5, atol=1e-8):
-        return False
-    return True
+    # Eagerly, also while a train step traces: the probe is concrete.
+    with jax.ensure_compile_time_eval():
+      return _steps_match(tx, optimizer.to_optax())
   except Exception:  # pylint: disable=broad-exception-caught
     return None
+
+
+def _steps_match(tx, reference) -> bool:
+  params = {"w": jnp.asarray([0.5, -1.0, 2.0, -0.25, 3.0], jnp.float32)}
+  states = [tx.init(params), reference.init(params)]
+  for g in ([0.1, -0.3, 0.02, 0.5, -1.0], [-0.2, 0.1, 0.4, -0.05, 0.3]):
+    grads = {"w": jnp.asarray(g, jnp.float32)}
+    steps = []
+    for i, t in enumerate((tx, reference)):
+      updates, states[i] = t.update(grads, states[i], params)
+      steps.append(np.asarray(updates["w"]))
+    if not np.allclose(steps[0], steps[1], rtol=1e-5, atol=1e-8):
+      return False
+  return True
 
 
 def check_layer_optimizers(tx, collection):

@@ -20,7 +20,6 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from forge_jax import quantization
 from forge_jax.ops import stacks
 from forge_jax.ops.update import apply_update
 
@@ -96,12 +95,11 @@ def select(implementation: str, x, dy, kernel, optimizer):
 
   'auto' uses, on a GPU, the Mosaic GPU kernel (Hopper and newer) when it
   supports the call, else the Pallas-Triton kernel when it does, else the
-  XLA reference. int8 states try the Triton kernel first: the whole 8B step
-  with int8 states took 520.5 ms through the Mosaic kernel against 471.3 ms
-  through Triton on the H200 (benchmarks/NOTES.md, session 3). An explicit
-  'triton' or 'mosaic' on a machine without a GPU runs that kernel in its
-  Pallas interpret mode; where the kernel cannot run the call it raises and
-  says why.
+  XLA reference; int8 states too (the Triton kernel trains a scanned
+  Qwen3-14B-shaped model with int8 states to NaN where Mosaic and XLA agree,
+  see docs/kernels.md). An explicit 'triton' or 'mosaic' on a machine
+  without a GPU runs that kernel in its Pallas interpret mode; where the
+  kernel cannot run the call it raises and says why.
   """
   # pylint: disable=import-outside-toplevel
   if implementation == "xla":
@@ -117,9 +115,6 @@ def select(implementation: str, x, dy, kernel, optimizer):
     kernels = [
         (_on_hopper_or_newer(), mosaic, mosaic.mosaic_update),
         (_on_gpu(), triton_kernel, triton_kernel.triton_update)]
-    if _on_gpu() and quantization.has_quantized(
-        stacks.layer_state_shapes(kernel, optimizer)):
-      kernels.reverse()
     for available, module, update in kernels:
       if available and module.unsupported_reason(x, dy, kernel,
                                                  optimizer) is None:

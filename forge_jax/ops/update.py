@@ -72,7 +72,8 @@ def apply_update(optimizer: ForgeOptimizer, grad: jax.Array, kernel: jax.Array,
   stepped_kernel = optimizer.update_kernel(grad, kernel_f32, read, scalars)
   ok = jnp.logical_and(
       jnp.logical_and(jnp.isfinite(grad), apply),
-      finite_result(stepped_kernel, new_state_f32, scalars))
+      finite_result(stepped_kernel.astype(kernel.dtype), new_state_f32,
+                    scalars))
   new_kernel = quantization.round_weights(
       jnp.where(ok, stepped_kernel, kernel_f32),
       kernel.dtype, rounding=optimizer.weight_rounding,
