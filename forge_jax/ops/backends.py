@@ -56,7 +56,8 @@ def apply_gradient(spec, grad, kernel, opt_state, scalars, apply, *, step=None,
   """
   new_kernel, new_state, updated = apply_update(
       spec.optimizer, grad, kernel, opt_state, scalars, apply,
-      order_in_place=True, step=step, layer_id=spec.layer_id,
+      order_in_place=True, guard_results=False, step=step,
+      layer_id=spec.layer_id,
       indices=global_indices(kernel.shape[-2:], offset),
       layer_index=layer_index)
   return (stacks.with_layer_entry(kernel, new_kernel, layer_index),

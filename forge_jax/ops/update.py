@@ -29,7 +29,8 @@ def apply_update(optimizer: ForgeOptimizer, grad: jax.Array, kernel: jax.Array,
                  step: Optional[jax.Array] = None, layer_id: int = 0,
                  indices: Optional[tuple] = None,
                  valid: Optional[jax.Array] = None,
-                 layer_index: Optional[jax.Array] = None):
+                 layer_index: Optional[jax.Array] = None,
+                 guard_results: bool = True):
   """One optimizer step on ``kernel`` (2-D: a kernel or a tile of one),
   skipping non-finite grads.
 
@@ -37,8 +38,10 @@ def apply_update(optimizer: ForgeOptimizer, grad: jax.Array, kernel: jax.Array,
   reads this step's new state in float32, before it is rounded or quantized
   for storage (as optax does), and every backend computes the same bits.
   Elements whose gradient is not finite, whose new kernel or state would not
-  be finite (:func:`finite_result`), and every element when ``apply`` is
-  false, keep their old kernel and state bit for bit (int8 states: see
+  be finite (:func:`finite_result`; with ``guard_results``, which the fused
+  kernels set: in registers the check costs no memory, while over whole
+  arrays it makes XLA keep a kernel-sized temporary), and every element when
+  ``apply`` is false, keep their old kernel and state bit for bit (int8 states: see
   :func:`forge_jax.quantization.update`).
 
   Storage (:mod:`forge_jax.quantization`, the one place that rounds,
@@ -65,17 +68,24 @@ def apply_update(optimizer: ForgeOptimizer, grad: jax.Array, kernel: jax.Array,
     with a ``layer_index``).
   """
   grad = grad.astype(jnp.float32)
+
+  def rule(grad, kernel_f32, old_state):
+    """The stepped kernel (float32), the new state and where to keep them."""
+    new_state_f32 = optimizer.update_state(grad, kernel_f32, old_state, scalars)
+    read = old_state if optimizer.kernel_reads_old_state else new_state_f32
+    stepped = optimizer.update_kernel(grad, kernel_f32, read, scalars)
+    ok = jnp.logical_and(jnp.isfinite(grad), apply)
+    if guard_results:
+      ok = jnp.logical_and(ok, finite_result(stepped.astype(kernel.dtype),
+                                             new_state_f32, scalars))
+    return stepped, new_state_f32, ok
+
   kernel_f32 = stacks.layer_entry(kernel, layer_index).astype(jnp.float32)
-  old_state = quantization.load_state(stacks.layer_entries(state, layer_index))
-  new_state_f32 = optimizer.update_state(grad, kernel_f32, old_state, scalars)
-  read = old_state if optimizer.kernel_reads_old_state else new_state_f32
-  stepped_kernel = optimizer.update_kernel(grad, kernel_f32, read, scalars)
-  ok = jnp.logical_and(
-      jnp.logical_and(jnp.isfinite(grad), apply),
-      finite_result(stepped_kernel.astype(kernel.dtype), new_state_f32,
-                    scalars))
+  stepped, new_state_f32, ok = rule(
+      grad, kernel_f32,
+      quantization.load_state(stacks.layer_entries(state, layer_index)))
   new_kernel = quantization.round_weights(
-      jnp.where(ok, stepped_kernel, kernel_f32),
+      jnp.where(ok, stepped, kernel_f32),
       kernel.dtype, rounding=optimizer.weight_rounding,
       seed=optimizer.rounding_seed, layer_id=layer_id, step=step,
       indices=indices)
@@ -86,19 +96,20 @@ def apply_update(optimizer: ForgeOptimizer, grad: jax.Array, kernel: jax.Array,
     # duplicate into the state's fusions) orders the writes after the read,
     # so XLA updates every buffer in place instead of copying the old state.
     after_kernel = true_after(jnp.sum(new_kernel.astype(jnp.float32)))
-    store_ok = jnp.logical_and(ok, after_kernel)
     if layer_index is not None:
       # XLA copies a layer's old entry out of a stack it then updates in
       # place. Reading it at an index that depends on the new kernel
       # schedules the copy after this kernel's update: one layer's copies
       # are not all alive at once.
       store_index = jnp.where(after_kernel, layer_index, 0)
-    # Recompute the new state for the stores from barrier-separated inputs:
-    # no float32 copy of it stays alive between the two fusions.
+    # Recompute the new state (and where to store it) for the stores from
+    # barrier-separated inputs: no float32 copy of it, nor of the mask,
+    # stays alive between the two fusions.
     grad_s, kernel_s, old_s = lax.optimization_barrier((
         grad, stacks.layer_entry(kernel, store_index).astype(jnp.float32),
         quantization.load_state(stacks.layer_entries(state, store_index))))
-    new_state_f32 = optimizer.update_state(grad_s, kernel_s, old_s, scalars)
+    _, new_state_f32, ok_s = rule(grad_s, kernel_s, old_s)
+    store_ok = jnp.logical_and(ok_s, after_kernel)
   new_state = quantization.update_state(
       new_state_f32, stacks.layer_entries(state, store_index), store_ok, valid)
   return new_kernel, new_state, ok
