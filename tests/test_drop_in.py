@@ -31,15 +31,16 @@ class Block(nn.Module):
   implementation: str = "xla"
   param_dtype: jnp.dtype = jnp.float32
   dtype: jnp.dtype | None = None
+  optimizer: fj.ForgeOptimizer = OPT
 
   @nn.compact
   def __call__(self, x, scale):
     dense = lambda n: fj.ForgeDense(
-        n, optimizer=OPT, implementation=self.implementation,
+        n, optimizer=self.optimizer, implementation=self.implementation,
         param_dtype=self.param_dtype, dtype=self.dtype)
     h = nn.gelu(dense(self.features)(x))
     h = nn.Dropout(self.rate, deterministic=self.rate == 0.0)(h)
-    return x + scale * dense(x.shape[-1])(h), None
+    return (x + scale * dense(x.shape[-1])(h)).astype(x.dtype), None
 
 
 def stacked_model(scan, *, layers=3, remat=True, **block_fields):
@@ -361,8 +362,26 @@ def test_overflowing_fused_update_is_skipped_and_counted(implementation):
   assert float(new.skipped) == kernel.size
 
 
+def test_triton_kernel_refuses_stacks_of_2_31_elements():
+  """The Triton kernel trains a Qwen3-14B-shaped scanned model with int8
+  states to NaN (stacks of 40 x 5120 x 17408 elements); it refuses them."""
+  from forge_jax.ops import backends, triton_kernel  # pylint: disable=import-outside-toplevel
+  optimizer = fj.adamw(1e-4, weight_rounding="stochastic", state_dtype="int8")
+  stack = jax.ShapeDtypeStruct((40, 5120, 17408), jnp.bfloat16)
+  x = jax.ShapeDtypeStruct((2048, 5120), jnp.bfloat16)
+  dy = jax.ShapeDtypeStruct((2048, 17408), jnp.bfloat16)
+  assert "2**31" in triton_kernel.unsupported_reason(x, dy, stack, optimizer)
+  with pytest.raises(ValueError, match="2\\*\\*31"):
+    backends.select("triton", x, dy, stack, optimizer)
+  layer = jax.ShapeDtypeStruct((5120, 17408), jnp.bfloat16)
+  assert triton_kernel.unsupported_reason(x, dy, layer, optimizer) is None
+
+
 # ---------------------------------------------------------------------------
 # GPU: every implementation inside nn.scan, fj.scan and unrolled layers.
+
+
+GPU_OPT = fj.adamw(3e-4, weight_decay=0.1)
 
 
 @pytest.mark.gpu
@@ -376,7 +395,8 @@ def test_every_implementation_trains_like_xla_on_gpu(stacking, param_dtype):
 
   def model(implementation):
     fields = dict(features=512, implementation=implementation,
-                  param_dtype=param_dtype, dtype=jnp.bfloat16)
+                  param_dtype=param_dtype, dtype=jnp.bfloat16,
+                  optimizer=GPU_OPT)
     if stacking == "unrolled":
       class Unrolled(nn.Module):
         @nn.compact
@@ -393,7 +413,7 @@ def test_every_implementation_trains_like_xla_on_gpu(stacking, param_dtype):
     warnings.simplefilter("ignore", fj.ForgeMemoryWarning)
     for implementation in ("xla", "triton", "mosaic"):
       state, losses = train(model(implementation), steps=steps,
-                            x_y=(x, y))
+                            x_y=(x, y), tx=GPU_OPT.to_optax())
       kernels = [np.asarray(k, np.float32) for k in jax.tree.leaves(
           state.params[COLL]) if np.ndim(k) >= 2 and k.shape[-1] == 512]
       results[implementation] = (losses, kernels)

@@ -348,7 +348,8 @@ def _local_backward(spec, layout, x, variables, bias, layer_index, dy):
         spec, grad, variables.kernel, variables.opt_state, scalars, apply,
         step=step, offset=offset, layer_index=layer_index)
   else:
-    backend = backends.select(spec.implementation, x_c, dy, kernel,
+    # The whole stack: a backend may refuse a stack by its size.
+    backend = backends.select(spec.implementation, x_c, dy, variables.kernel,
                               spec.optimizer)
     new_kernel, new_state, skipped = backend(
         spec, x_c, dy, variables.kernel, variables.opt_state, scalars, apply,

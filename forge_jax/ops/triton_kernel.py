@@ -41,6 +41,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from forge_jax import quantization
+from forge_jax.ops import stacks
 from forge_jax.ops.update import (apply_update, pack_kernel_scalars,
                                   read_kernel_scalars)
 
@@ -112,8 +113,8 @@ def unsupported_reason(x, dy, kernel, optimizer) -> Optional[str]:
   for name, value in (("x", x), ("dy", dy), ("kernel", kernel)):
     if jnp.dtype(value.dtype) not in map(jnp.dtype, _SUPPORTED_DTYPES):
       return f"{name}.dtype={value.dtype} must be float32, bfloat16 or float16"
-  state = jax.eval_shape(optimizer.init, kernel)
-  state = jax.eval_shape(quantization.codes_as_int8, state)
+  state = jax.eval_shape(quantization.codes_as_int8,
+                         stacks.layer_state_shapes(kernel, optimizer))
   for leaf in jax.tree.leaves(state):
     if jnp.dtype(leaf.dtype) not in map(jnp.dtype, _SUPPORTED_DTYPES + (jnp.int8,)):
       return f"optimizer state dtype {leaf.dtype} is not supported by the kernel"
