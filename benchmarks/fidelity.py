@@ -3,8 +3,8 @@
     python benchmarks/fidelity.py                 # CPU, 'small' config
     python benchmarks/fidelity.py --steps 60 --config tiny   # quick
 
-Trains the byte-level Llama of ``forge_jax.models`` on the Python stdlib
-(``forge_jax.data``), every run on the same batches and, unless stated, from
+Trains the byte-level Llama of ``examples.lm.llama`` on the Python stdlib
+(``examples.lm.data``), every run on the same batches and, unless stated, from
 the same initialization:
 
 * ``optax_fp32``: nn.Dense + ``optax.adamw``, float32 (the reference);
@@ -85,8 +85,8 @@ def build_runs(args):
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   from flax.training.train_state import TrainState  # pylint: disable=import-outside-toplevel
   import forge_jax as fj  # pylint: disable=import-outside-toplevel
-  from forge_jax import data as data_lib  # pylint: disable=import-outside-toplevel
-  from forge_jax.models import CONFIGS, make_model  # pylint: disable=import-outside-toplevel
+  from examples.lm import data as data_lib  # pylint: disable=import-outside-toplevel
+  from examples.lm.llama import CONFIGS, make_model  # pylint: disable=import-outside-toplevel
 
   config = dataclasses.replace(CONFIGS[args.config],
                                vocab_size=data_lib.VOCAB_SIZE,
@@ -144,8 +144,8 @@ def build_runs(args):
 def train(runs, args, corpus):
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-  from forge_jax import data as data_lib  # pylint: disable=import-outside-toplevel
-  from forge_jax import train as train_lib  # pylint: disable=import-outside-toplevel
+  from examples.lm import data as data_lib  # pylint: disable=import-outside-toplevel
+  from examples.lm import train as train_lib  # pylint: disable=import-outside-toplevel
 
   batches = data_lib.batch_iterator(corpus.train, args.batch_size,
                                     args.seq_len, seed=args.seed)
@@ -299,7 +299,7 @@ def _plot(path, results, title):
 def main(argv=None):
   args = parse_args(argv)
   import jax  # pylint: disable=import-outside-toplevel
-  from forge_jax import data as data_lib  # pylint: disable=import-outside-toplevel
+  from examples.lm import data as data_lib  # pylint: disable=import-outside-toplevel
 
   t0 = time.time()
   corpus = data_lib.load_stdlib_corpus(max_mb=8.0)

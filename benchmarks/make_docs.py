@@ -622,7 +622,7 @@ def main_job_line(run) -> str:
 def main_job_section(run) -> str:
   a = run["args"]
   return section(
-      "Main job", f"`python -m forge_jax.main --steps {a['steps']}`: both "
+      "Main job", f"`python -m examples.lm.main --steps {a['steps']}`: both "
       "models from one initialization on the same batches.\n\n"
       f"![loss curves]({PLOT_LINK}main_job_h200_loss_curves.png)",
       table(["", "FORGE", "nn.Dense + optax"],
@@ -632,7 +632,7 @@ def main_job_section(run) -> str:
                                    for k in ("forge", "baseline"))],
              ["step ms", *(f"{run['step_ms'][k]:.1f}"
                            for k in ("forge", "baseline"))]])
-      + "\n\n" + main_job_line(run), f"python -m forge_jax.main --steps "
+      + "\n\n" + main_job_line(run), f"python -m examples.lm.main --steps "
       f"{a['steps']}", [run])
 
 

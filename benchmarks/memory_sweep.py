@@ -21,8 +21,8 @@ import jax
 import jax.numpy as jnp
 
 import forge_jax as fj
-from forge_jax import train as train_lib
-from forge_jax.models import llama
+from examples.lm import train as train_lib
+from examples.lm import llama
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from timing import metadata  # pylint: disable=wrong-import-position

@@ -32,8 +32,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import forge_jax as fj
-from forge_jax import train as train_lib
-from forge_jax.models import llama
+from examples.lm import train as train_lib
+from examples.lm import llama
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 # pylint: disable=wrong-import-position

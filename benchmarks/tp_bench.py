@@ -94,8 +94,9 @@ def exactness(args) -> dict:
   from flax.training.train_state import TrainState  # pylint: disable=import-outside-toplevel
   from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=import-outside-toplevel
   import forge_jax as fj  # pylint: disable=import-outside-toplevel
-  from forge_jax import parallel, train  # pylint: disable=import-outside-toplevel
-  from forge_jax.models import llama  # pylint: disable=import-outside-toplevel
+  from forge_jax import parallel
+  from examples.lm import train  # pylint: disable=import-outside-toplevel
+  from examples.lm import llama  # pylint: disable=import-outside-toplevel
 
   opt = fj.adamw(1e-3, weight_decay=0.1)
   tp = args.tp
@@ -203,8 +204,9 @@ def build_sharded(args, optimizer, forge: bool):
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   from flax.training.train_state import TrainState  # pylint: disable=import-outside-toplevel
   from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=import-outside-toplevel
-  from forge_jax import parallel, train  # pylint: disable=import-outside-toplevel
-  from forge_jax.models import llama  # pylint: disable=import-outside-toplevel
+  from forge_jax import parallel
+  from examples.lm import train  # pylint: disable=import-outside-toplevel
+  from examples.lm import llama  # pylint: disable=import-outside-toplevel
 
   overrides = dict(param_dtype=jnp.bfloat16, dtype=jnp.bfloat16,
                    scan_layers=getattr(args, "scan", False), remat=True,
@@ -257,7 +259,7 @@ def measure(args) -> dict:
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   import numpy as np  # pylint: disable=import-outside-toplevel
   import forge_jax as fj  # pylint: disable=import-outside-toplevel
-  from forge_jax.models import llama  # pylint: disable=import-outside-toplevel
+  from examples.lm import llama  # pylint: disable=import-outside-toplevel
   sys.path.insert(0, HERE)
   from timing import time_steps  # pylint: disable=import-outside-toplevel
 

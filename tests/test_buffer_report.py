@@ -11,8 +11,8 @@ import jax
 import pytest
 
 import forge_jax as fj
-from forge_jax import train as train_lib
-from forge_jax.models import llama
+from examples.lm import train as train_lib
+from examples.lm import llama
 
 
 def _buffer_report():

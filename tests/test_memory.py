@@ -12,8 +12,8 @@ import pytest
 from flax import traverse_util
 
 import forge_jax as fj
-from forge_jax import train as train_lib
-from forge_jax.models import llama
+from examples.lm import train as train_lib
+from examples.lm import llama
 
 BATCH, SEQ = 2, 32
 CONFIG = dataclasses.replace(llama.CONFIGS["small"], num_layers=6, dim=128,

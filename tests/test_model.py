@@ -13,11 +13,11 @@ from flax import traverse_util
 from flax.training.train_state import TrainState
 
 import forge_jax as fj
-from forge_jax import data as data_lib
-from forge_jax.models import (CONFIGS, PROJECTIONS, apply_rope, kernels,
+from examples.lm import data as data_lib
+from examples.lm.llama import (CONFIGS, PROJECTIONS, apply_rope, kernels,
                               make_model, rope_tables, stack_layers,
                               unstack_layers)
-from forge_jax.train import build_variants, make_train_step
+from examples.lm.train import build_variants, make_train_step
 
 TINY = CONFIGS["tiny"]
 TINY_QK = dataclasses.replace(TINY, qk_norm=True)
@@ -299,7 +299,7 @@ def test_stdlib_corpus_and_batches():
 
 
 def test_main_job_smoke(tmp_path):
-  from forge_jax import main as main_lib
+  from examples.lm import main as main_lib
   out = str(tmp_path / "run")
   summary = main_lib.main([
       "--config", "tiny", "--steps", "4", "--batch-size", "2", "--seq-len",

@@ -38,8 +38,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import forge_jax as fj
 from forge_jax import parallel
-from forge_jax.models.llama import Block, Llama, LlamaConfig, kernels, rope_tables
-from forge_jax.train import loss_fn
+from examples.lm.llama import Block, Llama, LlamaConfig, kernels, rope_tables
+from examples.lm.train import loss_fn
 
 COLL = fj.FORGE_COLLECTION
 # On CPU only (float32 GEMMs in full precision; a GPU's TF32 default would

@@ -1,6 +1,6 @@
 """Main job: a byte-level Llama on the Python stdlib, FORGE beside optax.
 
-    python -m forge_jax.main [--config small] [--steps 300] [--out artifacts]
+    python -m examples.lm.main [--config small] [--steps 300] [--out artifacts]
 
 Trains two copies of one model from the same initialization on the same
 batches: FORGE (every projection a ForgeDense; fj.adamw runs inside the
@@ -33,10 +33,10 @@ def _on_gpu() -> bool:
 
 def parse_args(argv=None) -> argparse.Namespace:
   p = argparse.ArgumentParser(
-      prog="python -m forge_jax.main",
+      prog="python -m examples.lm.main",
       description="FORGE vs optax: a byte-level Llama on the Python stdlib.")
   p.add_argument("--config", default=None,
-                 help="a name in forge_jax.models.CONFIGS (default: 'small' on "
+                 help="a name in examples.lm.llama.CONFIGS (default: 'small' on "
                       "CPU, 'medium' on GPU); the vocabulary is set to 256")
   p.add_argument("--steps", type=int, default=None,
                  help="training steps (default: 200 CPU, 1000 GPU)")
@@ -158,9 +158,9 @@ def main(argv=None) -> dict:
   from tqdm.auto import tqdm  # pylint: disable=import-outside-toplevel
 
   import forge_jax as fj  # pylint: disable=import-outside-toplevel
-  from forge_jax import data as data_lib  # pylint: disable=import-outside-toplevel
-  from forge_jax.models import CONFIGS, kernels  # pylint: disable=import-outside-toplevel
-  from forge_jax import train as train_lib  # pylint: disable=import-outside-toplevel
+  from examples.lm import data as data_lib  # pylint: disable=import-outside-toplevel
+  from examples.lm.llama import CONFIGS, kernels  # pylint: disable=import-outside-toplevel
+  from examples.lm import train as train_lib  # pylint: disable=import-outside-toplevel
 
   if args.config not in CONFIGS:
     raise SystemExit(f"--config {args.config!r}: choose from {sorted(CONFIGS)}")

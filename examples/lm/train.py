@@ -97,7 +97,7 @@ def build_variants(config, optimizer: ForgeOptimizer,
   baseline share every hyper-parameter; init with the same key gives the same
   weights (ForgeDense initializes like nn.Dense of the same name).
   """
-  from forge_jax.models.llama import make_model  # pylint: disable=import-outside-toplevel
+  from examples.lm.llama import make_model  # pylint: disable=import-outside-toplevel
   if not isinstance(optimizer, ForgeOptimizer):
     raise TypeError(f"{optimizer=} must be a forge_jax optimizer")
   overrides.pop("forge_optimizer", None)

@@ -1,0 +1,1 @@
+"""Applications built on forge_jax (not part of the library)."""
