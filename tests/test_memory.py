@@ -81,7 +81,7 @@ def test_no_temp_memory_grows_with_the_kernels(scan_layers, remat):
 
   optax's scanned step holds every kernel's stacked gradient: its temp grows
   by (at least 90% of) the added kernel bytes. FORGE's scanned step grows
-  only by the added activations (fj.scan_layers updates the stacks in place,
+  only by the added activations (fj.scan updates the stacks in place,
   layer by layer). Unrolled, XLA already interleaves optax's updates with
   the backward pass, and FORGE must grow no faster than optax.
   """
@@ -108,7 +108,7 @@ def test_no_temp_memory_grows_with_the_kernels(scan_layers, remat):
 
 
 def test_scanned_step_copies_no_layer_out_of_the_stacks():
-  """fj.scan_layers' backward steps every layer inside its stacks.
+  """fj.scan' backward steps every layer inside its stacks.
 
   Slicing a layer's kernels and optimizer states out of the stacks around
   the update and writing them back made XLA hold a copy of them: the step's
@@ -139,7 +139,7 @@ def _policy_step(num_layers, policy):
 
 
 def test_remat_policy_saves_activations_not_kernels():
-  """fj.scan_layers(policy=dots_with_no_batch_dims_saveable) keeps, per
+  """fj.scan over nn.remat(policy=dots_with_no_batch_dims_saveable) keeps, per
   layer, the layer's input and the projections' outputs the backward needs
   (all but down_proj's: the residual add needs no value), stacked on the
   layer axis: each added layer costs those bytes more than full remat, not

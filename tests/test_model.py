@@ -202,7 +202,7 @@ def test_scan_remat_qk_norm_forge_matches_baseline():
 @pytest.mark.parametrize("policy", ["dots_with_no_batch_dims_saveable",
                                     "everything_saveable"])
 def test_scan_remat_policy_matches_full_remat_and_baseline(policy):
-  """fj.scan_layers with a remat policy: the updated kernels, optimizer
+  """fj.scan with a remat policy: the updated kernels, optimizer
   states and counts match full remat's, and training matches the nn.Dense
   baseline under nn.scan(nn.remat(Block, policy=...)).
 

@@ -151,7 +151,7 @@ def _batches(kind: str):
 
 
 def _model(kind, config):
-  if kind == "scan_model":  # fj.scan_layers (FORGE) / nn.scan (baseline)
+  if kind == "scan_model":  # fj.scan (FORGE) / nn.scan (baseline)
     return Llama(dataclasses.replace(config, scan_layers=True))
   return Llama(config) if kind == "model" else BlockLoss(config)
 
@@ -329,7 +329,7 @@ def test_tensor_parallel_matches_one_device_and_optax(kind, tp, sp):
 @pytest.mark.parametrize("tp,sp", [(2, True), (4, False)],
                          ids=["tp2-sp", "tp4-nosp"])
 def test_tensor_parallel_scanned_layers(tp, sp):
-  """fj.scan_layers (FORGE) under TP, stacked variables, against one device.
+  """fj.scan (FORGE) under TP, stacked variables, against one device.
 
   Scanned layers under TP sum in another order than on one device, and
   Adam amplifies that on this config's tiny heads: nn.scan + optax itself

@@ -1,4 +1,4 @@
-"""fj.scan_layers: nn.scan's layout, an in-place reverse-loop backward.
+"""fj.scan: nn.scan's layout, an in-place reverse-loop backward.
 
 Its backward runs every ForgeDense in stacked mode (whole stacks and a layer
 index): that mode must write the bits the one-layer op writes, for the XLA
@@ -20,7 +20,6 @@ from flax.training.train_state import TrainState
 
 import forge_jax as fj
 from forge_jax.ops.fused_dense import FusedDenseSpec
-from forge_jax.scan import scan_layers
 
 from conftest import assert_bitwise_equal
 
@@ -49,7 +48,7 @@ class Block(nn.Module):
     def dense(name):
       if self.forge:
         # An explicit layer_id: the module paths (so the default ids) differ
-        # between nn.scan and fj.scan_layers.
+        # between nn.scan and fj.scan.
         return fj.ForgeDense(WIDTH, optimizer=self.optimizer, use_bias=False,
                              implementation=self.implementation,
                              param_dtype=self.param_dtype,
@@ -71,8 +70,9 @@ class Stack(nn.Module):
   def __call__(self, x):
     forge = self.mode != "optax"
     if self.mode == "forge_scan":
-      layers = scan_layers(Block, LAYERS, num_broadcast_args=1,
-                           policy=self.policy)
+      layers = fj.scan(nn.remat(Block, prevent_cse=False, policy=self.policy),
+                       variable_axes={True: 0}, split_rngs={"params": True},
+                       in_axes=(nn.broadcast,), length=LAYERS)
     else:
       layers = nn.scan(nn.remat(Block, policy=self.policy),
                        variable_axes={True: 0},
@@ -158,7 +158,7 @@ def test_less_temporary_memory_than_nn_scan(seed):
 @pytest.mark.parametrize("implementation, optimizer, dtype", STACKED_CASES)
 def test_stacked_backward_matches_nn_scan(seed, implementation, optimizer,
                                           dtype):
-  """fj.scan_layers' stacked backward against nn.scan's, which runs the
+  """fj.scan' stacked backward against nn.scan's, which runs the
   one-layer op on slices, for every backend and storage format."""
   fields = dict(optimizer=optimizer, implementation=implementation,
                 param_dtype=dtype)
@@ -214,7 +214,7 @@ def _equations(jaxpr):
 @pytest.mark.parametrize("policy", [None, CP.everything_saveable],
                          ids=["full-remat", "everything"])
 def test_pallas_kernel_updates_whole_stacks(seed, policy):
-  """Under fj.scan_layers the Pallas kernel reads and writes the stacked
+  """Under fj.scan the Pallas kernel reads and writes the stacked
   kernels and states themselves (aliased), and no [L, K, N] stack is
   written with dynamic_update_slice: nothing for XLA to copy around it.
   (Interpret mode's compiled memory on CPU says nothing about the GPU's, so
@@ -240,12 +240,14 @@ def test_pallas_kernel_updates_whole_stacks(seed, policy):
 class Nested(nn.Module):
   @nn.compact
   def __call__(self, x, scale):
-    return scan_layers(Block, 2, num_broadcast_args=1)(name="inner")(x, scale)
+    return fj.scan(Block, variable_axes={True: 0}, split_rngs={"params": True},
+                   in_axes=(nn.broadcast,), length=2)(name="inner")(x, scale)
 
 
-def test_nested_scan_layers_raises(seed):
+def test_nested_fj_scan_raises(seed):
   """The outer backward hands the inner scan whole outer stacks."""
-  model = scan_layers(Nested, 2, num_broadcast_args=1)()
+  model = fj.scan(Nested, variable_axes={True: 0}, split_rngs={"params": True},
+                  in_axes=(nn.broadcast,), length=2)()
   x = jnp.ones((TOKENS, WIDTH))
   variables = model.init(jax.random.key(seed), x, 0.5)
   with pytest.raises(NotImplementedError, match="inside the block of another"):
