@@ -245,7 +245,6 @@ def _scan_apply(layer: nn.Module, length: int, carry, variables, rngs,
       at_hand = {id(leaf): i for i, leaf in enumerate(
           jax.tree.leaves((layer_others, forge, args)))}
       sources = tuple(at_hand.get(id(leaf)) for leaf in leaves)
-      _check_stacks_not_saved(leaves, sources, forge)
       layout[:] = [_PullbackLayout(treedef, sources)]
       return out, [leaf for leaf, source in zip(leaves, sources)
                    if source is None]
@@ -291,15 +290,3 @@ def _scan_apply(layer: nn.Module, length: int, carry, variables, rngs,
   run.defvjp(run_fwd, run_bwd)
   return run(carry, variables, split_data, broadcast_args)
 
-
-def _check_stacks_not_saved(leaves, sources, forge):
-  """FORGE's stacks are never residuals saved per layer (that would hold
-  ``L`` copies of them)."""
-  stacks = {(jnp.shape(s), jnp.result_type(s)) for s in jax.tree.leaves(forge)
-            if jnp.ndim(s) > 1}
-  for leaf, source in zip(leaves, sources):
-    if source is None and (jnp.shape(leaf), jnp.result_type(leaf)) in stacks:
-      raise RuntimeError(
-          "fj.scan would save a FORGE stack of shape "
-          f"{jnp.shape(leaf)} once per layer: the block must read its "
-          "ForgeDense variables as they come (no transform of them)")
