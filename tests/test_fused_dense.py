@@ -25,8 +25,9 @@ from forge_jax.ops import backends, mosaic_kernel, triton_kernel
 from forge_jax.ops.fused_dense import FusedDenseSpec
 
 from conftest import host_copy
-from fused_dense_test_base import (BF16, F32, OPTIMIZERS, FusedDenseTestBase,
-                                   assert_leaves_match, random_inputs)
+from fused_dense_test_base import (BF16, F32, OPTAX_CASES, OPTIMIZERS,
+                                   FusedDenseTestBase, assert_leaves_match,
+                                   random_inputs)
 
 # x.shape (rank 2 or 3; the last axis is K) and N. None is a multiple of 16:
 # 37 / 33 tokens leave a masked tail slab, K = 40 / 33 / 5 and N = 24 / 8 / 3
@@ -120,15 +121,16 @@ class TritonInterpretTest(FusedDenseTestBase):
   lowp_shapes = LOWP_SHAPES
   lowp_configs = TRITON_LOWP_CONFIGS
   # Every optimizer, dtype, shape and config at least once; the optax
-  # table's core rows.
+  # table's core rows; int8 states with stochastic rounding on AdamW, Lion
+  # and SGD (mu and nu, mu, trace).
   default_cases = {
       "test_matches_reference": len(OPTIMIZERS),
       "test_every_element_is_written": 4,
       "test_poisoned_elements_stay_in_place": 2,
       "test_nonfinite_gradient_elements_are_skipped": 4,
       "test_nonfinite_dy_skips_the_whole_layer": 2,
-      "test_matches_reference_bits_bf16_sr_int8": 5,
-      "test_matches_optax": 13,
+      "test_matches_reference_bits_bf16_sr_int8": 3,
+      "test_matches_optax": sum(case.core for case in OPTAX_CASES),
   }
 
   def backend(self, spec, config):
@@ -197,6 +199,13 @@ class CompiledOnGpu:
     # which alone moves the reference by ~2e-5.
     return jax.default_matmul_precision("highest")
 
+  def test_matches_reference_bits_bf16_sr_int8(self, case, seed):
+    del case, seed
+    pytest.skip("compiled, the rule's float32 arithmetic may round as XLA's "
+                "does not (FMA contraction, Triton's division, Mosaic's "
+                "sqrt): test_compiled_lowp_kernel_matches_reference holds "
+                "the kernels to one bf16 ulp or one int8 code")
+
   @pytest.mark.parametrize("name", ["adamw", "lion", "sgd_momentum"])
   def test_compiled_lowp_kernel_matches_reference(self, name):
     """Fused steps with exact dW: only the rule's float32 arithmetic may
@@ -224,6 +233,12 @@ class CompiledOnGpu:
 
 @pytest.mark.gpu
 class TritonGpuTest(CompiledOnGpu, TritonInterpretTest):
+
+  def test_compiled_storage_primitives_match_xla_bits(self):
+    """Stochastic rounding, int8 quantization and dequantization inside a
+    compiled Triton kernel give XLA's bits on the same float32 inputs."""
+    result = _lowp_kernel_check().check_primitives(256, 512, interpret=False)
+    assert all(r["identical"] == 1.0 for r in result.values()), result
 
   @pytest.mark.parametrize("name,opt,count", OPTIMIZERS[:6],
                            ids=[c[0] for c in OPTIMIZERS[:6]])
