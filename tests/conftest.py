@@ -8,7 +8,7 @@
 * ``seed``: a fresh random seed per test (distinct per test id; set
   ``FORGE_TEST_SEED`` to shuffle every test's inputs; the seed is printed on
   failure so a failing case can be rerun). ``seed_of`` gives a group of
-  tests one seed (a case of fused_dense_test_base on every backend).
+  tests one seed (fused_dense_test_base: a case id on every backend).
 * ``poison``: NaN (or another value) written into chosen elements.
 * ``gpu`` marker: skipped unless ``jax.default_backend() == 'gpu'``.
 * ``slow`` marker: skipped unless pytest runs with ``--run-slow``. The

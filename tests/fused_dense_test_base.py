@@ -466,11 +466,13 @@ class FusedDenseTestBase:
 
   @pytest.fixture
   def seed(self, request):
-    """A case's seed, the same on every backend: the backends' results on
-    one case are results on the same inputs."""
+    """A seed per check and case id, whichever backend runs it: backends
+    that share a case (an optax row, say) run it on the same inputs."""
     return seed_of(request, f"{request.node.path.name}::{request.node.name}")
 
   def pytest_generate_tests(self, metafunc):
+    """``test_<check>(self, case, ...)`` runs every case of
+    ``<check>_cases()``; those past ``default_cases`` are marked slow."""
     if "case" not in metafunc.fixturenames:
       return
     name = metafunc.function.__name__
