@@ -7,9 +7,14 @@
   of the state after every step, the losses, and what was traced/compiled.
 * ``seed``: a fresh random seed per test (distinct per test id; set
   ``FORGE_TEST_SEED`` to shuffle every test's inputs; the seed is printed on
-  failure so a failing case can be rerun).
+  failure so a failing case can be rerun). ``seed_of`` gives a group of
+  tests one seed (fused_dense_test_base: a case id on every backend).
 * ``poison``: NaN (or another value) written into chosen elements.
 * ``gpu`` marker: skipped unless ``jax.default_backend() == 'gpu'``.
+* ``slow`` marker: skipped unless pytest runs with ``--run-slow``. The
+  default run covers every backend, optimizer and storage format at least
+  once; ``--run-slow`` adds the exhaustive matrices (every optimizer with
+  every dtype on every backend, ...).
 """
 
 from __future__ import annotations
@@ -48,27 +53,37 @@ COLL = fj.FORGE_COLLECTION  # '_overwrite_with_gradient'
 # pytest plumbing.
 
 
-def pytest_configure(config):
-  config.addinivalue_line("markers", "gpu: needs a GPU; skipped elsewhere")
+def pytest_addoption(parser):
+  parser.addoption("--run-slow", action="store_true", default=False,
+                   help="also run the tests marked slow")
 
 
 def pytest_collection_modifyitems(config, items):
-  del config
-  if jax.default_backend() == "gpu":
-    return
-  skip = pytest.mark.skip(reason="needs a GPU (jax.default_backend() != 'gpu')")
+  skips = []
+  if jax.default_backend() != "gpu":
+    skips.append(("gpu", pytest.mark.skip(
+        reason="needs a GPU (jax.default_backend() != 'gpu')")))
+  if not config.getoption("--run-slow"):
+    skips.append(("slow", pytest.mark.skip(reason="slow: needs --run-slow")))
   for item in items:
-    if "gpu" in item.keywords:
-      item.add_marker(skip)
+    for marker, skip in skips:
+      if item.get_closest_marker(marker) is not None:
+        item.add_marker(skip)
+
+
+def seed_of(request, key: str) -> int:
+  """The seed of ``key`` (shuffled by ``FORGE_TEST_SEED``), recorded so that
+  a failing test prints it."""
+  base = os.environ.get("FORGE_TEST_SEED", "0")
+  value = zlib.crc32(f"{base}:{key}".encode()) & 0x7FFFFFFF
+  request.node.user_properties.append(("seed", value))
+  return value
 
 
 @pytest.fixture
 def seed(request):
   """A seed of its own for every test (and every parameterization)."""
-  base = os.environ.get("FORGE_TEST_SEED", "0")
-  value = zlib.crc32(f"{base}:{request.node.nodeid}".encode()) & 0x7FFFFFFF
-  request.node.user_properties.append(("seed", value))
-  return value
+  return seed_of(request, request.node.nodeid)
 
 
 @pytest.hookimpl(hookwrapper=True)

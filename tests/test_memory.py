@@ -1,10 +1,13 @@
 """No gradient floor: compiled memory of FORGE train steps (CPU).
 
 ``memory_analysis()`` of jitted, donated train steps of the package's
-Llama-style model, unrolled and scanned, with and without remat.
+Llama-style model, unrolled and scanned, with and without remat (by
+default the unrolled step without remat and the scanned one with it; the
+other two layouts are slow).
 """
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -31,14 +34,22 @@ def _abstract_state(model, tokens):
       model, OPT.to_optax(), jax.random.key(0), tokens))
 
 
-def _step_memory(config, forge):
+@functools.lru_cache(maxsize=None)
+def _compiled_step(config, forge):
+  """The compiled train step and its abstract state (cached: the tests
+  compile several steps of the same configs)."""
   model = _model(config, forge)
   tokens = jnp.zeros((BATCH, SEQ + 1), jnp.int32)
   state = _abstract_state(model, tokens)
-  compiled = train_lib.make_train_step().lower(state, tokens).compile()
+  return train_lib.make_train_step().lower(state, tokens).compile(), state
+
+
+def _step_memory(config, forge):
+  compiled, state = _compiled_step(config, forge)
   return compiled.memory_analysis(), state
 
 
+@functools.lru_cache(maxsize=None)
 def _activation_floor(config) -> int:
   """Temp bytes of the nn.Dense model's backward with the kernels frozen:
   the activations (and input gradients) any train step must hold."""
@@ -74,8 +85,12 @@ def _growth(config, forge, layers=(4, 8)):
   return rows
 
 
-@pytest.mark.parametrize("remat", [False, True], ids=["no-remat", "remat"])
-@pytest.mark.parametrize("scan_layers", [False, True], ids=["unrolled", "scan"])
+@pytest.mark.parametrize("scan_layers,remat", [
+    pytest.param(False, False, id="unrolled-no-remat"),
+    pytest.param(True, True, id="scan-remat"),
+    pytest.param(False, True, id="unrolled-remat", marks=pytest.mark.slow),
+    pytest.param(True, False, id="scan-no-remat", marks=pytest.mark.slow),
+])
 def test_no_temp_memory_grows_with_the_kernels(scan_layers, remat):
   """Doubling the depth adds the activations it must, never the gradients.
 
@@ -129,10 +144,7 @@ def test_scanned_step_copies_no_layer_out_of_the_stacks():
 def _policy_step(num_layers, policy):
   config = dataclasses.replace(CONFIG, scan_layers=True, remat=True,
                                num_layers=num_layers, remat_policy=policy)
-  model = _model(config, forge=True)
-  tokens = jnp.zeros((BATCH, SEQ + 1), jnp.int32)
-  state = _abstract_state(model, tokens)
-  compiled = train_lib.make_train_step().lower(state, tokens).compile()
+  compiled, state = _compiled_step(config, True)
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
   return compiled.memory_analysis(), cost["flops"], state

@@ -186,21 +186,30 @@ def test_scan_layers_trains_and_matches_unrolled(remat):
   assert fj.wiped_layers(state.params) == []
 
 
-def test_scan_remat_qk_norm_forge_matches_baseline():
+@functools.lru_cache(maxsize=None)
+def _trained_qk(variant, **options):
+  """3 adamw steps of TINY_QK built with ``build_variants`` ``options``
+  (shared by several tests): ``(losses, final variables)`` on the host."""
   batches = _batches(3)
-  variants = build_variants(TINY_QK, OPT, scan_layers=True, remat=True)
+  v = build_variants(TINY_QK, OPT, **options)[variant]
+  state = v.init_state(KEY, batches[0])
+  state, losses = _train(state, batches)
+  return losses, _host(state.params)
+
+
+def test_scan_remat_qk_norm_forge_matches_baseline():
   final = {}
-  for name, v in variants.items():
-    state = v.init_state(KEY, batches[0])
-    state, final[name] = _train(state, batches)
-    final[name] = (final[name], _host(unstack_layers(state.params)))
+  for name in ("forge", "baseline"):
+    losses, params = _trained_qk(name, scan_layers=True, remat=True)
+    final[name] = (losses, unstack_layers(params))
   np.testing.assert_allclose(final["forge"][0], final["baseline"][0], rtol=1e-5)
   _assert_kernels_close(final["forge"][1], final["baseline"][1])
   _assert_params_close(final["forge"][1], final["baseline"][1])
 
 
-@pytest.mark.parametrize("policy", ["dots_with_no_batch_dims_saveable",
-                                    "everything_saveable"])
+@pytest.mark.parametrize("policy", [
+    "dots_with_no_batch_dims_saveable",
+    pytest.param("everything_saveable", marks=pytest.mark.slow)])
 def test_scan_remat_policy_matches_full_remat_and_baseline(policy):
   """fj.scan with a remat policy: the updated kernels, optimizer
   states and counts match full remat's, and training matches the nn.Dense
@@ -210,16 +219,13 @@ def test_scan_remat_policy_matches_full_remat_and_baseline(policy):
   float32 sums differ in order: ~1e-5 relative after 3 steps, as much as
   the baseline itself moves between full remat and the policy.
   """
-  batches = _batches(3)
-  full = build_variants(TINY_QK, OPT, scan_layers=True, remat=True)
-  ours = build_variants(TINY_QK, OPT, scan_layers=True, remat=True,
-                        remat_policy=policy)
-  final = {}
-  for name, v in (("full", full["forge"]), ("forge", ours["forge"]),
-                  ("baseline", ours["baseline"])):
-    state = v.init_state(KEY, batches[0])
-    state, losses = _train(state, batches)
-    final[name] = (losses, _host(state.params))
+  final = {
+      "full": _trained_qk("forge", scan_layers=True, remat=True),
+      "forge": _trained_qk("forge", scan_layers=True, remat=True,
+                           remat_policy=policy),
+      "baseline": _trained_qk("baseline", scan_layers=True, remat=True,
+                              remat_policy=policy),
+  }
   np.testing.assert_allclose(final["forge"][0], final["full"][0], rtol=1e-6)
   forge, full = final["forge"][1], final["full"][1]
   flat = jax.tree_util.tree_flatten_with_path(forge)[0]

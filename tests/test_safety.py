@@ -187,11 +187,7 @@ def test_layer_not_reaching_the_loss_is_wiped_and_fails_loudly(mode, seed):
   overwrites its kernel and state with zeros; ``intact`` becomes 0 and
   ``fj.wiped_layers`` names it; its next backward pass writes a NaN kernel
   (NaN learning rate), so the loss turns NaN and every other FORGE layer
-  skips its update from then on. Data lost, loudly.
-
-  (The brief this suite was written from said the wiped layer's *forward*
-  outputs NaN; commit d22b6a9 moved the poison to the learning rate, and the
-  README now documents the behaviour tested here.)"""
+  skips its update from then on. Data lost, loudly."""
   variables, batch = _init(WithAuxHead(mode), seed, (2, 3, 6))
   state = TrainState.create(apply_fn=WithAuxHead(mode).apply,
                             params=variables, tx=OPT.to_optax())

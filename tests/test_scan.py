@@ -28,11 +28,14 @@ OPT = fj.adamw(1e-2, weight_decay=0.1)
 LOW_PRECISION = fj.adamw(1e-2, weight_decay=0.1, state_dtype="int8",
                          weight_rounding="stochastic", rounding_seed=7)
 WIDTH, LAYERS, TOKENS = 32, 4, 24
-# Backends and storage formats of the stacked mode.
+# Backends and storage formats of the stacked mode: by default each backend
+# and each format once.
 STACKED_CASES = [
     pytest.param("xla", OPT, jnp.float32, id="xla-f32"),
-    pytest.param("triton", OPT, jnp.float32, id="triton-f32"),
-    pytest.param("xla", LOW_PRECISION, jnp.bfloat16, id="xla-bf16-sr-int8"),
+    pytest.param("triton", OPT, jnp.float32, id="triton-f32",
+                 marks=pytest.mark.slow),
+    pytest.param("xla", LOW_PRECISION, jnp.bfloat16, id="xla-bf16-sr-int8",
+                 marks=pytest.mark.slow),
     pytest.param("triton", LOW_PRECISION, jnp.bfloat16, id="triton-bf16-sr-int8"),
 ]
 
@@ -170,12 +173,13 @@ def test_stacked_backward_matches_nn_scan(seed, implementation, optimizer,
     assert_bitwise_equal(leaf, other, jax.tree_util.keystr(path))
 
 
-
 CP = jax.checkpoint_policies
+# By default a policy that saves the dots and one that saves a named value.
 POLICIES = [
-    pytest.param(CP.nothing_saveable, id="nothing"),
+    pytest.param(CP.nothing_saveable, id="nothing", marks=pytest.mark.slow),
     pytest.param(CP.dots_with_no_batch_dims_saveable, id="dots_no_batch"),
-    pytest.param(CP.everything_saveable, id="everything"),
+    pytest.param(CP.everything_saveable, id="everything",
+                 marks=pytest.mark.slow),
     pytest.param(CP.save_only_these_names("fc1_out"), id="names"),
 ]
 
