@@ -182,10 +182,8 @@ def counters_steps(a, out):
 
 def gpu_tests_steps(a, out):
   del out
-  files = ("tests/test_mosaic_kernel.py", "tests/test_kernel.py",
-           "tests/test_low_precision.py")
   return [Step([sys.executable, "-m", "pytest", "-q", "-rfE", "-m", "gpu",
-                "-p", "no:cacheprovider", *files,
+                "-p", "no:cacheprovider", "tests/",
                 *(["-k", a.k] if a.k else [])],
                timeout=a.timeout,
                stdout=os.path.join(a.out, f"gpu_tests_{a.commit}.txt"))]
