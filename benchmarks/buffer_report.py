@@ -38,8 +38,10 @@ import tempfile
 from typing import Optional
 
 _ALLOCATION = re.compile(r"^allocation (\d+): size (\d+)(.*)$")
-_VALUE = re.compile(r"^ value: <(\d+) ([^\s{>]+)(\{[^}]*\})?[^>]*> "
-                    r"\(size=(\d+),offset=(\d+)\): (.*)$")
+_VALUE = re.compile(
+  r"^ value: <(\d+) ([^\s{>]+)(\{[^}]*\})?[^>]*> "
+  r"\(size=(\d+),offset=(\d+)\): (.*)$"
+)
 _LIVE_RANGE = re.compile(r"^\s+(\S+?)(\{[^}]*\}):(\d+)-(\d+)\s*$")
 _HLO_LINE = re.compile(r"^\s*(?:ROOT\s+)?%?([^\s=(]+)\s*=\s")
 _COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([^\s(]+)\s*\(.*\{\s*$")
@@ -53,12 +55,12 @@ class Value:
   """One HLO value in an allocation."""
 
   id: int
-  name: str        # defining instruction
-  index: str       # shape index inside a tuple, '' for an array
+  name: str  # defining instruction
+  index: str  # shape index inside a tuple, '' for an array
   size: int
   offset: int
-  shape: str       # shortened: no layouts
-  op: str = ""     # shortened op_name metadata ('' where none)
+  shape: str  # shortened: no layouts
+  op: str = ""  # shortened op_name metadata ('' where none)
   allocation: int = -1
 
   @property
@@ -75,7 +77,7 @@ class Value:
 class Allocation:
   index: int
   size: int
-  kind: str        # parameter, output, temp, constant, thread-local
+  kind: str  # parameter, output, temp, constant, thread-local
   maybe_live_out: bool
   parameter: Optional[int]
   values: list
@@ -96,7 +98,7 @@ def short_shape(shape: str, limit: int = 72) -> str:
   """``f32[2,32]{1,0}`` -> ``f32[2,32]``; long tuples cut at ``limit``."""
   shape = re.sub(r"\]\{[^}]*\}", "]", shape)
   shape = re.sub(r"/\*index=\d+\*/", "", shape).strip()
-  return shape if len(shape) <= limit else shape[:limit - 3] + "..."
+  return shape if len(shape) <= limit else shape[: limit - 3] + "..."
 
 
 def short_op(op_name: str, limit: int = 80) -> str:
@@ -105,15 +107,18 @@ def short_op(op_name: str, limit: int = 80) -> str:
   inside the forward, nothing outside both (the optimizer)."""
   if not op_name:
     return ""
-  phase = ("bwd " if "transpose(" in op_name else
-           "fwd " if "jvp(" in op_name else "")
+  phase = (
+    "bwd " if "transpose(" in op_name else "fwd " if "jvp(" in op_name else ""
+  )
   path = re.sub(r"^jit\([^)]*\)/", "", op_name)
   path = re.sub(r"^transpose\(jvp\(([^()/]*)\)\)", r"\1", path)
   path = re.sub(r"^jvp\(([^()/]*)\)", r"\1", path)
   path = path.replace("/while/body/closed_call/", "/scan/")
-  path = re.sub(r"\['([^']*)'\]", r"/\1", path)  # state.params['a'] -> state.params/a
+  path = re.sub(
+    r"\['([^']*)'\]", r"/\1", path
+  )  # state.params['a'] -> state.params/a
   if len(path) > limit:
-    path = path[:limit // 3] + "..." + path[-(2 * limit // 3):]
+    path = path[: limit // 3] + "..." + path[-(2 * limit // 3) :]
   return phase + path.lstrip("/")
 
 
@@ -141,17 +146,31 @@ def parse_buffer_assignment(text: str) -> list:
     if m:
       flags = re.sub(r"\|[^|]*\|", "", m.group(3))  # drop shapes
       param = re.search(r"\bparameter (\d+)", flags)
-      allocations.append(Allocation(
-          int(m.group(1)), int(m.group(2)), _kind(flags),
-          "maybe-live-out" in flags, int(param.group(1)) if param else None, []))
+      allocations.append(
+        Allocation(
+          int(m.group(1)),
+          int(m.group(2)),
+          _kind(flags),
+          "maybe-live-out" in flags,
+          int(param.group(1)) if param else None,
+          [],
+        )
+      )
       continue
     m = _VALUE.match(line)
     if m and allocations:
       index = m.group(3) or ""
-      allocations[-1].values.append(Value(
-          int(m.group(1)), m.group(2), "" if index == "{}" else index,
-          int(m.group(4)), int(m.group(5)), short_shape(m.group(6)),
-          allocation=allocations[-1].index))
+      allocations[-1].values.append(
+        Value(
+          int(m.group(1)),
+          m.group(2),
+          "" if index == "{}" else index,
+          int(m.group(4)),
+          int(m.group(5)),
+          short_shape(m.group(6)),
+          allocation=allocations[-1].index,
+        )
+      )
   return allocations
 
 
@@ -160,8 +179,9 @@ def _opcode(line: str):
   m = _OPCODE.search(line.split("=", 1)[1])
   if not m:
     return "", []
-  operands = (re.findall(r"%([\w.\-]+)", m.group(2))
-              or [o.strip() for o in m.group(2).split(",") if o.strip()])
+  operands = re.findall(r"%([\w.\-]+)", m.group(2)) or [
+    o.strip() for o in m.group(2).split(",") if o.strip()
+  ]
   return m.group(1), operands
 
 
@@ -217,12 +237,16 @@ def parse_live_ranges(text: str) -> dict:
 def find_buffer_assignment(dump_dir: str, module: str = "") -> str:
   """The largest ``*buffer-assignment.txt`` in ``dump_dir`` whose file name
   matches the regular expression ``module``."""
-  paths = [p for p in glob.glob(os.path.join(dump_dir, "*buffer-assignment.txt"))
-           if re.search(module, os.path.basename(p))]
+  paths = [
+    p
+    for p in glob.glob(os.path.join(dump_dir, "*buffer-assignment.txt"))
+    if re.search(module, os.path.basename(p))
+  ]
   if not paths:
     raise FileNotFoundError(
-        f"no *buffer-assignment.txt matching {module!r} in {dump_dir} (dump "
-        "with --xla_dump_to=DIR --xla_dump_hlo_as_text)")
+      f"no *buffer-assignment.txt matching {module!r} in {dump_dir} (dump "
+      "with --xla_dump_to=DIR --xla_dump_hlo_as_text)"
+    )
   return max(paths, key=os.path.getsize)
 
 
@@ -235,7 +259,7 @@ def from_dump(dump_dir: str, module: str = "") -> Report:
   """Report of one module's buffer assignment in an XLA dump directory."""
   path = find_buffer_assignment(dump_dir, module)
   text = _read(path)
-  prefix = path[:-len("-buffer-assignment.txt")]
+  prefix = path[: -len("-buffer-assignment.txt")]
   allocations = parse_buffer_assignment(text)
   if os.path.exists(prefix + ".txt"):
     ops = parse_op_names(_read(prefix + ".txt"))
@@ -243,18 +267,22 @@ def from_dump(dump_dir: str, module: str = "") -> Report:
       for value in allocation.values:
         value.op = short_op(ops.get(value.name, ""))
   live_path = prefix + "-live-range.txt"
-  live_ranges = parse_live_ranges(_read(live_path) if os.path.exists(live_path)
-                                  else text)
+  live_ranges = parse_live_ranges(
+    _read(live_path) if os.path.exists(live_path) else text
+  )
   return Report(os.path.basename(path), allocations, live_ranges)
 
 
 def _compile_dumped(lowered, dump_dir: str):
   """``lowered.compile()`` with an XLA dump of this compile only."""
-  return lowered.compile(compiler_options={"xla_dump_to": dump_dir,
-                                           "xla_dump_hlo_as_text": True})
+  return lowered.compile(
+    compiler_options={"xla_dump_to": dump_dir, "xla_dump_hlo_as_text": True}
+  )
 
 
-def compile_with_report(lowered, module: str = "", dump_dir: Optional[str] = None):
+def compile_with_report(
+  lowered, module: str = "", dump_dir: Optional[str] = None
+):
   """``(compiled, report)``: ``lowered`` compiled with a dump of this compile
   only, to a temporary directory (removed afterwards) unless ``dump_dir``."""
   with tempfile.TemporaryDirectory(prefix="xla_dump_") as tmp:
@@ -263,8 +291,9 @@ def compile_with_report(lowered, module: str = "", dump_dir: Optional[str] = Non
   return compiled, report
 
 
-def compile_with_breakdown(lowered, n: int = 25, module: str = "",
-                           print_rows: int = 10):
+def compile_with_breakdown(
+  lowered, n: int = 25, module: str = "", print_rows: int = 10
+):
   """``(compiled, breakdown(report, n))`` for a benchmark's results file; the
   short table is printed. A dump that cannot be read gives ``{'error': ...}``
   in place of the breakdown, not an exception."""
@@ -294,8 +323,11 @@ def totals(report: Report) -> dict:
 
 
 def _value_json(value: Value) -> dict:
-  return {"name": short_name(value.key if value.index else value.name),
-          "shape": value.shape, "op": value.op}
+  return {
+    "name": short_name(value.key if value.index else value.name),
+    "shape": value.shape,
+    "op": value.op,
+  }
 
 
 def _distinct(values: list, limit: int) -> list:
@@ -313,10 +345,17 @@ def top_allocations(report: Report, n: int = 10, values: int = 3) -> list:
   """The ``n`` largest allocations of any kind (JSON-able)."""
   rows = []
   for a in sorted(report.allocations, key=lambda a: (-a.size, a.index))[:n]:
-    rows.append({"allocation": a.index, "bytes": a.size, "kind": a.kind,
-                 "maybe_live_out": a.maybe_live_out, "parameter": a.parameter,
-                 "num_values": len(a.values),
-                 "values": [_value_json(v) for v in _distinct(a.values, values)]})
+    rows.append(
+      {
+        "allocation": a.index,
+        "bytes": a.size,
+        "kind": a.kind,
+        "maybe_live_out": a.maybe_live_out,
+        "parameter": a.parameter,
+        "num_values": len(a.values),
+        "values": [_value_json(v) for v in _distinct(a.values, values)],
+      }
+    )
   return rows
 
 
@@ -335,10 +374,16 @@ def temp_slots(report: Report) -> list:
 def top_temp(report: Report, n: int = 25, values: int = 3) -> list:
   """The ``n`` largest temp slots (JSON-able): bytes, offset, allocation,
   number of values, and up to ``values`` distinct values (name, shape, op)."""
-  return [{"bytes": size, "offset": offset, "allocation": index,
-           "num_values": len(vals),
-           "values": [_value_json(v) for v in _distinct(vals, values)]}
-          for (index, offset, size), vals in temp_slots(report)[:n]]
+  return [
+    {
+      "bytes": size,
+      "offset": offset,
+      "allocation": index,
+      "num_values": len(vals),
+      "values": [_value_json(v) for v in _distinct(vals, values)],
+    }
+    for (index, offset, size), vals in temp_slots(report)[:n]
+  ]
 
 
 def _live_temp_values(report: Report) -> list:
@@ -391,19 +436,29 @@ def temp_at_peak(report: Report, n: int = 25) -> Optional[dict]:
     by_op[op] += v.size
     if v.shape not in shapes[op]:
       shapes[op].append(v.shape)
-  return {"step": time, "bytes": live_bytes, "num_values": len(live),
-          "values": [dict(_value_json(v), bytes=v.size, offset=v.offset)
-                     for v in live[:n]],
-          "bytes_by_op": [{"op": op, "bytes": b, "shapes": shapes[op][:3]}
-                          for op, b in by_op.most_common(n)]}
+  return {
+    "step": time,
+    "bytes": live_bytes,
+    "num_values": len(live),
+    "values": [
+      dict(_value_json(v), bytes=v.size, offset=v.offset) for v in live[:n]
+    ],
+    "bytes_by_op": [
+      {"op": op, "bytes": b, "shapes": shapes[op][:3]}
+      for op, b in by_op.most_common(n)
+    ],
+  }
 
 
 def breakdown(report: Report, n: int = 25) -> dict:
   """Everything above as one JSON-able dict for a results file."""
-  return {"module": report.module, "totals": totals(report),
-          "top_allocations": top_allocations(report, 10),
-          "top_temp": top_temp(report, n),
-          "temp_at_peak": temp_at_peak(report, n)}
+  return {
+    "module": report.module,
+    "totals": totals(report),
+    "top_allocations": top_allocations(report, 10),
+    "top_temp": top_temp(report, n),
+    "temp_at_peak": temp_at_peak(report, n),
+  }
 
 
 # ---------------------------------------------------------------------------
@@ -426,27 +481,35 @@ def format_report(report: Report, n: int = 25) -> str:
   lines.append("largest allocations:        MiB  kind")
   for a in top_allocations(report, min(n, 10), values=2):
     out = " (live-out)" if a["maybe_live_out"] else ""
-    lines.append(f"  #{a['allocation']:<6d}      {_mib(a['bytes'])}  "
-                 f"{a['kind']}{out}: {_describe(a['values'])}")
+    lines.append(
+      f"  #{a['allocation']:<6d}      {_mib(a['bytes'])}  "
+      f"{a['kind']}{out}: {_describe(a['values'])}"
+    )
   lines.append("largest temp slots:         MiB  values")
   for s in top_temp(report, n, values=2):
-    lines.append(f"  @{s['offset']:<14d}{_mib(s['bytes'])}  "
-                 f"x{s['num_values']}: {_describe(s['values'])}")
+    lines.append(
+      f"  @{s['offset']:<14d}{_mib(s['bytes'])}  "
+      f"x{s['num_values']}: {_describe(s['values'])}"
+    )
   peak = temp_at_peak(report, n)
   if peak:
-    lines.append(f"temp live at its peak (step {peak['step']}, "
-                 f"{peak['bytes'] / 2**20:.2f} MiB), by op:")
+    lines.append(
+      f"temp live at its peak (step {peak['step']}, "
+      f"{peak['bytes'] / 2**20:.2f} MiB), by op:"
+    )
     for row in peak["bytes_by_op"][:n]:
-      lines.append(f"  {_mib(row['bytes'])}  {row['op']} "
-                   f"({', '.join(row['shapes'])})")
+      lines.append(
+        f"  {_mib(row['bytes'])}  {row['op']} ({', '.join(row['shapes'])})"
+      )
   return "\n".join(lines)
 
 
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("dump_dir")
-  parser.add_argument("--module", default="",
-                      help="regular expression on the dump file names")
+  parser.add_argument(
+    "--module", default="", help="regular expression on the dump file names"
+  )
   parser.add_argument("--top", type=int, default=25)
   parser.add_argument("--json", help="write breakdown() here")
   args = parser.parse_args(argv)

@@ -27,22 +27,25 @@ import json
 
 #: Metrics of the details page, by the names ncu gives them.
 DETAILS = {
-    "duration": "Duration",
-    "dram_throughput_pct": "DRAM Throughput",
-    "l2_throughput_pct": "L2 Cache Throughput",
-    "sm_throughput_pct": "Compute (SM) Throughput",
-    "issue_slots_busy_pct": "Issue Slots Busy",
-    "registers_per_thread": "Registers Per Thread",
-    "local_memory_spill_requests": "Local Memory Spilling Requests",
-    "warp_cycles_per_issued_instruction": "Warp Cycles Per Issued Instruction",
+  "duration": "Duration",
+  "dram_throughput_pct": "DRAM Throughput",
+  "l2_throughput_pct": "L2 Cache Throughput",
+  "sm_throughput_pct": "Compute (SM) Throughput",
+  "issue_slots_busy_pct": "Issue Slots Busy",
+  "registers_per_thread": "Registers Per Thread",
+  "local_memory_spill_requests": "Local Memory Spilling Requests",
+  "warp_cycles_per_issued_instruction": "Warp Cycles Per Issued Instruction",
 }
 FUSED_KERNEL = "forge_fused_dense_update_mosaic"
 GEMM_KERNEL = "nvjet"
 
 
 def _open(path: str):
-  return (gzip.open(path, "rt", newline="") if path.endswith(".gz")
-          else open(path, newline=""))
+  return (
+    gzip.open(path, "rt", newline="")
+    if path.endswith(".gz")
+    else open(path, newline="")
+  )
 
 
 def _number(text: str) -> float | None:
@@ -88,8 +91,11 @@ def read_stalls(path: str) -> list[dict]:
     header, rows = kernel["header"], kernel["rows"]
     samples = header.index("Warp Stall Sampling (All Samples)")
     executed = header.index("Instructions Executed")
-    reasons = [i for i, name in enumerate(header)
-               if name.startswith("stall_") and "Not Issued" not in name]
+    reasons = [
+      i
+      for i, name in enumerate(header)
+      if name.startswith("stall_") and "Not Issued" not in name
+    ]
     total = sum(_number(r[samples]) or 0 for r in rows) or 1.0
     by_reason = collections.Counter()
     by_class = collections.Counter()
@@ -97,17 +103,26 @@ def read_stalls(path: str) -> list[dict]:
     for r in rows:
       by_count[r[executed]] += _number(r[samples]) or 0
       for i in reasons:
-        by_reason[header[i][len("stall_"):]] += _number(r[i]) or 0
+        by_reason[header[i][len("stall_") :]] += _number(r[i]) or 0
       opcode = r[1].split()
-      opcode = opcode[1] if opcode and opcode[0].startswith("@") else (
-          opcode[0] if opcode else "")
+      opcode = (
+        opcode[1]
+        if opcode and opcode[0].startswith("@")
+        else (opcode[0] if opcode else "")
+      )
       by_class[opcode.split(".")[0]] += _number(r[samples]) or 0
-    share = lambda counter: {k: round(v / total, 4)
-                             for k, v in counter.most_common(10) if v}
-    summaries.append({"name": kernel["name"], "samples": total,
-                      "stall_share_by_reason": share(by_reason),
-                      "sample_share_by_opcode": share(by_class),
-                      "sample_share_by_execution_count": share(by_count)})
+    share = lambda counter: {
+      k: round(v / total, 4) for k, v in counter.most_common(10) if v
+    }
+    summaries.append(
+      {
+        "name": kernel["name"],
+        "samples": total,
+        "stall_share_by_reason": share(by_reason),
+        "sample_share_by_opcode": share(by_class),
+        "sample_share_by_execution_count": share(by_count),
+      }
+    )
   return summaries
 
 
@@ -131,10 +146,12 @@ def match_probes(probes: list[dict], kernels: list[dict]) -> list[dict]:
       if probe["what"] == "unfused":
         end = position
         while end < len(kernels) and not kernels[end]["name"].startswith(
-            (GEMM_KERNEL, FUSED_KERNEL)):
+          (GEMM_KERNEL, FUSED_KERNEL)
+        ):
           end += 1
         entry["update_kernel"] = max(
-            range(position, end), key=lambda i: kernels[i]["duration_us"])
+          range(position, end), key=lambda i: kernels[i]["duration_us"]
+        )
     matched.append(entry)
   return matched
 
@@ -150,13 +167,18 @@ def main():
     probes = json.load(f)
   kernels = read_details(args.details)
   if args.source:
-    fused_stalls = iter(s for s in read_stalls(args.source)
-                        if s["name"].startswith(FUSED_KERNEL))
+    fused_stalls = iter(
+      s for s in read_stalls(args.source) if s["name"].startswith(FUSED_KERNEL)
+    )
     for kernel in kernels:
       if kernel["name"].startswith(FUSED_KERNEL):
         kernel["stalls"] = next(fused_stalls)
-  summary = {"meta": probes["meta"], "k": probes["k"], "n": probes["n"],
-             "probes": []}
+  summary = {
+    "meta": probes["meta"],
+    "k": probes["k"],
+    "n": probes["n"],
+    "probes": [],
+  }
   for entry in match_probes(probes["probes"], kernels):
     for key in ("kernel", "gemm_kernel", "update_kernel"):
       if key in entry:
@@ -165,11 +187,18 @@ def main():
   with open(args.out, "w") as f:
     json.dump(summary, f, indent=1)
   for entry in summary["probes"]:
-    kernel = entry.get("kernel") or entry.get("update_kernel") or entry[
-        "gemm_kernel"]
-    shown = {key: kernel.get(key) for key in (
-        "duration_us", "dram_throughput_pct", "issue_slots_busy_pct",
-        "local_memory_spill_requests")}
+    kernel = (
+      entry.get("kernel") or entry.get("update_kernel") or entry["gemm_kernel"]
+    )
+    shown = {
+      key: kernel.get(key)
+      for key in (
+        "duration_us",
+        "dram_throughput_pct",
+        "issue_slots_busy_pct",
+        "local_memory_spill_requests",
+      )
+    }
     print(entry["name"], json.dumps(shown))
 
 

@@ -53,30 +53,43 @@ def parse_args(argv=None):
   p.add_argument("--weight-decay", type=float, default=0.1)
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--eval-batches", type=int, default=8)
-  p.add_argument("--implementation", default="xla",
-                 choices=("auto", "xla", "triton"))
-  p.add_argument("--ablation", action="store_true",
-                 help="also run bf16 round-to-nearest weights + int8 states")
+  p.add_argument(
+    "--implementation", default="xla", choices=("auto", "xla", "triton")
+  )
+  p.add_argument(
+    "--ablation",
+    action="store_true",
+    help="also run bf16 round-to-nearest weights + int8 states",
+  )
   p.add_argument("--out", default=None, help="JSON path")
-  p.add_argument("--plot", default=None,
-                 help="PNG path (default: benchmarks/plots/fidelity.png)")
+  p.add_argument(
+    "--plot",
+    default=None,
+    help="PNG path (default: benchmarks/plots/fidelity.png)",
+  )
   return p.parse_args(argv)
 
 
 def _commit() -> str:
   try:
-    return subprocess.run(["git", "rev-parse", "--short=7", "HEAD"], cwd=HERE,
-                          capture_output=True, text=True,
-                          check=True).stdout.strip()
+    return subprocess.run(
+      ["git", "rev-parse", "--short=7", "HEAD"],
+      cwd=HERE,
+      capture_output=True,
+      text=True,
+      check=True,
+    ).stdout.strip()
   except Exception:  # pylint: disable=broad-except
     return "nogit"
 
 
 def _schedule(args):
   import optax  # pylint: disable=import-outside-toplevel
+
   warmup = max(1, args.steps // 10)
   return optax.warmup_cosine_decay_schedule(
-      0.0, args.lr, warmup, max(args.steps, warmup + 1), args.lr * 0.1)
+    0.0, args.lr, warmup, max(args.steps, warmup + 1), args.lr * 0.1
+  )
 
 
 def build_runs(args):
@@ -84,26 +97,33 @@ def build_runs(args):
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   from flax.training.train_state import TrainState  # pylint: disable=import-outside-toplevel
+
   import forge_jax as fj  # pylint: disable=import-outside-toplevel
   from examples.lm import data as data_lib  # pylint: disable=import-outside-toplevel
   from examples.lm.llama import CONFIGS, make_model  # pylint: disable=import-outside-toplevel
 
-  config = dataclasses.replace(CONFIGS[args.config],
-                               vocab_size=data_lib.VOCAB_SIZE,
-                               max_len=max(CONFIGS[args.config].max_len,
-                                           args.seq_len),
-                               dtype=jnp.float32,
-                               implementation=args.implementation)
+  config = dataclasses.replace(
+    CONFIGS[args.config],
+    vocab_size=data_lib.VOCAB_SIZE,
+    max_len=max(CONFIGS[args.config].max_len, args.seq_len),
+    dtype=jnp.float32,
+    implementation=args.implementation,
+  )
   lr = _schedule(args)
   fp32 = fj.adamw(lr, weight_decay=args.weight_decay)
   lowp = {
-      "forge_bf16_sr_int8": fj.adamw(
-          lr, weight_decay=args.weight_decay, state_dtype="int8",
-          weight_rounding="stochastic", rounding_seed=args.seed),
+    "forge_bf16_sr_int8": fj.adamw(
+      lr,
+      weight_decay=args.weight_decay,
+      state_dtype="int8",
+      weight_rounding="stochastic",
+      rounding_seed=args.seed,
+    ),
   }
   if args.ablation:
     lowp["forge_bf16_nearest_int8"] = fj.adamw(
-        lr, weight_decay=args.weight_decay, state_dtype="int8")
+      lr, weight_decay=args.weight_decay, state_dtype="int8"
+    )
   tokens = jnp.zeros((1, 8), jnp.int32)
 
   def state(model, variables, tx):
@@ -111,10 +131,13 @@ def build_runs(args):
 
   runs = {}
   baseline = make_model(config)
-  for name, seed in (("optax_fp32", args.seed),
-                     ("optax_fp32_seed1", args.seed + 1)):
-    runs[name] = state(baseline, baseline.init(jax.random.key(seed), tokens),
-                       fp32.to_optax())
+  for name, seed in (
+    ("optax_fp32", args.seed),
+    ("optax_fp32_seed1", args.seed + 1),
+  ):
+    runs[name] = state(
+      baseline, baseline.init(jax.random.key(seed), tokens), fp32.to_optax()
+    )
   forge = make_model(config, forge_optimizer=fp32)
   forge_vars = forge.init(jax.random.key(args.seed), tokens)
   runs["forge_fp32"] = state(forge, forge_vars, fp32.to_optax())
@@ -123,36 +146,44 @@ def build_runs(args):
     # bf16 ForgeDense kernels; the fp32 initialization rounded to bf16.
     # param_dtype only sets what ForgeDense expects (and what init would
     # make): embeddings and norms keep the float32 values given here.
-    model = make_model(dataclasses.replace(config, param_dtype=jnp.bfloat16),
-                       forge_optimizer=opt)
+    model = make_model(
+      dataclasses.replace(config, param_dtype=jnp.bfloat16), forge_optimizer=opt
+    )
 
     def lowp_layer(layer, opt=opt):
       kernel = layer["kernel"].astype(jnp.bfloat16)
       return {**layer, "kernel": kernel, "opt_state": opt.init(kernel)}
 
     variables = {
-        "params": forge_vars["params"],
-        coll: jax.tree.map(lowp_layer, forge_vars[coll],
-                           is_leaf=lambda d: isinstance(d, dict) and "kernel" in d),
+      "params": forge_vars["params"],
+      coll: jax.tree.map(
+        lowp_layer,
+        forge_vars[coll],
+        is_leaf=lambda d: isinstance(d, dict) and "kernel" in d,
+      ),
     }
     # Own copies: the float32 run donates (deletes) its buffers.
-    runs[name] = state(model, jax.tree.map(jnp.copy, variables),
-                       opt.to_optax())
+    runs[name] = state(model, jax.tree.map(jnp.copy, variables), opt.to_optax())
   return runs, config
 
 
 def train(runs, args, corpus):
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+
   from examples.lm import data as data_lib  # pylint: disable=import-outside-toplevel
   from examples.lm import train as train_lib  # pylint: disable=import-outside-toplevel
 
-  batches = data_lib.batch_iterator(corpus.train, args.batch_size,
-                                    args.seq_len, seed=args.seed)
+  batches = data_lib.batch_iterator(
+    corpus.train, args.batch_size, args.seq_len, seed=args.seed
+  )
   batches = [jnp.asarray(next(batches)) for _ in range(args.steps)]
-  valid_it = data_lib.batch_iterator(corpus.valid, args.batch_size,
-                                     args.seq_len, seed=args.seed + 1)
-  valid_batches = [jnp.asarray(next(valid_it)) for _ in range(args.eval_batches)]
+  valid_it = data_lib.batch_iterator(
+    corpus.valid, args.batch_size, args.seq_len, seed=args.seed + 1
+  )
+  valid_batches = [
+    jnp.asarray(next(valid_it)) for _ in range(args.eval_batches)
+  ]
   eval_step = train_lib.make_eval_step()
   results = {}
   for name, state in runs.items():
@@ -165,10 +196,17 @@ def train(runs, args, corpus):
     losses = np.asarray(jax.device_get(losses), np.float64)
     valid = float(np.mean([float(eval_step(state, b)) for b in valid_batches]))
     wall = time.time() - t0
-    results[name] = {"losses": losses, "valid_loss": valid, "wall_s": wall,
-                     "state": state}
-    print(f"{name:26s} final train {losses[-10:].mean():.4f} | valid "
-          f"{valid:.4f} | {wall:.1f} s", flush=True)
+    results[name] = {
+      "losses": losses,
+      "valid_loss": valid,
+      "wall_s": wall,
+      "state": state,
+    }
+    print(
+      f"{name:26s} final train {losses[-10:].mean():.4f} | valid "
+      f"{valid:.4f} | {wall:.1f} s",
+      flush=True,
+    )
   return results
 
 
@@ -204,6 +242,7 @@ def moment_encodings(state, count, b1=0.9, b2=0.999, eps=1e-8):
   ``blowup_fraction``: elements whose step grew more than 10x."""
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+
   import forge_jax as fj  # pylint: disable=import-outside-toplevel
   from forge_jax import quantization as Q  # pylint: disable=import-outside-toplevel
 
@@ -211,11 +250,16 @@ def moment_encodings(state, count, b1=0.9, b2=0.999, eps=1e-8):
   dequantize = jax.jit(Q.dequantize, static_argnames=("block", "sqrt"))
   layers = []
   flat = jax.tree_util.tree_flatten_with_path(
-      state.params[fj.FORGE_COLLECTION],
-      is_leaf=lambda d: isinstance(d, dict) and "opt_state" in d)[0]
+    state.params[fj.FORGE_COLLECTION],
+    is_leaf=lambda d: isinstance(d, dict) and "opt_state" in d,
+  )[0]
   for _, layer in flat:
-    layers.append((np.asarray(layer["opt_state"].mu, np.float32),
-                   np.asarray(layer["opt_state"].nu, np.float32)))
+    layers.append(
+      (
+        np.asarray(layer["opt_state"].mu, np.float32),
+        np.asarray(layer["opt_state"].nu, np.float32),
+      )
+    )
   bc1, bc2 = 1 - b1**count, 1 - b2**count
 
   def direction(m, v):
@@ -232,56 +276,82 @@ def moment_encodings(state, count, b1=0.9, b2=0.999, eps=1e-8):
       uq, uq_v = direction(mq, vq), direction(m64, vq)
       err2 += float(((uq - u) ** 2).sum())
       err2_v += float(((uq_v - u) ** 2).sum())
-      ref2 += float((u ** 2).sum())
+      ref2 += float((u**2).sum())
       zero += int(((vq == 0) & (v > 0)).sum())
       total += v.size
       blowup += int((np.abs(uq) > 10 * np.abs(u) + 1e-3).sum())
-    return {"direction_rel_err": float(np.sqrt(err2 / ref2)),
-            "direction_rel_err_v_only": float(np.sqrt(err2_v / ref2)),
-            "zero_point_fraction": zero / total,
-            "blowup_fraction": blowup / total}
+    return {
+      "direction_rel_err": float(np.sqrt(err2 / ref2)),
+      "direction_rel_err_v_only": float(np.sqrt(err2_v / ref2)),
+      "zero_point_fraction": zero / total,
+      "blowup_fraction": blowup / total,
+    }
 
   out = {
-      "linear_v_127_levels_block64": through(lambda v: _linear_int8(v, 64)),
-      "sqrt_v_255_levels_no_floor_block64": through(
-          lambda v: _sqrt_int8_no_floor(v, 64)),
-      "sqrt_v_255_levels_floor_block64 (chosen)": through(
-          lambda v: np.asarray(dequantize(*quantize(jnp.asarray(v), sqrt=True),
-                                          sqrt=True), np.float64)),
-      "bf16_v": through(lambda v: np.asarray(
-          jnp.asarray(v).astype(jnp.bfloat16).astype(jnp.float32), np.float64)),
+    "linear_v_127_levels_block64": through(lambda v: _linear_int8(v, 64)),
+    "sqrt_v_255_levels_no_floor_block64": through(
+      lambda v: _sqrt_int8_no_floor(v, 64)
+    ),
+    "sqrt_v_255_levels_floor_block64 (chosen)": through(
+      lambda v: np.asarray(
+        dequantize(*quantize(jnp.asarray(v), sqrt=True), sqrt=True), np.float64
+      )
+    ),
+    "bf16_v": through(
+      lambda v: np.asarray(
+        jnp.asarray(v).astype(jnp.bfloat16).astype(jnp.float32), np.float64
+      )
+    ),
   }
   for block in (256, 2048):
     out[f"sqrt_v_chosen_block{block}"] = through(
-        lambda v, block=block: np.asarray(dequantize(
-            *quantize(jnp.asarray(v), sqrt=True, block=block), sqrt=True,
-            block=block), np.float64))
+      lambda v, block=block: np.asarray(
+        dequantize(
+          *quantize(jnp.asarray(v), sqrt=True, block=block),
+          sqrt=True,
+          block=block,
+        ),
+        np.float64,
+      )
+    )
   out["num_elements"] = int(sum(v.size for _, v in layers))
   return out
 
 
 def _plot(path, results, title):
   import matplotlib  # pylint: disable=import-outside-toplevel
+
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
-  styles = {"optax_fp32": ("tab:blue", "-", 2.2),
-            "optax_fp32_seed1": ("tab:gray", "-", 1.2),
-            "forge_fp32": ("tab:red", "--", 1.0),
-            "forge_bf16_sr_int8": ("tab:green", "-", 1.2),
-            "forge_bf16_nearest_int8": ("tab:orange", ":", 1.2)}
+
+  styles = {
+    "optax_fp32": ("tab:blue", "-", 2.2),
+    "optax_fp32_seed1": ("tab:gray", "-", 1.2),
+    "forge_fp32": ("tab:red", "--", 1.0),
+    "forge_bf16_sr_int8": ("tab:green", "-", 1.2),
+    "forge_bf16_nearest_int8": ("tab:orange", ":", 1.2),
+  }
   smooth = lambda x, w=9: np.convolve(x, np.ones(w) / w, mode="valid")
-  fig, (ax, ax_d) = plt.subplots(2, 1, figsize=(8, 7), sharex=True,
-                                 gridspec_kw={"height_ratios": [3, 2]})
+  fig, (ax, ax_d) = plt.subplots(
+    2, 1, figsize=(8, 7), sharex=True, gridspec_kw={"height_ratios": [3, 2]}
+  )
   ref = results["optax_fp32"]["losses"]
   steps = np.arange(1, len(ref) + 1)
   for name, r in results.items():
     color, ls, lw = styles.get(name, ("black", "-", 1.0))
-    ax.plot(steps, r["losses"], color=color, ls=ls, lw=lw, label=name,
-            alpha=0.8)
+    ax.plot(
+      steps, r["losses"], color=color, ls=ls, lw=lw, label=name, alpha=0.8
+    )
     if name != "optax_fp32":
       d = np.abs(r["losses"] - ref)
-      ax_d.semilogy(steps[4:-4], np.maximum(smooth(d), 1e-9), color=color,
-                    ls=ls, lw=lw, label=f"{name}: mean {d.mean():.2e}")
+      ax_d.semilogy(
+        steps[4:-4],
+        np.maximum(smooth(d), 1e-9),
+        color=color,
+        ls=ls,
+        lw=lw,
+        label=f"{name}: mean {d.mean():.2e}",
+      )
   ax.set_ylabel("train loss (nats / byte)")
   ax.set_title(title)
   ax.legend()
@@ -299,6 +369,7 @@ def _plot(path, results, title):
 def main(argv=None):
   args = parse_args(argv)
   import jax  # pylint: disable=import-outside-toplevel
+
   from examples.lm import data as data_lib  # pylint: disable=import-outside-toplevel
 
   t0 = time.time()
@@ -311,41 +382,47 @@ def main(argv=None):
   for name, r in results.items():
     d = np.abs(r["losses"] - ref)
     summary[name] = {
-        "mean_abs_diff_vs_optax_fp32": float(d.mean()),
-        "mean_abs_diff_vs_optax_fp32_last_quarter": float(d[-quarter:].mean()),
-        "max_abs_diff_vs_optax_fp32": float(d.max()),
-        "final_train_loss_last10": float(r["losses"][-10:].mean()),
-        "valid_loss": r["valid_loss"],
-        "wall_s": r["wall_s"],
+      "mean_abs_diff_vs_optax_fp32": float(d.mean()),
+      "mean_abs_diff_vs_optax_fp32_last_quarter": float(d[-quarter:].mean()),
+      "max_abs_diff_vs_optax_fp32": float(d.max()),
+      "final_train_loss_last10": float(r["losses"][-10:].mean()),
+      "valid_loss": r["valid_loss"],
+      "wall_s": r["wall_s"],
     }
   count = args.steps
   encodings = moment_encodings(results["forge_fp32"]["state"], count)
   commit = _commit()
-  out = args.out or os.path.join(HERE, "results",
-                                 f"fidelity_{args.config}_{commit}.json")
+  out = args.out or os.path.join(
+    HERE, "results", f"fidelity_{args.config}_{commit}.json"
+  )
   plot = args.plot or os.path.join(HERE, "plots", "fidelity.png")
   repo = os.path.dirname(HERE)
-  args.out, args.plot = (os.path.relpath(os.path.abspath(p), repo)
-                         for p in (out, plot))
+  args.out, args.plot = (
+    os.path.relpath(os.path.abspath(p), repo) for p in (out, plot)
+  )
   payload = {
-      "args": vars(args),
-      "commit": commit,
-      "backend": jax.default_backend(),
-      "jax_version": jax.__version__,
-      "model": {"config": args.config, "num_params": config.num_params()},
-      "summary": summary,
-      "moment_encodings": encodings,
-      "losses": {name: r["losses"].tolist() for name, r in results.items()},
-      "wall_s": time.time() - t0,
+    "args": vars(args),
+    "commit": commit,
+    "backend": jax.default_backend(),
+    "jax_version": jax.__version__,
+    "model": {"config": args.config, "num_params": config.num_params()},
+    "summary": summary,
+    "moment_encodings": encodings,
+    "losses": {name: r["losses"].tolist() for name, r in results.items()},
+    "wall_s": time.time() - t0,
   }
   os.makedirs(os.path.dirname(out), exist_ok=True)
   with open(out, "w") as f:
     json.dump(payload, f, indent=1)
-  _plot(plot, results,
-        f"'{args.config}' byte LM, {args.steps} steps: FORGE low precision "
-        "vs fp32 optax")
-  print(json.dumps({"summary": summary, "moment_encodings": encodings},
-                   indent=1))
+  _plot(
+    plot,
+    results,
+    f"'{args.config}' byte LM, {args.steps} steps: FORGE low precision "
+    "vs fp32 optax",
+  )
+  print(
+    json.dumps({"summary": summary, "moment_encodings": encodings}, indent=1)
+  )
   print(f"wrote {out} and {plot} ({time.time() - t0:.0f} s)")
   return payload
 

@@ -30,9 +30,14 @@ from forge_jax.ops import backends
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 # pylint: disable=wrong-import-position
-from kernel_bench import (CHECK_OPTIMIZERS, MOSAIC_DIAG_CONFIGS,
-                          fused_runner, make_inputs, rule_free_epilogue,
-                          unfused_runner)
+from kernel_bench import (
+  CHECK_OPTIMIZERS,
+  MOSAIC_DIAG_CONFIGS,
+  fused_runner,
+  make_inputs,
+  rule_free_epilogue,
+  unfused_runner,
+)
 from timing import metadata
 
 K, N = 4096, 14336
@@ -40,19 +45,17 @@ K, N = 4096, 14336
 #: (name, what, tokens, config, optimizer, rule-free). ``what``: 'gemm',
 #: 'unfused' or 'fused'; ``config``: a key of MOSAIC_DIAG_CONFIGS.
 PROBES = (
-    ("gemm-T512", "gemm", 512, None, "adamw", False),
-    ("unfused-T512", "unfused", 512, None, "adamw", False),
-    ("inline-T512", "fused", 512, "inline-steps5", "adamw", False),
-    ("inline-T512-rule-free", "fused", 512, "inline-steps5", "adamw", True),
-    ("inline-T64-rule-free", "fused", 64, "inline-steps5", "adamw", True),
-    ("pingpong-T512", "fused", 512, "pingpong-steps4-slots3", "adamw", False),
-    ("gemm-T2048", "gemm", 2048, None, "adamw", False),
-    ("inline-T2048", "fused", 2048, "inline-steps5", "adamw", False),
-    ("pingpong-T2048", "fused", 2048, "pingpong-steps4-slots3", "adamw",
-     False),
-    ("gemm-T8192", "gemm", 8192, None, "adamw", False),
-    ("pingpong-T8192-sgd", "fused", 8192, "pingpong-steps4-slots3", "sgd",
-     False),
+  ("gemm-T512", "gemm", 512, None, "adamw", False),
+  ("unfused-T512", "unfused", 512, None, "adamw", False),
+  ("inline-T512", "fused", 512, "inline-steps5", "adamw", False),
+  ("inline-T512-rule-free", "fused", 512, "inline-steps5", "adamw", True),
+  ("inline-T64-rule-free", "fused", 64, "inline-steps5", "adamw", True),
+  ("pingpong-T512", "fused", 512, "pingpong-steps4-slots3", "adamw", False),
+  ("gemm-T2048", "gemm", 2048, None, "adamw", False),
+  ("inline-T2048", "fused", 2048, "inline-steps5", "adamw", False),
+  ("pingpong-T2048", "fused", 2048, "pingpong-steps4-slots3", "adamw", False),
+  ("gemm-T8192", "gemm", 8192, None, "adamw", False),
+  ("pingpong-T8192-sgd", "fused", 8192, "pingpong-steps4-slots3", "sgd", False),
 )
 
 
@@ -96,12 +99,26 @@ def main():
     jax.block_until_ready(run())
   _profiler("cuProfilerStop")
   with open(args.out, "w") as f:
-    json.dump({"meta": metadata(), "k": K, "n": N,
-               "probes": [{"name": name, "what": what, "tokens": tokens,
-                           "config": config,
-                           "optimizer": opt_name, "rule_free": rule_free}
-                          for name, what, tokens, config, opt_name, rule_free
-                          in probes]}, f, indent=1)
+    json.dump(
+      {
+        "meta": metadata(),
+        "k": K,
+        "n": N,
+        "probes": [
+          {
+            "name": name,
+            "what": what,
+            "tokens": tokens,
+            "config": config,
+            "optimizer": opt_name,
+            "rule_free": rule_free,
+          }
+          for name, what, tokens, config, opt_name, rule_free in probes
+        ],
+      },
+      f,
+      indent=1,
+    )
   print("probes:", [name for name, _ in runs])
 
 

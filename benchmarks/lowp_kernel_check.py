@@ -49,26 +49,34 @@ sys.path.insert(0, HERE)
 from timing import device_time_ms, metadata  # pylint: disable=wrong-import-position
 
 SUITES = {
-    # (K, N, T) per fused case; primitives on [rows, cols]; steps per case.
-    "h200": {"fused": [(4096, 4096, 2048), (4096, 14336, 2048),
-                       (14336, 4096, 2048)],
-             "primitives": (4096, 4096), "steps": 2, "speed": [(4096, 4096, 2048),
-                                                              (4096, 4096, 8192)]},
-    # The odd shape is Triton's only (Mosaic needs whole tiles); the other is
-    # Mosaic's default tiles, 2 of them.
-    "tiny": {"fused": [(40, 150, 37), (128, 256, 64)], "primitives": (64, 192),
-             "steps": 2, "speed": []},
+  # (K, N, T) per fused case; primitives on [rows, cols]; steps per case.
+  "h200": {
+    "fused": [(4096, 4096, 2048), (4096, 14336, 2048), (14336, 4096, 2048)],
+    "primitives": (4096, 4096),
+    "steps": 2,
+    "speed": [(4096, 4096, 2048), (4096, 4096, 8192)],
+  },
+  # The odd shape is Triton's only (Mosaic needs whole tiles); the other is
+  # Mosaic's default tiles, 2 of them.
+  "tiny": {
+    "fused": [(40, 150, 37), (128, 256, 64)],
+    "primitives": (64, 192),
+    "steps": 2,
+    "speed": [],
+  },
 }
 
 OPTIMIZERS = {
-    "adamw": lambda **kw: fj.adamw(1e-3, weight_decay=0.1, **kw),
-    "lion": lambda **kw: fj.lion(1e-4, **kw),
-    "sgd_momentum": lambda **kw: fj.sgd(1e-2, momentum=0.9, **kw),
+  "adamw": lambda **kw: fj.adamw(1e-3, weight_decay=0.1, **kw),
+  "lion": lambda **kw: fj.lion(1e-4, **kw),
+  "sgd_momentum": lambda **kw: fj.sgd(1e-2, momentum=0.9, **kw),
 }
 LOWP = dict(state_dtype="int8", weight_rounding="stochastic", rounding_seed=3)
 #: The fused kernels and their backend functions.
-KERNELS = {"triton": triton_kernel.triton_update,
-           "mosaic": mosaic.mosaic_update}
+KERNELS = {
+  "triton": triton_kernel.triton_update,
+  "mosaic": mosaic.mosaic_update,
+}
 
 
 def _compare(a, b):
@@ -93,9 +101,11 @@ def _compare(a, b):
     out["max_rel_diff"] = float((np.abs(fa - fb) / den)[finite].max(initial=0))
   else:
     signed = np.dtype(f"i{width}")
-    order = lambda x: np.where(x.view(signed) < 0,
-                               -(x.view(signed).astype(np.int64) & ((1 << (8 * width - 1)) - 1)),
-                               x.view(signed).astype(np.int64))
+    order = lambda x: np.where(
+      x.view(signed) < 0,
+      -(x.view(signed).astype(np.int64) & ((1 << (8 * width - 1)) - 1)),
+      x.view(signed).astype(np.int64),
+    )
     out["max_ulp"] = int(np.abs(order(a) - order(b))[finite].max(initial=0))
   return out
 
@@ -107,18 +117,41 @@ def _compare(a, b):
 def _storage_fns(step):
   """``values [R, C] f32 -> outputs`` of every storage primitive, given the
   global ``(rows, cols)`` indices (broadcastable)."""
+
   def fns(values, rows, cols):
-    sr = Q.round_weights(values, jnp.bfloat16, rounding="stochastic", seed=3,
-                         layer_id=77, step=step, indices=(rows, cols))
+    sr = Q.round_weights(
+      values,
+      jnp.bfloat16,
+      rounding="stochastic",
+      seed=3,
+      layer_id=77,
+      step=step,
+      indices=(rows, cols),
+    )
     codes, scale = Q.quantize(values)
     sq_codes, sq_scale = Q.quantize(jnp.abs(values), sqrt=True)
-    return (sr, codes, scale, Q.dequantize(codes, scale), sq_codes, sq_scale,
-            Q.dequantize(sq_codes, sq_scale, sqrt=True))
+    return (
+      sr,
+      codes,
+      scale,
+      Q.dequantize(codes, scale),
+      sq_codes,
+      sq_scale,
+      Q.dequantize(sq_codes, sq_scale, sqrt=True),
+    )
+
   return fns
 
 
-PRIMITIVE_NAMES = ("sr_bf16", "codes", "scale", "dequantized", "sqrt_codes",
-                   "sqrt_scale", "sqrt_dequantized")
+PRIMITIVE_NAMES = (
+  "sr_bf16",
+  "codes",
+  "scale",
+  "dequantized",
+  "sqrt_codes",
+  "sqrt_scale",
+  "sqrt_dequantized",
+)
 _FNS = _storage_fns(12345)  # a Python int step: kernels close over no arrays
 
 
@@ -134,9 +167,11 @@ def primitives_kernel(values, interpret):
 
   def kernel(v_ref, *out_refs):
     ri = pl.program_id(0) * block_r + jax.lax.broadcasted_iota(
-        jnp.int32, (block_r, 1), 0)
+      jnp.int32, (block_r, 1), 0
+    )
     ci = pl.program_id(1) * block_c + jax.lax.broadcasted_iota(
-        jnp.int32, (1, block_c), 1)
+      jnp.int32, (1, block_c), 1
+    )
     for ref, value in zip(out_refs, _FNS(v_ref[...], ri, ci)):
       ref[...] = value
 
@@ -144,22 +179,31 @@ def primitives_kernel(values, interpret):
   tile = pl.BlockSpec((block_r, block_c), lambda i, j: (i, j))
   scale_tile = pl.BlockSpec((block_r, 1), lambda i, j: (i, j))
   return pl.pallas_call(
-      kernel, out_shape=list(expected),
-      grid=(rows // block_r, cols // block_c), in_specs=[tile],
-      out_specs=[tile, tile, scale_tile, tile, tile, scale_tile, tile],
-      interpret=interpret,
-      compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1))(values)
+    kernel,
+    out_shape=list(expected),
+    grid=(rows // block_r, cols // block_c),
+    in_specs=[tile],
+    out_specs=[tile, tile, scale_tile, tile, tile, scale_tile, tile],
+    interpret=interpret,
+    compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+  )(values)
 
 
 def check_primitives(rows, cols, interpret):
   rng = np.random.default_rng(0)
-  values = jnp.asarray((rng.standard_normal((rows, cols))
-                        * np.exp(rng.normal(0, 2, (rows, cols)))).astype(np.float32))
+  values = jnp.asarray(
+    (
+      rng.standard_normal((rows, cols)) * np.exp(rng.normal(0, 2, (rows, cols)))
+    ).astype(np.float32)
+  )
   expected = jax.jit(primitives_xla)(values)
-  actual = jax.jit(functools.partial(primitives_kernel,
-                                     interpret=interpret))(values)
-  return {name: _compare(a, e)
-          for name, a, e in zip(PRIMITIVE_NAMES, actual, expected)}
+  actual = jax.jit(functools.partial(primitives_kernel, interpret=interpret))(
+    values
+  )
+  return {
+    name: _compare(a, e)
+    for name, a, e in zip(PRIMITIVE_NAMES, actual, expected)
+  }
 
 
 # ---------------------------------------------------------------------------
@@ -184,11 +228,15 @@ def mosaic_unsupported(name, k, n, tokens):
 def check_fused(name, k, n, tokens, steps, interpret, implementation="triton"):
   opt = OPTIMIZERS[name](**LOWP)
   ref_spec = FusedDenseSpec(optimizer=opt, implementation="xla", layer_id=5)
-  ker_spec = FusedDenseSpec(optimizer=opt, implementation=implementation,
-                            layer_id=5)
+  ker_spec = FusedDenseSpec(
+    optimizer=opt, implementation=implementation, layer_id=5
+  )
   reference = jax.jit(functools.partial(backends.xla_update, ref_spec))
-  kernel = jax.jit(lambda *a, step: KERNELS[implementation](
-      ker_spec, *a, interpret=interpret, step=step))
+  kernel = jax.jit(
+    lambda *a, step: KERNELS[implementation](
+      ker_spec, *a, interpret=interpret, step=step
+    )
+  )
   w = (0.02 * jax.random.normal(jax.random.key(0), (k, n))).astype(jnp.bfloat16)
   state = opt.init(w)
   results = []
@@ -198,14 +246,27 @@ def check_fused(name, k, n, tokens, steps, interpret, implementation="triton"):
     expected = jax.device_get(reference(*args, step=jnp.int32(count)))
     actual = jax.device_get(kernel(*args, step=jnp.int32(count)))
     leaves = jax.tree_util.tree_flatten_with_path(expected[:2])[0]
-    results.append({
+    results.append(
+      {
         "count": count,
         "skipped": [int(actual[2]), int(expected[2])],
-        "leaves": {jax.tree_util.keystr(p): _compare(a, e) for (p, e), a in
-                   zip(leaves, jax.tree.leaves(actual[:2]))}})
-    w, state = jax.tree.map(jnp.asarray, expected[:2])  # continue from the reference
-  return {"optimizer": name, "implementation": implementation, "k": k,
-          "n": n, "tokens": tokens, "steps": results}
+        "leaves": {
+          jax.tree_util.keystr(p): _compare(a, e)
+          for (p, e), a in zip(leaves, jax.tree.leaves(actual[:2]))
+        },
+      }
+    )
+    w, state = jax.tree.map(
+      jnp.asarray, expected[:2]
+    )  # continue from the reference
+  return {
+    "optimizer": name,
+    "implementation": implementation,
+    "k": k,
+    "n": n,
+    "tokens": tokens,
+    "steps": results,
+  }
 
 
 # ---------------------------------------------------------------------------
@@ -217,22 +278,38 @@ def speed_case(k, n, tokens, implementation="triton"):
   out = {"k": k, "n": n, "tokens": tokens}
   prefix = "" if implementation == "triton" else f"{implementation}_"
   update = KERNELS[implementation]
-  for label, kernel_dtype, kw in (("fp32", jnp.float32, {}),
-                                  ("bf16_sr_int8", jnp.bfloat16, LOWP)):
+  for label, kernel_dtype, kw in (
+    ("fp32", jnp.float32, {}),
+    ("bf16_sr_int8", jnp.bfloat16, LOWP),
+  ):
     label = prefix + label
     opt = OPTIMIZERS["adamw"](**kw)
-    spec = FusedDenseSpec(optimizer=opt, implementation=implementation,
-                          layer_id=5)
+    spec = FusedDenseSpec(
+      optimizer=opt, implementation=implementation, layer_id=5
+    )
     x, dy = exact_inputs(0, tokens, k, n)
-    w = (0.02 * jax.random.normal(jax.random.key(0), (k, n))).astype(kernel_dtype)
-    step = jax.jit(lambda w, s, x, dy, opt=opt, spec=spec, update=update: update(
-        spec, x, dy, w, s, opt.scalars(jnp.int32(3)), jnp.bool_(True),
-        step=jnp.int32(3))[:2], donate_argnums=(0, 1))
+    w = (0.02 * jax.random.normal(jax.random.key(0), (k, n))).astype(
+      kernel_dtype
+    )
+    step = jax.jit(
+      lambda w, s, x, dy, opt=opt, spec=spec, update=update: update(
+        spec,
+        x,
+        dy,
+        w,
+        s,
+        opt.scalars(jnp.int32(3)),
+        jnp.bool_(True),
+        step=jnp.int32(3),
+      )[:2],
+      donate_argnums=(0, 1),
+    )
     carry = [w, opt.init(w)]
 
     def run_once(step=step, carry=carry, x=x, dy=dy):
       carry[0], carry[1] = step(carry[0], carry[1], x, dy)
       return carry[0]
+
     out[label] = device_time_ms(run_once, calls=10, repeats=5)
     out[f"{label}_state_bytes"] = Q.state_bytes(carry[1])
   return out
@@ -240,15 +317,19 @@ def speed_case(k, n, tokens, implementation="triton"):
 
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  p.add_argument("--suite", default="h200" if jax.default_backend() == "gpu"
-                 else "tiny", choices=sorted(SUITES))
+  p.add_argument(
+    "--suite",
+    default="h200" if jax.default_backend() == "gpu" else "tiny",
+    choices=sorted(SUITES),
+  )
   p.add_argument("--out", default=None)
   args = p.parse_args(argv)
   suite = SUITES[args.suite]
   interpret = jax.default_backend() != "gpu"
   meta = metadata()
   out = args.out or os.path.join(
-      HERE, "results", f"lowp_kernel_{args.suite}_{meta['commit'][:7]}.json")
+    HERE, "results", f"lowp_kernel_{args.suite}_{meta['commit'][:7]}.json"
+  )
   result = {"meta": meta, "suite": args.suite, "interpret": interpret}
 
   def save():
@@ -257,36 +338,62 @@ def main(argv=None):
       json.dump(result, f, indent=1)
 
   result["primitives"] = check_primitives(*suite["primitives"], interpret)
-  print("primitives (fraction of identical bits):",
-        {k: v["identical"] for k, v in result["primitives"].items()}, flush=True)
+  print(
+    "primitives (fraction of identical bits):",
+    {k: v["identical"] for k, v in result["primitives"].items()},
+    flush=True,
+  )
   save()
   result["fused"] = []
   for name in OPTIMIZERS:
-    for (k, n, tokens), implementation in itertools.product(suite["fused"],
-                                                            KERNELS):
-      reason = (mosaic_unsupported(name, k, n, tokens)
-                if implementation == "mosaic" else None)
+    for (k, n, tokens), implementation in itertools.product(
+      suite["fused"], KERNELS
+    ):
+      reason = (
+        mosaic_unsupported(name, k, n, tokens)
+        if implementation == "mosaic"
+        else None
+      )
       if reason is not None:
-        print(f"fused {name} {k}x{n} T={tokens} {implementation}: skipped "
-              f"({reason})", flush=True)
+        print(
+          f"fused {name} {k}x{n} T={tokens} {implementation}: skipped "
+          f"({reason})",
+          flush=True,
+        )
         continue
-      case = check_fused(name, k, n, tokens, suite["steps"], interpret,
-                         implementation)
+      case = check_fused(
+        name, k, n, tokens, suite["steps"], interpret, implementation
+      )
       result["fused"].append(case)
-      worst = min(leaf["identical"] for s in case["steps"]
-                  for leaf in s["leaves"].values())
-      print(f"fused {name} {k}x{n} T={tokens} {implementation}: worst "
-            f"identical fraction {worst:.6f}", flush=True)
+      worst = min(
+        leaf["identical"]
+        for s in case["steps"]
+        for leaf in s["leaves"].values()
+      )
+      print(
+        f"fused {name} {k}x{n} T={tokens} {implementation}: worst "
+        f"identical fraction {worst:.6f}",
+        flush=True,
+      )
       save()
   result["speed"] = []
   for k, n, tokens in suite["speed"]:
     case = speed_case(k, n, tokens)
     case.update(speed_case(k, n, tokens, "mosaic"))
     result["speed"].append(case)
-    print(f"speed {k}x{n} T={tokens}: "
-          + ", ".join(f"{label} {case[label]['ms']:.3f} ms" for label in (
-              "fp32", "bf16_sr_int8", "mosaic_fp32", "mosaic_bf16_sr_int8")),
-          flush=True)
+    print(
+      f"speed {k}x{n} T={tokens}: "
+      + ", ".join(
+        f"{label} {case[label]['ms']:.3f} ms"
+        for label in (
+          "fp32",
+          "bf16_sr_int8",
+          "mosaic_fp32",
+          "mosaic_bf16_sr_int8",
+        )
+      ),
+      flush=True,
+    )
     save()
   print(f"wrote {out}")
   return result

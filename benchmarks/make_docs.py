@@ -26,13 +26,19 @@ README = os.path.join(ROOT, "README.md")
 BENCHMARKS_MD = os.path.join(ROOT, "docs", "benchmarks.md")
 
 GIB = 2**30
-STATES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16",
-          "int8": "int8"}
+STATES = {
+  "float32": "fp32",
+  "bfloat16": "bf16",
+  "float16": "fp16",
+  "int8": "int8",
+}
 #: Mosaic diagnosis variants of the shipped schedules, in column order.
 SCHEDULE_VARIANTS = {
-    "inline-steps5": "inline", "pingpong-steps4-slots3": "pingpong",
-    "inline-steps5-rule-free": "inline, no rule arithmetic",
-    "inline-steps5-sgd": "inline, plain SGD"}
+  "inline-steps5": "inline",
+  "pingpong-steps4-slots3": "pingpong",
+  "inline-steps5-rule-free": "inline, no rule arithmetic",
+  "inline-steps5-sgd": "inline, plain SGD",
+}
 #: Counter probes of the shipped schedules and of XLA's kernels.
 SHIPPED_PROBES = ("gemm", "unfused", "inline", "pingpong")
 #: How docs/benchmarks.md links the plots.
@@ -50,15 +56,20 @@ def load(pattern: str, results: str = RESULTS) -> list:
   for path in sorted(glob.glob(os.path.join(results, pattern))):
     with open(path) as f:
       run = json.load(f)
-    run["_file"] = os.path.relpath(path, ROOT) if path.startswith(ROOT) else path
+    run["_file"] = (
+      os.path.relpath(path, ROOT) if path.startswith(ROOT) else path
+    )
     runs.append(run)
   return runs
 
 
 def meta(run) -> dict:
-  return run.get("meta") or {"device": run.get("device", run.get("backend")),
-                             "jax_version": run.get("jax_version"),
-                             "commit": run.get("commit", ""), "date": ""}
+  return run.get("meta") or {
+    "device": run.get("device", run.get("backend")),
+    "jax_version": run.get("jax_version"),
+    "commit": run.get("commit", ""),
+    "date": "",
+  }
 
 
 def commit(run) -> str:
@@ -80,11 +91,14 @@ def provenance(runs) -> str:
       continue
     seen.add(run["_file"])
     m = meta(run)
-    device = m["device"] + (f" x {m['num_devices']}"
-                            if m.get("num_devices", 1) > 1 else "")
+    device = m["device"] + (
+      f" x {m['num_devices']}" if m.get("num_devices", 1) > 1 else ""
+    )
     when = f", {date(run)}" if date(run) else ""
-    lines.append(f"- {device}, JAX {m['jax_version']}, commit "
-                 f"`{commit(run)}`{when}: `{run['_file']}`")
+    lines.append(
+      f"- {device}, JAX {m['jax_version']}, commit "
+      f"`{commit(run)}`{when}: `{run['_file']}`"
+    )
   return "\n".join(lines)
 
 
@@ -105,8 +119,10 @@ def table(header, rows) -> str:
 
 
 def section(title, intro, body, command, runs) -> str:
-  return (f"## {title}\n\n{intro}\n\n{body}\n\nReproduce: `{command}`\n\n"
-          f"{provenance(runs)}\n")
+  return (
+    f"## {title}\n\n{intro}\n\n{body}\n\nReproduce: `{command}`\n\n"
+    f"{provenance(runs)}\n"
+  )
 
 
 # ---------------------------------------------------------------------------
@@ -126,18 +142,33 @@ def precision(run) -> str:
 
 def step_key(run) -> tuple:
   """What makes two whole-step runs the same measurement."""
-  return (run["config"], run["variant"], run["batch"], run["seq"],
-          precision(run), run.get("attention") or "xla",
-          run.get("remat_policy"), json.dumps(run.get("mosaic_config"),
-                                              sort_keys=True), xla_flags(run),
-          run.get("implementation", "auto"))
+  return (
+    run["config"],
+    run["variant"],
+    run["batch"],
+    run["seq"],
+    precision(run),
+    run.get("attention") or "xla",
+    run.get("remat_policy"),
+    json.dumps(run.get("mosaic_config"), sort_keys=True),
+    xla_flags(run),
+    run.get("implementation", "auto"),
+  )
 
 
 def _step_sort(run):
-  return (run["config"], run["batch"], run["seq"], run["variant"] != "optax",
-          (run.get("attention") or "xla") != "xla", run.get("state_dtype") == "int8",
-          run.get("remat_policy") or "", xla_flags(run),
-          json.dumps(run.get("mosaic_config")), meta(run)["date"])
+  return (
+    run["config"],
+    run["batch"],
+    run["seq"],
+    run["variant"] != "optax",
+    (run.get("attention") or "xla") != "xla",
+    run.get("state_dtype") == "int8",
+    run.get("remat_policy") or "",
+    xla_flags(run),
+    json.dumps(run.get("mosaic_config")),
+    meta(run)["date"],
+  )
 
 
 def step_variant(run) -> str:
@@ -155,17 +186,26 @@ def step_variant(run) -> str:
 
 def is_default(run) -> bool:
   """Full remat, 'auto' kernels with their own configs, XLA's flags."""
-  return not (run.get("remat_policy") or run.get("mosaic_config")
-              or xla_flags(run)) and run.get("implementation", "auto") == "auto"
+  return (
+    not (run.get("remat_policy") or run.get("mosaic_config") or xla_flags(run))
+    and run.get("implementation", "auto") == "auto"
+  )
 
 
 def step_pairs(runs) -> list:
   """(optax, FORGE) runs of the same model, B, T, attention, remat policy
   and XLA flags: the newest of each."""
   latest = sorted(newest(runs, step_key).values(), key=_step_sort)
-  same = lambda o, f: all(step_key(o)[i] == step_key(f)[i] for i in (0, 2, 3, 5, 6, 8))
-  return [(o, f) for f in latest if f["variant"] == "forge"
-          for o in latest if o["variant"] == "optax" and same(o, f)]
+  same = lambda o, f: all(
+    step_key(o)[i] == step_key(f)[i] for i in (0, 2, 3, 5, 6, 8)
+  )
+  return [
+    (o, f)
+    for f in latest
+    if f["variant"] == "forge"
+    for o in latest
+    if o["variant"] == "optax" and same(o, f)
+  ]
 
 
 def readme_table(runs) -> str:
@@ -174,79 +214,150 @@ def readme_table(runs) -> str:
   for o, f in step_pairs(runs):
     if f["config"] != "llama-3.1-8b" or not is_default(f):
       continue
-    rows.append([
-        f"{f['batch']} x {f['seq']}", precision(f),
+    rows.append(
+      [
+        f"{f['batch']} x {f['seq']}",
+        precision(f),
         "cuDNN" if f.get("attention") == "cudnn" else "XLA",
         f"{f['peak_bytes_in_use'] / GIB:.1f} / {o['peak_bytes_in_use'] / GIB:.1f}",
-        f"{f['step_ms_median']:.0f} / {o['step_ms_median']:.0f}"])
+        f"{f['step_ms_median']:.0f} / {o['step_ms_median']:.0f}",
+      ]
+    )
   m = meta(runs[0])
-  return (table(["batch x tokens", "FORGE weights / states", "attention",
-                 "peak GiB: FORGE / optax", "step ms: FORGE / optax"], rows)
-          + f"\n\nLlama-3.1-8B shape, AdamW, one {m['device']}; optax with "
-          "bf16 weights and states. The newest run of each configuration; all "
-          "runs: [docs/benchmarks.md](docs/benchmarks.md).")
+  return (
+    table(
+      [
+        "batch x tokens",
+        "FORGE weights / states",
+        "attention",
+        "peak GiB: FORGE / optax",
+        "step ms: FORGE / optax",
+      ],
+      rows,
+    )
+    + f"\n\nLlama-3.1-8B shape, AdamW, one {m['device']}; optax with "
+    "bf16 weights and states. The newest run of each configuration; all "
+    "runs: [docs/benchmarks.md](docs/benchmarks.md)."
+  )
 
 
 def step_section(runs) -> str:
   latest = sorted(newest(runs, step_key).values(), key=_step_sort)
-  rows = [[f"{r['config']} ({r['num_layers']} layers)", r["batch"], r["seq"],
-           step_variant(r), precision(r), r.get("attention") or "xla",
-           f"{r['peak_bytes_in_use'] / GIB:.2f}",
-           f"{r['compiled_temp_bytes'] / GIB:.2f}",
-           f"{r['step_ms_median']:.1f} ({len(r['step_ms_all'])})",
-           f"`{commit(r)}`"] for r in latest]
-  body = table(["model", "B", "T", "variant", "weights / states", "attention",
-                "peak (GiB)", "compiled temp (GiB)", "step ms (median of n)",
-                "commit"], rows)
+  rows = [
+    [
+      f"{r['config']} ({r['num_layers']} layers)",
+      r["batch"],
+      r["seq"],
+      step_variant(r),
+      precision(r),
+      r.get("attention") or "xla",
+      f"{r['peak_bytes_in_use'] / GIB:.2f}",
+      f"{r['compiled_temp_bytes'] / GIB:.2f}",
+      f"{r['step_ms_median']:.1f} ({len(r['step_ms_all'])})",
+      f"`{commit(r)}`",
+    ]
+    for r in latest
+  ]
+  body = table(
+    [
+      "model",
+      "B",
+      "T",
+      "variant",
+      "weights / states",
+      "attention",
+      "peak (GiB)",
+      "compiled temp (GiB)",
+      "step ms (median of n)",
+      "commit",
+    ],
+    rows,
+  )
   pairs = []
   for o, f in step_pairs(runs):
     saved = o["peak_bytes_in_use"] - f["peak_bytes_in_use"]
-    share = (f" ({100 * saved / f['projection_kernel_bytes']:.0f} % of "
-             f"{f['projection_kernel_bytes'] / GIB:.2f})"
-             if precision(f) == precision(o) else "")
-    pairs.append([step_variant(f).replace("FORGE", f["config"], 1),
-                  f"{f['batch']} x {f['seq']}", f.get("attention") or "xla",
-                  precision(f), f"{o['step_ms_median'] / f['step_ms_median']:.3f}",
-                  f"{f['peak_bytes_in_use'] / o['peak_bytes_in_use']:.2f}",
-                  f"{saved / GIB:.2f}{share}"])
-  body += ("\n\nFORGE beside optax (same model, B x T, attention, remat policy "
-           "and XLA flags):\n\n" + table(
-               ["model", "B x T", "attention", "FORGE weights / states",
-                "optax step / FORGE step", "FORGE peak / optax peak",
-                "peak saved (GiB; % of the projection kernels' gradients)"],
-               pairs))
+    share = (
+      f" ({100 * saved / f['projection_kernel_bytes']:.0f} % of "
+      f"{f['projection_kernel_bytes'] / GIB:.2f})"
+      if precision(f) == precision(o)
+      else ""
+    )
+    pairs.append(
+      [
+        step_variant(f).replace("FORGE", f["config"], 1),
+        f"{f['batch']} x {f['seq']}",
+        f.get("attention") or "xla",
+        precision(f),
+        f"{o['step_ms_median'] / f['step_ms_median']:.3f}",
+        f"{f['peak_bytes_in_use'] / o['peak_bytes_in_use']:.2f}",
+        f"{saved / GIB:.2f}{share}",
+      ]
+    )
+  body += (
+    "\n\nFORGE beside optax (same model, B x T, attention, remat policy "
+    "and XLA flags):\n\n"
+    + table(
+      [
+        "model",
+        "B x T",
+        "attention",
+        "FORGE weights / states",
+        "optax step / FORGE step",
+        "FORGE peak / optax peak",
+        "peak saved (GiB; % of the projection kernels' gradients)",
+      ],
+      pairs,
+    )
+  )
   return section(
-      "Whole train step (one GPU)",
-      "The package's Llama-style model, scan over layers with remat, AdamW, "
-      "bf16 weights; each run in a fresh process. Peak: `memory_stats()` "
-      "`peak_bytes_in_use`; step time: the median of the timed steps after "
-      "two warm-up steps. A ratio within a few hundredths of 1 is a tie: one "
-      "configuration's step time moves by a few percent between machines.",
-      f"![peak memory]({PLOT_LINK}model_memory.png)\n\n{body}",
-      "python benchmarks/run.py step  # --seq, --batch, --int8, "
-      "--attention cudnn, --remat-policy, --xla-flags, --config select the rows",
-      latest)
+    "Whole train step (one GPU)",
+    "The package's Llama-style model, scan over layers with remat, AdamW, "
+    "bf16 weights; each run in a fresh process. Peak: `memory_stats()` "
+    "`peak_bytes_in_use`; step time: the median of the timed steps after "
+    "two warm-up steps. A ratio within a few hundredths of 1 is a tie: one "
+    "configuration's step time moves by a few percent between machines.",
+    f"![peak memory]({PLOT_LINK}model_memory.png)\n\n{body}",
+    "python benchmarks/run.py step  # --seq, --batch, --int8, "
+    "--attention cudnn, --remat-policy, --xla-flags, --config select the rows",
+    latest,
+  )
 
 
 def step_plot(plt, runs):
   """Peak memory of the newest default 8B run of each configuration."""
-  rows = [r for r in sorted(newest(runs, step_key).values(), key=_step_sort)
-          if r["config"] == "llama-3.1-8b" and is_default(r)]
+  rows = [
+    r
+    for r in sorted(newest(runs, step_key).values(), key=_step_sort)
+    if r["config"] == "llama-3.1-8b" and is_default(r)
+  ]
   fig, ax = plt.subplots(figsize=(1.3 * len(rows) + 2, 4))
   for i, r in enumerate(rows):
     peak = r["peak_bytes_in_use"] / GIB
-    color = ("tab:gray" if r["variant"] == "optax" else
-             "tab:green" if r.get("state_dtype") == "int8" else "tab:blue")
+    color = (
+      "tab:gray"
+      if r["variant"] == "optax"
+      else "tab:green"
+      if r.get("state_dtype") == "int8"
+      else "tab:blue"
+    )
     ax.bar(i, peak, color=color)
     ax.text(i, peak + 0.5, f"{peak:.1f}", ha="center", fontsize=8)
-  ax.set_xticks(range(len(rows)), [
+  ax.set_xticks(
+    range(len(rows)),
+    [
       f"{'FORGE' if r['variant'] == 'forge' else 'optax'}\n{precision(r)}\n"
       f"B={r['batch']} T={r['seq']}\n{r.get('attention') or 'xla'} attn."
-      for r in rows], fontsize=7)
+      for r in rows
+    ],
+    fontsize=7,
+  )
   ax.set_ylabel("peak memory (GiB)")
-  ax.set_title(f"Llama-3.1-8B train step, one {meta(rows[0])['device']}: gray "
-               "nn.Dense + optax, blue FORGE bf16 states, green FORGE int8 "
-               "states", fontsize=8)
+  ax.set_title(
+    f"Llama-3.1-8B train step, one {meta(rows[0])['device']}: gray "
+    "nn.Dense + optax, blue FORGE bf16 states, green FORGE int8 "
+    "states",
+    fontsize=8,
+  )
   _save(fig, "model_memory.png")
 
 
@@ -260,8 +371,10 @@ def kernel_rows(runs) -> list:
   key = lambda r: (r["optimizer"], r["k"], r["n"], r["tokens"])
   latest = newest([dict(r, meta=meta(r["_run"])) for r in rows], key)
   order = {"adamw": 0, "sgd_momentum": 1, "lion": 2}
-  return sorted(latest.values(), key=lambda r: (
-      r["tokens"], order.get(r["optimizer"], 9), r["k"], r["n"]))
+  return sorted(
+    latest.values(),
+    key=lambda r: (r["tokens"], order.get(r["optimizer"], 9), r["k"], r["n"]),
+  )
 
 
 def traffic_bound(row) -> dict:
@@ -279,10 +392,14 @@ def traffic_bound(row) -> dict:
   traffic = fused_bytes / bandwidth
   bound = max(gemm, traffic)
   mosaic = row["fused_mosaic"]["ms"]
-  return {"tb_per_s": bandwidth / 1e9, "bound_over_gemm": bound / gemm,
-          "best_speedup": unfused / bound, "mosaic_over_bound": mosaic / bound,
-          "mosaic_over_serial": mosaic / (gemm + traffic),
-          "bytes_per_param": fused_bytes / params}
+  return {
+    "tb_per_s": bandwidth / 1e9,
+    "bound_over_gemm": bound / gemm,
+    "best_speedup": unfused / bound,
+    "mosaic_over_bound": mosaic / bound,
+    "mosaic_over_serial": mosaic / (gemm + traffic),
+    "bytes_per_param": fused_bytes / params,
+  }
 
 
 def kernel_section(runs) -> str:
@@ -290,69 +407,133 @@ def kernel_section(runs) -> str:
   ms = lambda r, key: f"{r[key]['ms']:.3f}" if key in r else "-"
   ratio = lambda r, key: f"{r[key]:.2f}" if key in r else "-"
   body = table(
-      ["optimizer", "K x N", "T", "XLA dW GEMM (ms)", "GEMM + optax (ms)",
-       "Triton (ms)", "Mosaic (ms)", "Triton / GEMM", "Mosaic / GEMM",
-       "unfused / Triton", "unfused / Mosaic", "commit"],
-      [[r["optimizer"], f"{r['k']} x {r['n']}", r["tokens"], ms(r, "gemm"),
-        ms(r, "unfused"), ms(r, "fused"), ms(r, "fused_mosaic"),
-        ratio(r, "fused_over_gemm"), ratio(r, "mosaic_over_gemm"),
-        ratio(r, "unfused_over_fused"), ratio(r, "unfused_over_mosaic"),
-        f"`{commit(r['_run'])}`"] for r in rows])
+    [
+      "optimizer",
+      "K x N",
+      "T",
+      "XLA dW GEMM (ms)",
+      "GEMM + optax (ms)",
+      "Triton (ms)",
+      "Mosaic (ms)",
+      "Triton / GEMM",
+      "Mosaic / GEMM",
+      "unfused / Triton",
+      "unfused / Mosaic",
+      "commit",
+    ],
+    [
+      [
+        r["optimizer"],
+        f"{r['k']} x {r['n']}",
+        r["tokens"],
+        ms(r, "gemm"),
+        ms(r, "unfused"),
+        ms(r, "fused"),
+        ms(r, "fused_mosaic"),
+        ratio(r, "fused_over_gemm"),
+        ratio(r, "mosaic_over_gemm"),
+        ratio(r, "unfused_over_fused"),
+        ratio(r, "unfused_over_mosaic"),
+        f"`{commit(r['_run'])}`",
+      ]
+      for r in rows
+    ],
+  )
   bounds = []
   for tokens in sorted({r["tokens"] for r in rows}):
-    adamw = [r for r in rows if r["tokens"] == tokens
-             and r["optimizer"] == "adamw" and "fused_mosaic" in r]
+    adamw = [
+      r
+      for r in rows
+      if r["tokens"] == tokens
+      and r["optimizer"] == "adamw"
+      and "fused_mosaic" in r
+    ]
     if not adamw:
       continue
     b = [traffic_bound(r) for r in adamw]
     med = lambda key, rs=adamw: statistics.median(r[key] for r in rs)
     bmed = lambda key, b=b: statistics.median(x[key] for x in b)
-    bounds.append([tokens, f"{med('mosaic_over_gemm'):.2f}",
-                   f"{med('fused_over_gemm'):.2f}",
-                   f"{med('unfused_over_mosaic'):.2f}",
-                   f"{bmed('bytes_per_param'):.0f}", f"{bmed('tb_per_s'):.2f}",
-                   f"{bmed('bound_over_gemm'):.2f}", f"{bmed('best_speedup'):.2f}",
-                   f"{bmed('mosaic_over_serial'):.2f}"])
+    bounds.append(
+      [
+        tokens,
+        f"{med('mosaic_over_gemm'):.2f}",
+        f"{med('fused_over_gemm'):.2f}",
+        f"{med('unfused_over_mosaic'):.2f}",
+        f"{bmed('bytes_per_param'):.0f}",
+        f"{bmed('tb_per_s'):.2f}",
+        f"{bmed('bound_over_gemm'):.2f}",
+        f"{bmed('best_speedup'):.2f}",
+        f"{bmed('mosaic_over_serial'):.2f}",
+      ]
+    )
   body += (
-      "\n\nMedians over the AdamW shapes, and the traffic bound: the fused "
-      "kernel's W and state bytes timed at the bandwidth optax's update "
-      "reached in the same run. A kernel that hid all of that traffic under "
-      "its GEMM would take max(GEMM, traffic) (`best`); one that hides none "
-      "takes GEMM + traffic (`traffic_bound` in `benchmarks/make_docs.py`):"
-      "\n\n" + table(["T", "Mosaic / GEMM", "Triton / GEMM", "unfused / Mosaic",
-                      "fused bytes a parameter", "optax's update (TB/s)",
-                      "best / GEMM", "unfused / best",
-                      "Mosaic / (GEMM + traffic)"], bounds))
+    "\n\nMedians over the AdamW shapes, and the traffic bound: the fused "
+    "kernel's W and state bytes timed at the bandwidth optax's update "
+    "reached in the same run. A kernel that hid all of that traffic under "
+    "its GEMM would take max(GEMM, traffic) (`best`); one that hides none "
+    "takes GEMM + traffic (`traffic_bound` in `benchmarks/make_docs.py`):"
+    "\n\n"
+    + table(
+      [
+        "T",
+        "Mosaic / GEMM",
+        "Triton / GEMM",
+        "unfused / Mosaic",
+        "fused bytes a parameter",
+        "optax's update (TB/s)",
+        "best / GEMM",
+        "unfused / best",
+        "Mosaic / (GEMM + traffic)",
+      ],
+      bounds,
+    )
+  )
   return section(
-      "Fused update speed (one GPU)",
-      "One update at the weight shapes of Llama-3.1-8B: bf16 x and dY, "
-      "float32 W and state. XLA's dW GEMM alone, the GEMM followed by the "
-      "jitted, donated optax update (the two-phase step), and FORGE's two "
-      "kernels with their default configs, side by side in one process. "
-      "Device time from the JAX profiler (kernel durations per call, median "
-      "of repeats). The newest measurement of each row.",
-      f"![fused against unfused]({PLOT_LINK}kernel_speed.png)\n\n{body}",
-      "python benchmarks/run.py kernel  # --tokens 2048 8192; --full: "
-      "Triton up to T = 32768", [r["_run"] for r in rows])
+    "Fused update speed (one GPU)",
+    "One update at the weight shapes of Llama-3.1-8B: bf16 x and dY, "
+    "float32 W and state. XLA's dW GEMM alone, the GEMM followed by the "
+    "jitted, donated optax update (the two-phase step), and FORGE's two "
+    "kernels with their default configs, side by side in one process. "
+    "Device time from the JAX profiler (kernel durations per call, median "
+    "of repeats). The newest measurement of each row.",
+    f"![fused against unfused]({PLOT_LINK}kernel_speed.png)\n\n{body}",
+    "python benchmarks/run.py kernel  # --tokens 2048 8192; --full: "
+    "Triton up to T = 32768",
+    [r["_run"] for r in rows],
+  )
 
 
 def kernel_plot(plt, runs):
   """Time over the GEMM's per AdamW shape and T."""
   rows = kernel_rows(runs)
   panels = sorted({r["tokens"] for r in rows if "fused_mosaic" in r})
-  series = (("gemm", "XLA GEMM"), ("unfused", "GEMM + optax"),
-            ("fused", "Triton"), ("fused_mosaic", "Mosaic"))
-  fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4),
-                           squeeze=False)
+  series = (
+    ("gemm", "XLA GEMM"),
+    ("unfused", "GEMM + optax"),
+    ("fused", "Triton"),
+    ("fused_mosaic", "Mosaic"),
+  )
+  fig, axes = plt.subplots(
+    1, len(panels), figsize=(5.5 * len(panels), 4), squeeze=False
+  )
   for ax, tokens in zip(axes[0], panels):
-    sub = [r for r in rows if r["tokens"] == tokens and r["optimizer"] == "adamw"]
+    sub = [
+      r for r in rows if r["tokens"] == tokens and r["optimizer"] == "adamw"
+    ]
     width = 0.8 / len(series)
     for i, (key, name) in enumerate(series):
-      ax.bar([x + (i - 1.5) * width for x in range(len(sub))],
-             [r[key]["ms"] / r["gemm"]["ms"] for r in sub], width=width,
-             label=name)
-    ax.set_xticks(range(len(sub)), [f"{r['k']}x{r['n']}" for r in sub],
-                  rotation=30, fontsize=8)
+      ax.bar(
+        [x + (i - 1.5) * width for x in range(len(sub))],
+        [r[key]["ms"] / r["gemm"]["ms"] for r in sub],
+        width=width,
+        label=name,
+      )
+    ax.set_xticks(
+      range(len(sub)),
+      [f"{r['k']}x{r['n']}" for r in sub],
+      rotation=30,
+      fontsize=8,
+    )
     ax.set_title(f"AdamW, T = {tokens}", fontsize=9)
     ax.set_ylabel("time / XLA GEMM time")
   axes[0][0].legend(fontsize=8)
@@ -362,27 +543,53 @@ def kernel_plot(plt, runs):
 
 def checks_section(runs) -> str:
   """Each kernel's newest check of each optimizer against the reference."""
-  checks = [{"kernel": "TritonConfig", **c, "_run": run, "meta": meta(run)}
-            for run in runs
-            for c in run.get("checks") or [] if "error" not in c]
-  latest = newest(checks, lambda c: (c["kernel"], c["optimizer"], c["k"], c["n"]))
-  rows = [[c["kernel"].replace("Config", ""), c["optimizer"],
-           f"{c['k']} x {c['n']}", c["tokens"], f"{c['update_rel_err']:.1e}",
-           f"{max(c['state_rel_err'].values()):.1e}" if c["state_rel_err"]
-           else "-", f"{c['skipped']} / {c['ref_skipped']}",
-           "yes" if c["finite"] else "no", f"`{commit(c['_run'])}`"]
-          for c in sorted(latest.values(), key=lambda c: c["kernel"])]
+  checks = [
+    {"kernel": "TritonConfig", **c, "_run": run, "meta": meta(run)}
+    for run in runs
+    for c in run.get("checks") or []
+    if "error" not in c
+  ]
+  latest = newest(
+    checks, lambda c: (c["kernel"], c["optimizer"], c["k"], c["n"])
+  )
+  rows = [
+    [
+      c["kernel"].replace("Config", ""),
+      c["optimizer"],
+      f"{c['k']} x {c['n']}",
+      c["tokens"],
+      f"{c['update_rel_err']:.1e}",
+      f"{max(c['state_rel_err'].values()):.1e}" if c["state_rel_err"] else "-",
+      f"{c['skipped']} / {c['ref_skipped']}",
+      "yes" if c["finite"] else "no",
+      f"`{commit(c['_run'])}`",
+    ]
+    for c in sorted(latest.values(), key=lambda c: c["kernel"])
+  ]
   return section(
-      "Kernel correctness on the GPU",
-      "One update from a non-trivial state, each kernel against the XLA "
-      "reference: ‖a − b‖ / ‖b‖ of the update (new W − old W) and of each "
-      "state leaf. `adamw_nan_column` puts a NaN in one column of x, so one "
-      "row of dW is not finite: those elements keep their weight and state "
-      "and are counted as skipped.",
-      table(["kernel", "optimizer", "K x N", "T", "update rel. error",
-             "worst state rel. error", "skipped: kernel / reference", "finite",
-             "commit"], rows),
-      "python benchmarks/run.py kernel", [c["_run"] for c in latest.values()])
+    "Kernel correctness on the GPU",
+    "One update from a non-trivial state, each kernel against the XLA "
+    "reference: ‖a − b‖ / ‖b‖ of the update (new W − old W) and of each "
+    "state leaf. `adamw_nan_column` puts a NaN in one column of x, so one "
+    "row of dW is not finite: those elements keep their weight and state "
+    "and are counted as skipped.",
+    table(
+      [
+        "kernel",
+        "optimizer",
+        "K x N",
+        "T",
+        "update rel. error",
+        "worst state rel. error",
+        "skipped: kernel / reference",
+        "finite",
+        "commit",
+      ],
+      rows,
+    ),
+    "python benchmarks/run.py kernel",
+    [c["_run"] for c in latest.values()],
+  )
 
 
 # ---------------------------------------------------------------------------
@@ -391,102 +598,203 @@ def checks_section(runs) -> str:
 
 def schedules_section(runs) -> str:
   """Per shape and T, the newest diagnosis run that timed a shipped schedule."""
-  rows = [dict(r, _run=run, meta=meta(run)) for run in runs
-          for r in run.get("bench") or []
-          if any(f"{name}_ms" in r for name in SCHEDULE_VARIANTS)]
+  rows = [
+    dict(r, _run=run, meta=meta(run))
+    for run in runs
+    for r in run.get("bench") or []
+    if any(f"{name}_ms" in r for name in SCHEDULE_VARIANTS)
+  ]
   latest = newest(rows, lambda r: (r["k"], r["n"], r["tokens"]))
-  cell = lambda r, name: (f"{r[name + '_ms']:.3f}" if name + "_ms" in r else "-")
+  cell = lambda r, name: f"{r[name + '_ms']:.3f}" if name + "_ms" in r else "-"
   body = table(
-      ["K x N", "T", "GEMM", "GEMM + optax", *SCHEDULE_VARIANTS.values(),
-       "commit"],
-      [[f"{r['k']} x {r['n']}", r["tokens"], cell(r, "gemm"),
-        cell(r, "unfused"), *(cell(r, name) for name in SCHEDULE_VARIANTS),
-        f"`{commit(r['_run'])}`"]
-       for r in sorted(latest.values(), key=lambda r: (r["tokens"], r["k"]))])
+    [
+      "K x N",
+      "T",
+      "GEMM",
+      "GEMM + optax",
+      *SCHEDULE_VARIANTS.values(),
+      "commit",
+    ],
+    [
+      [
+        f"{r['k']} x {r['n']}",
+        r["tokens"],
+        cell(r, "gemm"),
+        cell(r, "unfused"),
+        *(cell(r, name) for name in SCHEDULE_VARIANTS),
+        f"`{commit(r['_run'])}`",
+      ]
+      for r in sorted(latest.values(), key=lambda r: (r["tokens"], r["k"]))
+    ],
+  )
   return section(
-      "Mosaic schedules, bf16 storage (one GPU)",
-      "ms per AdamW update with bf16 W, m and v (the whole step's storage). "
-      "'no rule arithmetic' loads and stores W and state unchanged; 'plain "
-      "SGD' moves W only. 64 tokens is nearly all W / state traffic; the "
-      "three shapes there hold the same parameters, with rows 28 KB, 2 KB "
-      "and 256 B apart.",
-      body, "python benchmarks/run.py schedules  # --tokens, --shape K N, "
-      "--configs, --extras", [r["_run"] for r in latest.values()])
+    "Mosaic schedules, bf16 storage (one GPU)",
+    "ms per AdamW update with bf16 W, m and v (the whole step's storage). "
+    "'no rule arithmetic' loads and stores W and state unchanged; 'plain "
+    "SGD' moves W only. 64 tokens is nearly all W / state traffic; the "
+    "three shapes there hold the same parameters, with rows 28 KB, 2 KB "
+    "and 256 B apart.",
+    body,
+    "python benchmarks/run.py schedules  # --tokens, --shape K N, "
+    "--configs, --extras",
+    [r["_run"] for r in latest.values()],
+  )
 
 
 def counters_section(runs) -> str:
-  probes = [dict(p, _run=run, meta=meta(run)) for run in runs
-            for p in run["probes"] if p["name"].split("-")[0] in SHIPPED_PROBES
-            and any(k in p for k in ("kernel", "update_kernel", "gemm_kernel"))]
+  probes = [
+    dict(p, _run=run, meta=meta(run))
+    for run in runs
+    for p in run["probes"]
+    if p["name"].split("-")[0] in SHIPPED_PROBES
+    and any(k in p for k in ("kernel", "update_kernel", "gemm_kernel"))
+  ]
   latest = newest(probes, lambda p: p["name"])
   rows = []
   for p in sorted(latest.values(), key=lambda p: (p["tokens"], p["name"])):
     kernel = p.get("kernel") or p.get("update_kernel") or p["gemm_kernel"]
     what = {"gemm": "XLA's dW GEMM", "unfused": "optax's update fusion"}.get(
-        p["what"], "fused Mosaic kernel")
-    rows.append([p["name"], what, p["tokens"], f"{kernel['duration_us']:.0f}",
-                 f"{kernel['dram_throughput_pct']:.0f}",
-                 f"{kernel['issue_slots_busy_pct']:.0f}"
-                 if "issue_slots_busy_pct" in kernel else "-",
-                 f"{kernel['registers_per_thread']:.0f}",
-                 f"{kernel['local_memory_spill_requests']:,.0f}",
-                 f"`{commit(p['_run'])}`"])
+      p["what"], "fused Mosaic kernel"
+    )
+    rows.append(
+      [
+        p["name"],
+        what,
+        p["tokens"],
+        f"{kernel['duration_us']:.0f}",
+        f"{kernel['dram_throughput_pct']:.0f}",
+        f"{kernel['issue_slots_busy_pct']:.0f}"
+        if "issue_slots_busy_pct" in kernel
+        else "-",
+        f"{kernel['registers_per_thread']:.0f}",
+        f"{kernel['local_memory_spill_requests']:,.0f}",
+        f"`{commit(p['_run'])}`",
+      ]
+    )
   return section(
-      "Hardware counters (Nsight Compute, one GPU)",
-      "One launch of each probe at 4096 x 14336, bf16 W and AdamW state. "
-      "Stall reasons and per-instruction samples are in the JSON.",
-      table(["probe", "kernel", "T", "µs", "DRAM, % of peak",
-             "issue slots busy, %", "registers a thread", "spill requests",
-             "commit"], rows),
-      "python benchmarks/run.py counters", [p["_run"] for p in latest.values()])
+    "Hardware counters (Nsight Compute, one GPU)",
+    "One launch of each probe at 4096 x 14336, bf16 W and AdamW state. "
+    "Stall reasons and per-instruction samples are in the JSON.",
+    table(
+      [
+        "probe",
+        "kernel",
+        "T",
+        "µs",
+        "DRAM, % of peak",
+        "issue slots busy, %",
+        "registers a thread",
+        "spill requests",
+        "commit",
+      ],
+      rows,
+    ),
+    "python benchmarks/run.py counters",
+    [p["_run"] for p in latest.values()],
+  )
 
 
 def lowp_section(runs) -> str:
-  fused = [dict(f, _run=run, meta=meta(run)) for run in runs
-           for f in run.get("fused") or []]
-  latest = newest(fused, lambda f: (f.get("implementation", "triton"),
-                                    f["optimizer"], f["k"], f["n"], f["tokens"]))
+  fused = [
+    dict(f, _run=run, meta=meta(run))
+    for run in runs
+    for f in run.get("fused") or []
+  ]
+  latest = newest(
+    fused,
+    lambda f: (
+      f.get("implementation", "triton"),
+      f["optimizer"],
+      f["k"],
+      f["n"],
+      f["tokens"],
+    ),
+  )
   rows = []
   for f in latest.values():
-    leaves = [(path, leaf) for step in f["steps"]
-              for path, leaf in step["leaves"].items()]
-    worst = lambda kind: min((leaf["identical"] for path, leaf in leaves
-                              if kind(path)), default=None)
+    leaves = [
+      (path, leaf)
+      for step in f["steps"]
+      for path, leaf in step["leaves"].items()
+    ]
+    worst = lambda kind: min(
+      (leaf["identical"] for path, leaf in leaves if kind(path)), default=None
+    )
     pct = lambda v: "-" if v is None else f"{100 * v:.4f}"
-    rows.append([f.get("implementation", "triton"), f["optimizer"],
-                 f"{f['k']} x {f['n']}", f["tokens"], len(f["steps"]),
-                 pct(worst(lambda p: p == "[0]")),
-                 pct(worst(lambda p: p.endswith("codes"))),
-                 pct(worst(lambda p: p.endswith("scale"))),
-                 max(leaf.get("max_ulp", 0) for _, leaf in leaves),
-                 f"`{commit(f['_run'])}`"])
-  body = table(["kernel", "optimizer", "K x N", "T", "steps",
-                "weights identical (%)", "codes identical (%)",
-                "scales identical (%)", "largest bf16 ulp apart", "commit"],
-               rows)
+    rows.append(
+      [
+        f.get("implementation", "triton"),
+        f["optimizer"],
+        f"{f['k']} x {f['n']}",
+        f["tokens"],
+        len(f["steps"]),
+        pct(worst(lambda p: p == "[0]")),
+        pct(worst(lambda p: p.endswith("codes"))),
+        pct(worst(lambda p: p.endswith("scale"))),
+        max(leaf.get("max_ulp", 0) for _, leaf in leaves),
+        f"`{commit(f['_run'])}`",
+      ]
+    )
+  body = table(
+    [
+      "kernel",
+      "optimizer",
+      "K x N",
+      "T",
+      "steps",
+      "weights identical (%)",
+      "codes identical (%)",
+      "scales identical (%)",
+      "largest bf16 ulp apart",
+      "commit",
+    ],
+    rows,
+  )
   speed = [dict(s, _run=run) for run in runs for s in run.get("speed") or []]
   kernels = [k for k in ("", "mosaic_") if any(k + "fp32" in s for s in speed)]
   ms = lambda s, key: f"{s[key]['ms']:.3f}" if key in s else "-"
   if speed:
-    body += ("\n\nAdamW, device time of one update (ms), float32 W and "
-             "states against bf16 + SR W and int8 states:\n\n" + table(
-                 ["K x N", "T", *(f"{k.rstrip('_') or 'triton'}: {p}"
-                                  for k in kernels for p in ("fp32", "bf16 + SR / int8")),
-                  "commit"],
-                 [[f"{s['k']} x {s['n']}", s["tokens"],
-                   *(ms(s, k + key) for k in kernels
-                     for key in ("fp32", "bf16_sr_int8")),
-                   f"`{commit(s['_run'])}`"] for s in speed]))
+    body += (
+      "\n\nAdamW, device time of one update (ms), float32 W and "
+      "states against bf16 + SR W and int8 states:\n\n"
+      + table(
+        [
+          "K x N",
+          "T",
+          *(
+            f"{k.rstrip('_') or 'triton'}: {p}"
+            for k in kernels
+            for p in ("fp32", "bf16 + SR / int8")
+          ),
+          "commit",
+        ],
+        [
+          [
+            f"{s['k']} x {s['n']}",
+            s["tokens"],
+            *(
+              ms(s, k + key)
+              for k in kernels
+              for key in ("fp32", "bf16_sr_int8")
+            ),
+            f"`{commit(s['_run'])}`",
+          ]
+          for s in speed
+        ],
+      )
+    )
   return section(
-      "Low-precision storage on the GPU",
-      "bf16 weights with stochastic rounding and int8 states: the fraction "
-      "of bits identical to the XLA reference after each step (worst step "
-      "and leaf), with x and dY chosen so that dW is exact in any summation "
-      "order. What differs is the rule's float32 arithmetic (FMA "
-      "contraction, approximate division and square root); in interpret "
-      "mode every bit matches.",
-      body, "python benchmarks/run.py lowp",
-      [f["_run"] for f in latest.values()] + [s["_run"] for s in speed])
+    "Low-precision storage on the GPU",
+    "bf16 weights with stochastic rounding and int8 states: the fraction "
+    "of bits identical to the XLA reference after each step (worst step "
+    "and leaf), with x and dY chosen so that dW is exact in any summation "
+    "order. What differs is the rule's float32 arithmetic (FMA "
+    "contraction, approximate division and square root); in interpret "
+    "mode every bit matches.",
+    body,
+    "python benchmarks/run.py lowp",
+    [f["_run"] for f in latest.values()] + [s["_run"] for s in speed],
+  )
 
 
 # ---------------------------------------------------------------------------
@@ -499,30 +807,51 @@ def memory_sweep_section(run) -> str:
     pairs.setdefault((r["dim"], r["num_layers"]), {})[r["variant"]] = r
   mib = lambda b: f"{b / 2**20:.1f}"
   return section(
-      "Compiled temp memory as the model grows (CPU)",
-      "`memory_analysis()` of the compiled, donated train step of the "
-      "Llama-style model (float32, scan over layers with remat, XLA "
-      "reference backend). optax's temp holds every kernel's stacked "
-      "gradient and grows with the parameters; FORGE's stays flat.",
-      table(["width", "layers", "kernel bytes (MiB)", "optax temp (MiB)",
-             "FORGE temp (MiB)"],
-            [[dim, layers, mib(p["forge"]["kernel_bytes"]),
-              mib(p["optax"]["temp_bytes"]), mib(p["forge"]["temp_bytes"])]
-             for (dim, layers), p in sorted(pairs.items())]),
-      "python benchmarks/run.py memory", [run])
+    "Compiled temp memory as the model grows (CPU)",
+    "`memory_analysis()` of the compiled, donated train step of the "
+    "Llama-style model (float32, scan over layers with remat, XLA "
+    "reference backend). optax's temp holds every kernel's stacked "
+    "gradient and grows with the parameters; FORGE's stays flat.",
+    table(
+      [
+        "width",
+        "layers",
+        "kernel bytes (MiB)",
+        "optax temp (MiB)",
+        "FORGE temp (MiB)",
+      ],
+      [
+        [
+          dim,
+          layers,
+          mib(p["forge"]["kernel_bytes"]),
+          mib(p["optax"]["temp_bytes"]),
+          mib(p["forge"]["temp_bytes"]),
+        ]
+        for (dim, layers), p in sorted(pairs.items())
+      ],
+    ),
+    "python benchmarks/run.py memory",
+    [run],
+  )
 
 
 def _first_failure(r) -> str:
   if r.get("first_failure_batch"):
-    point = next(p for p in r["points"] if p["batch"] == r["first_failure_batch"])
-    what = {"oom": "out of memory",
-            "timeout": f"its process ran past {point.get('wall_s', 0):g} s "
-                       "(not an out-of-memory)"}.get(r["first_failure"],
-                                                    r["first_failure"])
+    point = next(
+      p for p in r["points"] if p["batch"] == r["first_failure_batch"]
+    )
+    what = {
+      "oom": "out of memory",
+      "timeout": f"its process ran past {point.get('wall_s', 0):g} s "
+      "(not an out-of-memory)",
+    }.get(r["first_failure"], r["first_failure"])
     return f"batch {r['first_failure_batch']}: {what}"
   if not r.get("complete", True):
-    return ("not reached: the sweep's time budget ran out before batch "
-            f"{2 * max(p['batch'] for p in r['points'])}")
+    return (
+      "not reached: the sweep's time budget ran out before batch "
+      f"{2 * max(p['batch'] for p in r['points'])}"
+    )
   return "none"
 
 
@@ -532,81 +861,138 @@ def capacity_section(run) -> str:
     spec = run["variants"][variant]
     fits = [p for p in r["points"] if p["fits"]]
     largest = r["max_batch"] or "none"
-    if r["max_batch"] and not r.get("complete", True) and not r.get(
-        "first_failure_batch"):
+    if (
+      r["max_batch"]
+      and not r.get("complete", True)
+      and not r.get("first_failure_batch")
+    ):
       largest = f"≥ {largest}"
     peak = r.get("max_peak_bytes_in_use_at_max_batch")
-    weights = "bf16 + SR" if spec.get("weight_rounding") == "stochastic" else "bf16"
-    rows.append([variant, f"{'FORGE' if spec.get('forge') else 'nn.Dense + optax'}, "
-                 f"{weights} / {STATES[spec['state_dtype']]}", largest,
-                 ", ".join(f"{p['batch']}: {p['tokens_per_s']:,.0f}" for p in fits),
-                 f"{peak / GIB:.2f}" if peak else "-", _first_failure(r)])
+    weights = (
+      "bf16 + SR" if spec.get("weight_rounding") == "stochastic" else "bf16"
+    )
+    rows.append(
+      [
+        variant,
+        f"{'FORGE' if spec.get('forge') else 'nn.Dense + optax'}, "
+        f"{weights} / {STATES[spec['state_dtype']]}",
+        largest,
+        ", ".join(f"{p['batch']}: {p['tokens_per_s']:,.0f}" for p in fits),
+        f"{peak / GIB:.2f}" if peak else "-",
+        _first_failure(r),
+      ]
+    )
   return section(
-      "Largest micro-batch under a memory cap (tensor parallel)",
-      f"{run['config']} ({run['num_layers']} layers, scanned), T = "
-      f"{run['seq']}, TP = {run['tp']}{' with SP' if run.get('sp') else ''}, "
-      f"XLA's allocator capped at {run['mem_cap_gib']:g} GiB per process. "
-      "Each variant's micro-batch doubles, one fresh process per point, until "
-      "the first failure or the sweep's time budget; tokens/s of the TP group "
-      f"(micro-batch x T / median of {run['steps']} steps). Embedding and "
-      "norms: optax.adamw, bf16 states.",
-      table(["variant", "weights / states", "largest micro-batch",
-             "tokens/s by micro-batch", "peak per GPU at the largest (GiB)",
-             "first failure"], rows),
-      f"python benchmarks/run.py capacity  # two GPUs", [run])
+    "Largest micro-batch under a memory cap (tensor parallel)",
+    f"{run['config']} ({run['num_layers']} layers, scanned), T = "
+    f"{run['seq']}, TP = {run['tp']}{' with SP' if run.get('sp') else ''}, "
+    f"XLA's allocator capped at {run['mem_cap_gib']:g} GiB per process. "
+    "Each variant's micro-batch doubles, one fresh process per point, until "
+    "the first failure or the sweep's time budget; tokens/s of the TP group "
+    f"(micro-batch x T / median of {run['steps']} steps). Embedding and "
+    "norms: optax.adamw, bf16 states.",
+    table(
+      [
+        "variant",
+        "weights / states",
+        "largest micro-batch",
+        "tokens/s by micro-batch",
+        "peak per GPU at the largest (GiB)",
+        "first failure",
+      ],
+      rows,
+    ),
+    "python benchmarks/run.py capacity  # two GPUs",
+    [run],
+  )
 
 
 def tp_section(run) -> str:
   exact = run["exactness"]
-  rows = [[mode.upper() if mode == "sp" else "no SP",
-           f"{exact[mode]['forge_tp_vs_forge_one_device_kernels']:.1e}",
-           f"{exact[mode]['optax_tp_vs_optax_one_device_kernels']:.1e}",
-           f"{exact[mode]['forge_tp_vs_optax_tp_kernels']:.1e}"]
-          for mode in ("nosp", "sp")]
+  rows = [
+    [
+      mode.upper() if mode == "sp" else "no SP",
+      f"{exact[mode]['forge_tp_vs_forge_one_device_kernels']:.1e}",
+      f"{exact[mode]['optax_tp_vs_optax_one_device_kernels']:.1e}",
+      f"{exact[mode]['forge_tp_vs_optax_tp_kernels']:.1e}",
+    ]
+    for mode in ("nosp", "sp")
+  ]
   f, o = run["forge"], run["optax"]
   measured = table(
-      ["variant", "per-GPU peak (GiB)", "step ms", "whole-weight all-gathers"],
-      [[name, f"{r['max_peak_bytes_in_use'] / GIB:.2f}",
-        f"{r['step_ms_median']:.1f}", r["whole_weight_all_gathers"]]
-       for name, r in (("FORGE", f), ("optax", o))])
+    ["variant", "per-GPU peak (GiB)", "step ms", "whole-weight all-gathers"],
+    [
+      [
+        name,
+        f"{r['max_peak_bytes_in_use'] / GIB:.2f}",
+        f"{r['step_ms_median']:.1f}",
+        r["whole_weight_all_gathers"],
+      ]
+      for name, r in (("FORGE", f), ("optax", o))
+    ],
+  )
   return section(
-      "Tensor parallelism against one device",
-      f"Exactness: a float32 Llama ({exact['shape']['num_layers']} layers, "
-      f"width {exact['shape']['dim']}), {exact['steps']} steps, TP = "
-      f"{exact['tp']}: the worst kernel's ‖a − b‖ / ‖b‖.",
-      table(["", "FORGE TP vs FORGE one device", "optax TP vs optax one device",
-             "FORGE TP vs optax TP"], rows)
-      + f"\n\nMeasured: {f['config']}, {f['num_layers']} unrolled layers, B = "
-      f"{f['batch']}, T = {f['seq']}, TP = {f['tp']}"
-      f"{' with SP' if f['sp'] else ''}, bf16:\n\n" + measured,
-      "python benchmarks/run.py tp  # two GPUs", [run])
+    "Tensor parallelism against one device",
+    f"Exactness: a float32 Llama ({exact['shape']['num_layers']} layers, "
+    f"width {exact['shape']['dim']}), {exact['steps']} steps, TP = "
+    f"{exact['tp']}: the worst kernel's ‖a − b‖ / ‖b‖.",
+    table(
+      [
+        "",
+        "FORGE TP vs FORGE one device",
+        "optax TP vs optax one device",
+        "FORGE TP vs optax TP",
+      ],
+      rows,
+    )
+    + f"\n\nMeasured: {f['config']}, {f['num_layers']} unrolled layers, B = "
+    f"{f['batch']}, T = {f['seq']}, TP = {f['tp']}"
+    f"{' with SP' if f['sp'] else ''}, bf16:\n\n" + measured,
+    "python benchmarks/run.py tp  # two GPUs",
+    [run],
+  )
 
 
 FIDELITY_RUNS = {
-    "optax_fp32": "optax AdamW, fp32 (reference)",
-    "optax_fp32_seed1": "optax AdamW, fp32, another init seed",
-    "forge_fp32": "FORGE fp32",
-    "forge_bf16_sr_int8": "FORGE bf16 + stochastic rounding + int8 states",
-    "forge_bf16_nearest_int8": "FORGE bf16 round-to-nearest + int8 states",
+  "optax_fp32": "optax AdamW, fp32 (reference)",
+  "optax_fp32_seed1": "optax AdamW, fp32, another init seed",
+  "forge_fp32": "FORGE fp32",
+  "forge_bf16_sr_int8": "FORGE bf16 + stochastic rounding + int8 states",
+  "forge_bf16_nearest_int8": "FORGE bf16 round-to-nearest + int8 states",
 }
 
 
 def fidelity_section(run) -> str:
   a = run["args"]
-  rows = [[FIDELITY_RUNS.get(name, name),
-           f"{s['mean_abs_diff_vs_optax_fp32']:.2g}",
-           f"{s['mean_abs_diff_vs_optax_fp32_last_quarter']:.2g}",
-           f"{s['final_train_loss_last10']:.4f}", f"{s['valid_loss']:.4f}"]
-          for name, s in run["summary"].items()]
+  rows = [
+    [
+      FIDELITY_RUNS.get(name, name),
+      f"{s['mean_abs_diff_vs_optax_fp32']:.2g}",
+      f"{s['mean_abs_diff_vs_optax_fp32_last_quarter']:.2g}",
+      f"{s['final_train_loss_last10']:.4f}",
+      f"{s['valid_loss']:.4f}",
+    ]
+    for name, s in run["summary"].items()
+  ]
   return section(
-      "Fidelity of low-precision storage (demo LM)",
-      f"The '{a['config']}' byte-level model, {a['steps']} steps of "
-      f"{a['batch_size']} x {a['seq_len']} bytes, AdamW {a['lr']:g} with "
-      f"warmup and cosine decay, weight decay {a['weight_decay']:g}; every "
-      f"run on the same batches.\n\n![fidelity]({PLOT_LINK}fidelity.png)",
-      table(["run", "mean \\|loss − optax fp32\\|", "last quarter",
-             "final train loss", "validation loss"], rows),
-      "python benchmarks/run.py fidelity", [run])
+    "Fidelity of low-precision storage (demo LM)",
+    f"The '{a['config']}' byte-level model, {a['steps']} steps of "
+    f"{a['batch_size']} x {a['seq_len']} bytes, AdamW {a['lr']:g} with "
+    f"warmup and cosine decay, weight decay {a['weight_decay']:g}; every "
+    f"run on the same batches.\n\n![fidelity]({PLOT_LINK}fidelity.png)",
+    table(
+      [
+        "run",
+        "mean \\|loss − optax fp32\\|",
+        "last quarter",
+        "final train loss",
+        "validation loss",
+      ],
+      rows,
+    ),
+    "python benchmarks/run.py fidelity",
+    [run],
+  )
 
 
 # ---------------------------------------------------------------------------
@@ -615,32 +1001,50 @@ def fidelity_section(run) -> str:
 
 def main_job_line(run) -> str:
   a = run["args"]
-  return (f"Measured: `--steps {a['steps']}` on one {run['device']} takes "
-          f"{run['wall_s']:.0f} s, both models and their compilation included.")
+  return (
+    f"Measured: `--steps {a['steps']}` on one {run['device']} takes "
+    f"{run['wall_s']:.0f} s, both models and their compilation included."
+  )
 
 
 def main_job_section(run) -> str:
   a = run["args"]
   return section(
-      "Main job", f"`python -m examples.lm.main --steps {a['steps']}`: both "
-      "models from one initialization on the same batches.\n\n"
-      f"![loss curves]({PLOT_LINK}main_job_h200_loss_curves.png)",
-      table(["", "FORGE", "nn.Dense + optax"],
-            [["final train loss", *(f"{run['final_train_loss'][k]:.4f}"
-                                    for k in ("forge", "baseline"))],
-             ["validation loss", *(f"{run['valid_loss'][k]:.4f}"
-                                   for k in ("forge", "baseline"))],
-             ["step ms", *(f"{run['step_ms'][k]:.1f}"
-                           for k in ("forge", "baseline"))]])
-      + "\n\n" + main_job_line(run), f"python -m examples.lm.main --steps "
-      f"{a['steps']}", [run])
+    "Main job",
+    f"`python -m examples.lm.main --steps {a['steps']}`: both "
+    "models from one initialization on the same batches.\n\n"
+    f"![loss curves]({PLOT_LINK}main_job_h200_loss_curves.png)",
+    table(
+      ["", "FORGE", "nn.Dense + optax"],
+      [
+        [
+          "final train loss",
+          *(f"{run['final_train_loss'][k]:.4f}" for k in ("forge", "baseline")),
+        ],
+        [
+          "validation loss",
+          *(f"{run['valid_loss'][k]:.4f}" for k in ("forge", "baseline")),
+        ],
+        [
+          "step ms",
+          *(f"{run['step_ms'][k]:.1f}" for k in ("forge", "baseline")),
+        ],
+      ],
+    )
+    + "\n\n"
+    + main_job_line(run),
+    f"python -m examples.lm.main --steps {a['steps']}",
+    [run],
+  )
 
 
 def draw_plots(results: str = RESULTS):
   """benchmarks/plots/model_memory.png and kernel_speed.png (matplotlib)."""
   import matplotlib  # pylint: disable=import-outside-toplevel
+
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+
   step_plot(plt, load("model_memory_*.json", results))
   kernel_plot(plt, load("kernel_*.json", results))
 
@@ -653,18 +1057,18 @@ def _save(fig, name):
 
 
 SECTIONS = (
-    # (result files, section, whether the section takes the newest file only)
-    ("model_memory_*.json", step_section, False),
-    ("kernel_*.json", kernel_section, False),
-    ("kernel_*.json", checks_section, False),
-    ("mosaic_diag_*.json", schedules_section, False),
-    ("kernel_counters_*.json", counters_section, False),
-    ("lowp_kernel_*.json", lowp_section, False),
-    ("memory_sweep_*.json", memory_sweep_section, True),
-    ("capacity_*.json", capacity_section, True),
-    ("tp_*.json", tp_section, True),
-    ("fidelity_*.json", fidelity_section, True),
-    ("main_job_*/summary_*.json", main_job_section, True),
+  # (result files, section, whether the section takes the newest file only)
+  ("model_memory_*.json", step_section, False),
+  ("kernel_*.json", kernel_section, False),
+  ("kernel_*.json", checks_section, False),
+  ("mosaic_diag_*.json", schedules_section, False),
+  ("kernel_counters_*.json", counters_section, False),
+  ("lowp_kernel_*.json", lowp_section, False),
+  ("memory_sweep_*.json", memory_sweep_section, True),
+  ("capacity_*.json", capacity_section, True),
+  ("tp_*.json", tp_section, True),
+  ("fidelity_*.json", fidelity_section, True),
+  ("main_job_*/summary_*.json", main_job_section, True),
 )
 
 
@@ -680,25 +1084,31 @@ def _sections(results: str):
 
 def benchmarks_page(results: str = RESULTS) -> str:
   """The text of docs/benchmarks.md."""
-  return ("# Benchmarks\n\nGenerated by `python benchmarks/make_docs.py` from "
-          "`benchmarks/results/`; do not edit by hand. Each table shows the "
-          "newest run of each configuration, each run's device, JAX version, "
-          "commit and date, and the command that reproduces it, run from the "
-          "repository root on the device (`benchmarks/run.py` names result "
-          "files by commit).\n\n"
-          + "\n".join(text for text, _ in _sections(results)))
+  return (
+    "# Benchmarks\n\nGenerated by `python benchmarks/make_docs.py` from "
+    "`benchmarks/results/`; do not edit by hand. Each table shows the "
+    "newest run of each configuration, each run's device, JAX version, "
+    "commit and date, and the command that reproduces it, run from the "
+    "repository root on the device (`benchmarks/run.py` names result "
+    "files by commit).\n\n" + "\n".join(text for text, _ in _sections(results))
+  )
 
 
 def readme_sections(results: str = RESULTS) -> dict:
   """The README's generated sections: ``{marker name: body}``."""
   main_job = load("main_job_*/summary_*.json", results)
-  return {"results": readme_table(load("model_memory_*.json", results)),
-          "main-job": main_job_line(max(main_job, key=lambda r: r["wall_s"]))
-          if main_job else ""}
+  return {
+    "results": readme_table(load("model_memory_*.json", results)),
+    "main-job": main_job_line(max(main_job, key=lambda r: r["wall_s"]))
+    if main_job
+    else "",
+  }
 
 
 def replace_section(text: str, name: str, body: str) -> str:
-  pattern = re.compile(rf"(<!-- BEGIN {name} -->\n).*?(<!-- END {name} -->)", re.S)
+  pattern = re.compile(
+    rf"(<!-- BEGIN {name} -->\n).*?(<!-- END {name} -->)", re.S
+  )
   if not pattern.search(text):
     raise ValueError(f"README has no section {name!r}")
   return pattern.sub(lambda m: m.group(1) + body + "\n" + m.group(2), text)
@@ -706,8 +1116,12 @@ def replace_section(text: str, name: str, body: str) -> str:
 
 def used_results(results: str = RESULTS) -> set:
   """The result files the generated tables name (the newest of each)."""
-  return {r["_file"] for text, runs in _sections(results) for r in runs
-          if f"`{r['_file']}`" in text}
+  return {
+    r["_file"]
+    for text, runs in _sections(results)
+    for r in runs
+    if f"`{r['_file']}`" in text
+  }
 
 
 def main():

@@ -21,8 +21,8 @@ import jax
 import jax.numpy as jnp
 
 import forge_jax as fj
-from examples.lm import train as train_lib
 from examples.lm import llama
+from examples.lm import train as train_lib
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from timing import metadata  # pylint: disable=wrong-import-position
@@ -30,18 +30,22 @@ from timing import metadata  # pylint: disable=wrong-import-position
 
 def temp_bytes(config: llama.LlamaConfig, batch: int, seq: int, forge: bool):
   optimizer = fj.adamw(1e-3, weight_decay=0.1)
-  model = llama.Llama(dataclasses.replace(
-      config, forge_optimizer=optimizer if forge else None))
+  model = llama.Llama(
+    dataclasses.replace(config, forge_optimizer=optimizer if forge else None)
+  )
   tokens = jnp.zeros((batch, seq + 1), jnp.int32)
-  state = jax.eval_shape(lambda: train_lib.create_train_state(
-      model, optimizer.to_optax(), jax.random.key(0), tokens))
+  state = jax.eval_shape(
+    lambda: train_lib.create_train_state(
+      model, optimizer.to_optax(), jax.random.key(0), tokens
+    )
+  )
   compiled = train_lib.make_train_step().lower(state, tokens).compile()
   memory = compiled.memory_analysis()
   kernels = llama.kernels(state.params)
   return {
-      "temp_bytes": memory.temp_size_in_bytes,
-      "alias_bytes": memory.alias_size_in_bytes,
-      "kernel_bytes": sum(k.size * k.dtype.itemsize for k in kernels.values()),
+    "temp_bytes": memory.temp_size_in_bytes,
+    "alias_bytes": memory.alias_size_in_bytes,
+    "kernel_bytes": sum(k.size * k.dtype.itemsize for k in kernels.values()),
   }
 
 
@@ -51,16 +55,30 @@ def sweep(batch=2, seq=64):
   for num_layers in (2, 4, 8, 16):
     for dim in (128, 256):
       config = dataclasses.replace(
-          base, num_layers=num_layers, dim=dim, ffn_dim=4 * dim,
-          head_dim=dim // base.num_heads, scan_layers=True, remat=True)
+        base,
+        num_layers=num_layers,
+        dim=dim,
+        ffn_dim=4 * dim,
+        head_dim=dim // base.num_heads,
+        scan_layers=True,
+        remat=True,
+      )
       for forge in (False, True):
-        row = {"num_layers": num_layers, "dim": dim, "batch": batch, "seq": seq,
-               "variant": "forge" if forge else "optax",
-               **temp_bytes(config, batch, seq, forge)}
+        row = {
+          "num_layers": num_layers,
+          "dim": dim,
+          "batch": batch,
+          "seq": seq,
+          "variant": "forge" if forge else "optax",
+          **temp_bytes(config, batch, seq, forge),
+        }
         rows.append(row)
-        print(f"{row['variant']:>5} L={num_layers:>2} D={dim:>3}: temp "
-              f"{row['temp_bytes'] / 2**20:7.2f} MiB (kernels "
-              f"{row['kernel_bytes'] / 2**20:6.2f} MiB)", flush=True)
+        print(
+          f"{row['variant']:>5} L={num_layers:>2} D={dim:>3}: temp "
+          f"{row['temp_bytes'] / 2**20:7.2f} MiB (kernels "
+          f"{row['kernel_bytes'] / 2**20:6.2f} MiB)",
+          flush=True,
+        )
   return rows
 
 

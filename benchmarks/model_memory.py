@@ -32,13 +32,13 @@ import jax.numpy as jnp
 import numpy as np
 
 import forge_jax as fj
-from examples.lm import train as train_lib
 from examples.lm import llama
+from examples.lm import train as train_lib
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 # pylint: disable=wrong-import-position
-from timing import kernel_profile, metadata, time_steps
 import buffer_report
+from timing import kernel_profile, metadata, time_steps
 
 
 def main():
@@ -48,51 +48,85 @@ def main():
   parser.add_argument("--batch", type=int, default=1)
   parser.add_argument("--seq", type=int, default=2048)
   parser.add_argument("--steps", type=int, default=5)
-  parser.add_argument("--layers", type=int, default=None,
-                      help="override the number of layers (smoke tests)")
+  parser.add_argument(
+    "--layers",
+    type=int,
+    default=None,
+    help="override the number of layers (smoke tests)",
+  )
   parser.add_argument("--implementation", default="auto")
-  parser.add_argument("--state-dtype", default="bfloat16",
-                      choices=["bfloat16", "int8"],
-                      help="FORGE's optimizer state storage (optax: bf16)")
-  parser.add_argument("--weight-rounding", default="nearest",
-                      choices=["nearest", "stochastic"])
-  parser.add_argument("--attention", default=None, choices=[None, "cudnn"],
-                      help="jax.nn.dot_product_attention's implementation "
-                           "(default: XLA)")
-  parser.add_argument("--breakdown", action="store_true",
-                      help="record where the compiled step's temp bytes go")
-  parser.add_argument("--profile", action="store_true",
-                      help="after the timed steps, profile two more and "
-                      "store their kernels' device time under 'profile'")
-  parser.add_argument("--remat-policy", default=None,
-                      choices=[None, *sorted(llama.REMAT_POLICIES)],
-                      help="what each layer saves for the backward (default: "
-                      "nothing, full remat)")
-  parser.add_argument("--mosaic-config", default=None,
-                      help="JSON of MosaicConfig fields: the Mosaic kernel's "
-                      "only default config for this run")
+  parser.add_argument(
+    "--state-dtype",
+    default="bfloat16",
+    choices=["bfloat16", "int8"],
+    help="FORGE's optimizer state storage (optax: bf16)",
+  )
+  parser.add_argument(
+    "--weight-rounding", default="nearest", choices=["nearest", "stochastic"]
+  )
+  parser.add_argument(
+    "--attention",
+    default=None,
+    choices=[None, "cudnn"],
+    help="jax.nn.dot_product_attention's implementation (default: XLA)",
+  )
+  parser.add_argument(
+    "--breakdown",
+    action="store_true",
+    help="record where the compiled step's temp bytes go",
+  )
+  parser.add_argument(
+    "--profile",
+    action="store_true",
+    help="after the timed steps, profile two more and "
+    "store their kernels' device time under 'profile'",
+  )
+  parser.add_argument(
+    "--remat-policy",
+    default=None,
+    choices=[None, *sorted(llama.REMAT_POLICIES)],
+    help="what each layer saves for the backward (default: "
+    "nothing, full remat)",
+  )
+  parser.add_argument(
+    "--mosaic-config",
+    default=None,
+    help="JSON of MosaicConfig fields: the Mosaic kernel's "
+    "only default config for this run",
+  )
   parser.add_argument("--out", required=True)
   args = parser.parse_args()
   with contextlib.ExitStack() as stack:
     if args.mosaic_config:
       # pylint: disable=import-outside-toplevel
-      from forge_jax.ops import mosaic
       from kernel_bench import mosaic_patched
+
+      from forge_jax.ops import mosaic
+
       forced = mosaic.MosaicConfig(**json.loads(args.mosaic_config))
-      stack.enter_context(mosaic_patched("ranked_configs",
-                                         lambda *_: (forced,)))
+      stack.enter_context(
+        mosaic_patched("ranked_configs", lambda *_: (forced,))
+      )
     measure(args)
 
 
 def measure(args):
   """Builds, compiles and times the step; writes ``args.out``."""
-  optimizer = fj.adamw(1e-4, weight_decay=0.1, state_dtype=args.state_dtype,
-                       weight_rounding=args.weight_rounding)
-  overrides = dict(param_dtype=jnp.bfloat16, dtype=jnp.bfloat16,
-                   scan_layers=True, remat=True,
-                   remat_policy=args.remat_policy,
-                   implementation=args.implementation,
-                   attention_implementation=args.attention)
+  optimizer = fj.adamw(
+    1e-4,
+    weight_decay=0.1,
+    state_dtype=args.state_dtype,
+    weight_rounding=args.weight_rounding,
+  )
+  overrides = dict(
+    param_dtype=jnp.bfloat16,
+    dtype=jnp.bfloat16,
+    scan_layers=True,
+    remat=True,
+    remat_policy=args.remat_policy,
+    implementation=args.implementation,
+    attention_implementation=args.attention,
+  )
   if args.layers:
     overrides["num_layers"] = args.layers
   if args.variant == "forge":
@@ -101,16 +135,21 @@ def measure(args):
   config = model.config
 
   key = jax.random.key(0)
-  batch = jax.random.randint(key, (args.batch, args.seq + 1), 0,
-                             config.vocab_size, dtype=jnp.int32)
-  state = jax.jit(lambda key: train_lib.create_train_state(
-      model, optimizer.to_optax(), key, batch))(key)
+  batch = jax.random.randint(
+    key, (args.batch, args.seq + 1), 0, config.vocab_size, dtype=jnp.int32
+  )
+  state = jax.jit(
+    lambda key: train_lib.create_train_state(
+      model, optimizer.to_optax(), key, batch
+    )
+  )(key)
   step = train_lib.make_train_step()
   device = jax.local_devices()[0]
   breakdown = None
   if args.breakdown:
     compiled, breakdown = buffer_report.compile_with_breakdown(
-        step.lower(state, batch), module="train_step")
+      step.lower(state, batch), module="train_step"
+    )
   else:
     compiled = step.lower(state, batch).compile()
   analysis = compiled.memory_analysis()
@@ -119,36 +158,44 @@ def measure(args):
   stats = device.memory_stats() or {}
   profile = None
   if args.profile:
+
     def run_once():
       nonlocal state
       state, step_loss = compiled(state, batch)
       return step_loss
+
     profile = kernel_profile(run_once)
   kernels = llama.kernels(state.params)
   kernel_bytes = sum(k.size * k.dtype.itemsize for k in kernels.values())
   result = {
-      "meta": metadata(),
-      "config": args.config, "variant": args.variant,
-      "num_layers": config.num_layers, "batch": args.batch, "seq": args.seq,
-      "remat_policy": args.remat_policy,
-      "implementation": args.implementation,
-      "mosaic_config": (json.loads(args.mosaic_config)
-                        if args.mosaic_config else None),
-      "param_dtype": "bfloat16",
-      "state_dtype": args.state_dtype if args.variant == "forge" else "bfloat16",
-      "attention": args.attention or "xla",
-      "weight_rounding": args.weight_rounding if args.variant == "forge" else "nearest",
-      "num_params": config.num_params(),
-      "peak_bytes_in_use": stats.get("peak_bytes_in_use"),
-      "bytes_in_use_after": stats.get("bytes_in_use"),
-      "projection_kernel_bytes": kernel_bytes,
-      "compiled_temp_bytes": analysis.temp_size_in_bytes,
-      "compiled_argument_bytes": analysis.argument_size_in_bytes,
-      "compiled_alias_bytes": analysis.alias_size_in_bytes,
-      "step_ms_median": 1e3 * statistics.median(times),
-      "step_ms_all": [1e3 * t for t in times],
-      "final_loss": loss,
-      "loss_finite": bool(np.isfinite(loss)),
+    "meta": metadata(),
+    "config": args.config,
+    "variant": args.variant,
+    "num_layers": config.num_layers,
+    "batch": args.batch,
+    "seq": args.seq,
+    "remat_policy": args.remat_policy,
+    "implementation": args.implementation,
+    "mosaic_config": (
+      json.loads(args.mosaic_config) if args.mosaic_config else None
+    ),
+    "param_dtype": "bfloat16",
+    "state_dtype": args.state_dtype if args.variant == "forge" else "bfloat16",
+    "attention": args.attention or "xla",
+    "weight_rounding": args.weight_rounding
+    if args.variant == "forge"
+    else "nearest",
+    "num_params": config.num_params(),
+    "peak_bytes_in_use": stats.get("peak_bytes_in_use"),
+    "bytes_in_use_after": stats.get("bytes_in_use"),
+    "projection_kernel_bytes": kernel_bytes,
+    "compiled_temp_bytes": analysis.temp_size_in_bytes,
+    "compiled_argument_bytes": analysis.argument_size_in_bytes,
+    "compiled_alias_bytes": analysis.alias_size_in_bytes,
+    "step_ms_median": 1e3 * statistics.median(times),
+    "step_ms_all": [1e3 * t for t in times],
+    "final_loss": loss,
+    "loss_finite": bool(np.isfinite(loss)),
   }
   if breakdown is not None:
     result["breakdown"] = breakdown
@@ -157,10 +204,13 @@ def measure(args):
   with open(args.out, "w") as f:
     json.dump(result, f, indent=1)
   gib = lambda b: (b or 0) / 2**30
-  print(f"{args.variant} {args.config} L={config.num_layers} B={args.batch} "
-        f"T={args.seq}: peak {gib(result['peak_bytes_in_use']):.2f} GiB, "
-        f"temp {gib(analysis.temp_size_in_bytes):.2f} GiB, step "
-        f"{result['step_ms_median']:.1f} ms, loss {loss:.3f}", flush=True)
+  print(
+    f"{args.variant} {args.config} L={config.num_layers} B={args.batch} "
+    f"T={args.seq}: peak {gib(result['peak_bytes_in_use']):.2f} GiB, "
+    f"temp {gib(analysis.temp_size_in_bytes):.2f} GiB, step "
+    f"{result['step_ms_median']:.1f} ms, loss {loss:.3f}",
+    flush=True,
+  )
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ AdamW, 4096 x 1024, 2048 tokens, dW exact (small-integer x and dy), one
 step from a fresh state; per leaf the fraction of identical bits against the
 XLA reference.
 """
+
 import argparse
 import dataclasses
 import functools
@@ -39,19 +40,36 @@ def identical_fractions(opt, k=4096, n=1024, tokens=2048, count=3):
   scalars = opt.scalars(jnp.int32(count))
   step = jnp.int32(count)
   out = {}
-  for name, impl in (("reference", backends.xla_update),
-                     ("mosaic", mosaic.mosaic_update)):
+  for name, impl in (
+    ("reference", backends.xla_update),
+    ("mosaic", mosaic.mosaic_update),
+  ):
     spec = FusedDenseSpec(optimizer=opt, layer_id=9)
     fn = jax.jit(functools.partial(impl, spec, step=step))
-    out[name] = jax.device_get(fn(x, dy, jnp.copy(w), jax.tree.map(jnp.copy, state),
-                                  scalars, jnp.bool_(True)))
-  paths = [jax.tree_util.keystr(p) for p, _ in
-           jax.tree_util.tree_flatten_with_path(out["reference"][:2])[0]]
+    out[name] = jax.device_get(
+      fn(
+        x,
+        dy,
+        jnp.copy(w),
+        jax.tree.map(jnp.copy, state),
+        scalars,
+        jnp.bool_(True),
+      )
+    )
+  paths = [
+    jax.tree_util.keystr(p)
+    for p, _ in jax.tree_util.tree_flatten_with_path(out["reference"][:2])[0]
+  ]
   fractions = {}
-  for path, a, e in zip(paths, jax.tree.leaves(out["mosaic"][:2]),
-                        jax.tree.leaves(out["reference"][:2])):
+  for path, a, e in zip(
+    paths,
+    jax.tree.leaves(out["mosaic"][:2]),
+    jax.tree.leaves(out["reference"][:2]),
+  ):
     a, e = np.asarray(a), np.asarray(e)
-    same = a.view(np.uint8).reshape(a.shape + (-1,)) == e.view(np.uint8).reshape(e.shape + (-1,))
+    same = a.view(np.uint8).reshape(a.shape + (-1,)) == e.view(
+      np.uint8
+    ).reshape(e.shape + (-1,))
     fractions[path] = float(same.all(-1).mean())
   return fractions
 
@@ -62,11 +80,12 @@ def main():
   args = parser.parse_args()
   base = fj.adamw(1e-3, weight_decay=0.1, rounding_seed=5)
   cases = {
-      "nearest_bf16_states": dataclasses.replace(base),
-      "sr_fp32_states": dataclasses.replace(base, weight_rounding="stochastic"),
-      "nearest_int8": dataclasses.replace(base, state_dtype="int8"),
-      "sr_int8": dataclasses.replace(base, state_dtype="int8",
-                                     weight_rounding="stochastic"),
+    "nearest_bf16_states": dataclasses.replace(base),
+    "sr_fp32_states": dataclasses.replace(base, weight_rounding="stochastic"),
+    "nearest_int8": dataclasses.replace(base, state_dtype="int8"),
+    "sr_int8": dataclasses.replace(
+      base, state_dtype="int8", weight_rounding="stochastic"
+    ),
   }
   result = {"meta": metadata(), "cases": {}}
   for name, opt in cases.items():

@@ -33,7 +33,6 @@ import argparse
 import dataclasses
 import glob
 import gzip
-import json
 import os
 import shutil
 import subprocess
@@ -45,9 +44,16 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = "benchmarks"
 
 #: Nsight Compute sections the counter summary reads.
-NCU_SECTIONS = ("SpeedOfLight", "MemoryWorkloadAnalysis",
-                "ComputeWorkloadAnalysis", "WarpStateStats", "SchedulerStats",
-                "LaunchStats", "Occupancy", "SourceCounters")
+NCU_SECTIONS = (
+  "SpeedOfLight",
+  "MemoryWorkloadAnalysis",
+  "ComputeWorkloadAnalysis",
+  "WarpStateStats",
+  "SchedulerStats",
+  "LaunchStats",
+  "Occupancy",
+  "SourceCounters",
+)
 
 
 @dataclasses.dataclass
@@ -66,29 +72,64 @@ def _python(script: str, *args) -> list:
 
 
 def kernel_steps(a, out):
-  steps = [Step(_python("kernel_bench.py", "--suite", "mosaic",
-                        "--mosaic-defaults", "--tokens", tokens,
-                        "--time-budget-s", a.timeout - 60,
-                        "--out", out(f"kernel_mosaic_T{tokens}")),
-                timeout=a.timeout)
-           for tokens in a.tokens or (2048, 8192)]
+  steps = [
+    Step(
+      _python(
+        "kernel_bench.py",
+        "--suite",
+        "mosaic",
+        "--mosaic-defaults",
+        "--tokens",
+        tokens,
+        "--time-budget-s",
+        a.timeout - 60,
+        "--out",
+        out(f"kernel_mosaic_T{tokens}"),
+      ),
+      timeout=a.timeout,
+    )
+    for tokens in a.tokens or (2048, 8192)
+  ]
   if a.full:  # the Triton kernel alone, up to 32768 tokens
-    steps.append(Step(_python("kernel_bench.py", "--suite", "full",
-                              "--time-budget-s", a.timeout - 60,
-                              "--out", out("kernel_full")), timeout=a.timeout))
+    steps.append(
+      Step(
+        _python(
+          "kernel_bench.py",
+          "--suite",
+          "full",
+          "--time-budget-s",
+          a.timeout - 60,
+          "--out",
+          out("kernel_full"),
+        ),
+        timeout=a.timeout,
+      )
+    )
   return steps
 
 
 def schedules_steps(a, out):
   steps = []
   for k, n in a.shape or ((4096, 14336),):
-    args = ["--suite", "mosaic-diag", "--diag-shape", k, n, "--tokens",
-            *(a.tokens or (512, 2048, 8192))]
+    args = [
+      "--suite",
+      "mosaic-diag",
+      "--diag-shape",
+      k,
+      n,
+      "--tokens",
+      *(a.tokens or (512, 2048, 8192)),
+    ]
     if a.configs:
-      args += ["--diag-configs", *a.configs] + (["--diag-extras"] if a.extras
-                                                else [])
-    steps.append(Step(_python("kernel_bench.py", *args, "--out",
-                              out(f"mosaic_diag_{k}x{n}")), timeout=a.timeout))
+      args += ["--diag-configs", *a.configs] + (
+        ["--diag-extras"] if a.extras else []
+      )
+    steps.append(
+      Step(
+        _python("kernel_bench.py", *args, "--out", out(f"mosaic_diag_{k}x{n}")),
+        timeout=a.timeout,
+      )
+    )
   return steps
 
 
@@ -98,16 +139,28 @@ def step_steps(a, out):
   for variant in a.variant or ("forge", "optax"):
     for batch in a.batch or (1,):
       for seq in a.seq or (512, 2048):
-        args = ["--config", a.config, "--variant", variant, "--batch", batch,
-                "--seq", seq, "--implementation", a.implementation]
+        args = [
+          "--config",
+          a.config,
+          "--variant",
+          variant,
+          "--batch",
+          batch,
+          "--seq",
+          seq,
+          "--implementation",
+          a.implementation,
+        ]
         name = f"model_memory_{short}_{variant}"
         if a.int8 and variant == "forge":
           args += ["--state-dtype", "int8", "--weight-rounding", "stochastic"]
           name += "-int8-sr"
         name += f"_B{batch}_T{seq}"
-        for flag, value in (("--attention", a.attention),
-                            ("--remat-policy", a.remat_policy),
-                            ("--mosaic-config", a.mosaic_config)):
+        for flag, value in (
+          ("--attention", a.attention),
+          ("--remat-policy", a.remat_policy),
+          ("--mosaic-config", a.mosaic_config),
+        ):
           if value:
             args += [flag, value]
         if a.attention:
@@ -115,42 +168,105 @@ def step_steps(a, out):
         if a.remat_policy:
           name += f"_{a.remat_policy}"
         args += ["--profile"] * a.profile + ["--breakdown"] * a.breakdown
-        steps.append(Step(_python("model_memory.py", *args,
-                                  "--out", out(name)), timeout=a.timeout))
+        steps.append(
+          Step(
+            _python("model_memory.py", *args, "--out", out(name)),
+            timeout=a.timeout,
+          )
+        )
   return steps
 
 
 def memory_steps(a, out):
-  return [Step(_python("memory_sweep.py", "--out", out("memory_sweep")),
-               timeout=a.timeout)]
+  return [
+    Step(
+      _python("memory_sweep.py", "--out", out("memory_sweep")),
+      timeout=a.timeout,
+    )
+  ]
 
 
 def capacity_steps(a, out):
-  return [Step(_python(
-      "capacity_sweep.py", "--tp", 2, "--sp", "--scan", "--config",
-      "llama-3.1-8b", "--seq", 2048, "--mem-cap-gib", 40, "--max-batch", 8,
-      "--variants", "forge-bf16,optax,forge-int8-sr,forge-fp32",
-      "--child-timeout", 140, "--budget-s", a.timeout - 120,
-      "--out", out("capacity_tp2_40g")), timeout=a.timeout)]
+  return [
+    Step(
+      _python(
+        "capacity_sweep.py",
+        "--tp",
+        2,
+        "--sp",
+        "--scan",
+        "--config",
+        "llama-3.1-8b",
+        "--seq",
+        2048,
+        "--mem-cap-gib",
+        40,
+        "--max-batch",
+        8,
+        "--variants",
+        "forge-bf16,optax,forge-int8-sr,forge-fp32",
+        "--child-timeout",
+        140,
+        "--budget-s",
+        a.timeout - 120,
+        "--out",
+        out("capacity_tp2_40g"),
+      ),
+      timeout=a.timeout,
+    )
+  ]
 
 
 def tp_steps(a, out):
-  return [Step(_python("tp_bench.py", "--tp", 2, "--sp", "--config",
-                       "llama-3.1-8b", "--layers", 8, "--batch", 1, "--seq",
-                       4096, "--breakdown", "--out", out("tp")),
-               timeout=a.timeout)]
+  return [
+    Step(
+      _python(
+        "tp_bench.py",
+        "--tp",
+        2,
+        "--sp",
+        "--config",
+        "llama-3.1-8b",
+        "--layers",
+        8,
+        "--batch",
+        1,
+        "--seq",
+        4096,
+        "--breakdown",
+        "--out",
+        out("tp"),
+      ),
+      timeout=a.timeout,
+    )
+  ]
 
 
 def fidelity_steps(a, out):
-  return [Step(_python("fidelity.py", "--ablation", "--out",
-                       out("fidelity_small"), "--plot",
-                       os.path.join(a.out, "fidelity.png")),
-               timeout=a.timeout)]
+  return [
+    Step(
+      _python(
+        "fidelity.py",
+        "--ablation",
+        "--out",
+        out("fidelity_small"),
+        "--plot",
+        os.path.join(a.out, "fidelity.png"),
+      ),
+      timeout=a.timeout,
+    )
+  ]
 
 
 def lowp_steps(a, out):
-  return [Step(_python("lowp_kernel_check.py", "--suite", "h200", "--out",
-                       out("lowp_kernel")), timeout=a.timeout)]
+  return [
+    Step(
+      _python(
+        "lowp_kernel_check.py", "--suite", "h200", "--out", out("lowp_kernel")
+      ),
+      timeout=a.timeout,
+    )
+  ]
 
 
 def _ncu() -> str:
@@ -166,37 +282,93 @@ def counters_steps(a, out):
   source = os.path.join(a.out, f"kernel_counters_source_{a.commit}.csv.gz")
   sections = [arg for s in NCU_SECTIONS for arg in ("--section", s)]
   return [
-      Step([ncu, "--profile-from-start", "off", "--clock-control", "none",
-            *sections, "-f", "-o", report,
-            *_python("kernel_counters.py", "--out", probes),
-            *(["--only", *a.probes] if a.probes else [])],
-           timeout=a.timeout, env={"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}),
-      Step([ncu, "--import", report + ".ncu-rep", "--csv", "--page",
-            "details"], stdout=details),
-      Step([ncu, "--import", report + ".ncu-rep", "--csv", "--page", "source",
-            "--print-source", "sass"], stdout=source),
-      Step(_python("counters_summary.py", "--probes", probes, "--details",
-                   details, "--source", source, "--out", out("kernel_counters"))),
+    Step(
+      [
+        ncu,
+        "--profile-from-start",
+        "off",
+        "--clock-control",
+        "none",
+        *sections,
+        "-f",
+        "-o",
+        report,
+        *_python("kernel_counters.py", "--out", probes),
+        *(["--only", *a.probes] if a.probes else []),
+      ],
+      timeout=a.timeout,
+      env={"XLA_PYTHON_CLIENT_PREALLOCATE": "false"},
+    ),
+    Step(
+      [ncu, "--import", report + ".ncu-rep", "--csv", "--page", "details"],
+      stdout=details,
+    ),
+    Step(
+      [
+        ncu,
+        "--import",
+        report + ".ncu-rep",
+        "--csv",
+        "--page",
+        "source",
+        "--print-source",
+        "sass",
+      ],
+      stdout=source,
+    ),
+    Step(
+      _python(
+        "counters_summary.py",
+        "--probes",
+        probes,
+        "--details",
+        details,
+        "--source",
+        source,
+        "--out",
+        out("kernel_counters"),
+      )
+    ),
   ]
 
 
 def gpu_tests_steps(a, out):
   del out
-  return [Step([sys.executable, "-m", "pytest", "-q", "-rfE", "-m", "gpu",
-                "-p", "no:cacheprovider", "tests/",
-                *(["-k", a.k] if a.k else [])],
-               timeout=a.timeout,
-               stdout=os.path.join(a.out, f"gpu_tests_{a.commit}.txt"))]
+  return [
+    Step(
+      [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-rfE",
+        "-m",
+        "gpu",
+        "-p",
+        "no:cacheprovider",
+        "tests/",
+        *(["-k", a.k] if a.k else []),
+      ],
+      timeout=a.timeout,
+      stdout=os.path.join(a.out, f"gpu_tests_{a.commit}.txt"),
+    )
+  ]
 
 
 #: Seconds a command of each suite may run, unless --timeout says otherwise.
 TIMEOUTS = {"kernel": 300, "schedules": 300, "step": 200, "counters": 400}
 
 SUITES = {
-    "kernel": kernel_steps, "schedules": schedules_steps, "step": step_steps,
-    "memory": memory_steps, "capacity": capacity_steps, "tp": tp_steps,
-    "fidelity": fidelity_steps, "lowp": lowp_steps,
-    "counters": counters_steps, "gpu-tests": gpu_tests_steps,
+  "kernel": kernel_steps,
+  "schedules": schedules_steps,
+  "step": step_steps,
+  "memory": memory_steps,
+  "capacity": capacity_steps,
+  "tp": tp_steps,
+  "fidelity": fidelity_steps,
+  "lowp": lowp_steps,
+  "counters": counters_steps,
+  "gpu-tests": gpu_tests_steps,
 }
 
 
@@ -204,53 +376,93 @@ def _commit() -> str:
   if os.environ.get("FORGE_COMMIT"):
     return os.environ["FORGE_COMMIT"]
   try:
-    return subprocess.run(["git", "rev-parse", "--short=7", "HEAD"], cwd=ROOT,
-                          capture_output=True, text=True,
-                          check=True).stdout.strip()
+    return subprocess.run(
+      ["git", "rev-parse", "--short=7", "HEAD"],
+      cwd=ROOT,
+      capture_output=True,
+      text=True,
+      check=True,
+    ).stdout.strip()
   except (OSError, subprocess.CalledProcessError):
     raise SystemExit("set --commit or FORGE_COMMIT: no git checkout here")
 
 
 def parse_args(argv=None):
   p = argparse.ArgumentParser(
-      description=__doc__.split("\n\n")[0],
-      formatter_class=argparse.RawDescriptionHelpFormatter,
-      epilog=__doc__.split("\n\n", 1)[1])
+    description=__doc__.split("\n\n")[0],
+    formatter_class=argparse.RawDescriptionHelpFormatter,
+    epilog=__doc__.split("\n\n", 1)[1],
+  )
   p.add_argument("suite", choices=sorted(SUITES))
-  p.add_argument("--out", default=os.environ.get("OUT") or os.path.join(
-      ROOT, "benchmarks", "results"), help="directory of the result files")
-  p.add_argument("--commit", default=None,
-                 help="names the files and goes to FORGE_COMMIT")
-  p.add_argument("--tag", default="",
-                 help="added to every result name: tells runs apart whose "
-                 "options the names leave out (--mosaic-config, --xla-flags)")
+  p.add_argument(
+    "--out",
+    default=os.environ.get("OUT")
+    or os.path.join(ROOT, "benchmarks", "results"),
+    help="directory of the result files",
+  )
+  p.add_argument(
+    "--commit", default=None, help="names the files and goes to FORGE_COMMIT"
+  )
+  p.add_argument(
+    "--tag",
+    default="",
+    help="added to every result name: tells runs apart whose "
+    "options the names leave out (--mosaic-config, --xla-flags)",
+  )
   p.add_argument("--xla-flags", default=None, help="XLA_FLAGS of every command")
-  p.add_argument("--timeout", type=int, default=None,
-                 help="seconds a command may run (default: 300 for kernel "
-                 "and schedules, 200 for step, 400 for counters, else 600)")
-  p.add_argument("--dry-run", action="store_true",
-                 help="print the commands without running them")
+  p.add_argument(
+    "--timeout",
+    type=int,
+    default=None,
+    help="seconds a command may run (default: 300 for kernel "
+    "and schedules, 200 for step, 400 for counters, else 600)",
+  )
+  p.add_argument(
+    "--dry-run",
+    action="store_true",
+    help="print the commands without running them",
+  )
   g = p.add_argument_group("kernel, schedules")
-  g.add_argument("--tokens", nargs="+", type=int,
-                 help="token counts (kernel: 2048 8192; schedules: 512 2048 8192)")
-  g.add_argument("--full", action="store_true",
-                 help="kernel: also the Triton kernel alone up to 32768 tokens")
-  g.add_argument("--shape", nargs=2, type=int, action="append",
-                 metavar=("K", "N"), help="schedules: a kernel shape "
-                 "(repeatable; default 4096 14336)")
-  g.add_argument("--configs", nargs="+",
-                 help="schedules: names of kernel_bench.MOSAIC_DIAG_CONFIGS "
-                 "(default: all, the first also without the rule and as SGD)")
-  g.add_argument("--extras", action="store_true",
-                 help="schedules with --configs: the first also without the "
-                 "rule and as SGD")
+  g.add_argument(
+    "--tokens",
+    nargs="+",
+    type=int,
+    help="token counts (kernel: 2048 8192; schedules: 512 2048 8192)",
+  )
+  g.add_argument(
+    "--full",
+    action="store_true",
+    help="kernel: also the Triton kernel alone up to 32768 tokens",
+  )
+  g.add_argument(
+    "--shape",
+    nargs=2,
+    type=int,
+    action="append",
+    metavar=("K", "N"),
+    help="schedules: a kernel shape (repeatable; default 4096 14336)",
+  )
+  g.add_argument(
+    "--configs",
+    nargs="+",
+    help="schedules: names of kernel_bench.MOSAIC_DIAG_CONFIGS "
+    "(default: all, the first also without the rule and as SGD)",
+  )
+  g.add_argument(
+    "--extras",
+    action="store_true",
+    help="schedules with --configs: the first also without the rule and as SGD",
+  )
   g = p.add_argument_group("step")
   g.add_argument("--config", default="llama-3.1-8b")
   g.add_argument("--variant", nargs="+", choices=("forge", "optax"))
   g.add_argument("--batch", nargs="+", type=int, help="default 1")
   g.add_argument("--seq", nargs="+", type=int, help="default 512 2048")
-  g.add_argument("--int8", action="store_true",
-                 help="FORGE with bf16 + stochastic rounding and int8 states")
+  g.add_argument(
+    "--int8",
+    action="store_true",
+    help="FORGE with bf16 + stochastic rounding and int8 states",
+  )
   g.add_argument("--attention", choices=("cudnn",))
   g.add_argument("--remat-policy")
   g.add_argument("--mosaic-config", help="JSON of MosaicConfig fields")
@@ -258,22 +470,34 @@ def parse_args(argv=None):
   g.add_argument("--profile", action="store_true")
   g.add_argument("--breakdown", action="store_true")
   g = p.add_argument_group("counters, gpu-tests")
-  g.add_argument("--probes", nargs="+",
-                 help="counters: kernel_counters.PROBES names (default: all)")
+  g.add_argument(
+    "--probes",
+    nargs="+",
+    help="counters: kernel_counters.PROBES names (default: all)",
+  )
   g.add_argument("-k", help="gpu-tests: pytest's -k expression")
   return p.parse_args(argv)
 
 
 def run(step: Step, env: dict, dry_run: bool) -> int:
-  print("$ " + " ".join(map(str, step.argv))
-        + (f" > {step.stdout}" if step.stdout else ""), flush=True)
+  print(
+    "$ "
+    + " ".join(map(str, step.argv))
+    + (f" > {step.stdout}" if step.stdout else ""),
+    flush=True,
+  )
   if dry_run:
     return 0
   start = time.time()
   try:
-    done = subprocess.run(list(map(str, step.argv)), cwd=ROOT, timeout=step.timeout,
-                          env={**env, **step.env}, check=False,
-                          stdout=subprocess.PIPE if step.stdout else None)
+    done = subprocess.run(
+      list(map(str, step.argv)),
+      cwd=ROOT,
+      timeout=step.timeout,
+      env={**env, **step.env},
+      check=False,
+      stdout=subprocess.PIPE if step.stdout else None,
+    )
     rc = done.returncode
   except subprocess.TimeoutExpired as e:
     done, rc = e, 124
@@ -298,13 +522,19 @@ def main(argv=None):
     os.makedirs(a.out, exist_ok=True)
   tag = f"_{a.tag}" if a.tag else ""
   out = lambda name: os.path.join(a.out, f"{name}{tag}_{a.commit}.json")
-  env = {**os.environ, "FORGE_COMMIT": a.commit, "PYTHONUNBUFFERED": "1",
-         "PYTHONPATH": os.pathsep.join(filter(None, (
-             ROOT, os.environ.get("PYTHONPATH"))))}
+  env = {
+    **os.environ,
+    "FORGE_COMMIT": a.commit,
+    "PYTHONUNBUFFERED": "1",
+    "PYTHONPATH": os.pathsep.join(
+      filter(None, (ROOT, os.environ.get("PYTHONPATH")))
+    ),
+  }
   if a.xla_flags is not None:
     env["XLA_FLAGS"] = a.xla_flags
-  failed = [step for step in SUITES[a.suite](a, out)
-            if run(step, env, a.dry_run) != 0]
+  failed = [
+    step for step in SUITES[a.suite](a, out) if run(step, env, a.dry_run) != 0
+  ]
   if failed:
     print(f"{len(failed)} command(s) failed", file=sys.stderr)
   sys.exit(1 if failed else 0)

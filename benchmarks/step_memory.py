@@ -18,9 +18,9 @@ import json
 import re
 import sys
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import flax.linen as nn
 from flax.training.train_state import TrainState
 
 import forge_jax as fj
@@ -40,13 +40,21 @@ class Stack(nn.Module):
   def __call__(self, x):
     for i in range(self.layers):
       if self.variant == "optax":
-        layer = nn.Dense(self.width, use_bias=False, name=f"fc{i}",
-                         param_dtype=self.param_dtype)
+        layer = nn.Dense(
+          self.width,
+          use_bias=False,
+          name=f"fc{i}",
+          param_dtype=self.param_dtype,
+        )
       else:
-        layer = fj.ForgeDense(self.width, optimizer=self.optimizer,
-                              use_bias=False, name=f"fc{i}",
-                              param_dtype=self.param_dtype,
-                              implementation=self.variant)
+        layer = fj.ForgeDense(
+          self.width,
+          optimizer=self.optimizer,
+          use_bias=False,
+          name=f"fc{i}",
+          param_dtype=self.param_dtype,
+          implementation=self.variant,
+        )
       x = x + jnp.tanh(layer(x))
     return x
 
@@ -59,8 +67,9 @@ def measure(variant, layers, width, tokens, dtype):
   # Bias-free FORGE layers leave no 'params' collection, which
   # TrainState.create expects.
   variables = {"params": {}, **model.init(key, x)}
-  state = TrainState.create(apply_fn=model.apply, params=variables,
-                            tx=optimizer.to_optax())
+  state = TrainState.create(
+    apply_fn=model.apply, params=variables, tx=optimizer.to_optax()
+  )
 
   def loss_fn(variables):
     return jnp.mean(jnp.square(model.apply(variables, x).astype(jnp.float32)))
@@ -72,18 +81,23 @@ def measure(variant, layers, width, tokens, dtype):
 
   compiled = step.lower(state).compile()
   memory = compiled.memory_analysis()
-  copies = len(re.findall(rf"\[{width},{width}\]\{{[^}}]*\}} copy\(", compiled.as_text()))
+  copies = len(
+    re.findall(rf"\[{width},{width}\]\{{[^}}]*\}} copy\(", compiled.as_text())
+  )
   state, _ = step(state)  # it runs
   param_bytes = layers * width * width * jnp.dtype(dtype).itemsize
   return {
-      "variant": variant, "layers": layers, "width": width, "tokens": tokens,
-      "dtype": jnp.dtype(dtype).name,
-      "temp_bytes": memory.temp_size_in_bytes,
-      "alias_bytes": memory.alias_size_in_bytes,
-      "argument_bytes": memory.argument_size_in_bytes,
-      "kernel_bytes": param_bytes,
-      "activation_bytes": layers * tokens * width * jnp.dtype(dtype).itemsize,
-      "kernel_sized_copies": copies,
+    "variant": variant,
+    "layers": layers,
+    "width": width,
+    "tokens": tokens,
+    "dtype": jnp.dtype(dtype).name,
+    "temp_bytes": memory.temp_size_in_bytes,
+    "alias_bytes": memory.alias_size_in_bytes,
+    "argument_bytes": memory.argument_size_in_bytes,
+    "kernel_bytes": param_bytes,
+    "activation_bytes": layers * tokens * width * jnp.dtype(dtype).itemsize,
+    "kernel_sized_copies": copies,
   }
 
 
@@ -103,11 +117,14 @@ def main():
     for variant in variants:
       row = measure(variant, layers, width, args.tokens, jnp.dtype(args.dtype))
       rows.append(row)
-      print(f"{variant:>7} L={layers:>3} D={width:>5}: temp "
-            f"{row['temp_bytes'] / 2**20:8.2f} MiB, alias "
-            f"{row['alias_bytes'] / 2**20:8.2f} MiB, kernels "
-            f"{row['kernel_bytes'] / 2**20:8.2f} MiB, kernel copies "
-            f"{row['kernel_sized_copies']}", flush=True)
+      print(
+        f"{variant:>7} L={layers:>3} D={width:>5}: temp "
+        f"{row['temp_bytes'] / 2**20:8.2f} MiB, alias "
+        f"{row['alias_bytes'] / 2**20:8.2f} MiB, kernels "
+        f"{row['kernel_bytes'] / 2**20:8.2f} MiB, kernel copies "
+        f"{row['kernel_sized_copies']}",
+        flush=True,
+      )
   with open(args.out, "w") as f:
     json.dump({"meta": metadata(), "rows": rows}, f, indent=1)
 

@@ -30,23 +30,28 @@ def metadata() -> dict:
   commit, dirty = os.environ.get("FORGE_COMMIT"), ""
   if commit is None:
     try:
-      commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
-                              text=True, check=True).stdout.strip()
+      commit = subprocess.run(
+        ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True
+      ).stdout.strip()
       dirty = subprocess.run(
-          ["git", "status", "--porcelain", "--untracked-files=no"],
-          capture_output=True, text=True).stdout.strip()
+        ["git", "status", "--porcelain", "--untracked-files=no"],
+        capture_output=True,
+        text=True,
+      ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
       commit = "unknown"
   device = jax.devices()[0]
   return {
-      "device": getattr(device, "device_kind", str(device)),
-      "platform": device.platform,
-      "num_devices": jax.device_count(),
-      "jax_version": jax.__version__,
-      "python": platform.python_version(),
-      "commit": commit + ("-dirty" if dirty else ""),
-      "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-      "xla_flags": os.environ.get("XLA_FLAGS", ""),
+    "device": getattr(device, "device_kind", str(device)),
+    "platform": device.platform,
+    "num_devices": jax.device_count(),
+    "jax_version": jax.__version__,
+    "python": platform.python_version(),
+    "commit": commit + ("-dirty" if dirty else ""),
+    "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
+      timespec="seconds"
+    ),
+    "xla_flags": os.environ.get("XLA_FLAGS", ""),
   }
 
 
@@ -68,7 +73,10 @@ def time_steps(step, state, batch, steps: int, warmup: int = 2):
 
 def _device_events(trace_dir: str):
   from jax.profiler import ProfileData  # pylint: disable=import-outside-toplevel
-  paths = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
+
+  paths = glob.glob(
+    os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True
+  )
   events = []
   for path in paths:
     data = ProfileData.from_file(path)
@@ -110,16 +118,19 @@ def kernel_profile(run_once, *, calls: int = 2, top: int = 30) -> dict:
     per_name[name] += duration_ns / 1e6 / calls
     launches[name] += 1
   return {
-      "wall_ms": wall_ms,
-      "device_ms": sum(per_name.values()),
-      "kernels_per_call": len(events) / calls,
-      "top": [{"name": name, "ms": ms, "launches": launches[name] // calls}
-              for name, ms in per_name.most_common(top)],
+    "wall_ms": wall_ms,
+    "device_ms": sum(per_name.values()),
+    "kernels_per_call": len(events) / calls,
+    "top": [
+      {"name": name, "ms": ms, "launches": launches[name] // calls}
+      for name, ms in per_name.most_common(top)
+    ],
   }
 
 
-def device_time_ms(run_once, *, calls: int = 20, repeats: int = 5,
-                   warmup: int = 2) -> dict:
+def device_time_ms(
+  run_once, *, calls: int = 20, repeats: int = 5, warmup: int = 2
+) -> dict:
   """Median device time per call of ``run_once()``, in milliseconds.
 
   ``run_once`` dispatches one call and returns its output; it keeps its own
@@ -137,8 +148,11 @@ def device_time_ms(run_once, *, calls: int = 20, repeats: int = 5,
       per_call.append(sum(d for _, d in events) / 1e6 / calls)
   result = {"wall_ms": statistics.median(wall), "method": "wall-clock"}
   if per_call:
-    result.update(ms=statistics.median(per_call), method="profiler-device",
-                  spread_ms=max(per_call) - min(per_call))
+    result.update(
+      ms=statistics.median(per_call),
+      method="profiler-device",
+      spread_ms=max(per_call) - min(per_call),
+    )
   else:
     result["ms"] = result["wall_ms"]
   return result

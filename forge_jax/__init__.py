@@ -4,14 +4,37 @@ The optimizer step of each linear layer runs inside the backward pass's
 weight-gradient GEMM, so weight gradients are never stored.
 """
 
-from forge_jax.linen import (FORGE_COLLECTION, ForgeDense, ForgeMemoryWarning,
-                              wiped_layers)
-from forge_jax.ops.fused_dense import (ForgeVariables, FusedDenseSpec,
-                                       forge_dense, init_variables)
+from forge_jax.linen import (
+  FORGE_COLLECTION,
+  ForgeDense,
+  ForgeMemoryWarning,
+  wiped_layers,
+)
+from forge_jax.ops.fused_dense import (
+  ForgeVariables,
+  FusedDenseSpec,
+  forge_dense,
+  init_variables,
+)
+from forge_jax.optimizers import (
+  SGD,
+  Adagrad,
+  Adam,
+  ForgeOptimizer,
+  Lion,
+  RAdam,
+  RMSprop,
+  adagrad,
+  adam,
+  adamw,
+  lion,
+  nadam,
+  nadamw,
+  radam,
+  rmsprop,
+  sgd,
+)
 from forge_jax.scan import scan
 from forge_jax.train_state import TrainState
-from forge_jax.optimizers import (Adagrad, Adam, ForgeOptimizer, Lion, RAdam,
-                                  RMSprop, SGD, adagrad, adam, adamw, lion,
-                                  nadam, nadamw, radam, rmsprop, sgd)
 
 __version__ = "0.1.0"

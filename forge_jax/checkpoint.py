@@ -31,6 +31,7 @@ import numpy as np
 
 def _checkpointer():
   import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
+
   return ocp.StandardCheckpointer()
 
 
@@ -42,6 +43,7 @@ def _abstract(tree):
       x = np.asarray(x)
     sharding = getattr(x, "sharding", None)
     return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sharding)
+
   return jax.tree.map(leaf, tree)
 
 
@@ -74,8 +76,10 @@ def saved_dtypes(path: str) -> dict[str, Any]:
   metadata = _checkpointer().metadata(os.path.abspath(path))
   tree = getattr(metadata, "item_metadata", metadata)
   tree = getattr(tree, "tree", tree)
-  return {_path_name(p): np.dtype(leaf.dtype)
-          for p, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+  return {
+    _path_name(p): np.dtype(leaf.dtype)
+    for p, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
+  }
 
 
 def restore(path: str, abstract_state: Any) -> Any:
@@ -103,10 +107,14 @@ def restore(path: str, abstract_state: Any) -> Any:
       # dtype of its own, so it takes the saved one.
       want = jax.ShapeDtypeStruct(want.shape, saved[name])
     elif saved[name] != np.dtype(want.dtype):
-      problems.append(f"{name}: saved as {saved[name]}, the abstract state "
-                      f"wants {np.dtype(want.dtype)}")
+      problems.append(
+        f"{name}: saved as {saved[name]}, the abstract state "
+        f"wants {np.dtype(want.dtype)}"
+      )
     leaves.append(want)
   if problems:
-    raise TypeError(f"checkpoint {path} does not match the abstract state "
-                    "(nothing is cast): " + "; ".join(problems))
+    raise TypeError(
+      f"checkpoint {path} does not match the abstract state "
+      "(nothing is cast): " + "; ".join(problems)
+    )
   return _checkpointer().restore(path, jax.tree.unflatten(treedef, leaves))

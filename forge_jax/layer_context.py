@@ -33,7 +33,8 @@ class StackedLayer(NamedTuple):
 
 
 _STACKED_LAYER: contextvars.ContextVar[Optional[StackedLayer]] = (
-    contextvars.ContextVar("forge_stacked_layer", default=None))
+  contextvars.ContextVar("forge_stacked_layer", default=None)
+)
 
 
 def stacked_layer() -> Optional[StackedLayer]:

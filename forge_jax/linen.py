@@ -7,19 +7,21 @@ import re
 import warnings
 from typing import Any, Optional
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-import flax.linen as nn
 from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
 from jax.sharding import PartitionSpec as P
 
-from forge_jax import layer_context
-from forge_jax import parallel
-from forge_jax import quantization
+from forge_jax import layer_context, parallel, quantization
+from forge_jax.ops.fused_dense import (
+  ForgeVariables,
+  FusedDenseSpec,
+  forge_dense,
+  init_variables,
+)
 from forge_jax.optimizers import ForgeOptimizer, not_elementwise_message
-from forge_jax.ops.fused_dense import (ForgeVariables, FusedDenseSpec,
-                                       forge_dense, init_variables)
 
 #: The collection that holds every ForgeDense kernel and optimizer state.
 #: ``flax.training.train_state.TrainState.apply_gradients`` overwrites it with
@@ -52,18 +54,22 @@ def _stacking_transform(scope) -> Optional[str]:
 
 
 def _warn_stacked(path, transform: str):
-  fix = ("fj.scan(...) with the same arguments instead of nn.scan(...)"
-         if transform == "scan" else
-         "fj.scan over the layers (or unrolled layers) instead of "
-         f"nn.{transform}")
+  fix = (
+    "fj.scan(...) with the same arguments instead of nn.scan(...)"
+    if transform == "scan"
+    else "fj.scan over the layers (or unrolled layers) instead of "
+    f"nn.{transform}"
+  )
   warnings.warn(
-      f"ForgeDense {'/'.join(path)!r} runs inside nn.{transform}: it trains "
-      f"correctly, but the transpose of nn.{transform} keeps the updated "
-      "kernels and optimizer states of all layers beside the old ones until "
-      "the step ends, which costs more memory than optax. Write "
-      f"{fix} to update the stacks in place. (Silence with "
-      "warnings.filterwarnings('ignore', category=fj.ForgeMemoryWarning).)",
-      ForgeMemoryWarning, stacklevel=4)
+    f"ForgeDense {'/'.join(path)!r} runs inside nn.{transform}: it trains "
+    f"correctly, but the transpose of nn.{transform} keeps the updated "
+    "kernels and optimizer states of all layers beside the old ones until "
+    "the step ends, which costs more memory than optax. Write "
+    f"{fix} to update the stacks in place. (Silence with "
+    "warnings.filterwarnings('ignore', category=fj.ForgeMemoryWarning).)",
+    ForgeMemoryWarning,
+    stacklevel=4,
+  )
 
 
 class ForgeDense(nn.Module):
@@ -145,60 +151,96 @@ class ForgeDense(nn.Module):
     kernel_shape = (in_features, self.features)
     kernel_meta = self._kernel_metadata(kernel_shape)
     kernel = self.variable(
-        FORGE_COLLECTION, "kernel",
-        lambda: self.kernel_init(self.make_rng("params"), kernel_shape,
-                                 self.param_dtype)).value
-    opt_state = self.variable(FORGE_COLLECTION, "opt_state",
-                              self._init_state, kernel, kernel_meta).value
+      FORGE_COLLECTION,
+      "kernel",
+      lambda: self.kernel_init(
+        self.make_rng("params"), kernel_shape, self.param_dtype
+      ),
+    ).value
+    opt_state = self.variable(
+      FORGE_COLLECTION, "opt_state", self._init_state, kernel, kernel_meta
+    ).value
     count, skipped, intact = (
-        self.variable(FORGE_COLLECTION, name, jnp.full, (), value, jnp.float32).value
-        for name, value in (("count", 0.0), ("skipped", 0.0), ("intact", 1.0)))
-    bias = (self.param("bias", self.bias_init, (self.features,),
-                       self.param_dtype) if self.use_bias else None)
+      self.variable(
+        FORGE_COLLECTION, name, jnp.full, (), value, jnp.float32
+      ).value
+      for name, value in (("count", 0.0), ("skipped", 0.0), ("intact", 1.0))
+    )
+    bias = (
+      self.param("bias", self.bias_init, (self.features,), self.param_dtype)
+      if self.use_bias
+      else None
+    )
     variables = ForgeVariables(kernel, opt_state, count, skipped, intact)
     context = layer_context.stacked_layer()
-    stacked = context if context is not None and context.index is not None else None
-    self._check_variables(variables, _stacked_shapes(jax.eval_shape(
-        functools.partial(init_variables, self.optimizer),
-        jax.ShapeDtypeStruct(kernel_shape, self.param_dtype)), stacked),
-                          stacked)
+    stacked = (
+      context if context is not None and context.index is not None else None
+    )
+    self._check_variables(
+      variables,
+      _stacked_shapes(
+        jax.eval_shape(
+          functools.partial(init_variables, self.optimizer),
+          jax.ShapeDtypeStruct(kernel_shape, self.param_dtype),
+        ),
+        stacked,
+      ),
+      stacked,
+    )
     layer_index = None if stacked is None else stacked.index
     self._check_single_use(kernel)
     path = (context.path if context is not None else ()) + tuple(self.path)
     if not self.is_initializing():
-      transform = (_stacking_transform(self.scope)
-                   if context is None else None)
+      transform = _stacking_transform(self.scope) if context is None else None
       if transform is not None:
         _warn_stacked(path, transform)
       layer_context.record(path, layer_context.FORWARD, self.optimizer)
-    spec = FusedDenseSpec(optimizer=self.optimizer,
-                          implementation=self.implementation,
-                          precision=self.precision, dtype=self.dtype,
-                          layer_id=self._layer_id(), path=path)
+    spec = FusedDenseSpec(
+      optimizer=self.optimizer,
+      implementation=self.implementation,
+      precision=self.precision,
+      dtype=self.dtype,
+      layer_id=self._layer_id(),
+      path=path,
+    )
     layout = self._layout(inputs, kernel_meta)
     if layout is None:
       return forge_dense(inputs, variables, bias, spec, layer_index)
-    return forge_dense(inputs, variables, bias, spec, layer_index, layout,
-                       where=f"ForgeDense {self.path!r}")
+    return forge_dense(
+      inputs,
+      variables,
+      bias,
+      spec,
+      layer_index,
+      layout,
+      where=f"ForgeDense {self.path!r}",
+    )
 
   def _check_collection(self):
     """FORGE's collection must come with the variables: flax's own error
     (``ScopeCollectionNotFound``) points the wrong way."""
-    if (self.is_initializing() or self.has_variable(FORGE_COLLECTION, "kernel")
-        or self.is_mutable_collection(FORGE_COLLECTION)):
+    if (
+      self.is_initializing()
+      or self.has_variable(FORGE_COLLECTION, "kernel")
+      or self.is_mutable_collection(FORGE_COLLECTION)
+    ):
       return
     raise ValueError(
-        f"ForgeDense {'/'.join(self.path)!r} has no variables in the "
-        f"{FORGE_COLLECTION!r} collection, where FORGE keeps its kernel and "
-        "optimizer state. Keep the whole variables dict that init returns: "
-        "fj.TrainState.create(apply_fn=model.apply, params=variables, tx=...) "
-        "(not variables['params']), and apply the model with all of it, "
-        "model.apply(state.params, ...).")
+      f"ForgeDense {'/'.join(self.path)!r} has no variables in the "
+      f"{FORGE_COLLECTION!r} collection, where FORGE keeps its kernel and "
+      "optimizer state. Keep the whole variables dict that init returns: "
+      "fj.TrainState.create(apply_fn=model.apply, params=variables, tx=...) "
+      "(not variables['params']), and apply the model with all of it, "
+      "model.apply(state.params, ...)."
+    )
 
   def _kernel_metadata(self, kernel_shape):
     """The partitioning box ``kernel_init`` wraps the kernel in, or None."""
-    boxed = jax.eval_shape(lambda: self.kernel_init(
-        jax.random.key(0), kernel_shape, self.param_dtype))
+    boxed = jax.eval_shape(
+      lambda: self.kernel_init(
+        jax.random.key(0), kernel_shape, self.param_dtype
+      )
+    )
     return boxed if isinstance(boxed, nn.Partitioned) else None
 
   def _init_state(self, kernel, kernel_meta):
@@ -208,19 +250,26 @@ class ForgeDense(nn.Module):
     state = self.optimizer.init(kernel)
     if kernel_meta is None:
       return state
-    follows = lambda leaf: parallel.follows_kernel(jnp.shape(leaf),
-                                                   jnp.shape(kernel))
+    follows = lambda leaf: parallel.follows_kernel(
+      jnp.shape(leaf), jnp.shape(kernel)
+    )
     return jax.tree.map(
-        lambda leaf: kernel_meta.replace_boxed(leaf) if follows(leaf) else leaf,
-        state)
+      lambda leaf: kernel_meta.replace_boxed(leaf) if follows(leaf) else leaf,
+      state,
+    )
 
   def _layout(self, inputs, kernel_meta) -> Optional[parallel.ShardedLayout]:
     """The per-shard layout, or None for the single-device op."""
-    if (kernel_meta is None and self.mesh is None
-        and self.input_partitioning is None
-        and self.output_partitioning is None):
+    if (
+      kernel_meta is None
+      and self.mesh is None
+      and self.input_partitioning is None
+      and self.output_partitioning is None
+    ):
       return None
-    mesh = self.mesh if self.mesh is not None else getattr(kernel_meta, "mesh", None)
+    mesh = (
+      self.mesh if self.mesh is not None else getattr(kernel_meta, "mesh", None)
+    )
     if mesh is None:
       context = jax.sharding.get_abstract_mesh()
       if context.empty:
@@ -230,17 +279,25 @@ class ForgeDense(nn.Module):
       resolve = lambda names: nn.logical_to_mesh_axes(names, kernel_meta.rules)
     else:
       resolve = lambda names: P(*names)
-    kernel_spec = resolve(kernel_meta.names) if kernel_meta is not None else P(None, None)
-    x_spec, y_spec = (None if names is None else resolve(tuple(names))
-                      for names in (self.input_partitioning,
-                                    self.output_partitioning))
+    kernel_spec = (
+      resolve(kernel_meta.names) if kernel_meta is not None else P(None, None)
+    )
+    x_spec, y_spec = (
+      None if names is None else resolve(tuple(names))
+      for names in (self.input_partitioning, self.output_partitioning)
+    )
     if x_spec is None and parallel.is_explicit(mesh):
       # Explicit axes: the input's type says how it is sharded.
       x_spec = getattr(jax.typeof(inputs).sharding, "spec", None)
-    return parallel.plan_layout(mesh, jnp.ndim(inputs), kernel_spec, x_spec,
-                                y_spec,
-                                self.data_parallel,
-                                where=f"ForgeDense {self.path!r}")
+    return parallel.plan_layout(
+      mesh,
+      jnp.ndim(inputs),
+      kernel_spec,
+      x_spec,
+      y_spec,
+      self.data_parallel,
+      where=f"ForgeDense {self.path!r}",
+    )
 
   def _layer_id(self) -> int:
     if self.optimizer.weight_rounding != "stochastic":
@@ -249,29 +306,41 @@ class ForgeDense(nn.Module):
       return int(self.layer_id) & 0xFFFFFFFF
     return quantization.layer_id_from_path(self.path)
 
-  def _check_variables(self, variables: ForgeVariables,
-                       expected: ForgeVariables,
-                       stacked: Optional[layer_context.StackedLayer]):
+  def _check_variables(
+    self,
+    variables: ForgeVariables,
+    expected: ForgeVariables,
+    stacked: Optional[layer_context.StackedLayer],
+  ):
     """Shapes and dtypes as init made them: a transformed copy would receive
     the new weights through the transformation's transpose."""
-    actual = jax.tree.map(lambda x: (jnp.shape(x), jnp.result_type(x)), variables)
-    wanted = jax.tree.map(lambda x: (jnp.shape(x), jnp.result_type(x)), expected)
-    if jax.tree.structure(actual) != jax.tree.structure(wanted) or actual != wanted:
+    actual = jax.tree.map(
+      lambda x: (jnp.shape(x), jnp.result_type(x)), variables
+    )
+    wanted = jax.tree.map(
+      lambda x: (jnp.shape(x), jnp.result_type(x)), expected
+    )
+    if (
+      jax.tree.structure(actual) != jax.tree.structure(wanted)
+      or actual != wanted
+    ):
       if stacked is not None:
         raise TypeError(
-            f"ForgeDense {self.path!r}: its variables are {actual} but "
-            f"{wanted} was expected: fj.scan's backward hands every "
-            f"ForgeDense of the block its variables stacked over the "
-            f"{stacked.length} layers, so the block must use them as they "
-            "come (no nn.scan, nn.vmap or fj.scan over ForgeDense inside "
-            "it).")
-      raise TypeError(
           f"ForgeDense {self.path!r}: its variables are {actual} but "
-          f"{wanted} was expected for param_dtype={self.param_dtype} and "
-          f"{self.optimizer!r}. The variables were changed before apply (a "
-          "cast, or another optimizer's state): FORGE writes the updated "
-          "weights back through whatever produced them, so pass them as "
-          "init created them.")
+          f"{wanted} was expected: fj.scan's backward hands every "
+          f"ForgeDense of the block its variables stacked over the "
+          f"{stacked.length} layers, so the block must use them as they "
+          "come (no nn.scan, nn.vmap or fj.scan over ForgeDense inside "
+          "it)."
+        )
+      raise TypeError(
+        f"ForgeDense {self.path!r}: its variables are {actual} but "
+        f"{wanted} was expected for param_dtype={self.param_dtype} and "
+        f"{self.optimizer!r}. The variables were changed before apply (a "
+        "cast, or another optimizer's state): FORGE writes the updated "
+        "weights back through whatever produced them, so pass them as "
+        "init created them."
+      )
 
   def _check_single_use(self, kernel):
     # The cotangent of a kernel used twice would be the sum of two updated
@@ -279,10 +348,11 @@ class ForgeDense(nn.Module):
     previous = getattr(self, "_forge_kernel_in_use", None)
     if previous is not None and previous is kernel:
       raise ValueError(
-          f"ForgeDense {self.path!r} was called twice in one forward pass. "
-          "FORGE updates the kernel inside each call's backward, so a shared "
-          "kernel would receive two updates summed together. Use one "
-          "ForgeDense per use, or nn.Dense for shared weights.")
+        f"ForgeDense {self.path!r} was called twice in one forward pass. "
+        "FORGE updates the kernel inside each call's backward, so a shared "
+        "kernel would receive two updates summed together. Use one "
+        "ForgeDense per use, or nn.Dense for shared weights."
+      )
     object.__setattr__(self, "_forge_kernel_in_use", kernel)
 
 
@@ -290,8 +360,10 @@ def _stacked_shapes(variables, stacked: Optional[layer_context.StackedLayer]):
   """``variables``' shapes, on a leading layer axis when ``stacked``."""
   if stacked is None:
     return variables
-  return jax.tree.map(lambda v: jax.ShapeDtypeStruct(
-      (stacked.length,) + v.shape, v.dtype), variables)
+  return jax.tree.map(
+    lambda v: jax.ShapeDtypeStruct((stacked.length,) + v.shape, v.dtype),
+    variables,
+  )
 
 
 def wiped_layers(variables) -> list[str]:
@@ -312,5 +384,7 @@ def wiped_layers(variables) -> list[str]:
     if flags.ndim == 0:
       wiped += [name] if flags == 0.0 else []
     else:
-      wiped += [f"{name}[{i}]" for i in np.flatnonzero(flags.reshape(-1) == 0.0)]
+      wiped += [
+        f"{name}[{i}]" for i in np.flatnonzero(flags.reshape(-1) == 0.0)
+      ]
   return wiped

@@ -110,28 +110,38 @@ class ForgeOptimizer(abc.ABC):
   nonnegative_state: ClassVar[tuple[str, ...]] = ()
 
   def __post_init__(self):
-    object.__setattr__(self, "state_dtype",
-                       quantization.canonical_state_dtype(self.state_dtype))
+    object.__setattr__(
+      self, "state_dtype", quantization.canonical_state_dtype(self.state_dtype)
+    )
     if self.weight_rounding not in quantization.WEIGHT_ROUNDINGS:
-      raise ValueError(f"weight_rounding={self.weight_rounding!r} must be one "
-                       f"of {quantization.WEIGHT_ROUNDINGS}")
+      raise ValueError(
+        f"weight_rounding={self.weight_rounding!r} must be one "
+        f"of {quantization.WEIGHT_ROUNDINGS}"
+      )
     if not 0 <= int(self.rounding_seed) < 2**32:
-      raise ValueError(f"rounding_seed={self.rounding_seed} must be in "
-                       "[0, 2**32)")
+      raise ValueError(
+        f"rounding_seed={self.rounding_seed} must be in [0, 2**32)"
+      )
     for name in ("mu_dtype", "accumulator_dtype"):
       if self.state_dtype is not None and getattr(self, name, None) is not None:
-        raise ValueError(f"give state_dtype or {name}, not both "
-                         f"(state_dtype={self.state_dtype!r}, "
-                         f"{name}={getattr(self, name)!r})")
+        raise ValueError(
+          f"give state_dtype or {name}, not both "
+          f"(state_dtype={self.state_dtype!r}, "
+          f"{name}={getattr(self, name)!r})"
+        )
 
   def _stored(self, state: NamedTuple) -> NamedTuple:
     """``state`` (as the optax alias initializes it) in ``state_dtype``."""
     if self.state_dtype is None:
       return state
-    return type(state)(**{
-        name: quantization.store(value, self.state_dtype,
-                                 name in self.nonnegative_state)
-        for name, value in state._asdict().items()})
+    return type(state)(
+      **{
+        name: quantization.store(
+          value, self.state_dtype, name in self.nonnegative_state
+        )
+        for name, value in state._asdict().items()
+      }
+    )
 
   @abc.abstractmethod
   def init(self, kernel: jax.Array) -> NamedTuple:
@@ -154,7 +164,9 @@ class ForgeOptimizer(abc.ABC):
     """The new kernel (float32, elementwise), from the new state, or the old
     one if ``kernel_reads_old_state``."""
 
-  def update(self, grad, kernel, state, scalars) -> tuple[jax.Array, NamedTuple]:
+  def update(
+    self, grad, kernel, state, scalars
+  ) -> tuple[jax.Array, NamedTuple]:
     """Both halves of the rule: ``(new_kernel, new_state)``."""
     new_state = self.update_state(grad, kernel, state, scalars)
     read = state if self.kernel_reads_old_state else new_state
@@ -177,8 +189,8 @@ class AdamState(NamedTuple):
 class AdamScalars(NamedTuple):
   neg_lr: jax.Array
   weight_decay: jax.Array
-  bc1: jax.Array       # 1 - b1**t
-  bc2: jax.Array       # 1 - b2**t
+  bc1: jax.Array  # 1 - b1**t
+  bc2: jax.Array  # 1 - b2**t
   bc1_next: jax.Array  # 1 - b1**(t+1), for Nesterov
 
 
@@ -214,18 +226,19 @@ class Adam(ForgeOptimizer):
 
   def init(self, kernel):
     mu_dtype = kernel.dtype if self.mu_dtype is None else self.mu_dtype
-    return self._stored(AdamState(
-        mu=jnp.zeros(kernel.shape, mu_dtype), nu=jnp.zeros_like(kernel)))
+    return self._stored(
+      AdamState(mu=jnp.zeros(kernel.shape, mu_dtype), nu=jnp.zeros_like(kernel))
+    )
 
   def scalars(self, count):
     _validate_count_dtype(count)
     count_inc = optax.safe_increment(count)
     return AdamScalars(
-        neg_lr=_neg_learning_rate(self.learning_rate, count),
-        weight_decay=_schedule_value(self.weight_decay, count),
-        bc1=_bias_correction(self.b1, count_inc),
-        bc2=_bias_correction(self.b2, count_inc),
-        bc1_next=_bias_correction(self.b1, optax.safe_increment(count_inc)),
+      neg_lr=_neg_learning_rate(self.learning_rate, count),
+      weight_decay=_schedule_value(self.weight_decay, count),
+      bc1=_bias_correction(self.b1, count_inc),
+      bc2=_bias_correction(self.b2, count_inc),
+      bc1_next=_bias_correction(self.b1, optax.safe_increment(count_inc)),
     )
 
   def update_state(self, grad, kernel, state, s):
@@ -242,18 +255,31 @@ class Adam(ForgeOptimizer):
   def to_optax(self):
     if self.decoupled:
       return optax.adamw(
-          self.learning_rate, b1=self.b1, b2=self.b2, eps=self.eps,
-          eps_root=self.eps_root, mu_dtype=self.mu_dtype,
-          weight_decay=self.weight_decay, mask=self.mask,
-          nesterov=self.nesterov)
+        self.learning_rate,
+        b1=self.b1,
+        b2=self.b2,
+        eps=self.eps,
+        eps_root=self.eps_root,
+        mu_dtype=self.mu_dtype,
+        weight_decay=self.weight_decay,
+        mask=self.mask,
+        nesterov=self.nesterov,
+      )
     return optax.adam(
-        self.learning_rate, b1=self.b1, b2=self.b2, eps=self.eps,
-        eps_root=self.eps_root, mu_dtype=self.mu_dtype, nesterov=self.nesterov)
+      self.learning_rate,
+      b1=self.b1,
+      b2=self.b2,
+      eps=self.eps,
+      eps_root=self.eps_root,
+      mu_dtype=self.mu_dtype,
+      nesterov=self.nesterov,
+    )
 
 
 def _adam_moments(b1, b2, grad, state) -> AdamState:
-  return AdamState(mu=(1 - b1) * grad + b1 * state.mu,
-                   nu=(1 - b2) * (grad**2) + b2 * state.nu)
+  return AdamState(
+    mu=(1 - b1) * grad + b1 * state.mu, nu=(1 - b2) * (grad**2) + b2 * state.nu
+  )
 
 
 def _adam_mu_hat(b1, nesterov, grad, mu, s):
@@ -276,7 +302,7 @@ class RAdamScalars(NamedTuple):
   bc1: jax.Array
   bc2: jax.Array
   bc1_next: jax.Array
-  rect: jax.Array     # the rectification factor r_t (only used when rectify)
+  rect: jax.Array  # the rectification factor r_t (only used when rectify)
   rectify: jax.Array  # 1.0 where rho_t >= threshold, else 0.0
 
 
@@ -304,7 +330,8 @@ class RAdam(ForgeOptimizer):
 
   def init(self, kernel):
     return self._stored(
-        AdamState(mu=jnp.zeros_like(kernel), nu=jnp.zeros_like(kernel)))
+      AdamState(mu=jnp.zeros_like(kernel), nu=jnp.zeros_like(kernel))
+    )
 
   def scalars(self, count):
     _validate_count_dtype(count)
@@ -317,15 +344,19 @@ class RAdam(ForgeOptimizer):
     # r_t is the square root of a negative number for rho_t < 4: only
     # evaluate it where it is used.
     safe_ro = jnp.where(rectify, ro, ro_inf)
-    rect = jnp.sqrt((safe_ro - 4.0) * (safe_ro - 2.0) * ro_inf
-                    / ((ro_inf - 4.0) * (ro_inf - 2.0) * safe_ro))
+    rect = jnp.sqrt(
+      (safe_ro - 4.0)
+      * (safe_ro - 2.0)
+      * ro_inf
+      / ((ro_inf - 4.0) * (ro_inf - 2.0) * safe_ro)
+    )
     return RAdamScalars(
-        neg_lr=_neg_learning_rate(self.learning_rate, count),
-        bc1=_bias_correction(self.b1, count_inc),
-        bc2=_bias_correction(b2, count_inc),
-        bc1_next=_bias_correction(self.b1, optax.safe_increment(count_inc)),
-        rect=jnp.asarray(rect, jnp.float32),
-        rectify=rectify.astype(jnp.float32),
+      neg_lr=_neg_learning_rate(self.learning_rate, count),
+      bc1=_bias_correction(self.b1, count_inc),
+      bc2=_bias_correction(b2, count_inc),
+      bc1_next=_bias_correction(self.b1, optax.safe_increment(count_inc)),
+      rect=jnp.asarray(rect, jnp.float32),
+      rectify=rectify.astype(jnp.float32),
     )
 
   def update_state(self, grad, kernel, state, s):
@@ -336,15 +367,21 @@ class RAdam(ForgeOptimizer):
     nu_hat = state.nu / s.bc2
     rectified = s.rect * mu_hat / (jnp.sqrt(nu_hat + self.eps_root) + self.eps)
     # An explicit broadcast: Mosaic GPU lowers no implicit scalar broadcast.
-    u = jnp.where(jnp.broadcast_to(s.rectify > 0.5, mu_hat.shape), rectified,
-                  mu_hat)
+    u = jnp.where(
+      jnp.broadcast_to(s.rectify > 0.5, mu_hat.shape), rectified, mu_hat
+    )
     return kernel + s.neg_lr * u
 
   def to_optax(self):
     return optax.radam(
-        self.learning_rate, b1=self.b1, b2=self.b2, eps=self.eps,
-        eps_root=self.eps_root, threshold=self.threshold,
-        nesterov=self.nesterov)
+      self.learning_rate,
+      b1=self.b1,
+      b2=self.b2,
+      eps=self.eps,
+      eps_root=self.eps_root,
+      threshold=self.threshold,
+      nesterov=self.nesterov,
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -384,8 +421,9 @@ class Lion(ForgeOptimizer):
   def scalars(self, count):
     _validate_count_dtype(count)
     return LionScalars(
-        neg_lr=_neg_learning_rate(self.learning_rate, count),
-        weight_decay=_schedule_value(self.weight_decay, count))
+      neg_lr=_neg_learning_rate(self.learning_rate, count),
+      weight_decay=_schedule_value(self.weight_decay, count),
+    )
 
   kernel_reads_old_state: ClassVar[bool] = True
 
@@ -400,8 +438,13 @@ class Lion(ForgeOptimizer):
 
   def to_optax(self):
     return optax.lion(
-        self.learning_rate, b1=self.b1, b2=self.b2, mu_dtype=self.mu_dtype,
-        weight_decay=self.weight_decay, mask=self.mask)
+      self.learning_rate,
+      b1=self.b1,
+      b2=self.b2,
+      mu_dtype=self.mu_dtype,
+      weight_decay=self.weight_decay,
+      mask=self.mask,
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -410,7 +453,7 @@ class Lion(ForgeOptimizer):
 
 class RMSpropState(NamedTuple):
   nu: jax.Array
-  mu: Optional[jax.Array] = None     # centered only
+  mu: Optional[jax.Array] = None  # centered only
   trace: Optional[jax.Array] = None  # momentum only
 
 
@@ -451,15 +494,19 @@ class RMSprop(ForgeOptimizer):
     super().__post_init__()
     if self.centered and self.state_dtype == "int8":
       raise ValueError(
-          "rmsprop(centered=True) cannot keep int8 states: the variance "
-          "nu - mu**2 of separately quantized moments can turn negative. Use "
-          "state_dtype='bfloat16' or 'float32'.")
+        "rmsprop(centered=True) cannot keep int8 states: the variance "
+        "nu - mu**2 of separately quantized moments can turn negative. Use "
+        "state_dtype='bfloat16' or 'float32'."
+      )
 
   def init(self, kernel):
-    return self._stored(RMSpropState(
+    return self._stored(
+      RMSpropState(
         nu=jnp.full_like(kernel, self.initial_scale),
         mu=jnp.zeros_like(kernel) if self.centered else None,
-        trace=jnp.zeros_like(kernel) if self.momentum is not None else None))
+        trace=jnp.zeros_like(kernel) if self.momentum is not None else None,
+      )
+    )
 
   def scalars(self, count):
     _validate_count_dtype(count)
@@ -468,7 +515,8 @@ class RMSprop(ForgeOptimizer):
     else:
       bc = jnp.ones([], jnp.float32)
     return RMSpropScalars(
-        neg_lr=_neg_learning_rate(self.learning_rate, count), bc=bc)
+      neg_lr=_neg_learning_rate(self.learning_rate, count), bc=bc
+    )
 
   def _step(self, grad, nu, mu, s):
     """The learning-rate-scaled step before momentum, from the new moments."""
@@ -501,10 +549,16 @@ class RMSprop(ForgeOptimizer):
 
   def to_optax(self):
     return optax.rmsprop(
-        self.learning_rate, decay=self.decay, eps=self.eps,
-        initial_scale=self.initial_scale, eps_in_sqrt=self.eps_in_sqrt,
-        centered=self.centered, momentum=self.momentum,
-        nesterov=self.nesterov, bias_correction=self.bias_correction)
+      self.learning_rate,
+      decay=self.decay,
+      eps=self.eps,
+      initial_scale=self.initial_scale,
+      eps_in_sqrt=self.eps_in_sqrt,
+      centered=self.centered,
+      momentum=self.momentum,
+      nesterov=self.nesterov,
+      bias_correction=self.bias_correction,
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -535,13 +589,17 @@ class Adagrad(ForgeOptimizer):
   nonnegative_state: ClassVar[tuple[str, ...]] = ("sum_of_squares",)
 
   def init(self, kernel):
-    return self._stored(AdagradState(
-        sum_of_squares=jnp.full_like(kernel, self.initial_accumulator_value)))
+    return self._stored(
+      AdagradState(
+        sum_of_squares=jnp.full_like(kernel, self.initial_accumulator_value)
+      )
+    )
 
   def scalars(self, count):
     _validate_count_dtype(count)
     return LearningRateScalars(
-        neg_lr=_neg_learning_rate(self.learning_rate, count))
+      neg_lr=_neg_learning_rate(self.learning_rate, count)
+    )
 
   def update_state(self, grad, kernel, state, s):
     return AdagradState(sum_of_squares=grad * grad + state.sum_of_squares)
@@ -549,13 +607,16 @@ class Adagrad(ForgeOptimizer):
   def update_kernel(self, grad, kernel, state, s):
     sum_of_squares = state.sum_of_squares
     inv_sqrt = jnp.where(
-        sum_of_squares > 0, jax.lax.rsqrt(sum_of_squares + self.eps), 0.0)
+      sum_of_squares > 0, jax.lax.rsqrt(sum_of_squares + self.eps), 0.0
+    )
     return kernel + s.neg_lr * (inv_sqrt * grad)
 
   def to_optax(self):
     return optax.adagrad(
-        self.learning_rate,
-        initial_accumulator_value=self.initial_accumulator_value, eps=self.eps)
+      self.learning_rate,
+      initial_accumulator_value=self.initial_accumulator_value,
+      eps=self.eps,
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -584,13 +645,16 @@ class SGD(ForgeOptimizer):
   def init(self, kernel):
     if self.momentum is None:
       return EmptyState()
-    dtype = kernel.dtype if self.accumulator_dtype is None else self.accumulator_dtype
+    dtype = (
+      kernel.dtype if self.accumulator_dtype is None else self.accumulator_dtype
+    )
     return self._stored(TraceState(trace=jnp.zeros(kernel.shape, dtype)))
 
   def scalars(self, count):
     _validate_count_dtype(count)
     return LearningRateScalars(
-        neg_lr=_neg_learning_rate(self.learning_rate, count))
+      neg_lr=_neg_learning_rate(self.learning_rate, count)
+    )
 
   def update_state(self, grad, kernel, state, s):
     if self.momentum is None:
@@ -605,38 +669,80 @@ class SGD(ForgeOptimizer):
 
   def to_optax(self):
     return optax.sgd(
-        self.learning_rate, momentum=self.momentum, nesterov=self.nesterov,
-        accumulator_dtype=self.accumulator_dtype)
+      self.learning_rate,
+      momentum=self.momentum,
+      nesterov=self.nesterov,
+      accumulator_dtype=self.accumulator_dtype,
+    )
 
 
 # ---------------------------------------------------------------------------
 # The public constructors: the optax aliases' names, arguments and defaults.
 
 
-def adam(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999,
-         eps: float = 1e-8, eps_root: float = 0.0, mu_dtype: Any = None, *,
-         nesterov: bool = False, state_dtype: Any = None,
-         weight_rounding: str = "nearest", rounding_seed: int = 0) -> Adam:
+def adam(
+  learning_rate: ScalarOrSchedule,
+  b1: float = 0.9,
+  b2: float = 0.999,
+  eps: float = 1e-8,
+  eps_root: float = 0.0,
+  mu_dtype: Any = None,
+  *,
+  nesterov: bool = False,
+  state_dtype: Any = None,
+  weight_rounding: str = "nearest",
+  rounding_seed: int = 0,
+) -> Adam:
   """FORGE version of :func:`optax.adam` (storage options: ForgeOptimizer)."""
-  return Adam(learning_rate, b1, b2, eps, eps_root, mu_dtype,
-              nesterov=nesterov, state_dtype=state_dtype, weight_rounding=weight_rounding,
-              rounding_seed=rounding_seed)
+  return Adam(
+    learning_rate,
+    b1,
+    b2,
+    eps,
+    eps_root,
+    mu_dtype,
+    nesterov=nesterov,
+    state_dtype=state_dtype,
+    weight_rounding=weight_rounding,
+    rounding_seed=rounding_seed,
+  )
 
 
-def adamw(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999,
-          eps: float = 1e-8, eps_root: float = 0.0, mu_dtype: Any = None,
-          weight_decay: ScalarOrSchedule = 1e-4, mask: Mask = None, *,
-          nesterov: bool = False, state_dtype: Any = None,
-          weight_rounding: str = "nearest", rounding_seed: int = 0) -> Adam:
+def adamw(
+  learning_rate: ScalarOrSchedule,
+  b1: float = 0.9,
+  b2: float = 0.999,
+  eps: float = 1e-8,
+  eps_root: float = 0.0,
+  mu_dtype: Any = None,
+  weight_decay: ScalarOrSchedule = 1e-4,
+  mask: Mask = None,
+  *,
+  nesterov: bool = False,
+  state_dtype: Any = None,
+  weight_rounding: str = "nearest",
+  rounding_seed: int = 0,
+) -> Adam:
   """FORGE version of :func:`optax.adamw` (storage options: ForgeOptimizer).
 
   ``mask`` is handed to the optax equivalent (``to_optax()``) for the
   parameters optax owns; every ForgeDense kernel is decayed.
   """
-  return Adam(learning_rate, b1, b2, eps, eps_root, mu_dtype,
-              weight_decay=weight_decay, mask=mask, nesterov=nesterov,
-              decoupled=True, state_dtype=state_dtype, weight_rounding=weight_rounding,
-              rounding_seed=rounding_seed)
+  return Adam(
+    learning_rate,
+    b1,
+    b2,
+    eps,
+    eps_root,
+    mu_dtype,
+    weight_decay=weight_decay,
+    mask=mask,
+    nesterov=nesterov,
+    decoupled=True,
+    state_dtype=state_dtype,
+    weight_rounding=weight_rounding,
+    rounding_seed=rounding_seed,
+  )
 
 
 nadam = functools.partial(adam, nesterov=True)
@@ -645,62 +751,135 @@ nadamw = functools.partial(adamw, nesterov=True)
 nadamw.__doc__ = "FORGE version of :func:`optax.nadamw`."
 
 
-def radam(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999,
-          eps: float = 1e-8, eps_root: float = 0.0, threshold: float = 5.0, *,
-          nesterov: bool = False, state_dtype: Any = None,
-          weight_rounding: str = "nearest", rounding_seed: int = 0) -> RAdam:
+def radam(
+  learning_rate: ScalarOrSchedule,
+  b1: float = 0.9,
+  b2: float = 0.999,
+  eps: float = 1e-8,
+  eps_root: float = 0.0,
+  threshold: float = 5.0,
+  *,
+  nesterov: bool = False,
+  state_dtype: Any = None,
+  weight_rounding: str = "nearest",
+  rounding_seed: int = 0,
+) -> RAdam:
   """FORGE version of :func:`optax.radam` (storage options: ForgeOptimizer)."""
-  return RAdam(learning_rate, b1, b2, eps, eps_root, threshold,
-               nesterov=nesterov, state_dtype=state_dtype, weight_rounding=weight_rounding,
-              rounding_seed=rounding_seed)
+  return RAdam(
+    learning_rate,
+    b1,
+    b2,
+    eps,
+    eps_root,
+    threshold,
+    nesterov=nesterov,
+    state_dtype=state_dtype,
+    weight_rounding=weight_rounding,
+    rounding_seed=rounding_seed,
+  )
 
 
-def lion(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.99,
-         mu_dtype: Any = None, weight_decay: ScalarOrSchedule = 1e-3,
-         mask: Mask = None, *, state_dtype: Any = None,
-         weight_rounding: str = "nearest", rounding_seed: int = 0) -> Lion:
+def lion(
+  learning_rate: ScalarOrSchedule,
+  b1: float = 0.9,
+  b2: float = 0.99,
+  mu_dtype: Any = None,
+  weight_decay: ScalarOrSchedule = 1e-3,
+  mask: Mask = None,
+  *,
+  state_dtype: Any = None,
+  weight_rounding: str = "nearest",
+  rounding_seed: int = 0,
+) -> Lion:
   """FORGE version of :func:`optax.lion` (``mask`` as for :func:`adamw`;
   storage options: ForgeOptimizer)."""
-  return Lion(learning_rate, b1, b2, mu_dtype, weight_decay, mask,
-              state_dtype=state_dtype, weight_rounding=weight_rounding,
-              rounding_seed=rounding_seed)
+  return Lion(
+    learning_rate,
+    b1,
+    b2,
+    mu_dtype,
+    weight_decay,
+    mask,
+    state_dtype=state_dtype,
+    weight_rounding=weight_rounding,
+    rounding_seed=rounding_seed,
+  )
 
 
-def rmsprop(learning_rate: ScalarOrSchedule, decay: float = 0.9,
-            eps: float = 1e-8, initial_scale: float = 0.0,
-            eps_in_sqrt: bool = True, centered: bool = False,
-            momentum: Optional[float] = None, nesterov: bool = False,
-            bias_correction: bool = False, *, state_dtype: Any = None,
-            weight_rounding: str = "nearest",
-            rounding_seed: int = 0) -> RMSprop:
+def rmsprop(
+  learning_rate: ScalarOrSchedule,
+  decay: float = 0.9,
+  eps: float = 1e-8,
+  initial_scale: float = 0.0,
+  eps_in_sqrt: bool = True,
+  centered: bool = False,
+  momentum: Optional[float] = None,
+  nesterov: bool = False,
+  bias_correction: bool = False,
+  *,
+  state_dtype: Any = None,
+  weight_rounding: str = "nearest",
+  rounding_seed: int = 0,
+) -> RMSprop:
   """FORGE version of :func:`optax.rmsprop` (storage options:
   ForgeOptimizer)."""
-  return RMSprop(learning_rate, decay, eps, initial_scale, eps_in_sqrt,
-                 centered, momentum, nesterov, bias_correction,
-                 state_dtype=state_dtype, weight_rounding=weight_rounding,
-              rounding_seed=rounding_seed)
+  return RMSprop(
+    learning_rate,
+    decay,
+    eps,
+    initial_scale,
+    eps_in_sqrt,
+    centered,
+    momentum,
+    nesterov,
+    bias_correction,
+    state_dtype=state_dtype,
+    weight_rounding=weight_rounding,
+    rounding_seed=rounding_seed,
+  )
 
 
-def adagrad(learning_rate: ScalarOrSchedule,
-            initial_accumulator_value: float = 0.1,
-            eps: float = 1e-7, *, state_dtype: Any = None,
-            weight_rounding: str = "nearest",
-            rounding_seed: int = 0) -> Adagrad:
+def adagrad(
+  learning_rate: ScalarOrSchedule,
+  initial_accumulator_value: float = 0.1,
+  eps: float = 1e-7,
+  *,
+  state_dtype: Any = None,
+  weight_rounding: str = "nearest",
+  rounding_seed: int = 0,
+) -> Adagrad:
   """FORGE version of :func:`optax.adagrad` (storage options:
   ForgeOptimizer)."""
-  return Adagrad(learning_rate, initial_accumulator_value, eps,
-                 state_dtype=state_dtype, weight_rounding=weight_rounding,
-              rounding_seed=rounding_seed)
+  return Adagrad(
+    learning_rate,
+    initial_accumulator_value,
+    eps,
+    state_dtype=state_dtype,
+    weight_rounding=weight_rounding,
+    rounding_seed=rounding_seed,
+  )
 
 
-def sgd(learning_rate: ScalarOrSchedule, momentum: Optional[float] = None,
-        nesterov: bool = False, accumulator_dtype: Any = None, *,
-        state_dtype: Any = None, weight_rounding: str = "nearest",
-        rounding_seed: int = 0) -> SGD:
+def sgd(
+  learning_rate: ScalarOrSchedule,
+  momentum: Optional[float] = None,
+  nesterov: bool = False,
+  accumulator_dtype: Any = None,
+  *,
+  state_dtype: Any = None,
+  weight_rounding: str = "nearest",
+  rounding_seed: int = 0,
+) -> SGD:
   """FORGE version of :func:`optax.sgd` (storage options: ForgeOptimizer)."""
-  return SGD(learning_rate, momentum, nesterov, accumulator_dtype,
-             state_dtype=state_dtype, weight_rounding=weight_rounding,
-              rounding_seed=rounding_seed)
+  return SGD(
+    learning_rate,
+    momentum,
+    nesterov,
+    accumulator_dtype,
+    state_dtype=state_dtype,
+    weight_rounding=weight_rounding,
+    rounding_seed=rounding_seed,
+  )
 
 
 # ---------------------------------------------------------------------------
@@ -708,18 +887,33 @@ def sgd(learning_rate: ScalarOrSchedule, momentum: Optional[float] = None,
 
 #: The optax alias each forge_jax optimizer twins, by the name of the rule
 #: inside the alias's chain.
-_TWINS = {"scale_by_adam": "adamw / adam / nadamw / nadam",
-          "scale_by_radam": "radam", "scale_by_lion": "lion",
-          "scale_by_rms": "rmsprop", "scale_by_stddev": "rmsprop",
-          "scale_by_rss": "adagrad", "trace": "sgd"}
+_TWINS = {
+  "scale_by_adam": "adamw / adam / nadamw / nadam",
+  "scale_by_radam": "radam",
+  "scale_by_lion": "lion",
+  "scale_by_rms": "rmsprop",
+  "scale_by_stddev": "rmsprop",
+  "scale_by_rss": "adagrad",
+  "trace": "sgd",
+}
 
 #: Transformations that need the whole gradient (or hold it across steps):
 #: FORGE's layers never form it.
 WHOLE_GRADIENT_TRANSFORMATIONS = (
-    "clip_by_global_norm", "apply_if_finite", "skip_not_finite",
-    "skip_large_updates", "MultiSteps", "zero_nans", "adafactor",
-    "scale_by_factored_rms", "scale_by_trust_ratio", "scale_by_lbfgs",
-    "scale_by_shampoo", "scale_by_muon", "scale_by_sm3")
+  "clip_by_global_norm",
+  "apply_if_finite",
+  "skip_not_finite",
+  "skip_large_updates",
+  "MultiSteps",
+  "zero_nans",
+  "adafactor",
+  "scale_by_factored_rms",
+  "scale_by_trust_ratio",
+  "scale_by_lbfgs",
+  "scale_by_shampoo",
+  "scale_by_muon",
+  "scale_by_sm3",
+)
 
 
 def transformation_names(tx, depth: int = 6) -> set:
@@ -777,31 +971,40 @@ def optax_twin(tx) -> Optional[str]:
 
 def not_elementwise_message(optimizer) -> str:
   """Why ``optimizer`` cannot be a ForgeDense's optimizer, and what to use."""
-  shown = ("an optax transformation"
-           if isinstance(optimizer, optax.GradientTransformation)
-           or hasattr(optimizer, "update") else repr(optimizer))
-  text = (f"optimizer={shown} must be a forge_jax optimizer (fj.adamw, "
-          "fj.sgd, ...).")
+  shown = (
+    "an optax transformation"
+    if isinstance(optimizer, optax.GradientTransformation)
+    or hasattr(optimizer, "update")
+    else repr(optimizer)
+  )
+  text = (
+    f"optimizer={shown} must be a forge_jax optimizer (fj.adamw, fj.sgd, ...)."
+  )
   names = transformation_names(optimizer)
   if "MultiSteps" in names:
     return text + (
-        " Gradient accumulation (optax.MultiSteps) cannot work: FORGE never "
-        "stores the gradient it would have to accumulate. Use a larger "
-        "micro-batch instead; FORGE frees the gradient memory to make room "
-        "for it.")
+      " Gradient accumulation (optax.MultiSteps) cannot work: FORGE never "
+      "stores the gradient it would have to accumulate. Use a larger "
+      "micro-batch instead; FORGE frees the gradient memory to make room "
+      "for it."
+    )
   whole = sorted(names.intersection(WHOLE_GRADIENT_TRANSFORMATIONS))
   if whole:
     return text + (
-        f" It holds {', '.join(whole)}, which needs the whole gradient: "
-        "FORGE applies the update tile by tile inside the weight-gradient "
-        "GEMM, so only elementwise rules can be fused.")
+      f" It holds {', '.join(whole)}, which needs the whole gradient: "
+      "FORGE applies the update tile by tile inside the weight-gradient "
+      "GEMM, so only elementwise rules can be fused."
+    )
   twin = optax_twin(optimizer)
   if twin is not None:
     twins = " / ".join(f"fj.{name}" for name in twin.split(" / "))
     return text + (
-        f" It is an optax alias: its FORGE twin is {twins}, with the same "
-        "arguments; opt.to_optax() gives the optax alias back for the "
-        "parameters FORGE does not own.")
-  return text + (" FORGE applies the update tile by tile inside the "
-                 "weight-gradient GEMM, so only elementwise rules can be "
-                 "fused.")
+      f" It is an optax alias: its FORGE twin is {twins}, with the same "
+      "arguments; opt.to_optax() gives the optax alias back for the "
+      "parameters FORGE does not own."
+    )
+  return text + (
+    " FORGE applies the update tile by tile inside the "
+    "weight-gradient GEMM, so only elementwise rules can be "
+    "fused."
+  )

@@ -66,12 +66,13 @@ import dataclasses
 import math
 from typing import Any, Optional, Sequence
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
-import flax.linen as nn
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from forge_jax import quantization
 
@@ -84,8 +85,12 @@ class DataParallelError(ValueError):
   """Tokens are sharded over a mesh axis that does not shard the kernel."""
 
 
-def make_mesh(model: int, data: int = 1, devices: Optional[Sequence] = None,
-              axis_names: tuple = ("data", "model")) -> Mesh:
+def make_mesh(
+  model: int,
+  data: int = 1,
+  devices: Optional[Sequence] = None,
+  axis_names: tuple = ("data", "model"),
+) -> Mesh:
   """A ``(data, model)`` mesh with Auto axes over the first ``data * model``
   devices.
 
@@ -96,10 +101,12 @@ def make_mesh(model: int, data: int = 1, devices: Optional[Sequence] = None,
   """
   devices = list(jax.devices() if devices is None else devices)
   if data * model > len(devices):
-    raise ValueError(f"a {data}x{model} mesh needs {data * model} devices, "
-                     f"{len(devices)} available")
+    raise ValueError(
+      f"a {data}x{model} mesh needs {data * model} devices, "
+      f"{len(devices)} available"
+    )
   grid = np.empty((data, model), dtype=object)
-  for i, device in enumerate(devices[:data * model]):
+  for i, device in enumerate(devices[: data * model]):
     grid[i // model, i % model] = device
   return Mesh(grid, axis_names, axis_types=(AxisType.Auto,) * len(axis_names))
 
@@ -112,8 +119,10 @@ def _entries(spec, ndim: int, where: str, what: str) -> tuple:
   """``spec``'s mesh axes per dimension, padded with () to ``ndim``."""
   entries = tuple(_axes(e) for e in tuple(spec))
   if len(entries) > ndim:
-    raise ValueError(f"{where}: {what} partitioning {spec} has more entries "
-                     f"than the {what} has dimensions ({ndim})")
+    raise ValueError(
+      f"{where}: {what} partitioning {spec} has more entries "
+      f"than the {what} has dimensions ({ndim})"
+    )
   return entries + ((),) * (ndim - len(entries))
 
 
@@ -202,13 +211,20 @@ class ShardedLayout:
 
 def unsharded_layout(x_ndim: int) -> ShardedLayout:
   """The layout of the one-device op: no mesh, no dimension sharded."""
-  return ShardedLayout(mesh=None, x=((),) * x_ndim, kernel=((), ()),
-                       y=((),) * x_ndim)
+  return ShardedLayout(
+    mesh=None, x=((),) * x_ndim, kernel=((), ()), y=((),) * x_ndim
+  )
 
 
-def plan_layout(mesh, x_ndim: int, kernel_spec, x_spec=None, y_spec=None,
-                data_parallel: str = "error", where: str = "ForgeDense"
-                ) -> ShardedLayout:
+def plan_layout(
+  mesh,
+  x_ndim: int,
+  kernel_spec,
+  x_spec=None,
+  y_spec=None,
+  data_parallel: str = "error",
+  where: str = "ForgeDense",
+) -> ShardedLayout:
   """The :class:`ShardedLayout` of a dense layer, validated.
 
   Args:
@@ -225,13 +241,17 @@ def plan_layout(mesh, x_ndim: int, kernel_spec, x_spec=None, y_spec=None,
     where: the layer's name for error messages.
   """
   if data_parallel not in DATA_PARALLEL_MODES:
-    raise ValueError(f"{where}: data_parallel={data_parallel!r} must be one of "
-                     f"{DATA_PARALLEL_MODES}")
+    raise ValueError(
+      f"{where}: data_parallel={data_parallel!r} must be one of "
+      f"{DATA_PARALLEL_MODES}"
+    )
   sizes = _mesh_sizes(mesh)
   kernel = tuple(_axes(e) for e in tuple(kernel_spec))
   if len(kernel) != 2:
-    raise ValueError(f"{where}: the kernel's partitioning {kernel_spec} must "
-                     "have 2 entries (in_features, features)")
+    raise ValueError(
+      f"{where}: the kernel's partitioning {kernel_spec} must "
+      "have 2 entries (in_features, features)"
+    )
   k_axes, n_axes = kernel
   if x_spec is None:
     x = ((),) * (x_ndim - 1) + (k_axes,)
@@ -240,17 +260,20 @@ def plan_layout(mesh, x_ndim: int, kernel_spec, x_spec=None, y_spec=None,
   for axes in x + kernel:
     for a in axes:
       if a not in sizes:
-        raise ValueError(f"{where}: mesh axis {a!r} is not in the mesh "
-                         f"{tuple(sizes)}")
+        raise ValueError(
+          f"{where}: mesh axis {a!r} is not in the mesh {tuple(sizes)}"
+        )
   if x[-1] != k_axes:
     raise ValueError(
-        f"{where}: the input's features are sharded over {_entry(x[-1])} but "
-        f"the kernel's in_features over {_entry(k_axes)}; they must match (a "
-        "row-parallel layer takes its input sharded on the features like its "
-        "kernel; a column-parallel one takes it unsharded on the features)")
+      f"{where}: the input's features are sharded over {_entry(x[-1])} but "
+      f"the kernel's in_features over {_entry(k_axes)}; they must match (a "
+      "row-parallel layer takes its input sharded on the features like its "
+      "kernel; a column-parallel one takes it unsharded on the features)"
+    )
   if set(k_axes) & set(n_axes):
-    raise ValueError(f"{where}: kernel partitioning {kernel_spec} uses an axis "
-                     "twice")
+    raise ValueError(
+      f"{where}: kernel partitioning {kernel_spec} uses an axis twice"
+    )
 
   # Token dimensions: gathered over N axes, or data-parallel.
   gather = None
@@ -260,20 +283,24 @@ def plan_layout(mesh, x_ndim: int, kernel_spec, x_spec=None, y_spec=None,
     on_n = tuple(a for a in axes if a in n_axes)
     rest = tuple(a for a in axes if a not in n_axes)
     if on_n:
-      if axes[len(axes) - len(on_n):] != on_n:
+      if axes[len(axes) - len(on_n) :] != on_n:
         raise ValueError(
-            f"{where}: input dimension {dim} is sharded over {axes}; the axes "
-            f"it shares with the kernel's features {on_n} must come last")
+          f"{where}: input dimension {dim} is sharded over {axes}; the axes "
+          f"it shares with the kernel's features {on_n} must come last"
+        )
       if gather is not None:
-        raise ValueError(f"{where}: only one input dimension can be sharded "
-                         f"over the kernel's feature axes {n_axes}")
+        raise ValueError(
+          f"{where}: only one input dimension can be sharded "
+          f"over the kernel's feature axes {n_axes}"
+        )
       gather = (dim, on_n)
     data_axes.extend(a for a in rest if sizes[a] > 1)
     tokens.append(rest)
   data_axes = tuple(dict.fromkeys(data_axes))
   if data_axes and data_parallel == "error":
-    raise DataParallelError(_data_parallel_message(where, data_axes, sizes,
-                                                   kernel_spec))
+    raise DataParallelError(
+      _data_parallel_message(where, data_axes, sizes, kernel_spec)
+    )
 
   # The output: tokens as gathered, features like the kernel's N, partial
   # sums over K all-reduced or reduce-scattered onto one token dimension.
@@ -286,41 +313,55 @@ def plan_layout(mesh, x_ndim: int, kernel_spec, x_spec=None, y_spec=None,
     for dim, (want, have) in enumerate(zip(y[:-1], default_y[:-1])):
       if want == have:
         continue
-      extra = want[len(have):]
-      if (want[:len(have)] == have and extra and scatter is None
-          and set(extra) <= set(k_axes)):
+      extra = want[len(have) :]
+      if (
+        want[: len(have)] == have
+        and extra
+        and scatter is None
+        and set(extra) <= set(k_axes)
+      ):
         scatter = (dim, extra)
         continue
       raise ValueError(
-          f"{where}: output dimension {dim} cannot be sharded over "
-          f"{_entry(want)}: it is {_entry(have)} after the layer, and only "
-          f"the kernel's in_features axes {_entry(k_axes)} can be added to "
-          "one token dimension (a reduce-scatter, sequence parallelism)")
+        f"{where}: output dimension {dim} cannot be sharded over "
+        f"{_entry(want)}: it is {_entry(have)} after the layer, and only "
+        f"the kernel's in_features axes {_entry(k_axes)} can be added to "
+        "one token dimension (a reduce-scatter, sequence parallelism)"
+      )
     if y[-1] != n_axes:
       raise ValueError(
-          f"{where}: the output's features must be sharded like the kernel's "
-          f"features ({_entry(n_axes)}), not {_entry(y[-1])}")
-  return ShardedLayout(mesh=mesh, x=x, kernel=kernel, y=y, gather=gather,
-                       scatter=scatter, data_axes=data_axes,
-                       data_parallel=data_parallel)
+        f"{where}: the output's features must be sharded like the kernel's "
+        f"features ({_entry(n_axes)}), not {_entry(y[-1])}"
+      )
+  return ShardedLayout(
+    mesh=mesh,
+    x=x,
+    kernel=kernel,
+    y=y,
+    gather=gather,
+    scatter=scatter,
+    data_axes=data_axes,
+    data_parallel=data_parallel,
+  )
 
 
 def _data_parallel_message(where, data_axes, sizes, kernel_spec) -> str:
   names = ", ".join(f"{a!r} (size {sizes[a]})" for a in data_axes)
   return (
-      f"{where}: the input's tokens are sharded over mesh axis {names}, over "
-      f"which the kernel (partitioning {tuple(kernel_spec)}) is replicated. "
-      "That is data parallelism, which FORGE does not support as published: "
-      "the update is applied inside the backward pass, from the gradient of "
-      "the tokens a shard sees, so each replica would apply a different "
-      "partial update (or, under shard_map, the replicas' new weights would "
-      "be summed). Do one of: shard the batch only over axes that also shard "
-      "the kernel (tensor / sequence parallelism); keep the batch replicated "
-      "over that axis (a mesh axis of size 1, or no batch axis in the input "
-      "partitioning); train this layer with nn.Dense + optax; or opt in with "
-      "ForgeDense(data_parallel='psum'), which all-reduces dW over the data "
-      "axes inside the backward pass before the update (it materializes a "
-      "float32 dW per shard: the cost of ordinary data parallelism).")
+    f"{where}: the input's tokens are sharded over mesh axis {names}, over "
+    f"which the kernel (partitioning {tuple(kernel_spec)}) is replicated. "
+    "That is data parallelism, which FORGE does not support as published: "
+    "the update is applied inside the backward pass, from the gradient of "
+    "the tokens a shard sees, so each replica would apply a different "
+    "partial update (or, under shard_map, the replicas' new weights would "
+    "be summed). Do one of: shard the batch only over axes that also shard "
+    "the kernel (tensor / sequence parallelism); keep the batch replicated "
+    "over that axis (a mesh axis of size 1, or no batch axis in the input "
+    "partitioning); train this layer with nn.Dense + optax; or opt in with "
+    "ForgeDense(data_parallel='psum'), which all-reduces dW over the data "
+    "axes inside the backward pass before the update (it materializes a "
+    "float32 dW per shard: the cost of ordinary data parallelism)."
+  )
 
 
 # ---------------------------------------------------------------------------
@@ -334,8 +375,10 @@ def follows_kernel(leaf_shape, kernel_shape) -> bool:
   shard's scales are its own blocks when column shards hold whole blocks:
   :func:`check_block_split`)."""
   kernel_shape = tuple(kernel_shape)
-  return tuple(leaf_shape) in (kernel_shape,
-                               quantization.block_scale_shape(kernel_shape))
+  return tuple(leaf_shape) in (
+    kernel_shape,
+    quantization.block_scale_shape(kernel_shape),
+  )
 
 
 def variables_specs(variables, kernel_spec: P, stacked: bool = False):
@@ -346,15 +389,16 @@ def variables_specs(variables, kernel_spec: P, stacked: bool = False):
   layers = (None,) if stacked else ()
 
   def leaf_spec(leaf):
-    if follows_kernel(jnp.shape(leaf)[len(layers):], shape[len(layers):]):
+    if follows_kernel(jnp.shape(leaf)[len(layers) :], shape[len(layers) :]):
       return P(*layers, *kernel_spec)
     if jnp.ndim(leaf) == len(layers):
       return P(*layers)
     raise NotImplementedError(
-        f"an optimizer state leaf of shape {jnp.shape(leaf)} (kernel "
-        f"{shape}): only kernel-shaped, int8 block-scale "
-        f"{quantization.block_scale_shape(shape)} and scalar state leaves can "
-        "be sharded")
+      f"an optimizer state leaf of shape {jnp.shape(leaf)} (kernel "
+      f"{shape}): only kernel-shaped, int8 block-scale "
+      f"{quantization.block_scale_shape(shape)} and scalar state leaves can "
+      "be sharded"
+    )
 
   return jax.tree.map(leaf_spec, variables)
 
@@ -369,50 +413,67 @@ def check_block_split(where, variables, n_axes: Axes, sizes):
   block = quantization.BLOCK_SIZE
   if shards > 1 and (n // shards) % block:
     raise ValueError(
-        f"{where}: features={n} split over {shards} devices gives "
-        f"{n // shards} columns per shard, which must be a multiple of the "
-        f"int8 block size {block} (int8 optimizer states share one scale per "
-        f"{block} columns of a row, and a block cannot straddle shards). "
-        f"Make features a multiple of {block * shards}, shard this layer on "
-        "its in_features (row-parallel), or use state_dtype='bfloat16'.")
+      f"{where}: features={n} split over {shards} devices gives "
+      f"{n // shards} columns per shard, which must be a multiple of the "
+      f"int8 block size {block} (int8 optimizer states share one scale per "
+      f"{block} columns of a row, and a block cannot straddle shards). "
+      f"Make features a multiple of {block * shards}, shard this layer on "
+      "its in_features (row-parallel), or use state_dtype='bfloat16'."
+    )
 
 
 def _check_divisible(where, name, shape, dims, sizes):
   for d, (n, axes) in enumerate(zip(shape, dims)):
     parts = math.prod(sizes[a] for a in axes)
     if n % parts:
-      raise ValueError(f"{where}: {name} dimension {d} of size {n} is sharded "
-                       f"over {axes} ({parts} shards) and must divide evenly")
+      raise ValueError(
+        f"{where}: {name} dimension {d} of size {n} is sharded "
+        f"over {axes} ({parts} shards) and must divide evenly"
+      )
 
 
 # ---------------------------------------------------------------------------
 # Running a layer per shard: checks, placement, shard_map.
 
 
-def check_layout(x: jax.Array, variables, layout: ShardedLayout,
-                 where: str = "forge_dense", stacked: bool = False):
+def check_layout(
+  x: jax.Array,
+  variables,
+  layout: ShardedLayout,
+  where: str = "forge_dense",
+  stacked: bool = False,
+):
   """Raise unless ``x`` and ``variables`` (a ``ForgeVariables``; ``stacked``:
   on a leading layer axis) can run per shard as ``layout`` says."""
   sizes = _mesh_sizes(layout.mesh)
   manual = _manual_axes()
   if manual:
     raise NotImplementedError(
-        f"{where}: a partitioned ForgeDense inside shard_map (manual axes "
-        f"{manual}) is not supported: ForgeDense runs its own shard_map; call "
-        "it from jit over the whole mesh")
+      f"{where}: a partitioned ForgeDense inside shard_map (manual axes "
+      f"{manual}) is not supported: ForgeDense runs its own shard_map; call "
+      "it from jit over the whole mesh"
+    )
   if jnp.ndim(x) != len(layout.x):
-    raise ValueError(f"{where}: the input has rank {jnp.ndim(x)} but its "
-                     f"layout {layout.x} rank {len(layout.x)}")
+    raise ValueError(
+      f"{where}: the input has rank {jnp.ndim(x)} but its "
+      f"layout {layout.x} rank {len(layout.x)}"
+    )
   _check_divisible(where, "input", jnp.shape(x), layout.x, sizes)
-  _check_divisible(where, "kernel", jnp.shape(variables.kernel)[-2:],
-                   layout.kernel, sizes)
+  _check_divisible(
+    where, "kernel", jnp.shape(variables.kernel)[-2:], layout.kernel, sizes
+  )
   check_block_split(where, variables, layout.n_axes, sizes)
   # Raises on leaves that cannot be sharded like the kernel.
   variables_specs(variables, layout.kernel_spec(), stacked=stacked)
 
 
-def to_layout(x: jax.Array, variables, bias: Optional[jax.Array],
-              layout: ShardedLayout, stacked: bool = False):
+def to_layout(
+  x: jax.Array,
+  variables,
+  bias: Optional[jax.Array],
+  layout: ShardedLayout,
+  stacked: bool = False,
+):
   """``(x, variables, bias)`` resharded as ``layout`` says on a mesh with
   Explicit axes (where the sharding is in the types); as they are
   otherwise."""
@@ -421,7 +482,8 @@ def to_layout(x: jax.Array, variables, bias: Optional[jax.Array],
   x_s, v_s, b_s, _ = operand_specs(layout, variables, bias, stacked)
   x = _reshard(x, layout.mesh, x_s)
   variables = jax.tree.map(
-      lambda v, s: _reshard(v, layout.mesh, s), variables, v_s)
+    lambda v, s: _reshard(v, layout.mesh, s), variables, v_s
+  )
   if bias is not None:
     bias = _reshard(bias, layout.mesh, b_s)
   return x, variables, bias
@@ -455,8 +517,13 @@ def per_shard(fn, layout: ShardedLayout, in_specs, out_specs):
   """``fn`` run on each shard of ``layout.mesh`` (``jax.shard_map``). ``fn``
   writes its collectives out; ``check_vma=False``: JAX neither checks nor
   adds any."""
-  return jax.shard_map(fn, mesh=layout.mesh, in_specs=in_specs,
-                       out_specs=out_specs, check_vma=False)
+  return jax.shard_map(
+    fn,
+    mesh=layout.mesh,
+    in_specs=in_specs,
+    out_specs=out_specs,
+    check_vma=False,
+  )
 
 
 # ---------------------------------------------------------------------------
@@ -473,8 +540,7 @@ def _varying(value) -> Optional[frozenset]:
   return None if vma is None else frozenset(vma)
 
 
-def check_unpartitioned(x: jax.Array, variables,
-                        where: str = "forge_dense"):
+def check_unpartitioned(x: jax.Array, variables, where: str = "forge_dense"):
   """Refuse data parallelism that the unpartitioned op would get wrong.
 
   * Inside a ``shard_map`` whose manual axis shards the input but not the
@@ -494,26 +560,34 @@ def check_unpartitioned(x: jax.Array, variables,
   manual = [a for a in mesh.manual_axes if sizes.get(a, 1) > 1]
   for axis in manual:
     x_vary, k_vary = _varying(x), _varying(variables.kernel)
-    tracked = x_vary is not None and axis in (_varying(lax.axis_index(axis))
-                                              or frozenset())
+    tracked = x_vary is not None and axis in (
+      _varying(lax.axis_index(axis)) or frozenset()
+    )
     if tracked and axis in k_vary:
       continue  # the kernel is sharded over the axis: a per-shard kernel
     if tracked and axis not in x_vary:
       continue  # input and kernel replicated: every device does the same
-    reason = ("varies over it while the kernel is replicated" if tracked else
-              "may vary over it (shard_map(check_vma=False) does not say) and "
-              "the kernel may be replicated")
+    reason = (
+      "varies over it while the kernel is replicated"
+      if tracked
+      else "may vary over it (shard_map(check_vma=False) does not say) and "
+      "the kernel may be replicated"
+    )
     raise DataParallelError(
-        f"{where}: called inside shard_map over mesh axis {axis!r} (size "
-        f"{sizes[axis]}), and the input {reason}. shard_map's transpose sums "
-        "a replicated input's cotangent over the axis, and FORGE's cotangent "
-        "is the updated kernel: the replicas' new weights would be added "
-        "together. Use a partitioned ForgeDense under jit instead "
-        "(kernel_init=nn.with_partitioning(...), see forge_jax.parallel); for "
-        "data parallelism, nn.Dense + optax, or "
-        "ForgeDense(data_parallel='psum').")
-  explicit = [a for a, t in zip(mesh.axis_names, mesh.axis_types)
-              if t == AxisType.Explicit and sizes[a] > 1]
+      f"{where}: called inside shard_map over mesh axis {axis!r} (size "
+      f"{sizes[axis]}), and the input {reason}. shard_map's transpose sums "
+      "a replicated input's cotangent over the axis, and FORGE's cotangent "
+      "is the updated kernel: the replicas' new weights would be added "
+      "together. Use a partitioned ForgeDense under jit instead "
+      "(kernel_init=nn.with_partitioning(...), see forge_jax.parallel); for "
+      "data parallelism, nn.Dense + optax, or "
+      "ForgeDense(data_parallel='psum')."
+    )
+  explicit = [
+    a
+    for a, t in zip(mesh.axis_names, mesh.axis_types)
+    if t == AxisType.Explicit and sizes[a] > 1
+  ]
   if explicit:
     x_spec = getattr(jax.typeof(x).sharding, "spec", None)
     k_spec = getattr(jax.typeof(variables.kernel).sharding, "spec", None)
@@ -523,10 +597,12 @@ def check_unpartitioned(x: jax.Array, variables,
     token_axes = {a for e in tuple(x_spec)[:-1] for a in _axes(e)}
     bad = tuple(a for a in explicit if a in token_axes - kernel_axes)
     if bad:
-      raise DataParallelError(_data_parallel_message(
-          where, bad, sizes, tuple(k_spec)) + " Under Explicit mesh axes, "
-          "give ForgeDense its partitioning (kernel_init="
-          "nn.with_partitioning(...)) so that it runs per shard.")
+      raise DataParallelError(
+        _data_parallel_message(where, bad, sizes, tuple(k_spec))
+        + " Under Explicit mesh axes, "
+        "give ForgeDense its partitioning (kernel_init="
+        "nn.with_partitioning(...)) so that it runs per shard."
+      )
 
 
 # ---------------------------------------------------------------------------
@@ -548,20 +624,24 @@ def partition_specs(variables, rules=None):
   state leaf that follows it (kernel-shaped, int8 block scales), and ``P()``
   on the scalars.
   """
+
   def spec(leaf):
     if isinstance(leaf, nn.LogicallyPartitioned):
       return nn.logical_to_mesh_axes(
-          leaf.names, leaf.rules if leaf.rules is not None else rules)
+        leaf.names, leaf.rules if leaf.rules is not None else rules
+      )
     if _is_box(leaf):
       return leaf.get_partition_spec()
     return P()
+
   return jax.tree.map(spec, variables, is_leaf=_is_box)
 
 
 def strip_boxes(variables):
   """The values of a boxed variables tree (no sharding constraint applied)."""
-  return jax.tree.map(lambda v: v.value if _is_box(v) else v, variables,
-                      is_leaf=_is_box)
+  return jax.tree.map(
+    lambda v: v.value if _is_box(v) else v, variables, is_leaf=_is_box
+  )
 
 
 def init_sharded(init_fn, mesh, *args, rules=None):
@@ -576,16 +656,25 @@ def init_sharded(init_fn, mesh, *args, rules=None):
   """
   init_mesh = mesh
   if is_explicit(mesh):
-    init_mesh = Mesh(mesh.devices, mesh.axis_names,
-                     axis_types=(AxisType.Auto,) * len(mesh.axis_names))
+    init_mesh = Mesh(
+      mesh.devices,
+      mesh.axis_names,
+      axis_types=(AxisType.Auto,) * len(mesh.axis_names),
+    )
   with jax.set_mesh(init_mesh):
     abstract = jax.eval_shape(init_fn, *args)
     specs = partition_specs(abstract, rules)
-    shardings = jax.tree.map(lambda s: NamedSharding(init_mesh, s), specs,
-                             is_leaf=lambda s: isinstance(s, P))
+    shardings = jax.tree.map(
+      lambda s: NamedSharding(init_mesh, s),
+      specs,
+      is_leaf=lambda s: isinstance(s, P),
+    )
     variables = strip_boxes(jax.jit(init_fn, out_shardings=shardings)(*args))
   if init_mesh is not mesh:
     variables = jax.tree.map(
-        lambda v, s: jax.device_put(v, NamedSharding(mesh, s)), variables,
-        specs, is_leaf=lambda s: isinstance(s, P))
+      lambda v, s: jax.device_put(v, NamedSharding(mesh, s)),
+      variables,
+      specs,
+      is_leaf=lambda s: isinstance(s, P),
+    )
   return variables

@@ -157,8 +157,9 @@ def canonical_state_dtype(state_dtype) -> Optional[str]:
   except TypeError:
     name = None
   if name not in STATE_DTYPES:
-    raise ValueError(f"state_dtype={state_dtype!r} must be None or one of "
-                     f"{STATE_DTYPES}")
+    raise ValueError(
+      f"state_dtype={state_dtype!r} must be None or one of {STATE_DTYPES}"
+    )
   return name
 
 
@@ -171,8 +172,9 @@ def int8_codes(codes: jax.Array) -> jax.Array:
   if codes.dtype == jnp.int8:
     return codes
   if codes.dtype != CODES_CONTAINER:
-    raise TypeError(f"codes of dtype {codes.dtype} are neither int8 nor "
-                    f"{CODES_CONTAINER}")
+    raise TypeError(
+      f"codes of dtype {codes.dtype} are neither int8 nor {CODES_CONTAINER}"
+    )
   return lax.bitcast_convert_type(codes, jnp.int8)
 
 
@@ -190,23 +192,30 @@ def _codes_like(codes_int8, like):
 def codes_as_int8(state):
   """``state`` with every quantized leaf's codes viewed as int8."""
   return jax.tree.map(
-      lambda q: q._replace(codes=int8_codes(q.codes)) if is_quantized(q) else q,
-      state, is_leaf=is_quantized)
+    lambda q: q._replace(codes=int8_codes(q.codes)) if is_quantized(q) else q,
+    state,
+    is_leaf=is_quantized,
+  )
 
 
 def codes_as_container(state):
   """Inverse of :func:`codes_as_int8`."""
   return jax.tree.map(
-      lambda q: (q._replace(codes=container_codes(q.codes))
-                 if is_quantized(q) else q),
-      state, is_leaf=is_quantized)
+    lambda q: (
+      q._replace(codes=container_codes(q.codes)) if is_quantized(q) else q
+    ),
+    state,
+    is_leaf=is_quantized,
+  )
 
 
 def scale_leaf_mask(state) -> list[bool]:
   """For each leaf of ``jax.tree.leaves(state)``: is it a block scale?"""
   marks = jax.tree.map(
-      lambda q: type(q)(codes=False, scale=True) if is_quantized(q) else False,
-      state, is_leaf=is_quantized)
+    lambda q: type(q)(codes=False, scale=True) if is_quantized(q) else False,
+    state,
+    is_leaf=is_quantized,
+  )
   return list(jax.tree.leaves(marks))
 
 
@@ -235,8 +244,9 @@ def _expand(per_block, block, cols):
     return lax.broadcast_in_dim(per_block, (per_block.shape[0], cols), (0,))
   if per_block.shape[1] == 1:
     return per_block
-  return jnp.repeat(per_block, block, axis=1,
-                    total_repeat_length=per_block.shape[1] * block)[:, :cols]
+  return jnp.repeat(
+    per_block, block, axis=1, total_repeat_length=per_block.shape[1] * block
+  )[:, :cols]
 
 
 def _pad_cols(x, block):
@@ -257,9 +267,11 @@ def _corrected_round(x, s, estimate, square: bool):
   from an ``estimate`` within one of it, using correctly rounded multiplies
   and comparisons only: with ``t(q) = (q + 0.5) * s`` (squared when
   ``square``), ``q`` moves up if ``x >= t(q)`` and down if ``x < t(q - 1)``."""
+
   def threshold(q):
     t = (q + 0.5) * s
     return t * t if square else t
+
   up = (x >= threshold(estimate)).astype(jnp.float32)
   down = (x < threshold(estimate - 1.0)).astype(jnp.float32)
   return estimate + up - down
@@ -277,8 +289,14 @@ def _bf16_grid(x, offset: int):
   return lax.bitcast_convert_type(up, jnp.float32)
 
 
-def quantize(x: jax.Array, *, block: int = BLOCK_SIZE, sqrt: bool = False,
-             valid: Optional[jax.Array] = None, rows_1d: bool = False):
+def quantize(
+  x: jax.Array,
+  *,
+  block: int = BLOCK_SIZE,
+  sqrt: bool = False,
+  valid: Optional[jax.Array] = None,
+  rows_1d: bool = False,
+):
   """Blockwise absmax int8 quantization of ``x`` along its last axis.
 
   Args:
@@ -296,8 +314,10 @@ def quantize(x: jax.Array, *, block: int = BLOCK_SIZE, sqrt: bool = False,
   """
   _check_2d(x, "quantize's input")
   if rows_1d and x.shape[1] != block:
-    raise ValueError(f"rows_1d quantizes one block per row: {x.shape=} must "
-                     f"have {block} columns")
+    raise ValueError(
+      f"rows_1d quantizes one block per row: {x.shape=} must "
+      f"have {block} columns"
+    )
   x = x.astype(jnp.float32)
   if valid is not None:
     x = jnp.where(valid, x, 0.0)
@@ -354,8 +374,13 @@ def _quantize_sqrt(mag, vmax, block):
   return scale, jnp.where(s > 0, levels, 0.0)
 
 
-def dequantize(codes: jax.Array, scale: jax.Array, *, block: int = BLOCK_SIZE,
-               sqrt: bool = False) -> jax.Array:
+def dequantize(
+  codes: jax.Array,
+  scale: jax.Array,
+  *,
+  block: int = BLOCK_SIZE,
+  sqrt: bool = False,
+) -> jax.Array:
   """float32 values of ``(codes, scale)``: one rounded multiply each (the
   sqrt encoding squares ``(codes + 127) * scale``). A ``[R]`` scale is one
   block per row."""
@@ -397,8 +422,9 @@ def load_state(state):
   return jax.tree.map(load, state, is_leaf=is_quantized)
 
 
-def update(new: jax.Array, old, ok: jax.Array,
-           valid: Optional[jax.Array] = None):
+def update(
+  new: jax.Array, old, ok: jax.Array, valid: Optional[jax.Array] = None
+):
   """The stored form of a step's new float32 state leaf ``new``.
 
   Elements where ``ok`` is false keep their old value: bit for bit for
@@ -415,20 +441,24 @@ def update(new: jax.Array, old, ok: jax.Array,
   codes, scale = quantize(values, sqrt=sqrt, valid=valid, rows_1d=rows_1d)
   touched = ok if valid is None else jnp.logical_and(ok, valid)
   touched = jnp.broadcast_to(touched, values.shape).astype(jnp.float32)
-  changed = _blocks_max(_pad_cols(touched, BLOCK_SIZE), BLOCK_SIZE,
-                        rows_1d) > 0.0
+  changed = (
+    _blocks_max(_pad_cols(touched, BLOCK_SIZE), BLOCK_SIZE, rows_1d) > 0.0
+  )
   # Selected as int32: Mosaic GPU has no pointwise ops on 8-bit vectors.
-  codes = jnp.where(_expand(changed, BLOCK_SIZE, codes.shape[1]),
-                    codes.astype(jnp.int32),
-                    int8_codes(old.codes).astype(jnp.int32)).astype(jnp.int8)
+  codes = jnp.where(
+    _expand(changed, BLOCK_SIZE, codes.shape[1]),
+    codes.astype(jnp.int32),
+    int8_codes(old.codes).astype(jnp.int32),
+  ).astype(jnp.int8)
   scale = jnp.where(changed, scale, old.scale)
   return type(old)(codes=_codes_like(codes, old.codes), scale=scale)
 
 
 def update_state(new_state, old_state, ok, valid=None):
   """:func:`update` over a state NamedTuple (quantized nodes whole)."""
-  return jax.tree.map(lambda n, o: update(n, o, ok, valid), new_state,
-                      old_state)
+  return jax.tree.map(
+    lambda n, o: update(n, o, ok, valid), new_state, old_state
+  )
 
 
 # ---------------------------------------------------------------------------
@@ -461,8 +491,9 @@ def layer_id_from_path(path: Sequence[str]) -> int:
   return zlib.crc32("/".join(map(str, path)).encode()) & 0xFFFFFFFF
 
 
-def random_bits(key: int, step: jax.Array, rows: jax.Array,
-                cols: jax.Array) -> jax.Array:
+def random_bits(
+  key: int, step: jax.Array, rows: jax.Array, cols: jax.Array
+) -> jax.Array:
   """uint32 random bits for elements ``(rows, cols)`` (broadcastable int
   arrays of global indices) at ``step`` (an integer scalar)."""
   step_key = mix32(jnp.uint32(key) ^ jnp.asarray(step).astype(jnp.uint32))
@@ -481,9 +512,16 @@ def stochastic_round_bf16(x: jax.Array, bits: jax.Array) -> jax.Array:
   return jnp.where(jnp.isfinite(x), out, x).astype(jnp.bfloat16)
 
 
-def round_weights(new: jax.Array, dtype, *, rounding: str, seed: int,
-                  layer_id: int, step: Optional[jax.Array],
-                  indices: Optional[tuple] = None) -> jax.Array:
+def round_weights(
+  new: jax.Array,
+  dtype,
+  *,
+  rounding: str,
+  seed: int,
+  layer_id: int,
+  step: Optional[jax.Array],
+  indices: Optional[tuple] = None,
+) -> jax.Array:
   """Float32 weights to their storage ``dtype`` with ``rounding``.
 
   ``indices``: ``(rows, cols)`` global element indices broadcastable to
@@ -493,14 +531,18 @@ def round_weights(new: jax.Array, dtype, *, rounding: str, seed: int,
   if rounding == "nearest" or dtype == jnp.float32:
     return new.astype(dtype)
   if rounding != "stochastic":
-    raise ValueError(f"weight_rounding={rounding!r} must be one of "
-                     f"{WEIGHT_ROUNDINGS}")
+    raise ValueError(
+      f"weight_rounding={rounding!r} must be one of {WEIGHT_ROUNDINGS}"
+    )
   if dtype != jnp.bfloat16:
-    raise ValueError(f"stochastic rounding writes bfloat16 (or float32) "
-                     f"weights, not {dtype}")
+    raise ValueError(
+      f"stochastic rounding writes bfloat16 (or float32) weights, not {dtype}"
+    )
   if indices is None:
     if new.ndim != 2:
-      raise ValueError(f"stochastic rounding needs a 2-D kernel, got {new.shape}")
+      raise ValueError(
+        f"stochastic rounding needs a 2-D kernel, got {new.shape}"
+      )
     rows = lax.broadcasted_iota(jnp.int32, (new.shape[0], 1), 0)
     cols = lax.broadcasted_iota(jnp.int32, (1, new.shape[1]), 1)
   else:
@@ -512,13 +554,25 @@ def round_weights(new: jax.Array, dtype, *, rounding: str, seed: int,
 
 def state_bytes(state) -> int:
   """Bytes of a state tree as stored (codes, scales, float leaves)."""
-  return sum(int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize
-             for x in jax.tree.leaves(state))
+  return sum(
+    int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize
+    for x in jax.tree.leaves(state)
+  )
 
 
 __all__ = [
-    "BLOCK_SIZE", "QuantizedBlocks", "QuantizedSqrtBlocks", "quantize",
-    "dequantize", "int8_codes", "container_codes", "stochastic_round_bf16",
-    "random_bits", "round_weights", "layer_id_from_path", "store", "load",
-    "update",
+  "BLOCK_SIZE",
+  "QuantizedBlocks",
+  "QuantizedSqrtBlocks",
+  "quantize",
+  "dequantize",
+  "int8_codes",
+  "container_codes",
+  "stochastic_round_bf16",
+  "random_bits",
+  "round_weights",
+  "layer_id_from_path",
+  "store",
+  "load",
+  "update",
 ]

@@ -34,30 +34,32 @@ import dataclasses
 import warnings
 from typing import Any, Callable, Mapping, NamedTuple
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
-import flax.linen as nn
 from flax.core import FrozenDict
+from jax import lax
 
 from forge_jax import layer_context
 from forge_jax.linen import FORGE_COLLECTION, ForgeMemoryWarning
 
 
-def scan(target: type[nn.Module],
-         variable_axes: Mapping[Any, int] = FrozenDict(),
-         variable_broadcast: Any = False,
-         variable_carry: Any = False,
-         split_rngs: Mapping[Any, bool] = FrozenDict(),
-         in_axes: Any = 0,
-         out_axes: Any = 0,
-         length: int | None = None,
-         reverse: bool = False,
-         unroll: int = 1,
-         data_transform: Callable | None = None,
-         metadata_params: Mapping[Any, Any] | None = None,
-         methods: Any = None) -> type[nn.Module]:
+def scan(
+  target: type[nn.Module],
+  variable_axes: Mapping[Any, int] = FrozenDict(),
+  variable_broadcast: Any = False,
+  variable_carry: Any = False,
+  split_rngs: Mapping[Any, bool] = FrozenDict(),
+  in_axes: Any = 0,
+  out_axes: Any = 0,
+  length: int | None = None,
+  reverse: bool = False,
+  unroll: int = 1,
+  data_transform: Callable | None = None,
+  metadata_params: Mapping[Any, Any] | None = None,
+  methods: Any = None,
+) -> type[nn.Module]:
   """``nn.scan`` over layers whose ForgeDense variables update in place.
 
   Replace ``nn.scan`` with ``fj.scan`` and keep the arguments::
@@ -85,40 +87,73 @@ def scan(target: type[nn.Module],
       ``data_transform``, ``methods``, a per-layer ``in_axes``, an axis
       other than 0, no ``length``), naming it.
   """
-  _check_arguments(variable_axes, variable_broadcast, variable_carry,
-                   reverse, data_transform, methods, length, out_axes)
-  scanned = nn.scan(target, variable_axes=variable_axes,
-                    split_rngs=split_rngs, in_axes=in_axes,
-                    out_axes=out_axes, length=length, unroll=unroll,
-                    metadata_params=dict(metadata_params or {}))
+  _check_arguments(
+    variable_axes,
+    variable_broadcast,
+    variable_carry,
+    reverse,
+    data_transform,
+    methods,
+    length,
+    out_axes,
+  )
+  scanned = nn.scan(
+    target,
+    variable_axes=variable_axes,
+    split_rngs=split_rngs,
+    in_axes=in_axes,
+    out_axes=out_axes,
+    length=length,
+    unroll=unroll,
+    metadata_params=dict(metadata_params or {}),
+  )
   rng_splits = dict(split_rngs)
 
   class ForgeScan(scanned):  # pylint: disable=missing-class-docstring
     def __call__(self, carry, *args):
       _check_in_axes(in_axes, len(args))
-      mutable = [c for c in self.variables if c not in ("params", FORGE_COLLECTION)
-                 and self.is_mutable_collection(c)]
+      mutable = [
+        c
+        for c in self.variables
+        if c not in ("params", FORGE_COLLECTION)
+        and self.is_mutable_collection(c)
+      ]
       if self.is_initializing() or mutable:
         if mutable and not self.is_initializing():
           warnings.warn(
-              f"fj.scan {'/'.join(self.path)!r} runs as nn.scan while "
-              f"{mutable} is mutable: correct, without FORGE's in-place "
-              "backward.", ForgeMemoryWarning, stacklevel=2)
+            f"fj.scan {'/'.join(self.path)!r} runs as nn.scan while "
+            f"{mutable} is mutable: correct, without FORGE's in-place "
+            "backward.",
+            ForgeMemoryWarning,
+            stacklevel=2,
+          )
         # nn.scan's layers have their whole paths: no prefix.
         with layer_context.stacking(None, length, ()):
           return super().__call__(carry, *args)
       context = layer_context.stacked_layer()
       if context is not None and context.index is not None:
         raise NotImplementedError(
-            f"fj.scan({target.__name__}) inside the block of another "
-            "fj.scan: the outer backward hands its ForgeDense variables over "
-            "as whole stacks")
-      fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(target)
-                if f.init and f.name not in ("parent", "name")}
+          f"fj.scan({target.__name__}) inside the block of another "
+          "fj.scan: the outer backward hands its ForgeDense variables over "
+          "as whole stacks"
+        )
+      fields = {
+        f.name: getattr(self, f.name)
+        for f in dataclasses.fields(target)
+        if f.init and f.name not in ("parent", "name")
+      }
       layer = target(**fields, parent=None)
       rngs = self._layer_rngs(rng_splits)
-      out = _scan_apply(layer, length, carry, dict(self.variables), rngs,
-                        tuple(args), tuple(self.path), unroll)
+      out = _scan_apply(
+        layer,
+        length,
+        carry,
+        dict(self.variables),
+        rngs,
+        tuple(args),
+        tuple(self.path),
+        unroll,
+      )
       return out, None
 
     def _layer_rngs(self, splits):
@@ -141,36 +176,58 @@ def scan(target: type[nn.Module],
   return ForgeScan
 
 
-def _check_arguments(variable_axes, variable_broadcast, variable_carry,
-                     reverse, data_transform, methods, length, out_axes):
-  refused = {"variable_broadcast": variable_broadcast,
-             "variable_carry": variable_carry, "reverse": reverse,
-             "data_transform": data_transform, "methods": methods}
+def _check_arguments(
+  variable_axes,
+  variable_broadcast,
+  variable_carry,
+  reverse,
+  data_transform,
+  methods,
+  length,
+  out_axes,
+):
+  refused = {
+    "variable_broadcast": variable_broadcast,
+    "variable_carry": variable_carry,
+    "reverse": reverse,
+    "data_transform": data_transform,
+    "methods": methods,
+  }
   for name, value in refused.items():
     if value not in (False, None):
       raise ValueError(
-          f"fj.scan({name}={value!r}) is not supported: fj.scan stacks every "
-          "collection on a leading layer axis and steps the layers from the "
-          f"last to the first. Use nn.scan for a {name}.")
+        f"fj.scan({name}={value!r}) is not supported: fj.scan stacks every "
+        "collection on a leading layer axis and steps the layers from the "
+        f"last to the first. Use nn.scan for a {name}."
+      )
   if not isinstance(length, int) or length < 1:
-    raise ValueError(f"fj.scan(length={length!r}) must be the number of "
-                     "layers (a positive int)")
+    raise ValueError(
+      f"fj.scan(length={length!r}) must be the number of "
+      "layers (a positive int)"
+    )
   if any(axis != 0 for axis in dict(variable_axes).values()):
-    raise ValueError(f"fj.scan(variable_axes={dict(variable_axes)!r}): "
-                     "every collection must be stacked on axis 0")
+    raise ValueError(
+      f"fj.scan(variable_axes={dict(variable_axes)!r}): "
+      "every collection must be stacked on axis 0"
+    )
   if out_axes != 0:
-    raise ValueError(f"fj.scan(out_axes={out_axes!r}) is not supported: the "
-                     "block returns (carry, None)")
+    raise ValueError(
+      f"fj.scan(out_axes={out_axes!r}) is not supported: the "
+      "block returns (carry, None)"
+    )
 
 
 def _check_in_axes(in_axes, num_args):
-  axes = in_axes if isinstance(in_axes, (tuple, list)) else (in_axes,) * num_args
+  axes = (
+    in_axes if isinstance(in_axes, (tuple, list)) else (in_axes,) * num_args
+  )
   if len(axes) != num_args or any(a is not nn.broadcast for a in axes):
     raise ValueError(
-        f"fj.scan(in_axes={in_axes!r}) with {num_args} argument(s) after "
-        "the carry: every argument must be nn.broadcast (the same value for "
-        "every layer). Per-layer inputs are not supported: stack them in a "
-        "variable collection, or use nn.scan.")
+      f"fj.scan(in_axes={in_axes!r}) with {num_args} argument(s) after "
+      "the carry: every argument must be nn.broadcast (the same value for "
+      "every layer). Per-layer inputs are not supported: stack them in a "
+      "variable collection, or use nn.scan."
+    )
 
 
 def _split_forge(variables):
@@ -187,6 +244,7 @@ class _PullbackLayout(NamedTuple):
   ``int``, the leaf of ``(others[l], forge stacks, broadcast args)`` it is (the backward passes its own: the stacks with layers > l
   stepped), or None: a value saved per layer (stacked on the layer axis).
   """
+
   treedef: Any
   sources: tuple
 
@@ -198,36 +256,51 @@ def _zero_cotangent(value):
   return np.zeros(jnp.shape(value), jax.dtypes.float0)
 
 
-def _scan_apply(layer: nn.Module, length: int, carry, variables, rngs,
-                broadcast_args, path: tuple, unroll: int):
+def _scan_apply(
+  layer: nn.Module,
+  length: int,
+  carry,
+  variables,
+  rngs,
+  broadcast_args,
+  path: tuple,
+  unroll: int,
+):
   """``carry`` through ``length`` layers; a custom_vjp over the stacks."""
   split_rngs, broadcast_rngs = rngs
   # Keys travel as their raw data: integers, which custom_vjp and jax.vjp
   # give float0 cotangents.
   impls = {name: jax.random.key_impl(keys) for name, keys in split_rngs.items()}
-  split_data = {name: jax.random.key_data(keys)
-                for name, keys in split_rngs.items()}
+  split_data = {
+    name: jax.random.key_data(keys) for name, keys in split_rngs.items()
+  }
 
   def layer_fn(layer_variables, x, key_data, args):
-    keys = {name: jax.random.wrap_key_data(data, impl=impls[name])
-            for name, data in key_data.items()}
-    out, per_layer = layer.apply(layer_variables, x, *args,
-                                 rngs={**broadcast_rngs, **keys})
+    keys = {
+      name: jax.random.wrap_key_data(data, impl=impls[name])
+      for name, data in key_data.items()
+    }
+    out, per_layer = layer.apply(
+      layer_variables, x, *args, rngs={**broadcast_rngs, **keys}
+    )
     if per_layer is not None:
       raise ValueError(
-          f"fj.scan's block returned (carry, {type(per_layer).__name__}): it "
-          "must return (carry, None); per-layer outputs are not supported")
+        f"fj.scan's block returned (carry, {type(per_layer).__name__}): it "
+        "must return (carry, None); per-layer outputs are not supported"
+      )
     return out
 
   layout = []  # one _PullbackLayout, set when the forward's scan body traces
-  take = lambda index: lambda a: lax.dynamic_index_in_dim(a, index,
-                                                          keepdims=False)
+  take = lambda index: (
+    lambda a: lax.dynamic_index_in_dim(a, index, keepdims=False)
+  )
 
   @jax.custom_vjp
   def run(carry, variables, layer_rngs, args):
     def body(x, xs):
       layer_variables, keys = xs
       return layer_fn(layer_variables, x, keys, args), None
+
     with layer_context.stacking(None, length, path):
       out, _ = lax.scan(body, carry, (variables, layer_rngs), unroll=unroll)
     return out
@@ -238,25 +311,30 @@ def _scan_apply(layer: nn.Module, length: int, carry, variables, rngs,
     def body(x, xs):
       index, layer_others, keys = xs
       layer_vjp_fn = lambda others, forge, x, args: layer_fn(
-          {**others, FORGE_COLLECTION: forge}, x, keys, args)
+        {**others, FORGE_COLLECTION: forge}, x, keys, args
+      )
       with layer_context.stacking(index, length, path):
         out, pullback = jax.vjp(layer_vjp_fn, layer_others, forge, x, args)
       leaves, treedef = jax.tree.flatten(pullback)
-      at_hand = {id(leaf): i for i, leaf in enumerate(
-          jax.tree.leaves((layer_others, forge, args)))}
+      at_hand = {
+        id(leaf): i
+        for i, leaf in enumerate(jax.tree.leaves((layer_others, forge, args)))
+      }
       sources = tuple(at_hand.get(id(leaf)) for leaf in leaves)
       layout[:] = [_PullbackLayout(treedef, sources)]
-      return out, [leaf for leaf, source in zip(leaves, sources)
-                   if source is None]
+      return out, [
+        leaf for leaf, source in zip(leaves, sources) if source is None
+      ]
 
-    out, saved = lax.scan(body, carry, (jnp.arange(length), others,
-                                        layer_rngs), unroll=unroll)
+    out, saved = lax.scan(
+      body, carry, (jnp.arange(length), others, layer_rngs), unroll=unroll
+    )
     return out, (variables, saved, layer_rngs, args)
 
   def run_bwd(residuals, d_out):
     variables, saved, layer_rngs, args = residuals
     forge, others = _split_forge(variables)
-    (treedef, sources), = layout
+    ((treedef, sources),) = layout
 
     def body(i, loop_carry):
       d_x, forge_stack, others_grad, args_grad = loop_carry
@@ -264,29 +342,48 @@ def _scan_apply(layer: nn.Module, length: int, carry, variables, rngs,
       at = take(index)
       at_hand = jax.tree.leaves((jax.tree.map(at, others), forge_stack, args))
       saved_leaves = iter(saved)
-      leaves = [at(next(saved_leaves)) if source is None else at_hand[source]
-                for source in sources]
+      leaves = [
+        at(next(saved_leaves)) if source is None else at_hand[source]
+        for source in sources
+      ]
       with layer_context.stacking(index, length, path):
         d_others, forge_stack, d_x, d_args = jax.tree.unflatten(
-            treedef, leaves)(d_x)
+          treedef, leaves
+        )(d_x)
       put = lambda stack, value: lax.dynamic_update_index_in_dim(
-          stack, value, index, 0)
+        stack, value, index, 0
+      )
       others_grad = jax.tree.map(put, others_grad, d_others)
       args_grad = jax.tree.map(
-          lambda total, d: total + d if total.dtype != jax.dtypes.float0
-          else total, args_grad, d_args)
+        lambda total, d: (
+          total + d if total.dtype != jax.dtypes.float0 else total
+        ),
+        args_grad,
+        d_args,
+      )
       return d_x, forge_stack, others_grad, args_grad
 
     d_carry, new_forge, others_grad, args_grad = lax.fori_loop(
-        0, length, body,
-        (d_out, forge, jax.tree.map(jnp.zeros_like, others),
-         jax.tree.map(_zero_cotangent, args)), unroll=unroll)
+      0,
+      length,
+      body,
+      (
+        d_out,
+        forge,
+        jax.tree.map(jnp.zeros_like, others),
+        jax.tree.map(_zero_cotangent, args),
+      ),
+      unroll=unroll,
+    )
     d_variables = dict(others_grad)
     if forge:
       d_variables[FORGE_COLLECTION] = new_forge
-    return (d_carry, d_variables, jax.tree.map(_zero_cotangent, layer_rngs),
-            args_grad)
+    return (
+      d_carry,
+      d_variables,
+      jax.tree.map(_zero_cotangent, layer_rngs),
+      args_grad,
+    )
 
   run.defvjp(run_fwd, run_bwd)
   return run(carry, variables, split_data, broadcast_args)
-

@@ -19,13 +19,14 @@ from typing import Any, Callable, Mapping
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import struct
 from flax.training import train_state
 
 from forge_jax import layer_context
 from forge_jax.linen import FORGE_COLLECTION
-from forge_jax.optimizers import (WHOLE_GRADIENT_TRANSFORMATIONS,
-                                  transformation_names)
+from forge_jax.optimizers import (
+  WHOLE_GRADIENT_TRANSFORMATIONS,
+  transformation_names,
+)
 
 
 class TrainState(train_state.TrainState):
@@ -57,16 +58,20 @@ class TrainState(train_state.TrainState):
     return super().create(apply_fn=apply_fn, params=params, tx=tx, **kwargs)
 
   def apply_gradients(self, *, grads, **kwargs):
-    old = (self.params.get(FORGE_COLLECTION)
-           if isinstance(self.params, Mapping) else None)
+    old = (
+      self.params.get(FORGE_COLLECTION)
+      if isinstance(self.params, Mapping)
+      else None
+    )
     if not old:
       return super().apply_gradients(grads=grads, **kwargs)
     if FORGE_COLLECTION not in grads:
       raise ValueError(
-          f"grads has no {FORGE_COLLECTION!r} collection, so FORGE's layers "
-          "would train nothing: differentiate the loss with respect to all "
-          "of state.params (jax.grad(loss)(state.params)), not "
-          "state.params['params'] alone.")
+        f"grads has no {FORGE_COLLECTION!r} collection, so FORGE's layers "
+        "would train nothing: differentiate the loss with respect to all "
+        "of state.params (jax.grad(loss)(state.params)), not "
+        "state.params['params'] alone."
+      )
     check_layer_optimizers(self.tx, old)
     new, reached = install(old, grads[FORGE_COLLECTION])
     grads = {**grads, FORGE_COLLECTION: new}
@@ -111,13 +116,17 @@ def install(old, cotangents):
   new, reached = cotangents, {}
   for path, layer in _layers(old):
     written = _get(cotangents, path)
-    flags = (written["intact"] > 0)
+    flags = written["intact"] > 0
     reached["/".join(path)] = flags.astype(jnp.float32)
     if layer_context.last_event(path) == layer_context.BACKWARD:
       continue
     keep = lambda ct, value: jnp.where(
-        jnp.reshape(flags, jnp.shape(flags) + (1,) * (jnp.ndim(ct) - jnp.ndim(flags))),
-        ct, value)
+      jnp.reshape(
+        flags, jnp.shape(flags) + (1,) * (jnp.ndim(ct) - jnp.ndim(flags))
+      ),
+      ct,
+      value,
+    )
     new = _set(new, path, jax.tree.map(keep, written, dict(layer)))
   return new, reached
 
@@ -133,18 +142,20 @@ def check_transformation(tx):
   names = transformation_names(tx)
   if "MultiSteps" in names:
     raise ValueError(
-        "tx=optax.MultiSteps(...) cannot work with FORGE: the ForgeDense "
-        "layers update inside every backward pass and never store the "
-        "gradient it would accumulate, so the kernels would step every "
-        "micro-step and the rest every k-th. Use a larger micro-batch "
-        "instead: FORGE frees the gradient memory to make room for it.")
+      "tx=optax.MultiSteps(...) cannot work with FORGE: the ForgeDense "
+      "layers update inside every backward pass and never store the "
+      "gradient it would accumulate, so the kernels would step every "
+      "micro-step and the rest every k-th. Use a larger micro-batch "
+      "instead: FORGE frees the gradient memory to make room for it."
+    )
   whole = sorted(names.intersection(WHOLE_GRADIENT_TRANSFORMATIONS))
   if whole:
     raise ValueError(
-        f"tx holds {', '.join(whole)}, which needs the whole gradient; the "
-        "ForgeDense layers update inside the backward pass and their "
-        "gradients never reach tx, so it would act on the other parameters "
-        "only. Remove it from tx.")
+      f"tx holds {', '.join(whole)}, which needs the whole gradient; the "
+      "ForgeDense layers update inside the backward pass and their "
+      "gradients never reach tx, so it would act on the other parameters "
+      "only. Remove it from tx."
+    )
 
 
 @functools.lru_cache(maxsize=64)
@@ -176,7 +187,9 @@ def _steps_match(tx, reference) -> bool:
 def check_layer_optimizers(tx, collection):
   """Refuses a ``tx`` that is not the optimizer of the ForgeDense layers
   traced last (the parameters it trains would follow another rule)."""
-  optimizers = {layer_context.optimizer(path) for path, _ in _layers(collection)}
+  optimizers = {
+    layer_context.optimizer(path) for path, _ in _layers(collection)
+  }
   optimizers.discard(None)
   if not optimizers:
     return
@@ -188,6 +201,7 @@ def check_layer_optimizers(tx, collection):
     return
   names = ", ".join(sorted(repr(o) for o in optimizers))
   raise ValueError(
-      f"tx is not the optimizer of the ForgeDense layers ({names}): the "
-      "layers and the other parameters would train by different rules. "
-      "Pass tx=opt.to_optax() for the layers' optimizer opt.")
+    f"tx is not the optimizer of the ForgeDense layers ({names}): the "
+    "layers and the other parameters would train by different rules. "
+    "Pass tx=opt.to_optax() for the layers' optimizer opt."
+  )

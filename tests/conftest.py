@@ -54,15 +54,23 @@ COLL = fj.FORGE_COLLECTION  # '_overwrite_with_gradient'
 
 
 def pytest_addoption(parser):
-  parser.addoption("--run-slow", action="store_true", default=False,
-                   help="also run the tests marked slow")
+  parser.addoption(
+    "--run-slow",
+    action="store_true",
+    default=False,
+    help="also run the tests marked slow",
+  )
 
 
 def pytest_collection_modifyitems(config, items):
   skips = []
   if jax.default_backend() != "gpu":
-    skips.append(("gpu", pytest.mark.skip(
-        reason="needs a GPU (jax.default_backend() != 'gpu')")))
+    skips.append(
+      (
+        "gpu",
+        pytest.mark.skip(reason="needs a GPU (jax.default_backend() != 'gpu')"),
+      )
+    )
   if not config.getoption("--run-slow"):
     skips.append(("slow", pytest.mark.skip(reason="slow: needs --run-slow")))
   for item in items:
@@ -94,8 +102,12 @@ def pytest_runtest_makereport(item, call):
     seeds = [v for k, v in item.user_properties if k == "seed"]
     if seeds:
       report.sections.append(
-          ("seed", f"seed={seeds[0]} (FORGE_TEST_SEED="
-           f"{os.environ.get('FORGE_TEST_SEED', '0')})"))
+        (
+          "seed",
+          f"seed={seeds[0]} (FORGE_TEST_SEED="
+          f"{os.environ.get('FORGE_TEST_SEED', '0')})",
+        )
+      )
 
 
 # ---------------------------------------------------------------------------
@@ -106,7 +118,7 @@ class MLP(nn.Module):
   """``fc1 -> gelu -> fc2 -> ... -> fcN`` with ForgeDense or nn.Dense layers."""
 
   features: Sequence[int]
-  optimizer: Any = None          # None: nn.Dense layers (the reference)
+  optimizer: Any = None  # None: nn.Dense layers (the reference)
   implementation: str = "xla"
   use_bias: bool = True
 
@@ -116,9 +128,13 @@ class MLP(nn.Module):
       if self.optimizer is None:
         layer = nn.Dense(width, use_bias=self.use_bias, name=f"fc{i + 1}")
       else:
-        layer = fj.ForgeDense(width, optimizer=self.optimizer,
-                              implementation=self.implementation,
-                              use_bias=self.use_bias, name=f"fc{i + 1}")
+        layer = fj.ForgeDense(
+          width,
+          optimizer=self.optimizer,
+          implementation=self.implementation,
+          use_bias=self.use_bias,
+          name=f"fc{i + 1}",
+        )
       x = layer(x)
       if i + 1 < len(self.features):
         x = nn.gelu(x)
@@ -172,28 +188,36 @@ def host_copy(tree):
 
 @dataclasses.dataclass
 class StepRun:
-  states: list          # host copies of the TrainState after every step
-  losses: list          # host floats, one per step
-  traces: int           # how often the step function was traced
+  states: list  # host copies of the TrainState after every step
+  losses: list  # host floats, one per step
+  traces: int  # how often the step function was traced
   compiles_after_first: int  # backend compilations during steps 2..N
-  alias_bytes: int      # memory_analysis().alias_size_in_bytes of the step
+  alias_bytes: int  # memory_analysis().alias_size_in_bytes of the step
   donated_deleted: bool  # the first step's input kernel buffers were freed
-  final_state: Any      # the last (device) TrainState
+  final_state: Any  # the last (device) TrainState
 
 
-def make_train_step(counter: Optional[list] = None,
-                    loss: Callable = cross_entropy):
+def make_train_step(
+  counter: Optional[list] = None, loss: Callable = cross_entropy
+):
   def train_step(state, batch):
     if counter is not None:
       counter[0] += 1  # Python side effect: runs once per trace only
-    value, grads = jax.value_and_grad(
-        lambda p: loss(state.apply_fn, p, batch))(state.params)
+    value, grads = jax.value_and_grad(lambda p: loss(state.apply_fn, p, batch))(
+      state.params
+    )
     return state.apply_gradients(grads=grads), value
+
   return train_step
 
 
-def run_steps(model: nn.Module, variables, tx: optax.GradientTransformation,
-              batches, loss: Callable = cross_entropy) -> StepRun:
+def run_steps(
+  model: nn.Module,
+  variables,
+  tx: optax.GradientTransformation,
+  batches,
+  loss: Callable = cross_entropy,
+) -> StepRun:
   """``len(batches)`` steps of ``jax.jit(train_step, donate_argnums=0)``."""
   state = TrainState.create(apply_fn=model.apply, params=variables, tx=tx)
   traces = [0]
@@ -203,9 +227,11 @@ def run_steps(model: nn.Module, variables, tx: optax.GradientTransformation,
   compiled = train_step.lower(state, batches[0]).compile()
   alias_bytes = compiled.memory_analysis().alias_size_in_bytes
 
-  first_inputs = [leaf for layer in state.params.get(COLL, {}).values()
-                  for leaf in jax.tree.leaves((layer["kernel"],
-                                               layer["opt_state"]))]
+  first_inputs = [
+    leaf
+    for layer in state.params.get(COLL, {}).values()
+    for leaf in jax.tree.leaves((layer["kernel"], layer["opt_state"]))
+  ]
   states, losses = [], []
   compiles_after_first = 0
   for i, batch in enumerate(batches):
@@ -213,7 +239,8 @@ def run_steps(model: nn.Module, variables, tx: optax.GradientTransformation,
       state, value = train_step(state, batch)
       jax.block_until_ready(value)
       donated_deleted = bool(first_inputs) and all(
-          a.is_deleted() for a in first_inputs)
+        a.is_deleted() for a in first_inputs
+      )
     else:
       with count_backend_compiles() as compiles:
         state, value = train_step(state, batch)
@@ -221,10 +248,15 @@ def run_steps(model: nn.Module, variables, tx: optax.GradientTransformation,
       compiles_after_first += compiles[0]
     states.append(host_copy(state))
     losses.append(float(value))
-  return StepRun(states=states, losses=losses, traces=traces[0],
-                 compiles_after_first=compiles_after_first,
-                 alias_bytes=alias_bytes, donated_deleted=donated_deleted,
-                 final_state=state)
+  return StepRun(
+    states=states,
+    losses=losses,
+    traces=traces[0],
+    compiles_after_first=compiles_after_first,
+    alias_bytes=alias_bytes,
+    donated_deleted=donated_deleted,
+    final_state=state,
+  )
 
 
 def forge_bytes(variables) -> int:
@@ -253,7 +285,9 @@ def rel_err(actual, expected) -> float:
 
 
 def assert_rel_close(actual, expected, rtol, what=""):
-  assert np.all(np.isfinite(np.asarray(actual, np.float64))), f"{what}: non-finite"
+  assert np.all(np.isfinite(np.asarray(actual, np.float64))), (
+    f"{what}: non-finite"
+  )
   err = rel_err(actual, expected)
   assert err <= rtol, f"{what}: relative error {err:.3g} > {rtol:g}"
 
@@ -275,10 +309,13 @@ def assert_bitwise_equal(actual, expected, what=""):
 def assert_same_bits(actual, expected, what):
   """:func:`assert_bitwise_equal` on every leaf of two pytrees, each named by
   its path in ``expected``."""
-  names = [jax.tree_util.keystr(p) for p, _ in
-           jax.tree_util.tree_flatten_with_path(expected)[0]]
-  for name, a, e in zip(names, jax.tree.leaves(actual),
-                        jax.tree.leaves(expected)):
+  names = [
+    jax.tree_util.keystr(p)
+    for p, _ in jax.tree_util.tree_flatten_with_path(expected)[0]
+  ]
+  for name, a, e in zip(
+    names, jax.tree.leaves(actual), jax.tree.leaves(expected)
+  ):
     assert_bitwise_equal(np.atleast_1d(a), np.atleast_1d(e), f"{what} {name}")
 
 

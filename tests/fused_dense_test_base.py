@@ -53,10 +53,22 @@ import forge_jax as fj
 from forge_jax.ops import backends
 from forge_jax.ops.fused_dense import FusedDenseSpec
 
-from conftest import (COLL, MLP, assert_bitwise_equal, assert_rel_close,
-                      assert_same_bits, bits, forge_bytes, host_copy,
-                      make_batch, make_batches, poison, run_steps, seed_of,
-                      ulp_distance)
+from conftest import (
+  COLL,
+  MLP,
+  assert_bitwise_equal,
+  assert_rel_close,
+  assert_same_bits,
+  bits,
+  forge_bytes,
+  host_copy,
+  make_batch,
+  make_batches,
+  poison,
+  run_steps,
+  seed_of,
+  ulp_distance,
+)
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 
@@ -66,57 +78,92 @@ _SCHEDULE = optax.warmup_cosine_decay_schedule(0.0, 0.1, 2, 20)
 # bf16 weights by more than their ulp. RAdam runs at a count on each side of
 # its threshold (b2=0.9: un-rectified up to t=5, rectified from t=6).
 OPTIMIZERS = [
-    ("adam", fj.adam(0.05), 3),
-    ("adamw-schedule", fj.adamw(_SCHEDULE, weight_decay=optax.linear_schedule(
-        0.1, 0.0, 10)), 4),
-    ("nadam", fj.nadam(0.05, b1=0.8), 5),
-    ("nadamw", fj.nadamw(0.05, weight_decay=0.1), 2),
-    ("radam-unrectified", fj.radam(0.05, b2=0.9), 1),
-    ("radam-rectified", fj.radam(0.05, b2=0.9, nesterov=True), 9),
-    ("lion", fj.lion(0.05, weight_decay=0.1), 5),
-    ("rmsprop-centered-nesterov", fj.rmsprop(
-        0.05, centered=True, momentum=0.9, nesterov=True), 3),
-    ("rmsprop-bias-correction", fj.rmsprop(
-        0.05, bias_correction=True, eps_in_sqrt=False, initial_scale=0.5), 2),
-    ("adagrad", fj.adagrad(0.1), 6),
-    ("sgd", fj.sgd(0.1), 0),
-    ("sgd-nesterov", fj.sgd(0.1, momentum=0.9, nesterov=True), 7),
+  ("adam", fj.adam(0.05), 3),
+  (
+    "adamw-schedule",
+    fj.adamw(_SCHEDULE, weight_decay=optax.linear_schedule(0.1, 0.0, 10)),
+    4,
+  ),
+  ("nadam", fj.nadam(0.05, b1=0.8), 5),
+  ("nadamw", fj.nadamw(0.05, weight_decay=0.1), 2),
+  ("radam-unrectified", fj.radam(0.05, b2=0.9), 1),
+  ("radam-rectified", fj.radam(0.05, b2=0.9, nesterov=True), 9),
+  ("lion", fj.lion(0.05, weight_decay=0.1), 5),
+  (
+    "rmsprop-centered-nesterov",
+    fj.rmsprop(0.05, centered=True, momentum=0.9, nesterov=True),
+    3,
+  ),
+  (
+    "rmsprop-bias-correction",
+    fj.rmsprop(
+      0.05, bias_correction=True, eps_in_sqrt=False, initial_scale=0.5
+    ),
+    2,
+  ),
+  ("adagrad", fj.adagrad(0.1), 6),
+  ("sgd", fj.sgd(0.1), 0),
+  ("sgd-nesterov", fj.sgd(0.1, momentum=0.9, nesterov=True), 7),
 ]
 
 # (kernel dtype, state dtype, activation dtype).
-DTYPES = [(F32, F32, F32), (BF16, BF16, BF16), (F32, BF16, BF16),
-          (BF16, F32, F32)]
+DTYPES = [
+  (F32, F32, F32),
+  (BF16, BF16, BF16),
+  (F32, BF16, BF16),
+  (BF16, F32, F32),
+]
 
 # Optimizers whose zero-initialized state changes in every element on the
 # first step whenever dW != 0 (every state name: mu, nu, trace,
 # sum_of_squares), and whose kernel step is never below a float32 ulp.
 COVERAGE_OPTIMIZERS = [
-    ("adam", fj.adam(0.05)),
-    ("rmsprop-centered-momentum", fj.rmsprop(0.05, centered=True,
-                                             momentum=0.9)),
-    ("adagrad-zero-init", fj.adagrad(0.1, initial_accumulator_value=0.0)),
-    ("lion", fj.lion(0.05)),
+  ("adam", fj.adam(0.05)),
+  ("rmsprop-centered-momentum", fj.rmsprop(0.05, centered=True, momentum=0.9)),
+  ("adagrad-zero-init", fj.adagrad(0.1, initial_accumulator_value=0.0)),
+  ("lion", fj.lion(0.05)),
 ]
 
 NONFINITE_OPTIMIZERS = [
-    ("adamw", fj.adamw(0.05, weight_decay=0.1)),
-    ("lion", fj.lion(0.05)),
-    ("rmsprop-centered-momentum", fj.rmsprop(0.05, centered=True,
-                                             momentum=0.9)),
-    ("sgd", fj.sgd(0.1)),
+  ("adamw", fj.adamw(0.05, weight_decay=0.1)),
+  ("lion", fj.lion(0.05)),
+  ("rmsprop-centered-momentum", fj.rmsprop(0.05, centered=True, momentum=0.9)),
+  ("sgd", fj.sgd(0.1)),
 ]
 
 # (name, optimizer); every one with int8 states and stochastic rounding.
 LOWP_OPTIMIZERS = [
-    ("adamw", fj.adamw(0.05, weight_decay=0.1, state_dtype="int8",
-                       weight_rounding="stochastic", rounding_seed=11)),
-    ("lion", fj.lion(0.05, state_dtype="int8", weight_rounding="stochastic")),
-    ("sgd-nesterov", fj.sgd(0.1, momentum=0.9, nesterov=True,
-                            state_dtype="int8", weight_rounding="stochastic")),
-    ("adagrad", fj.adagrad(0.1, state_dtype="int8",
-                           weight_rounding="stochastic")),
-    ("rmsprop-momentum", fj.rmsprop(0.05, momentum=0.9, state_dtype="int8",
-                                    weight_rounding="stochastic")),
+  (
+    "adamw",
+    fj.adamw(
+      0.05,
+      weight_decay=0.1,
+      state_dtype="int8",
+      weight_rounding="stochastic",
+      rounding_seed=11,
+    ),
+  ),
+  ("lion", fj.lion(0.05, state_dtype="int8", weight_rounding="stochastic")),
+  (
+    "sgd-nesterov",
+    fj.sgd(
+      0.1,
+      momentum=0.9,
+      nesterov=True,
+      state_dtype="int8",
+      weight_rounding="stochastic",
+    ),
+  ),
+  (
+    "adagrad",
+    fj.adagrad(0.1, state_dtype="int8", weight_rounding="stochastic"),
+  ),
+  (
+    "rmsprop-momentum",
+    fj.rmsprop(
+      0.05, momentum=0.9, state_dtype="int8", weight_rounding="stochastic"
+    ),
+  ),
 ]
 
 
@@ -133,16 +180,17 @@ LOWP_OPTIMIZERS = [
 # relative to the leaf's norm.
 
 STEPS = 8
-FEATURES = (16, 10)   # two ForgeDense layers: fc1 (D->16), gelu, fc2 (16->10)
+FEATURES = (16, 10)  # two ForgeDense layers: fc1 (D->16), gelu, fc2 (16->10)
 CLASSES = FEATURES[-1]
 RTOL = 1e-6
-RANK3 = (2, 5, 12)    # [batch, sequence, features]
+RANK3 = (2, 5, 12)  # [batch, sequence, features]
 RANK2 = (10, 12)
 
 # Schedules are shared objects, so FORGE and optax receive the very same ones.
 COSINE = optax.cosine_decay_schedule(3e-2, decay_steps=10)
-WARMUP = optax.warmup_cosine_decay_schedule(0.0, 3e-2, warmup_steps=3,
-                                            decay_steps=10)
+WARMUP = optax.warmup_cosine_decay_schedule(
+  0.0, 3e-2, warmup_steps=3, decay_steps=10
+)
 WD_SCHEDULE = optax.linear_schedule(0.2, 0.0, transition_steps=8)
 
 # bfloat16 optimizer state (mu_dtype / accumulator_dtype) with float32
@@ -162,6 +210,7 @@ def _kernels_only(params):
 
 class OptaxCase(NamedTuple):
   """``fj.<name>(**kwargs)`` and ``optax.<name>(**kwargs)`` on ``shape``."""
+
   id: str
   name: str
   kwargs: dict
@@ -173,68 +222,107 @@ class OptaxCase(NamedTuple):
 
 
 def _row(name, shape=RANK3, core=False, **kwargs):
-  label = ",".join(f"{k}={getattr(v, '__name__', v)}" for k, v in kwargs.items())
+  label = ",".join(
+    f"{k}={getattr(v, '__name__', v)}" for k, v in kwargs.items()
+  )
   label = label.replace("learning_rate=", "lr=")
   return OptaxCase(f"{name}({label})-r{len(shape)}", name, kwargs, shape, core)
 
 
 OPTAX_CASES = [
-    # Adam family.
-    _row("adam", learning_rate=1e-2),
-    _row("adam", RANK2, learning_rate=1e-2, b1=0.8, b2=0.95, eps_root=1e-8),
-    _row("adam", learning_rate=COSINE, eps=1e-6),
-    _row("adam", RANK2, learning_rate=1e-2, nesterov=True),
-    _row("adamw", learning_rate=1e-2, weight_decay=0.1),
-    _row("adamw", RANK2, learning_rate=COSINE, weight_decay=0.1),
-    _row("adamw", learning_rate=WARMUP, weight_decay=WD_SCHEDULE, core=True),
-    _row("adamw", RANK2, learning_rate=1e-2, weight_decay=0.1,
-         mask=_kernels_only),
-    _row("adamw", learning_rate=1e-2, weight_decay=0.0),
-    _row("nadam", learning_rate=1e-2),
-    _row("nadamw", RANK2, learning_rate=COSINE, weight_decay=0.1),
-    # RAdam: rho_t crosses the threshold inside the 8 steps, so both the
-    # un-rectified (plain momentum) and the rectified branch run (checked).
-    _row("radam", learning_rate=1e-2, b2=0.9),
-    _row("radam", RANK2, learning_rate=1e-2, threshold=4.5),
-    _row("radam", learning_rate=1e-2, b2=0.9, nesterov=True),
-    # Lion. Sign-based, so a different summation order of dW (kernels) could
-    # flip sign(u) where (1 - b1) g + b1 m is within rounding of zero and
-    # move such an element by 2 lr. Not observed: with continuous random data
-    # that needs |(1-b1) g + b1 m| ~ 1e-7 |g|, so these rows pass at 1e-6
-    # with no loosening (and exactly where the token count fits one slab).
-    _row("lion", learning_rate=1e-3),
-    _row("lion", RANK2, learning_rate=3e-3, b1=0.95, b2=0.98, weight_decay=0.1,
-         core=True),
-    _row("lion", learning_rate=COSINE, weight_decay=0.0),
-    # RMSprop.
-    _row("rmsprop", learning_rate=1e-2),
-    _row("rmsprop", RANK2, learning_rate=1e-2, centered=True),
-    _row("rmsprop", learning_rate=1e-2, momentum=0.9),
-    _row("rmsprop", RANK2, learning_rate=1e-2, momentum=0.9, nesterov=True),
-    _row("rmsprop", learning_rate=1e-2, eps_in_sqrt=False),
-    _row("rmsprop", RANK2, learning_rate=1e-2, bias_correction=True),
-    _row("rmsprop", learning_rate=1e-2, initial_scale=1.0),
-    _row("rmsprop", RANK2, learning_rate=WARMUP, decay=0.8, centered=True,
-         momentum=0.5, nesterov=True, eps_in_sqrt=False, core=True),
-    _row("rmsprop", learning_rate=1e-2, bias_correction=True, momentum=0.9,
-         initial_scale=0.5),
-    # AdaGrad.
-    _row("adagrad", learning_rate=1e-1),
-    _row("adagrad", RANK2, learning_rate=1e-1, initial_accumulator_value=0.0,
-         eps=1e-10),
-    _row("adagrad", learning_rate=COSINE, core=True),
-    # SGD.
-    _row("sgd", learning_rate=1e-1),
-    _row("sgd", RANK2, learning_rate=1e-1, momentum=0.9),
-    _row("sgd", learning_rate=1e-1, momentum=0.9, nesterov=True, core=True),
-    _row("sgd", RANK2, learning_rate=WARMUP, momentum=0.5,
-         accumulator_dtype=jnp.float32),
-    _row("sgd", learning_rate=COSINE),
-    # bfloat16 optimizer state: see BF16_STATE_RTOL above.
-    _row("adam", learning_rate=1e-2, mu_dtype=jnp.bfloat16, core=True),
-    _row("sgd", RANK2, learning_rate=1e-1, momentum=0.9,
-         accumulator_dtype=jnp.bfloat16),
-    _row("lion", learning_rate=1e-3, mu_dtype=jnp.bfloat16),
+  # Adam family.
+  _row("adam", learning_rate=1e-2),
+  _row("adam", RANK2, learning_rate=1e-2, b1=0.8, b2=0.95, eps_root=1e-8),
+  _row("adam", learning_rate=COSINE, eps=1e-6),
+  _row("adam", RANK2, learning_rate=1e-2, nesterov=True),
+  _row("adamw", learning_rate=1e-2, weight_decay=0.1),
+  _row("adamw", RANK2, learning_rate=COSINE, weight_decay=0.1),
+  _row("adamw", learning_rate=WARMUP, weight_decay=WD_SCHEDULE, core=True),
+  _row(
+    "adamw", RANK2, learning_rate=1e-2, weight_decay=0.1, mask=_kernels_only
+  ),
+  _row("adamw", learning_rate=1e-2, weight_decay=0.0),
+  _row("nadam", learning_rate=1e-2),
+  _row("nadamw", RANK2, learning_rate=COSINE, weight_decay=0.1),
+  # RAdam: rho_t crosses the threshold inside the 8 steps, so both the
+  # un-rectified (plain momentum) and the rectified branch run (checked).
+  _row("radam", learning_rate=1e-2, b2=0.9),
+  _row("radam", RANK2, learning_rate=1e-2, threshold=4.5),
+  _row("radam", learning_rate=1e-2, b2=0.9, nesterov=True),
+  # Lion. Sign-based, so a different summation order of dW (kernels) could
+  # flip sign(u) where (1 - b1) g + b1 m is within rounding of zero and
+  # move such an element by 2 lr. Not observed: with continuous random data
+  # that needs |(1-b1) g + b1 m| ~ 1e-7 |g|, so these rows pass at 1e-6
+  # with no loosening (and exactly where the token count fits one slab).
+  _row("lion", learning_rate=1e-3),
+  _row(
+    "lion",
+    RANK2,
+    learning_rate=3e-3,
+    b1=0.95,
+    b2=0.98,
+    weight_decay=0.1,
+    core=True,
+  ),
+  _row("lion", learning_rate=COSINE, weight_decay=0.0),
+  # RMSprop.
+  _row("rmsprop", learning_rate=1e-2),
+  _row("rmsprop", RANK2, learning_rate=1e-2, centered=True),
+  _row("rmsprop", learning_rate=1e-2, momentum=0.9),
+  _row("rmsprop", RANK2, learning_rate=1e-2, momentum=0.9, nesterov=True),
+  _row("rmsprop", learning_rate=1e-2, eps_in_sqrt=False),
+  _row("rmsprop", RANK2, learning_rate=1e-2, bias_correction=True),
+  _row("rmsprop", learning_rate=1e-2, initial_scale=1.0),
+  _row(
+    "rmsprop",
+    RANK2,
+    learning_rate=WARMUP,
+    decay=0.8,
+    centered=True,
+    momentum=0.5,
+    nesterov=True,
+    eps_in_sqrt=False,
+    core=True,
+  ),
+  _row(
+    "rmsprop",
+    learning_rate=1e-2,
+    bias_correction=True,
+    momentum=0.9,
+    initial_scale=0.5,
+  ),
+  # AdaGrad.
+  _row("adagrad", learning_rate=1e-1),
+  _row(
+    "adagrad",
+    RANK2,
+    learning_rate=1e-1,
+    initial_accumulator_value=0.0,
+    eps=1e-10,
+  ),
+  _row("adagrad", learning_rate=COSINE, core=True),
+  # SGD.
+  _row("sgd", learning_rate=1e-1),
+  _row("sgd", RANK2, learning_rate=1e-1, momentum=0.9),
+  _row("sgd", learning_rate=1e-1, momentum=0.9, nesterov=True, core=True),
+  _row(
+    "sgd",
+    RANK2,
+    learning_rate=WARMUP,
+    momentum=0.5,
+    accumulator_dtype=jnp.float32,
+  ),
+  _row("sgd", learning_rate=COSINE),
+  # bfloat16 optimizer state: see BF16_STATE_RTOL above.
+  _row("adam", learning_rate=1e-2, mu_dtype=jnp.bfloat16, core=True),
+  _row(
+    "sgd",
+    RANK2,
+    learning_rate=1e-1,
+    momentum=0.9,
+    accumulator_dtype=jnp.bfloat16,
+  ),
+  _row("lion", learning_rate=1e-3, mu_dtype=jnp.bfloat16),
 ]
 
 
@@ -279,20 +367,32 @@ def compare_states(step, forge, ref, rtol=RTOL):
     where = f"step {step + 1}, {layer}"
     forge_layer = forge.params[COLL][layer]
     ref_layer = ref.params["params"][layer]
-    assert_rel_close(forge_layer["kernel"], ref_layer["kernel"], rtol,
-                     f"{where} kernel")
-    assert_rel_close(forge.params["params"][layer]["bias"], ref_layer["bias"],
-                     rtol, f"{where} bias")
+    assert_rel_close(
+      forge_layer["kernel"], ref_layer["kernel"], rtol, f"{where} kernel"
+    )
+    assert_rel_close(
+      forge.params["params"][layer]["bias"],
+      ref_layer["bias"],
+      rtol,
+      f"{where} bias",
+    )
     fields = forge_state_fields(forge_layer)
     # Every per-parameter state optax keeps, FORGE keeps for the kernel.
-    assert set(fields) == set(ref_moments), (where, set(fields), set(ref_moments))
+    assert set(fields) == set(ref_moments), (
+      where,
+      set(fields),
+      set(ref_moments),
+    )
     for field, value in fields.items():
       expected = ref_moments[field][layer]["kernel"]
       assert value.dtype == expected.dtype, (where, field)
       assert_rel_close(value, expected, rtol, f"{where} kernel {field}")
-      assert_rel_close(bias_moments[field][layer]["bias"],
-                       ref_moments[field][layer]["bias"], rtol,
-                       f"{where} bias {field}")
+      assert_rel_close(
+        bias_moments[field][layer]["bias"],
+        ref_moments[field][layer]["bias"],
+        rtol,
+        f"{where} bias {field}",
+      )
     assert float(forge_layer["count"]) == step + 1, where
     assert float(forge_layer["skipped"]) == 0.0, where
     assert float(forge_layer["intact"]) == 1.0, where
@@ -303,8 +403,9 @@ def compare_states(step, forge, ref, rtol=RTOL):
 
 
 def dtype_id(combo):
-  return "k{}-s{}-x{}".format(*(jnp.dtype(d).name.replace("float", "f")
-                                for d in combo))
+  return "k{}-s{}-x{}".format(
+    *(jnp.dtype(d).name.replace("float", "f") for d in combo)
+  )
 
 
 def shape_id(shape):
@@ -328,12 +429,14 @@ def random_inputs(seed, opt, x_shape, n, dtypes, zero_state=False):
     for field, value in state._asdict().items():
       if value is None:
         fields[field] = None
-      elif field == "nu":          # >= mu**2 (RMSprop centered: var >= 0)
-        fields[field] = mu * mu + jax.random.uniform(next(keys), (k, n),
-                                                     minval=0.01, maxval=0.1)
+      elif field == "nu":  # >= mu**2 (RMSprop centered: var >= 0)
+        fields[field] = mu * mu + jax.random.uniform(
+          next(keys), (k, n), minval=0.01, maxval=0.1
+        )
       elif field == "sum_of_squares":
-        fields[field] = jax.random.uniform(next(keys), (k, n), minval=0.1,
-                                           maxval=1.0)
+        fields[field] = jax.random.uniform(
+          next(keys), (k, n), minval=0.1, maxval=1.0
+        )
       elif field == "mu":
         fields[field] = mu
       else:
@@ -361,8 +464,9 @@ def poison_tokens(a, spots, value=np.nan):
   return poison(a, where.reshape(a.shape), value)
 
 
-def run_reference(opt, x, dy, kernel, state, count, apply=None, *, step=None,
-                  layer_id=0):
+def run_reference(
+  opt, x, dy, kernel, state, count, apply=None, *, step=None, layer_id=0
+):
   """One step of the XLA reference (jitted, nothing donated), on the host."""
   spec = FusedDenseSpec(optimizer=opt, implementation="xla", layer_id=layer_id)
   if apply is None:
@@ -384,8 +488,7 @@ def assert_outputs_match(actual, expected, what):
     a, e = actual.astype(np.float64), expected.astype(np.float64)
     scale = np.abs(e).max()
     assert np.linalg.norm(a - e) <= 1e-5 * np.linalg.norm(e), what
-    np.testing.assert_allclose(a, e, rtol=1e-5, atol=1e-5 * scale,
-                               err_msg=what)
+    np.testing.assert_allclose(a, e, rtol=1e-5, atol=1e-5 * scale, err_msg=what)
   else:
     ulps = ulp_distance(actual, expected)
     # Near zero (a state that cancels, b1 m ~ -(1 - b1) g) the sum order's
@@ -394,15 +497,16 @@ def assert_outputs_match(actual, expected, what):
     far = ulps > 1
     error = np.abs(actual.astype(np.float64) - expected.astype(np.float64))
     scale = np.abs(expected.astype(np.float64)).max()
-    assert (error[far] <= 1e-5 * scale).all(), (
-        f"{what}: {ulps.max()} ulp apart")
+    assert (error[far] <= 1e-5 * scale).all(), f"{what}: {ulps.max()} ulp apart"
     assert (ulps == 0).mean() >= 0.99, (
-        f"{what}: {(ulps != 0).sum()} of {ulps.size} elements 1 ulp apart")
+      f"{what}: {(ulps != 0).sum()} of {ulps.size} elements 1 ulp apart"
+    )
 
 
 def assert_leaves_match(actual, expected, what):
-  names = ["kernel"] + [f"state.{f}" for f, v in expected[1]._asdict().items()
-                        if v is not None]
+  names = ["kernel"] + [
+    f"state.{f}" for f, v in expected[1]._asdict().items() if v is not None
+  ]
   leaves_a = jax.tree.leaves(actual[:2])
   leaves_e = jax.tree.leaves(expected[:2])
   assert len(leaves_a) == len(leaves_e) == len(names)
@@ -422,8 +526,11 @@ class Case(NamedTuple):
 def _spread(first: list, second: list) -> list:
   """Every ``(i, j)`` pair of the two lists, the first ``len(first)`` pairs
   taking each ``first[i]`` once and ``second`` in turn."""
-  pairs = [(i, (i + r) % len(second)) for r in range(len(second))
-           for i in range(len(first))]
+  pairs = [
+    (i, (i + r) % len(second))
+    for r in range(len(second))
+    for i in range(len(first))
+  ]
   return [(first[i], second[j], i, j) for i, j in pairs]
 
 
@@ -478,20 +585,38 @@ class FusedDenseTestBase:
     name = metafunc.function.__name__
     cases = getattr(self, name.replace("test_", "", 1) + "_cases")()
     default = self.default_cases.get(name, len(cases))
-    metafunc.parametrize("case", [
-        pytest.param(case, id=case.id,
-                     marks=[pytest.mark.slow] if i >= default else [])
-        for i, case in enumerate(cases)])
+    metafunc.parametrize(
+      "case",
+      [
+        pytest.param(
+          case, id=case.id, marks=[pytest.mark.slow] if i >= default else []
+        )
+        for i, case in enumerate(cases)
+      ],
+    )
 
   def dtypes(self, combo):
     kernel_dtype, state_dtype, act_dtype = combo
     return kernel_dtype, state_dtype, self.activation_dtype(act_dtype)
 
-  def run(self, opt, x, dy, kernel, state, count, *, config=None, apply=None,
-          step=None, layer_id=0):
+  def run(
+    self,
+    opt,
+    x,
+    dy,
+    kernel,
+    state,
+    count,
+    *,
+    config=None,
+    apply=None,
+    step=None,
+    layer_id=0,
+  ):
     """One donated, jitted step of the backend, on the host."""
-    spec = FusedDenseSpec(optimizer=opt, implementation=self.implementation,
-                          layer_id=layer_id)
+    spec = FusedDenseSpec(
+      optimizer=opt, implementation=self.implementation, layer_id=layer_id
+    )
     if apply is None:
       apply = jnp.all(jnp.isfinite(dy))
     scalars = opt.scalars(jnp.asarray(count, jnp.int32))
@@ -515,9 +640,12 @@ class FusedDenseTestBase:
       shape = self.shapes[(i + j) % len(self.shapes)]
       config = configs[j % len(configs)]
       dtypes = self.dtypes(combo)
-      cases.append(Case(
+      cases.append(
+        Case(
           f"{name}-{dtype_id(dtypes)}-{shape_id(shape)}-{config}",
-          (name, opt, count, dtypes, shape, config)))
+          (name, opt, count, dtypes, shape, config),
+        )
+      )
     return cases
 
   def test_matches_reference(self, case, seed):
@@ -535,8 +663,9 @@ class FusedDenseTestBase:
       rectify = float(opt.scalars(jnp.int32(count)).rectify)
       assert rectify == (1.0 if name == "radam-rectified" else 0.0)
     # Every state leaf took a step too (bf16 leaves: most elements).
-    for old_leaf, new_leaf in zip(jax.tree.leaves(old_state),
-                                  jax.tree.leaves(expected[1])):
+    for old_leaf, new_leaf in zip(
+      jax.tree.leaves(old_state), jax.tree.leaves(expected[1])
+    ):
       assert (bits(new_leaf) != bits(old_leaf)).mean() > 0.5
 
   def every_element_is_written_cases(self):
@@ -544,8 +673,9 @@ class FusedDenseTestBase:
     cases = []
     for (name, opt), shape, i, j in _spread(COVERAGE_OPTIMIZERS, self.shapes):
       config = configs[(i + j) % len(configs)]
-      cases.append(Case(f"{name}-{shape_id(shape)}-{config}",
-                        (opt, shape, config)))
+      cases.append(
+        Case(f"{name}-{shape_id(shape)}-{config}", (opt, shape, config))
+      )
     return cases
 
   def test_every_element_is_written(self, case, seed):
@@ -556,24 +686,29 @@ class FusedDenseTestBase:
     vacuously); then agreement with the reference proves every element was
     written, masked edges included."""
     opt, (x_shape, n), config = case.args
-    inputs = random_inputs(seed, opt, x_shape, n, self.dtypes((F32, F32, F32)),
-                           zero_state=True)
+    inputs = random_inputs(
+      seed, opt, x_shape, n, self.dtypes((F32, F32, F32)), zero_state=True
+    )
     old = host_copy(inputs[2:])
     expected = self.reference(opt, *inputs, 0)
     actual = self.run(opt, *inputs, 0, config=self.configs[config])
-    for old_leaf, new_leaf in zip(jax.tree.leaves(old),
-                                  jax.tree.leaves(expected[:2])):
+    for old_leaf, new_leaf in zip(
+      jax.tree.leaves(old), jax.tree.leaves(expected[:2])
+    ):
       assert (bits(old_leaf) != bits(new_leaf)).all(), "precondition"
-    for old_leaf, new_leaf in zip(jax.tree.leaves(old),
-                                  jax.tree.leaves(actual[:2])):
+    for old_leaf, new_leaf in zip(
+      jax.tree.leaves(old), jax.tree.leaves(actual[:2])
+    ):
       assert (bits(old_leaf) != bits(new_leaf)).all(), "element not written"
     assert_leaves_match(actual, expected, "")
     assert int(actual[2]) == int(expected[2]) == 0
 
   def poisoned_elements_stay_in_place_cases(self):
     shapes = self.shapes[:2]
-    return [Case(f"{shape_id(shape)}-{config}", (shape, config))
-            for config, shape, _, _ in _spread(list(self.configs), shapes)]
+    return [
+      Case(f"{shape_id(shape)}-{config}", (shape, config))
+      for config, shape, _, _ in _spread(list(self.configs), shapes)
+    ]
 
   def test_poisoned_elements_stay_in_place(self, case, seed):
     """NaN planted in the kernel and state inputs at tile corners and at the
@@ -582,8 +717,9 @@ class FusedDenseTestBase:
     and nowhere else: tiles and masked edges index the right elements."""
     (x_shape, n), config = case.args
     opt = fj.rmsprop(0.05, centered=True, momentum=0.9)
-    x, dy, kernel, state = random_inputs(seed, opt, x_shape, n,
-                                         self.dtypes((F32, F32, F32)))
+    x, dy, kernel, state = random_inputs(
+      seed, opt, x_shape, n, self.dtypes((F32, F32, F32))
+    )
     k = kernel.shape[0]
     rows = sorted({0, 15, 16, k - 1})
     cols = sorted({0, n - 1} | ({15, 16} & set(range(n))))
@@ -595,17 +731,21 @@ class FusedDenseTestBase:
     kernel = poison(kernel, kernel_spots)
     state = state._replace(trace=poison(state.trace, state_spots))
     expected = self.reference(opt, x, dy, kernel, state, 2)
-    actual = self.run(opt, x, dy, kernel, state, 2,
-                      config=self.configs[config])
+    actual = self.run(opt, x, dy, kernel, state, 2, config=self.configs[config])
 
     # A NaN kernel element gives a NaN new kernel there; a NaN trace gives a
     # NaN new trace and kernel (kernel + trace); nu and mu stay clean.
-    expected_nans = {"kernel": kernel_spots | state_spots, "nu": ~state_spots &
-                     state_spots, "mu": ~state_spots & state_spots,
-                     "trace": state_spots}
-    for name, a, e in zip(["kernel", "nu", "mu", "trace"],
-                          jax.tree.leaves(actual[:2]),
-                          jax.tree.leaves(expected[:2])):
+    expected_nans = {
+      "kernel": kernel_spots | state_spots,
+      "nu": ~state_spots & state_spots,
+      "mu": ~state_spots & state_spots,
+      "trace": state_spots,
+    }
+    for name, a, e in zip(
+      ["kernel", "nu", "mu", "trace"],
+      jax.tree.leaves(actual[:2]),
+      jax.tree.leaves(expected[:2]),
+    ):
       spots = expected_nans[name]
       np.testing.assert_array_equal(np.isnan(e), spots, err_msg=f"ref {name}")
       np.testing.assert_array_equal(np.isnan(a), spots, err_msg=name)
@@ -617,10 +757,10 @@ class FusedDenseTestBase:
 
   def nonfinite_gradient_elements_are_skipped_cases(self):
     combos = [(F32, F32, F32), (BF16, BF16, BF16)]
-    return [Case(f"{name}-{dtype_id(self.dtypes(combo))}",
-                 (opt, self.dtypes(combo)))
-            for (name, opt), combo, _, _ in _spread(NONFINITE_OPTIMIZERS,
-                                                    combos)]
+    return [
+      Case(f"{name}-{dtype_id(self.dtypes(combo))}", (opt, self.dtypes(combo)))
+      for (name, opt), combo, _, _ in _spread(NONFINITE_OPTIMIZERS, combos)
+    ]
 
   def test_nonfinite_gradient_elements_are_skipped(self, case, seed):
     """inf / nan in columns of x make whole rows of dW non-finite. Exactly
@@ -642,13 +782,14 @@ class FusedDenseTestBase:
     assert bad[[3, 17, k - 1]].all() and bad.sum() == 3 * n  # precondition
     old = host_copy((kernel, state))
     expected = self.reference(opt, x, dy, kernel, state, 3)
-    actual = self.run(opt, x, dy, kernel, state, 3,
-                      config=self.first_config())
+    actual = self.run(opt, x, dy, kernel, state, 3, config=self.first_config())
 
     assert int(actual[2]) == int(expected[2]) == int(bad.sum())
-    for old_leaf, a, e in zip(jax.tree.leaves(old),
-                              jax.tree.leaves(actual[:2]),
-                              jax.tree.leaves(expected[:2])):
+    for old_leaf, a, e in zip(
+      jax.tree.leaves(old),
+      jax.tree.leaves(actual[:2]),
+      jax.tree.leaves(expected[:2]),
+    ):
       assert_bitwise_equal(a[bad], old_leaf[bad], "kernel output, skipped")
       assert_bitwise_equal(e[bad], old_leaf[bad], "reference, skipped")
       assert_outputs_match(a[~bad], e[~bad], "updated elements")
@@ -656,24 +797,30 @@ class FusedDenseTestBase:
 
   def nonfinite_dy_skips_the_whole_layer_cases(self):
     combos = [(F32, F32, F32), (BF16, BF16, BF16)]
-    return [Case(f"{dtype_id(self.dtypes(combo))}-{where}",
-                 (where, self.dtypes(combo)))
-            for where, combo, _, _ in _spread(["dy-nan", "dy-inf"], combos)]
+    return [
+      Case(
+        f"{dtype_id(self.dtypes(combo))}-{where}", (where, self.dtypes(combo))
+      )
+      for where, combo, _, _ in _spread(["dy-nan", "dy-inf"], combos)
+    ]
 
   def test_nonfinite_dy_skips_the_whole_layer(self, case, seed):
     where, dtypes = case.args
     opt = fj.adamw(0.05, weight_decay=0.1)
     x_shape, n = self.shapes[0]
     x, dy, kernel, state = random_inputs(seed, opt, x_shape, n, dtypes)
-    dy = poison_tokens(dy, [(7, n - 1)],
-                       np.nan if where == "dy-nan" else np.inf)
+    dy = poison_tokens(
+      dy, [(7, n - 1)], np.nan if where == "dy-nan" else np.inf
+    )
     old = host_copy((kernel, state))
     expected = self.reference(opt, x, dy, kernel, state, 3)
     actual = self.run(opt, x, dy, kernel, state, 3, config=self.first_config())
     assert int(actual[2]) == int(expected[2]) == kernel.size
-    for old_leaf, a, e in zip(jax.tree.leaves(old),
-                              jax.tree.leaves(actual[:2]),
-                              jax.tree.leaves(expected[:2])):
+    for old_leaf, a, e in zip(
+      jax.tree.leaves(old),
+      jax.tree.leaves(actual[:2]),
+      jax.tree.leaves(expected[:2]),
+    ):
       assert_bitwise_equal(a, old_leaf, "kernel output")
       assert_bitwise_equal(e, old_leaf, "reference")
 
@@ -688,12 +835,14 @@ class FusedDenseTestBase:
     count."""
     opt = fj.adam(0.05)
     ((x_shape, n),) = case.args
-    x, dy, kernel, _ = random_inputs(seed, opt, x_shape, n,
-                                     self.dtypes((F32, F32, F32)))
+    x, dy, kernel, _ = random_inputs(
+      seed, opt, x_shape, n, self.dtypes((F32, F32, F32))
+    )
     variables = fj.init_variables(opt, kernel)._replace(count=jnp.float32(4.0))
     bias = jnp.zeros((n,), F32)
-    spec = fj.FusedDenseSpec(optimizer=opt, implementation=self.implementation,
-                             dtype=dy.dtype)
+    spec = fj.FusedDenseSpec(
+      optimizer=opt, implementation=self.implementation, dtype=dy.dtype
+    )
     _, vjp = jax.vjp(lambda v: fj.forge_dense(x, v, bias, spec), variables)
 
     (stepped,) = vjp(dy)
@@ -706,8 +855,9 @@ class FusedDenseTestBase:
     assert float(skipped.skipped) == kernel.size
     assert float(skipped.intact) == 1.0
     assert_bitwise_equal(skipped.kernel, kernel, "kernel")
-    for a, e in zip(jax.tree.leaves(skipped.opt_state),
-                    jax.tree.leaves(variables.opt_state)):
+    for a, e in zip(
+      jax.tree.leaves(skipped.opt_state), jax.tree.leaves(variables.opt_state)
+    ):
       assert_bitwise_equal(a, e, "state")
 
   # -------------------------------------------------------------------------
@@ -717,11 +867,14 @@ class FusedDenseTestBase:
     """One case per optimizer (cycling through shapes and configs), then
     AdamW on the remaining shape and config combinations."""
     combos = list(itertools.product(self.lowp_shapes, self.lowp_configs))
-    picks = [(opt, combos[i % len(combos)])
-             for i, opt in enumerate(LOWP_OPTIMIZERS)]
+    picks = [
+      (opt, combos[i % len(combos)]) for i, opt in enumerate(LOWP_OPTIMIZERS)
+    ]
     picks += [(LOWP_OPTIMIZERS[0], combo) for combo in combos[1:]]
-    return [Case(f"{name}-{shape_id(shape)}-{config}", (opt, shape, config))
-            for (name, opt), (shape, config) in picks]
+    return [
+      Case(f"{name}-{shape_id(shape)}-{config}", (opt, shape, config))
+      for (name, opt), (shape, config) in picks
+    ]
 
   def test_matches_reference_bits_bf16_sr_int8(self, case, seed):
     """Three consecutive steps (count 4, 5, 6), each from the reference's
@@ -729,21 +882,29 @@ class FusedDenseTestBase:
     the steps moved the weights and states."""
     opt, (x_shape, n), config = case.args
     k = x_shape[-1]
-    spec = FusedDenseSpec(optimizer=opt, implementation=self.implementation,
-                          layer_id=9)
-    kernel_step = jax.jit(self.backend(spec, self.lowp_configs[config]),
-                          donate_argnums=(2, 3))
+    spec = FusedDenseSpec(
+      optimizer=opt, implementation=self.implementation, layer_id=9
+    )
+    kernel_step = jax.jit(
+      self.backend(spec, self.lowp_configs[config]), donate_argnums=(2, 3)
+    )
     w = (0.5 * jax.random.normal(jax.random.key(seed), (k, n))).astype(BF16)
     state = opt.init(w)
     for count in (4, 5, 6):
-      x, dy = exact_inputs(seed + count, x_shape, n,
-                           self.activation_dtype(BF16 if count % 2 else F32))
+      x, dy = exact_inputs(
+        seed + count,
+        x_shape,
+        n,
+        self.activation_dtype(BF16 if count % 2 else F32),
+      )
       scalars, apply = opt.scalars(jnp.int32(count)), jnp.bool_(True)
-      expected = self.reference(opt, x, dy, w, state, count, apply,
-                                step=jnp.int32(count), layer_id=9)
+      expected = self.reference(
+        opt, x, dy, w, state, count, apply, step=jnp.int32(count), layer_id=9
+      )
       old = host_copy((w, state))
-      actual = host_copy(kernel_step(x, dy, w, state, scalars, apply,
-                                     jnp.int32(count)))
+      actual = host_copy(
+        kernel_step(x, dy, w, state, scalars, apply, jnp.int32(count))
+      )
       assert_same_bits(actual, expected, f"count={count}")
       assert (bits(expected[0]) != bits(old[0])).mean() > 0.3
       w, state = jax.tree.map(jnp.asarray, expected[:2])
@@ -762,13 +923,23 @@ class FusedDenseTestBase:
     (x_shape, n), config = case.args
     config = self.lowp_configs[config]
     x, dy = exact_inputs(seed, x_shape, n, self.activation_dtype(F32))
-    w = (0.5 * jax.random.normal(jax.random.key(seed),
-                                 (x_shape[-1], n))).astype(BF16)
+    w = (
+      0.5 * jax.random.normal(jax.random.key(seed), (x_shape[-1], n))
+    ).astype(BF16)
 
     def run(x, dy, w, state, apply, step):
-      return self.run(opt, x, dy, jnp.copy(w), jax.tree.map(jnp.copy, state),
-                      2, config=config, apply=apply, step=jnp.int32(step),
-                      layer_id=1)
+      return self.run(
+        opt,
+        x,
+        dy,
+        jnp.copy(w),
+        jax.tree.map(jnp.copy, state),
+        2,
+        config=config,
+        apply=apply,
+        step=jnp.int32(step),
+        layer_id=1,
+      )
 
     state = run(x, dy, w, opt.init(w), jnp.bool_(True), 1)[1]
     old = (np.asarray(w), state)
@@ -780,10 +951,12 @@ class FusedDenseTestBase:
     for new_leaf, old_leaf in ((out[1].mu, old[1].mu), (out[1].nu, old[1].nu)):
       assert_bitwise_equal(new_leaf.codes[17], old_leaf.codes[17], "codes")
       assert_bitwise_equal(new_leaf.scale[17], old_leaf.scale[17], "scales")
-      assert ((bits(new_leaf.codes[16]) != bits(old_leaf.codes[16])).any()
-              or (bits(new_leaf.scale[16]) != bits(old_leaf.scale[16])).any())
-    out = run(x, poison_tokens(dy, [(3, 0)], np.inf), w, state,
-              jnp.bool_(False), 2)
+      assert (bits(new_leaf.codes[16]) != bits(old_leaf.codes[16])).any() or (
+        bits(new_leaf.scale[16]) != bits(old_leaf.scale[16])
+      ).any()
+    out = run(
+      x, poison_tokens(dy, [(3, 0)], np.inf), w, state, jnp.bool_(False), 2
+    )
     assert int(out[2]) == w.size
     assert_same_bits(out[:2], old, "skipped layer")
 
@@ -799,8 +972,9 @@ class FusedDenseTestBase:
     name, kwargs, shape = case.args.name, case.args.kwargs, case.args.shape
     opt = getattr(fj, name)(**kwargs)
     ref_tx = getattr(optax, name)(**kwargs)  # the optax alias, built directly
-    forge_model = MLP(FEATURES, optimizer=opt,
-                      implementation=self.implementation)
+    forge_model = MLP(
+      FEATURES, optimizer=opt, implementation=self.implementation
+    )
     ref_model = MLP(FEATURES)
 
     x0, _ = make_batch(seed, shape, CLASSES)
@@ -808,15 +982,16 @@ class FusedDenseTestBase:
     forge_vars = forge_model.init(key, x0)
     ref_vars = ref_model.init(key, x0)
     for layer in ref_vars["params"]:  # same initial weights, loaded by path
-      np.testing.assert_array_equal(forge_vars[COLL][layer]["kernel"],
-                                    ref_vars["params"][layer]["kernel"])
+      np.testing.assert_array_equal(
+        forge_vars[COLL][layer]["kernel"], ref_vars["params"][layer]["kernel"]
+      )
     kernel_and_state_bytes = forge_bytes(forge_vars)
-    initial_kernels = {layer: np.array(v["kernel"])
-                       for layer, v in forge_vars[COLL].items()}
+    initial_kernels = {
+      layer: np.array(v["kernel"]) for layer, v in forge_vars[COLL].items()
+    }
 
     if name == "radam":
-      rectify = {float(opt.scalars(jnp.int32(c)).rectify)
-                 for c in range(STEPS)}
+      rectify = {float(opt.scalars(jnp.int32(c)).rectify) for c in range(STEPS)}
       assert rectify == {0.0, 1.0}, "both RAdam branches must be exercised"
 
     batches = make_batches(seed + 1, STEPS, shape, CLASSES)
@@ -833,15 +1008,17 @@ class FusedDenseTestBase:
     assert forge_run.alias_bytes >= kernel_and_state_bytes > 0
     assert forge_run.donated_deleted
 
-    bf16_state = jnp.bfloat16 in (kwargs.get("mu_dtype"),
-                                   kwargs.get("accumulator_dtype"))
+    bf16_state = jnp.bfloat16 in (
+      kwargs.get("mu_dtype"),
+      kwargs.get("accumulator_dtype"),
+    )
     rtol = BF16_STATE_RTOL if bf16_state else RTOL
     for step, (forge_state, ref_state) in enumerate(
-        zip(forge_run.states, ref_run.states)):
+      zip(forge_run.states, ref_run.states)
+    ):
       compare_states(step, forge_state, ref_state, rtol)
     np.testing.assert_allclose(forge_run.losses, ref_run.losses, rtol=rtol)
     # The run is not trivial: every kernel moved.
     for layer, initial in initial_kernels.items():
       final = forge_run.states[-1].params[COLL][layer]["kernel"]
       assert np.abs(final - initial).max() > 0, layer
-

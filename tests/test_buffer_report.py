@@ -11,13 +11,14 @@ import jax
 import pytest
 
 import forge_jax as fj
-from examples.lm import train as train_lib
 from examples.lm import llama
+from examples.lm import train as train_lib
 
 
 def _buffer_report():
-  path = os.path.join(os.path.dirname(__file__), "..", "benchmarks",
-                      "buffer_report.py")
+  path = os.path.join(
+    os.path.dirname(__file__), "..", "benchmarks", "buffer_report.py"
+  )
   spec = importlib.util.spec_from_file_location("buffer_report", path)
   module = importlib.util.module_from_spec(spec)
   sys.modules[spec.name] = module  # for its dataclasses
@@ -46,9 +47,16 @@ def test_parse_kinds_values_and_slots():
   assert allocations[0].parameter == 1 and allocations[0].maybe_live_out
   phi = allocations[2].values[2]
   assert (phi.name, phi.index, phi.key, phi.shape) == (
-      "while.1", "{2}", "while.1{2}", "f32[8]")
-  report = br.Report("m", allocations,
-                     {"dot.1{}": (0, 2), "exp.1{}": (1, 3), "while.1{2}": (3, 4)})
+    "while.1",
+    "{2}",
+    "while.1{2}",
+    "f32[8]",
+  )
+  report = br.Report(
+    "m",
+    allocations,
+    {"dot.1{}": (0, 2), "exp.1{}": (1, 3), "while.1{2}": (3, 4)},
+  )
   assert [s["bytes"] for s in br.top_temp(report)] == [64, 32, 32]
   peak = br.temp_at_peak(report)
   assert peak["bytes"] == 96 and peak["step"] == 1
@@ -56,8 +64,10 @@ def test_parse_kinds_values_and_slots():
 
 
 def test_short_op():
-  assert br.short_op("jit(step)/transpose(jvp(Llama))/lm_head/dot_general") == \
-      "bwd Llama/lm_head/dot_general"
+  assert (
+    br.short_op("jit(step)/transpose(jvp(Llama))/lm_head/dot_general")
+    == "bwd Llama/lm_head/dot_general"
+  )
   assert br.short_op("jit(step)/jvp(Llama)/embed/take").startswith("fwd Llama/")
   assert br.short_op("jit(step)/add") == "add"
 
@@ -67,15 +77,18 @@ def test_tiny_step_report(tmp_path, forge):
   """The temp allocations sum to memory_analysis()'s temp bytes, the JSON
   summary is serializable, and the float32 logits show up with their op."""
   opt = fj.adamw(1e-3, weight_decay=0.1)
-  model = llama.make_model("tiny", opt if forge else None, scan_layers=True,
-                           remat=True)
+  model = llama.make_model(
+    "tiny", opt if forge else None, scan_layers=True, remat=True
+  )
   key = jax.random.key(0)
   batch = jax.random.randint(key, (2, 33), 0, model.config.vocab_size)
-  state = jax.jit(lambda k: train_lib.create_train_state(
-      model, opt.to_optax(), k, batch))(key)
+  state = jax.jit(
+    lambda k: train_lib.create_train_state(model, opt.to_optax(), k, batch)
+  )(key)
   lowered = train_lib.make_train_step().lower(state, batch)
-  compiled, report = br.compile_with_report(lowered, "train_step",
-                                            dump_dir=str(tmp_path))
+  compiled, report = br.compile_with_report(
+    lowered, "train_step", dump_dir=str(tmp_path)
+  )
   temp = compiled.memory_analysis().temp_size_in_bytes
   assert br.totals(report)["temp"]["bytes"] == temp
   summary = json.loads(json.dumps(br.breakdown(report, 10)))
@@ -83,12 +96,25 @@ def test_tiny_step_report(tmp_path, forge):
   assert sizes == sorted(sizes, reverse=True) and len(sizes) == 10
   peak = summary["temp_at_peak"]
   assert peak is not None and 0 < peak["bytes"] <= temp
-  values = [v for s in br.top_temp(report, 1000, values=100) for v in s["values"]]
-  assert any("lm_head" in v["op"] and v["shape"] in ("f32[64,256]", "f32[2,32,256]")
-             for v in values), values
+  values = [
+    v for s in br.top_temp(report, 1000, values=100) for v in s["values"]
+  ]
+  assert any(
+    "lm_head" in v["op"] and v["shape"] in ("f32[64,256]", "f32[2,32,256]")
+    for v in values
+  ), values
   assert "temp" in br.format_report(report, 5)
   # the CLI reads the same dump
-  br.main([str(tmp_path), "--module", "train_step", "--top", "3",
-           "--json", str(tmp_path / "out.json")])
+  br.main(
+    [
+      str(tmp_path),
+      "--module",
+      "train_step",
+      "--top",
+      "3",
+      "--json",
+      str(tmp_path / "out.json"),
+    ]
+  )
   with open(tmp_path / "out.json") as f:
     assert json.load(f)["totals"]["temp"]["bytes"] == temp

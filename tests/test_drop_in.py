@@ -26,6 +26,7 @@ OPT = fj.adamw(1e-2, weight_decay=0.1)
 
 class Block(nn.Module):
   """A residual MLP block, optionally with dropout."""
+
   features: int = 16
   rate: float = 0.0
   implementation: str = "xla"
@@ -36,8 +37,12 @@ class Block(nn.Module):
   @nn.compact
   def __call__(self, x, scale):
     dense = lambda n: fj.ForgeDense(
-        n, optimizer=self.optimizer, implementation=self.implementation,
-        param_dtype=self.param_dtype, dtype=self.dtype)
+      n,
+      optimizer=self.optimizer,
+      implementation=self.implementation,
+      param_dtype=self.param_dtype,
+      dtype=self.dtype,
+    )
     h = nn.gelu(dense(self.features)(x))
     h = nn.Dropout(self.rate, deterministic=self.rate == 0.0)(h)
     return (x + scale * dense(x.shape[-1])(h)).astype(x.dtype), None
@@ -51,10 +56,13 @@ def stacked_model(scan, *, layers=3, remat=True, **block_fields):
     @nn.compact
     def __call__(self, x):
       scale = self.param("scale", nn.initializers.ones, ())
-      x, _ = scan(block, variable_axes={True: 0},
-                  split_rngs={"params": True, "dropout": True},
-                  in_axes=(nn.broadcast,), length=layers)(
-                      **block_fields, name="layers")(x, scale)
+      x, _ = scan(
+        block,
+        variable_axes={True: 0},
+        split_rngs={"params": True, "dropout": True},
+        in_axes=(nn.broadcast,),
+        length=layers,
+      )(**block_fields, name="layers")(x, scale)
       return nn.Dense(4, name="head")(x)
 
   return Model()
@@ -62,23 +70,26 @@ def stacked_model(scan, *, layers=3, remat=True, **block_fields):
 
 def data(seed=0, tokens=6, width=8):
   keys = jax.random.split(jax.random.key(seed), 2)
-  return (jax.random.normal(keys[0], (tokens, width)),
-          jax.random.normal(keys[1], (tokens, 4)))
+  return (
+    jax.random.normal(keys[0], (tokens, width)),
+    jax.random.normal(keys[1], (tokens, 4)),
+  )
 
 
-def train(model, steps=3, seed=0, state_cls=fj.TrainState, tx=None,
-          x_y=None):
+def train(model, steps=3, seed=0, state_cls=fj.TrainState, tx=None, x_y=None):
   """``steps`` jitted steps from the same init; ``(state, losses)``."""
   x, y = x_y or data(seed)
   variables = model.init(jax.random.key(seed), x)
-  state = state_cls.create(apply_fn=model.apply, params=variables,
-                           tx=tx or OPT.to_optax())
+  state = state_cls.create(
+    apply_fn=model.apply, params=variables, tx=tx or OPT.to_optax()
+  )
 
   @jax.jit
   def step(state, key):
     def loss(params):
       out = state.apply_fn(params, x, rngs={"dropout": key})
       return jnp.mean((out.astype(jnp.float32) - y) ** 2)
+
     value, grads = jax.value_and_grad(loss)(state.params)
     return state.apply_gradients(grads=grads), value
 
@@ -134,15 +145,23 @@ def test_fj_scan_broadcast_argument_gets_its_gradient():
     warnings.simplefilter("ignore", fj.ForgeMemoryWarning)
     reference, _ = train(stacked_model(nn.scan), steps=2)
   state, _ = train(stacked_model(fj.scan), steps=2)
-  np.testing.assert_allclose(state.params["params"]["scale"],
-                             reference.params["params"]["scale"], rtol=1e-6)
+  np.testing.assert_allclose(
+    state.params["params"]["scale"],
+    reference.params["params"]["scale"],
+    rtol=1e-6,
+  )
   assert state.params["params"]["scale"] != 1.0
 
 
-@pytest.mark.parametrize("argument, value", [
-    ("variable_broadcast", "params"), ("variable_carry", "batch_stats"),
-    ("reverse", True), ("data_transform", lambda v, r: (v, r)),
-])
+@pytest.mark.parametrize(
+  "argument, value",
+  [
+    ("variable_broadcast", "params"),
+    ("variable_carry", "batch_stats"),
+    ("reverse", True),
+    ("data_transform", lambda v, r: (v, r)),
+  ],
+)
 def test_fj_scan_refuses_what_it_cannot_honor(argument, value):
   with pytest.raises(ValueError, match=argument):
     fj.scan(Block, variable_axes={True: 0}, length=2, **{argument: value})
@@ -150,7 +169,8 @@ def test_fj_scan_refuses_what_it_cannot_honor(argument, value):
 
 def test_fj_scan_refuses_per_layer_inputs():
   model = stacked_model(
-      lambda block, **kw: fj.scan(block, **{**kw, "in_axes": 0}))
+    lambda block, **kw: fj.scan(block, **{**kw, "in_axes": 0})
+  )
   x, _ = data()
   with pytest.raises(ValueError, match="in_axes"):
     model.init(jax.random.key(0), x)
@@ -166,10 +186,15 @@ def test_fj_scan_needs_a_length():
 
 
 def test_forge_dense_inside_nn_scan_warns_once_per_layer():
-  with pytest.warns(fj.ForgeMemoryWarning, match=r"fj\.scan\(\.\.\.\)") as record:
+  with pytest.warns(
+    fj.ForgeMemoryWarning, match=r"fj\.scan\(\.\.\.\)"
+  ) as record:
     train(stacked_model(nn.scan), steps=1)
-  paths = {str(w.message).split("'")[1] for w in record
-           if w.category is fj.ForgeMemoryWarning}
+  paths = {
+    str(w.message).split("'")[1]
+    for w in record
+    if w.category is fj.ForgeMemoryWarning
+  }
   assert paths == {"layers/ForgeDense_0", "layers/ForgeDense_1"}
 
 
@@ -185,9 +210,13 @@ def test_forge_dense_inside_nn_vmap_trains_like_unbatched_layers():
   class Ensemble(nn.Module):
     @nn.compact
     def __call__(self, x):
-      members = nn.vmap(Block, variable_axes={True: 0},
-                        split_rngs={"params": True}, in_axes=(None, None),
-                        axis_size=2)
+      members = nn.vmap(
+        Block,
+        variable_axes={True: 0},
+        split_rngs={"params": True},
+        in_axes=(None, None),
+        axis_size=2,
+      )
       out, _ = members(name="members")(x, 1.0)
       return nn.Dense(4)(out.mean(0))
 
@@ -215,13 +244,15 @@ def test_unreached_layer_keeps_kernel_state_and_count_bit_for_bit():
   model = WithAuxHead()
   x, y = data()
   variables = model.init(jax.random.key(0), x)
-  state = fj.TrainState.create(apply_fn=model.apply, params=variables,
-                               tx=OPT.to_optax())
+  state = fj.TrainState.create(
+    apply_fn=model.apply, params=variables, tx=OPT.to_optax()
+  )
 
   @functools.partial(jax.jit, static_argnums=1)
   def step(state, use_aux):
-    grads = jax.grad(lambda p: jnp.mean(
-        (state.apply_fn(p, x, use_aux) - y) ** 2))(state.params)
+    grads = jax.grad(
+      lambda p: jnp.mean((state.apply_fn(p, x, use_aux) - y) ** 2)
+    )(state.params)
     return state.apply_gradients(grads=grads)
 
   before = jax.tree.map(np.asarray, state.params[COLL]["aux"])
@@ -233,17 +264,22 @@ def test_unreached_layer_keeps_kernel_state_and_count_bit_for_bit():
   state = step(state, True)
   assert state.unreached_layers() == []
   assert float(state.params[COLL]["aux"]["count"]) == 1.0
-  assert not np.array_equal(state.params[COLL]["aux"]["kernel"],
-                            before["kernel"])
+  assert not np.array_equal(
+    state.params[COLL]["aux"]["kernel"], before["kernel"]
+  )
 
 
 def test_unreached_stacked_block_layer_keeps_its_stack():
   class Model(nn.Module):
     @nn.compact
     def __call__(self, x):
-      x, _ = fj.scan(nn.remat(Block, prevent_cse=False),
-                     variable_axes={True: 0}, split_rngs={"params": True},
-                     in_axes=(nn.broadcast,), length=2)(name="layers")(x, 1.0)
+      x, _ = fj.scan(
+        nn.remat(Block, prevent_cse=False),
+        variable_axes={True: 0},
+        split_rngs={"params": True},
+        in_axes=(nn.broadcast,),
+        length=2,
+      )(name="layers")(x, 1.0)
       aux = fj.ForgeDense(4, optimizer=OPT, name="aux")(x)
       del aux
       return nn.Dense(4)(x)
@@ -251,18 +287,21 @@ def test_unreached_stacked_block_layer_keeps_its_stack():
   state, _ = train(Model(), steps=1)
   assert state.unreached_layers() == ["aux"]
   assert float(state.params[COLL]["aux"]["count"]) == 0.0
-  np.testing.assert_array_equal(state.params[COLL]["layers"]["ForgeDense_0"]["count"],
-                                [1.0, 1.0])
+  np.testing.assert_array_equal(
+    state.params[COLL]["layers"]["ForgeDense_0"]["count"], [1.0, 1.0]
+  )
 
 
 def test_stock_train_state_still_fails_loudly_on_an_unreached_layer():
   model = WithAuxHead()
   x, y = data()
   variables = model.init(jax.random.key(0), x)
-  state = FlaxTrainState.create(apply_fn=model.apply, params=variables,
-                                tx=OPT.to_optax())
+  state = FlaxTrainState.create(
+    apply_fn=model.apply, params=variables, tx=OPT.to_optax()
+  )
   grads = jax.grad(lambda p: jnp.mean((model.apply(p, x) - y) ** 2))(
-      state.params)
+    state.params
+  )
   state = state.apply_gradients(grads=grads)
   assert fj.wiped_layers(state.params) == ["aux"]
 
@@ -271,12 +310,18 @@ def test_stock_train_state_still_fails_loudly_on_an_unreached_layer():
 # tx that cannot be right for the FORGE layers is refused.
 
 
-@pytest.mark.parametrize("tx, match", [
+@pytest.mark.parametrize(
+  "tx, match",
+  [
     (optax.MultiSteps(OPT.to_optax(), 4), "MultiSteps"),
-    (optax.chain(optax.clip_by_global_norm(1.0), OPT.to_optax()),
-     "clip_by_global_norm"),
+    (
+      optax.chain(optax.clip_by_global_norm(1.0), OPT.to_optax()),
+      "clip_by_global_norm",
+    ),
     (optax.apply_if_finite(OPT.to_optax(), 3), "apply_if_finite"),
-], ids=["multi_steps", "clip_by_global_norm", "apply_if_finite"])
+  ],
+  ids=["multi_steps", "clip_by_global_norm", "apply_if_finite"],
+)
 def test_train_state_refuses_whole_gradient_transformations(tx, match):
   model = WithAuxHead()
   variables = model.init(jax.random.key(0), data()[0])
@@ -290,14 +335,16 @@ def test_train_state_refuses_another_optimizer_than_the_layers():
 
 
 def test_train_state_accepts_the_layers_optax_alias():
-  _, losses = train(WithAuxHead(), steps=2,
-                    tx=optax.adamw(1e-2, weight_decay=0.1))
+  _, losses = train(
+    WithAuxHead(), steps=2, tx=optax.adamw(1e-2, weight_decay=0.1)
+  )
   assert all(np.isfinite(losses))
 
 
 def test_grads_of_params_alone_are_refused():
   """A bias-free first ForgeDense sees nothing perturbed when only
   ``params`` are differentiated; the state refuses such grads."""
+
   class NoBias(nn.Module):
     @nn.compact
     def __call__(self, x):
@@ -307,11 +354,14 @@ def test_grads_of_params_alone_are_refused():
   model = NoBias()
   x, y = data()
   variables = model.init(jax.random.key(0), x)
-  state = fj.TrainState.create(apply_fn=model.apply, params=variables,
-                               tx=OPT.to_optax())
-  grads = jax.grad(lambda p: jnp.mean((model.apply(
-      {"params": p, COLL: state.params[COLL]}, x) - y) ** 2))(
-          state.params["params"])
+  state = fj.TrainState.create(
+    apply_fn=model.apply, params=variables, tx=OPT.to_optax()
+  )
+  grads = jax.grad(
+    lambda p: jnp.mean(
+      (model.apply({"params": p, COLL: state.params[COLL]}, x) - y) ** 2
+    )
+  )(state.params["params"])
   with pytest.raises(ValueError, match="all of state.params"):
     state.apply_gradients(grads={"params": grads})
 
@@ -328,11 +378,17 @@ def test_params_alone_in_apply_names_the_collection():
     model.apply({"params": variables["params"]}, x)
 
 
-@pytest.mark.parametrize("tx, twin", [
-    (optax.adamw(1e-3), "fj.adamw"), (optax.sgd(1e-2), "fj.sgd"),
-    (optax.lion(1e-4), "fj.lion"), (optax.rmsprop(1e-3), "fj.rmsprop"),
-    (optax.adagrad(1e-2), "fj.adagrad"), (optax.radam(1e-3), "fj.radam"),
-])
+@pytest.mark.parametrize(
+  "tx, twin",
+  [
+    (optax.adamw(1e-3), "fj.adamw"),
+    (optax.sgd(1e-2), "fj.sgd"),
+    (optax.lion(1e-4), "fj.lion"),
+    (optax.rmsprop(1e-3), "fj.rmsprop"),
+    (optax.adagrad(1e-2), "fj.adagrad"),
+    (optax.radam(1e-3), "fj.radam"),
+  ],
+)
 def test_optax_alias_as_layer_optimizer_names_its_twin(tx, twin):
   layer = fj.ForgeDense(4, optimizer=tx)
   with pytest.raises(TypeError, match=twin):
@@ -351,12 +407,15 @@ def test_overflowing_fused_update_is_skipped_and_counted(implementation):
   optimizer = fj.sgd(3e38)
   kernel = jnp.full((128, 128), 1e38, jnp.float32)
   variables = fused_dense.init_variables(optimizer, kernel)
-  spec = fused_dense.FusedDenseSpec(optimizer=optimizer,
-                                    implementation=implementation,
-                                    dtype=jnp.bfloat16)
+  spec = fused_dense.FusedDenseSpec(
+    optimizer=optimizer, implementation=implementation, dtype=jnp.bfloat16
+  )
   x = -jnp.ones((64, 128), jnp.bfloat16)
-  new = jax.grad(lambda v: jnp.sum(fused_dense.forge_dense(
-      x, v, None, spec).astype(jnp.float32)))(variables)
+  new = jax.grad(
+    lambda v: jnp.sum(
+      fused_dense.forge_dense(x, v, None, spec).astype(jnp.float32)
+    )
+  )(variables)
   assert np.all(np.isfinite(new.kernel))
   np.testing.assert_array_equal(new.kernel, kernel)
   assert float(new.skipped) == kernel.size
@@ -366,6 +425,7 @@ def test_triton_kernel_refuses_stacks_of_2_31_elements():
   """The Triton kernel trains a Qwen3-14B-shaped scanned model with int8
   states to NaN (stacks of 40 x 5120 x 17408 elements); it refuses them."""
   from forge_jax.ops import backends, triton_kernel  # pylint: disable=import-outside-toplevel
+
   optimizer = fj.adamw(1e-4, weight_rounding="stochastic", state_dtype="int8")
   stack = jax.ShapeDtypeStruct((40, 5120, 17408), jnp.bfloat16)
   x = jax.ShapeDtypeStruct((2048, 5120), jnp.bfloat16)
@@ -385,8 +445,9 @@ GPU_OPT = fj.adamw(3e-4, weight_decay=0.1)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("param_dtype", [jnp.bfloat16, jnp.float32],
-                         ids=["bf16", "fp32"])
+@pytest.mark.parametrize(
+  "param_dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "fp32"]
+)
 @pytest.mark.parametrize("stacking", ["nn.scan", "fj.scan", "unrolled"])
 def test_every_implementation_trains_like_xla_on_gpu(stacking, param_dtype):
   steps, layers = 8, 4
@@ -394,16 +455,22 @@ def test_every_implementation_trains_like_xla_on_gpu(stacking, param_dtype):
   y = jax.random.normal(jax.random.key(2), (512, 4))
 
   def model(implementation):
-    fields = dict(features=512, implementation=implementation,
-                  param_dtype=param_dtype, dtype=jnp.bfloat16,
-                  optimizer=GPU_OPT)
+    fields = dict(
+      features=512,
+      implementation=implementation,
+      param_dtype=param_dtype,
+      dtype=jnp.bfloat16,
+      optimizer=GPU_OPT,
+    )
     if stacking == "unrolled":
+
       class Unrolled(nn.Module):
         @nn.compact
         def __call__(self, h):
           for i in range(layers):
             h, _ = nn.remat(Block)(**fields, name=f"layers_{i}")(h, 0.5)
           return nn.Dense(4, name="head")(h)
+
       return Unrolled()
     scan = nn.scan if stacking == "nn.scan" else fj.scan
     return stacked_model(scan, layers=layers, **fields)
@@ -412,28 +479,42 @@ def test_every_implementation_trains_like_xla_on_gpu(stacking, param_dtype):
   with warnings.catch_warnings():
     warnings.simplefilter("ignore", fj.ForgeMemoryWarning)
     for implementation in ("xla", "triton", "mosaic"):
-      state, losses = train(model(implementation), steps=steps,
-                            x_y=(x, y), tx=GPU_OPT.to_optax())
-      kernels = [np.asarray(k, np.float32) for k in jax.tree.leaves(
-          state.params[COLL]) if np.ndim(k) >= 2 and k.shape[-1] == 512]
+      state, losses = train(
+        model(implementation), steps=steps, x_y=(x, y), tx=GPU_OPT.to_optax()
+      )
+      kernels = [
+        np.asarray(k, np.float32)
+        for k in jax.tree.leaves(state.params[COLL])
+        if np.ndim(k) >= 2 and k.shape[-1] == 512
+      ]
       results[implementation] = (losses, kernels)
   expected, reference = results["xla"]
   assert expected[-1] < expected[0]
   for implementation in ("triton", "mosaic"):
     losses, kernels = results[implementation]
-    np.testing.assert_allclose(losses, expected, rtol=2e-2,
-                               err_msg=implementation)
+    np.testing.assert_allclose(
+      losses, expected, rtol=2e-2, err_msg=implementation
+    )
     for kernel, ref in zip(kernels, reference):
       assert np.linalg.norm(kernel) > 0.5 * np.linalg.norm(ref)
-      np.testing.assert_allclose(np.linalg.norm(kernel), np.linalg.norm(ref),
-                                 rtol=1e-2, err_msg=implementation)
+      np.testing.assert_allclose(
+        np.linalg.norm(kernel),
+        np.linalg.norm(ref),
+        rtol=1e-2,
+        err_msg=implementation,
+      )
 
 
 #: Every projection shape of Llama-3.1-8B and Qwen3-14B, [in, out].
 MODEL_SHAPES = {
-    "8b_q": (4096, 4096), "8b_kv": (4096, 1024), "8b_up": (4096, 14336),
-    "8b_down": (14336, 4096), "14b_q": (5120, 5120), "14b_kv": (5120, 1024),
-    "14b_up": (5120, 17408), "14b_down": (17408, 5120),
+  "8b_q": (4096, 4096),
+  "8b_kv": (4096, 1024),
+  "8b_up": (4096, 14336),
+  "8b_down": (14336, 4096),
+  "14b_q": (5120, 5120),
+  "14b_kv": (5120, 1024),
+  "14b_up": (5120, 17408),
+  "14b_down": (17408, 5120),
 }
 
 
@@ -442,24 +523,28 @@ MODEL_SHAPES = {
 def test_int8_states_stay_finite_and_agree_at_model_shapes(shape):
   """Three steps of bf16 + stochastic rounding + int8 AdamW states through
   each kernel, against the reference, from finite inputs."""
-  optimizer = fj.adamw(1e-4, weight_decay=0.1, weight_rounding="stochastic",
-                       state_dtype="int8")
+  optimizer = fj.adamw(
+    1e-4, weight_decay=0.1, weight_rounding="stochastic", state_dtype="int8"
+  )
   k, n = shape
   kernel = (jax.random.normal(jax.random.key(0), shape) * 0.02).astype(
-      jnp.bfloat16)
+    jnp.bfloat16
+  )
   x = jax.random.normal(jax.random.key(1), (2048, k), jnp.bfloat16)
   finals = {}
   for implementation in ("xla", "triton", "mosaic"):
-    spec = fused_dense.FusedDenseSpec(optimizer=optimizer,
-                                      implementation=implementation,
-                                      layer_id=5)
+    spec = fused_dense.FusedDenseSpec(
+      optimizer=optimizer, implementation=implementation, layer_id=5
+    )
 
     @jax.jit
     def step(variables, seed):
       dy = (jax.random.normal(jax.random.key(seed), (2048, n)) * 1e-3).astype(
-          jnp.bfloat16)
-      return jax.vjp(lambda v: fused_dense.forge_dense(x, v, None, spec),
-                     variables)[1](dy)[0]
+        jnp.bfloat16
+      )
+      return jax.vjp(
+        lambda v: fused_dense.forge_dense(x, v, None, spec), variables
+      )[1](dy)[0]
 
     variables = fused_dense.init_variables(optimizer, kernel)
     for seed in range(3):
@@ -469,5 +554,6 @@ def test_int8_states_stay_finite_and_agree_at_model_shapes(shape):
       assert float(variables.skipped) == 0
     finals[implementation] = np.asarray(variables.kernel, np.float32)
   for implementation in ("triton", "mosaic"):
-    np.testing.assert_allclose(finals[implementation], finals["xla"],
-                               atol=2e-3, err_msg=implementation)
+    np.testing.assert_allclose(
+      finals[implementation], finals["xla"], atol=2e-3, err_msg=implementation
+    )

@@ -25,17 +25,23 @@ from forge_jax.ops import backends, mosaic_kernel, triton_kernel
 from forge_jax.ops.fused_dense import FusedDenseSpec
 
 from conftest import host_copy
-from fused_dense_test_base import (BF16, F32, OPTAX_CASES, OPTIMIZERS,
-                                   FusedDenseTestBase, assert_leaves_match,
-                                   random_inputs)
+from fused_dense_test_base import (
+  BF16,
+  F32,
+  OPTAX_CASES,
+  OPTIMIZERS,
+  FusedDenseTestBase,
+  assert_leaves_match,
+  random_inputs,
+)
 
 # x.shape (rank 2 or 3; the last axis is K) and N. None is a multiple of 16:
 # 37 / 33 tokens leave a masked tail slab, K = 40 / 33 / 5 and N = 24 / 8 / 3
 # leave masked tile edges.
 SHAPES = [
-    ((37, 40), 24),     # 3x2 tiles, 3 slabs
-    ((3, 11, 33), 8),   # rank-3 x (33 tokens), 3x1 tiles, N < one tile
-    ((2, 3, 5), 3),     # a layer smaller than one tile
+  ((37, 40), 24),  # 3x2 tiles, 3 slabs
+  ((3, 11, 33), 8),  # rank-3 x (33 tokens), 3x1 tiles, N < one tile
+  ((2, 3, 5), 3),  # a layer smaller than one tile
 ]
 # Small explicit tiles, so the odd shapes above span several tiles with
 # masked edges. 'b16': 16x16 tiles, grouped launch order in groups of 2
@@ -43,10 +49,12 @@ SHAPES = [
 # 16x32 tiles whose epilogue runs in two 16-column chunks (N=24: the second
 # chunk half masked; N=8 and N=3: fully masked).
 TRITON_CONFIGS = {
-    "b16": triton_kernel.TritonConfig(block_k=16, block_n=16, block_t=16,
-                                      group_k=2, epilogue_split=1),
-    "b32-split2": triton_kernel.TritonConfig(block_k=16, block_n=32,
-                                             block_t=16, epilogue_split=2),
+  "b16": triton_kernel.TritonConfig(
+    block_k=16, block_n=16, block_t=16, group_k=2, epilogue_split=1
+  ),
+  "b32-split2": triton_kernel.TritonConfig(
+    block_k=16, block_n=32, block_t=16, epilogue_split=2
+  ),
 }
 # bf16 weights and int8 states: x shape and N: 37 tokens (masked slab),
 # K = 40 (3 tiles, masked edge), N = 150 (two 128-tiles / three 64-tiles;
@@ -55,34 +63,36 @@ LOWP_SHAPES = [((37, 40), 150), ((3, 11, 33), 70)]
 # 16 x 128 tiles with two 64-column chunks (one int8 block each), and
 # 16 x 64 tiles with one; grouped launch order over 3 K-blocks.
 TRITON_LOWP_CONFIGS = {
-    "n128-split2": triton_kernel.TritonConfig(block_k=16, block_n=128,
-                                              block_t=16, group_k=2,
-                                              epilogue_split=2),
-    "n64": triton_kernel.TritonConfig(block_k=16, block_n=64, block_t=16,
-                                      epilogue_split=1),
+  "n128-split2": triton_kernel.TritonConfig(
+    block_k=16, block_n=128, block_t=16, group_k=2, epilogue_split=2
+  ),
+  "n64": triton_kernel.TritonConfig(
+    block_k=16, block_n=64, block_t=16, epilogue_split=1
+  ),
 }
 
 # 64 x 64 parts, two compute warpgroups: a CTA tile is 64 x 128. K = 128,
 # N = 256, 128 tokens: 2 x 2 tiles on two CTAs, 2 pipeline steps each.
 MOSAIC_SHAPE = ((2, 64, 128), 256)
-_SMALL = dict(tile_k=64, tile_n=64, tile_t=64, max_concurrent_steps=2,
-              epilogue_k=64)
+_SMALL = dict(
+  tile_k=64, tile_n=64, tile_t=64, max_concurrent_steps=2, epilogue_k=64
+)
 MOSAIC_CONFIGS = {
-    # One buffer of 64 x 32 epilogue sub-tiles: room for the four state
-    # tensors of centered RMSprop with momentum.
-    "inline": mosaic_kernel.MosaicConfig(**_SMALL, epilogue_n=32,
-                                         epilogue_slots=1),
-    "pingpong": mosaic_kernel.MosaicConfig(**_SMALL, epilogue_n=32,
-                                           epilogue_slots=2,
-                                           schedule="pingpong"),
-    "epilogue-warpgroup": mosaic_kernel.MosaicConfig(
-        **_SMALL, epilogue_n=32, epilogue_slots=2,
-        schedule="epilogue-warpgroup"),
+  # One buffer of 64 x 32 epilogue sub-tiles: room for the four state
+  # tensors of centered RMSprop with momentum.
+  "inline": mosaic_kernel.MosaicConfig(
+    **_SMALL, epilogue_n=32, epilogue_slots=1
+  ),
+  "pingpong": mosaic_kernel.MosaicConfig(
+    **_SMALL, epilogue_n=32, epilogue_slots=2, schedule="pingpong"
+  ),
+  "epilogue-warpgroup": mosaic_kernel.MosaicConfig(
+    **_SMALL, epilogue_n=32, epilogue_slots=2, schedule="epilogue-warpgroup"
+  ),
 }
 # int8 states: epilogue sub-tiles of one quantization block (64 columns).
 MOSAIC_LOWP_CONFIGS = {
-    "int8": mosaic_kernel.MosaicConfig(**_SMALL, epilogue_n=64,
-                                       epilogue_slots=1),
+  "int8": mosaic_kernel.MosaicConfig(**_SMALL, epilogue_n=64, epilogue_slots=1),
 }
 
 
@@ -96,20 +106,22 @@ class XlaTest(FusedDenseTestBase):
   # int8 blocks. Against itself the reference agrees by construction: the
   # kernels' checks assert what it computes.
   default_cases = {
-      "test_matches_reference": 0,
-      "test_every_element_is_written": 0,
-      "test_poisoned_elements_stay_in_place": 0,
-      "test_nonfinite_gradient_elements_are_skipped": 0,
-      "test_nonfinite_dy_skips_the_whole_layer": 0,
-      "test_matches_reference_bits_bf16_sr_int8": 0,
+    "test_matches_reference": 0,
+    "test_every_element_is_written": 0,
+    "test_poisoned_elements_stay_in_place": 0,
+    "test_nonfinite_gradient_elements_are_skipped": 0,
+    "test_nonfinite_dy_skips_the_whole_layer": 0,
+    "test_matches_reference_bits_bf16_sr_int8": 0,
   }
 
   def backend(self, spec, config):
     del config  # the reference has none
 
     def update(x, dy, kernel, state, scalars, apply, step):
-      return backends.xla_update(spec, x, dy, kernel, state, scalars, apply,
-                                 step=step)
+      return backends.xla_update(
+        spec, x, dy, kernel, state, scalars, apply, step=step
+      )
+
     return update
 
 
@@ -124,20 +136,30 @@ class TritonInterpretTest(FusedDenseTestBase):
   # table's core rows; int8 states with stochastic rounding on AdamW, Lion
   # and SGD (mu and nu, mu, trace).
   default_cases = {
-      "test_matches_reference": len(OPTIMIZERS),
-      "test_every_element_is_written": 4,
-      "test_poisoned_elements_stay_in_place": 2,
-      "test_nonfinite_gradient_elements_are_skipped": 4,
-      "test_nonfinite_dy_skips_the_whole_layer": 2,
-      "test_matches_reference_bits_bf16_sr_int8": 3,
-      "test_matches_optax": sum(case.core for case in OPTAX_CASES),
+    "test_matches_reference": len(OPTIMIZERS),
+    "test_every_element_is_written": 4,
+    "test_poisoned_elements_stay_in_place": 2,
+    "test_nonfinite_gradient_elements_are_skipped": 4,
+    "test_nonfinite_dy_skips_the_whole_layer": 2,
+    "test_matches_reference_bits_bf16_sr_int8": 3,
+    "test_matches_optax": sum(case.core for case in OPTAX_CASES),
   }
 
   def backend(self, spec, config):
     def update(x, dy, kernel, state, scalars, apply, step):
-      return triton_kernel.triton_update(spec, x, dy, kernel, state, scalars,
-                                         apply, config=config,
-                                         interpret=self.interpret, step=step)
+      return triton_kernel.triton_update(
+        spec,
+        x,
+        dy,
+        kernel,
+        state,
+        scalars,
+        apply,
+        config=config,
+        interpret=self.interpret,
+        step=step,
+      )
+
     return update
 
 
@@ -153,20 +175,30 @@ class MosaicInterpretTest(FusedDenseTestBase):
   # default run covers the kernel's schedules, non-finite gradients and
   # int8 states).
   default_cases = {
-      "test_matches_reference": 1,
-      "test_every_element_is_written": 0,
-      "test_poisoned_elements_stay_in_place": 0,
-      "test_nonfinite_gradient_elements_are_skipped": 0,
-      "test_nonfinite_dy_skips_the_whole_layer": 0,
-      "test_matches_reference_bits_bf16_sr_int8": 0,
-      "test_nonfinite_gradients_keep_int8_blocks_bit_for_bit": 0,
+    "test_matches_reference": 1,
+    "test_every_element_is_written": 0,
+    "test_poisoned_elements_stay_in_place": 0,
+    "test_nonfinite_gradient_elements_are_skipped": 0,
+    "test_nonfinite_dy_skips_the_whole_layer": 0,
+    "test_matches_reference_bits_bf16_sr_int8": 0,
+    "test_nonfinite_gradients_keep_int8_blocks_bit_for_bit": 0,
   }
 
   def backend(self, spec, config):
     def update(x, dy, kernel, state, scalars, apply, step):
-      return mosaic_kernel.mosaic_update(spec, x, dy, kernel, state, scalars,
-                                         apply, config=config,
-                                         interpret=self.interpret, step=step)
+      return mosaic_kernel.mosaic_update(
+        spec,
+        x,
+        dy,
+        kernel,
+        state,
+        scalars,
+        apply,
+        config=config,
+        interpret=self.interpret,
+        step=step,
+      )
+
     return update
 
   def activation_dtype(self, dtype):
@@ -174,13 +206,16 @@ class MosaicInterpretTest(FusedDenseTestBase):
     return BF16  # the kernel's wgmma takes 16-bit activations only
 
   def test_matches_optax(self):
-    pytest.skip("the Mosaic kernel takes 16-bit activations only: the "
-                "float32 MLP of this check cannot use it")
+    pytest.skip(
+      "the Mosaic kernel takes 16-bit activations only: the "
+      "float32 MLP of this check cannot use it"
+    )
 
 
 def _lowp_kernel_check():
-  path = os.path.join(os.path.dirname(__file__), "..", "benchmarks",
-                      "lowp_kernel_check.py")
+  path = os.path.join(
+    os.path.dirname(__file__), "..", "benchmarks", "lowp_kernel_check.py"
+  )
   spec = importlib.util.spec_from_file_location("lowp_kernel_check", path)
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
@@ -201,10 +236,12 @@ class CompiledOnGpu:
 
   def test_matches_reference_bits_bf16_sr_int8(self, case, seed):
     del case, seed
-    pytest.skip("compiled, the rule's float32 arithmetic may round as XLA's "
-                "does not (FMA contraction, Triton's division, Mosaic's "
-                "sqrt): test_compiled_lowp_kernel_matches_reference holds "
-                "the kernels to one bf16 ulp or one int8 code")
+    pytest.skip(
+      "compiled, the rule's float32 arithmetic may round as XLA's "
+      "does not (FMA contraction, Triton's division, Mosaic's "
+      "sqrt): test_compiled_lowp_kernel_matches_reference holds "
+      "the kernels to one bf16 ulp or one int8 code"
+    )
 
   @pytest.mark.parametrize("name", ["adamw", "lion", "sgd_momentum"])
   def test_compiled_lowp_kernel_matches_reference(self, name):
@@ -213,8 +250,14 @@ class CompiledOnGpu:
     rare element across a rounding boundary: one bf16 ulp or one int8 code
     at most."""
     case = _lowp_kernel_check().check_fused(
-        name, 512, 384, 256, 2, interpret=False,
-        implementation=self.implementation)
+      name,
+      512,
+      384,
+      256,
+      2,
+      interpret=False,
+      implementation=self.implementation,
+    )
     for step in case["steps"]:
       assert step["skipped"] == [0, 0]
       for leaf, r in step["leaves"].items():
@@ -227,37 +270,46 @@ class CompiledOnGpu:
           assert r.get("max_rel_diff", 0.0) <= 1e-6, (leaf, r)
           continue
         assert r["identical"] >= 0.999, (leaf, r)
-        assert r.get("max_ulp", 0) <= 1 and r.get(
-            "max_code_distance", 0) <= 1, (leaf, r)
+        assert (
+          r.get("max_ulp", 0) <= 1 and r.get("max_code_distance", 0) <= 1
+        ), (leaf, r)
 
 
 @pytest.mark.gpu
 class TritonGpuTest(CompiledOnGpu, TritonInterpretTest):
-
   def test_compiled_storage_primitives_match_xla_bits(self):
     """Stochastic rounding, int8 quantization and dequantization inside a
     compiled Triton kernel give XLA's bits on the same float32 inputs."""
     result = _lowp_kernel_check().check_primitives(256, 512, interpret=False)
     assert all(r["identical"] == 1.0 for r in result.values()), result
 
-  @pytest.mark.parametrize("name,opt,count", OPTIMIZERS[:6],
-                           ids=[c[0] for c in OPTIMIZERS[:6]])
+  @pytest.mark.parametrize(
+    "name,opt,count", OPTIMIZERS[:6], ids=[c[0] for c in OPTIMIZERS[:6]]
+  )
   def test_default_config_matches_reference(self, name, opt, count, seed):
     del name
-    x, dy, kernel, state = random_inputs(seed, opt, (300, 200), 136,
-                                         (F32, F32, F32))
+    x, dy, kernel, state = random_inputs(
+      seed, opt, (300, 200), 136, (F32, F32, F32)
+    )
     expected = self.reference(opt, x, dy, kernel, state, count)
     spec = FusedDenseSpec(optimizer=opt, implementation="triton")
-    actual = host_copy(jax.jit(self.backend(spec, None))(
-        x, dy, kernel, state, opt.scalars(jnp.int32(count)), jnp.bool_(True),
-        None))
+    actual = host_copy(
+      jax.jit(self.backend(spec, None))(
+        x,
+        dy,
+        kernel,
+        state,
+        opt.scalars(jnp.int32(count)),
+        jnp.bool_(True),
+        None,
+      )
+    )
     assert_leaves_match(actual, expected, "gpu")
     assert int(actual[2]) == int(expected[2])
 
 
 @pytest.mark.gpu
 class MosaicGpuTest(CompiledOnGpu, MosaicInterpretTest):
-
   def setup_method(self):
     if float(jax.devices()[0].compute_capability) < 9.0:
       pytest.skip("the Mosaic kernel needs a Hopper or newer GPU")

@@ -15,11 +15,18 @@ from forge_jax import quantization as Q
 from forge_jax.ops import backends, triton_kernel
 from forge_jax.ops.fused_dense import FusedDenseSpec
 
-from fused_dense_test_base import BF16, LOWP_OPTIMIZERS, exact_inputs
 # test_mosaic_kernel.py takes these from here.
-from fused_dense_test_base import (F32, OPTIMIZERS,  # noqa: F401
-                                   assert_leaves_match, assert_outputs_match,
-                                   random_inputs, run_reference)
+from fused_dense_test_base import (  # noqa: F401
+  BF16,
+  F32,
+  LOWP_OPTIMIZERS,
+  OPTIMIZERS,
+  assert_leaves_match,
+  assert_outputs_match,
+  exact_inputs,
+  random_inputs,
+  run_reference,
+)
 
 
 def test_auto_selects_xla_off_gpu():
@@ -29,7 +36,8 @@ def test_auto_selects_xla_off_gpu():
   x, dy, kernel = jnp.ones((4, 3)), jnp.ones((4, 2)), jnp.ones((3, 2))
   assert backends.select("auto", x, dy, kernel, opt) is backends.xla_update
   assert backends.select("triton", x, dy, kernel, opt) is (
-      triton_kernel.triton_update)
+    triton_kernel.triton_update
+  )
   with pytest.raises(ValueError, match="no tokens"):
     backends.select("triton", jnp.ones((0, 3)), jnp.ones((0, 2)), kernel, opt)
 
@@ -38,13 +46,22 @@ def test_kernel_refuses_tiles_that_split_a_block():
   opt = LOWP_OPTIMIZERS[0][1]
   x, dy = exact_inputs(0, (8, 16), 96)
   w = jnp.zeros((16, 96), BF16)
-  config = triton_kernel.TritonConfig(block_k=16, block_n=32, block_t=16,
-                                      epilogue_split=1)
+  config = triton_kernel.TritonConfig(
+    block_k=16, block_n=32, block_t=16, epilogue_split=1
+  )
   spec = FusedDenseSpec(optimizer=opt, implementation="triton")
   with pytest.raises(ValueError, match="straddle"):
-    triton_kernel.triton_update(spec, x, dy, w, opt.init(w),
-                                opt.scalars(jnp.int32(0)), jnp.bool_(True),
-                                config=config, interpret=True)
+    triton_kernel.triton_update(
+      spec,
+      x,
+      dy,
+      w,
+      opt.init(w),
+      opt.scalars(jnp.int32(0)),
+      jnp.bool_(True),
+      config=config,
+      interpret=True,
+    )
   # The default config for quantized states makes chunks of one block.
   config = triton_kernel.default_config(8, 16, 8, state_block=Q.BLOCK_SIZE)
   assert config.block_n // config.epilogue_split == Q.BLOCK_SIZE

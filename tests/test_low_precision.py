@@ -32,6 +32,7 @@ from forge_jax.ops import backends
 from forge_jax.ops.fused_dense import FusedDenseSpec
 
 from conftest import COLL, assert_bitwise_equal, host_copy
+
 # test_mosaic_kernel.py takes it from here.
 from fused_dense_test_base import exact_inputs  # noqa: F401
 
@@ -46,7 +47,9 @@ def _bf16_neighbours(x):
   x = np.asarray(x, np.float32)
   pattern = x.view(np.uint32)
   lower = (pattern & np.uint32(0xFFFF0000)).view(np.float32)
-  upper = ((pattern & np.uint32(0xFFFF0000)) + np.uint32(0x10000)).view(np.float32)
+  upper = ((pattern & np.uint32(0xFFFF0000)) + np.uint32(0x10000)).view(
+    np.float32
+  )
   lo, hi = np.where(x >= 0, lower, upper), np.where(x >= 0, upper, lower)
   return lo, hi
 
@@ -60,13 +63,21 @@ def test_stochastic_rounding_is_unbiased(seed):
   its float32 value within 6 standard errors, and every draw is one of the
   two bf16 neighbours."""
   rng = np.random.default_rng(seed)
-  x = (rng.standard_normal(256) * np.exp(rng.uniform(-8, 8, 256))).astype(np.float32)
+  x = (rng.standard_normal(256) * np.exp(rng.uniform(-8, 8, 256))).astype(
+    np.float32
+  )
   draws = 4096
   key = Q.layer_key(seed, 17)
-  round_all = jax.jit(jax.vmap(
+  round_all = jax.jit(
+    jax.vmap(
       lambda step: Q.stochastic_round_bf16(
-          x, Q.random_bits(key, step, jnp.zeros((1,), jnp.int32),
-                           jnp.arange(x.size)))))
+        x,
+        Q.random_bits(
+          key, step, jnp.zeros((1,), jnp.int32), jnp.arange(x.size)
+        ),
+      )
+    )
+  )
   rounded = np.asarray(round_all(jnp.arange(draws)).astype(F32), np.float64)
   lo, hi = _bf16_neighbours(x)
   assert ((rounded == lo) | (rounded == hi)).all()
@@ -85,7 +96,8 @@ def test_stochastic_rounding_bits_are_deterministic_and_new_every_step():
   rows = jnp.arange(64)[:, None]
   cols = jnp.arange(80)[None, :]
   draw = lambda seed, layer, step: np.asarray(
-      Q.random_bits(Q.layer_key(seed, layer), jnp.int32(step), rows, cols))
+    Q.random_bits(Q.layer_key(seed, layer), jnp.int32(step), rows, cols)
+  )
   a = draw(0, 1, 5)
   assert_bitwise_equal(a, draw(0, 1, 5), "same seed, layer and step")
   for other in (draw(1, 1, 5), draw(0, 2, 5), draw(0, 1, 6)):
@@ -96,7 +108,8 @@ def test_stochastic_rounding_bits_are_deterministic_and_new_every_step():
     assert abs(((top >> bit) & 1).mean() - 0.5) < 0.05
   # Stable ids: no dependence on Python's hash randomization.
   assert Q.layer_id_from_path(("layers_0", "attn", "q_proj")) == (
-      zlib.crc32(b"layers_0/attn/q_proj"))
+    zlib.crc32(b"layers_0/attn/q_proj")
+  )
 
 
 def _sgd_steps(rounding, steps, k=64, n=64, delta=1e-3, seed=0):
@@ -105,18 +118,24 @@ def _sgd_steps(rounding, steps, k=64, n=64, delta=1e-3, seed=0):
   opt = fj.sgd(1.0, weight_rounding=rounding, rounding_seed=seed)
   spec = FusedDenseSpec(optimizer=opt, implementation="xla", layer_id=3)
   x = jnp.ones((1, k), F32)
-  dy = jnp.full((1, n), -delta, F32)    # dW = -delta: w += delta
+  dy = jnp.full((1, n), -delta, F32)  # dW = -delta: w += delta
   kernel = jnp.ones((k, n), BF16)
   step = jax.jit(functools.partial(backends.xla_update, spec))
   for i in range(steps):
-    kernel, _, _ = step(x, dy, kernel, opt.init(kernel),
-                        opt.scalars(jnp.int32(i)), jnp.bool_(True),
-                        step=jnp.int32(i))
+    kernel, _, _ = step(
+      x,
+      dy,
+      kernel,
+      opt.init(kernel),
+      opt.scalars(jnp.int32(i)),
+      jnp.bool_(True),
+      step=jnp.int32(i),
+    )
   return np.asarray(kernel.astype(F32), np.float64)
 
 
 def test_updates_below_half_an_ulp_vanish_when_rounding_to_nearest_and_accumulate_stochastically():
-  steps, delta = 200, 1e-3   # bf16 ulp at 1.0 is 2**-7: delta ~ 0.13 ulp
+  steps, delta = 200, 1e-3  # bf16 ulp at 1.0 is 2**-7: delta ~ 0.13 ulp
   assert delta < 2.0**-8
   nearest = _sgd_steps("nearest", steps, delta=delta)
   np.testing.assert_array_equal(nearest, 1.0)
@@ -126,19 +145,30 @@ def test_updates_below_half_an_ulp_vanish_when_rounding_to_nearest_and_accumulat
   per_element_std = np.sqrt(steps) * 2.0**-7 / 2
   assert abs(sr.mean() - expected) < 6 * per_element_std / np.sqrt(sr.size)
   assert np.abs(sr - expected).max() < 6 * per_element_std
-  assert len(np.unique(sr)) > 3   # elements draw independently
+  assert len(np.unique(sr)) > 3  # elements draw independently
 
 
 def test_stochastic_rounding_options_are_checked():
   with pytest.raises(ValueError, match="weight_rounding"):
     fj.adamw(1e-3, weight_rounding="up")
   with pytest.raises(ValueError, match="bfloat16"):
-    Q.round_weights(jnp.ones((2, 2)), jnp.float16, rounding="stochastic",
-                    seed=0, layer_id=0, step=None)
+    Q.round_weights(
+      jnp.ones((2, 2)),
+      jnp.float16,
+      rounding="stochastic",
+      seed=0,
+      layer_id=0,
+      step=None,
+    )
   # float32 kernels: nothing to round, the rule's values are stored as is.
   x = jnp.asarray(np.random.default_rng(0).standard_normal((3, 5)), F32)
-  assert_bitwise_equal(Q.round_weights(x, F32, rounding="stochastic", seed=0,
-                                       layer_id=0, step=None), x, "f32")
+  assert_bitwise_equal(
+    Q.round_weights(
+      x, F32, rounding="stochastic", seed=0, layer_id=0, step=None
+    ),
+    x,
+    "f32",
+  )
 
 
 def test_forge_dense_layer_ids_follow_the_module_path(seed, monkeypatch):
@@ -148,8 +178,9 @@ def test_forge_dense_layer_ids_follow_the_module_path(seed, monkeypatch):
     @nn.compact
     def __call__(self, x):
       a = fj.ForgeDense(8, optimizer=opt, param_dtype=BF16, name="a")
-      b = fj.ForgeDense(8, optimizer=opt, param_dtype=BF16, layer_id=42,
-                        name="b")
+      b = fj.ForgeDense(
+        8, optimizer=opt, param_dtype=BF16, layer_id=42, name="b"
+      )
       return b(a(x))
 
   ids = []
@@ -171,23 +202,27 @@ def test_forge_dense_layer_ids_follow_the_module_path(seed, monkeypatch):
 def _heavy_tailed(seed, shape):
   """Adam-like magnitudes: a normal times a per-element log-normal scale."""
   rng = np.random.default_rng(seed)
-  return (rng.standard_normal(shape)
-          * np.exp(rng.normal(0.0, 1.5, shape))).astype(np.float32)
+  return (
+    rng.standard_normal(shape) * np.exp(rng.normal(0.0, 1.5, shape))
+  ).astype(np.float32)
 
 
 def test_int8_block_quantization_error_bound_and_block_size(seed):
   """Every element is within half a code (scale / 2) of its value, blocks of
   64 do not straddle (scale shape), and the error is measurably smaller with
   blocks of 64 than 256 than 2048 (outliers inflate fewer elements' scale)."""
-  x = _heavy_tailed(seed, (64, 4096 + 37))     # a partial last block
+  x = _heavy_tailed(seed, (64, 4096 + 37))  # a partial last block
   errors = {}
   for block in (64, 256, 2048):
     codes, scale = quantize(jnp.asarray(x), block=block)
-    assert codes.dtype == jnp.int8 and scale.shape == (64, -(-x.shape[1] // block))
+    assert codes.dtype == jnp.int8 and scale.shape == (
+      64,
+      -(-x.shape[1] // block),
+    )
     assert int(jnp.min(codes)) >= -127 and int(jnp.max(codes)) <= 127
     values = np.asarray(dequantize(codes, scale, block=block), np.float64)
     per_element = np.repeat(np.asarray(scale, np.float64), block, axis=1)
-    per_element = per_element[:, :x.shape[1]]
+    per_element = per_element[:, : x.shape[1]]
     err = np.abs(values - x)
     assert (err <= per_element / 2 * (1 + 1e-6)).all()
     # The largest element of each block is (nearly) exact.
@@ -198,14 +233,16 @@ def test_int8_block_quantization_error_bound_and_block_size(seed):
   v = x.astype(np.float64) ** 2
   codes, scale = quantize(jnp.asarray(v, F32), sqrt=True)
   back = np.asarray(dequantize(codes, scale, sqrt=True), np.float64)
-  s = np.repeat(np.asarray(scale, np.float64), 64, axis=1)[:, :v.shape[1]]
+  s = np.repeat(np.asarray(scale, np.float64), 64, axis=1)[:, : v.shape[1]]
   level = np.sqrt(v) / s
-  near = level >= 1.0                 # the floor at level 1 is by design
-  assert (np.abs(np.sqrt(back) - np.sqrt(v))[near] <= s[near] / 2 * (1 + 1e-5)).all()
+  near = level >= 1.0  # the floor at level 1 is by design
+  assert (
+    np.abs(np.sqrt(back) - np.sqrt(v))[near] <= s[near] / 2 * (1 + 1e-5)
+  ).all()
   assert not ((back == 0) & (v > 0)).any()
   linear_codes, linear_scale = quantize(jnp.asarray(v, F32))
   linear = np.asarray(dequantize(linear_codes, linear_scale))
-  assert ((linear == 0) & (v > 0)).mean() > 0.2   # why v is stored as sqrt
+  assert ((linear == 0) & (v > 0)).mean() > 0.2  # why v is stored as sqrt
 
 
 def test_int8_quantizer_edge_cases():
@@ -214,7 +251,13 @@ def test_int8_quantizer_edge_cases():
     codes, scale = quantize(zero, sqrt=sqrt)
     assert_bitwise_equal(dequantize(codes, scale, sqrt=sqrt), zero, "zeros")
   # A NaN or inf poisons its block (NaN scale), never a neighbouring block.
-  x = jnp.asarray(_heavy_tailed(0, (2, 128))).at[0, 3].set(jnp.nan).at[1, 70].set(jnp.inf)
+  x = (
+    jnp.asarray(_heavy_tailed(0, (2, 128)))
+    .at[0, 3]
+    .set(jnp.nan)
+    .at[1, 70]
+    .set(jnp.inf)
+  )
   codes, scale = quantize(x)
   back = np.asarray(dequantize(codes, scale))
   assert np.isnan(back[0, :64]).all() and np.isnan(back[1, 64:]).all()
@@ -254,8 +297,13 @@ def test_state_dtype_option(seed):
 # ---------------------------------------------------------------------------
 # Training, checkpoints, resuming.
 
-LOWP_OPT = fj.adamw(3e-2, weight_decay=0.1, state_dtype="int8",
-                    weight_rounding="stochastic", rounding_seed=5)
+LOWP_OPT = fj.adamw(
+  3e-2,
+  weight_decay=0.1,
+  state_dtype="int8",
+  weight_rounding="stochastic",
+  rounding_seed=5,
+)
 
 
 class LowpMLP(nn.Module):
@@ -263,38 +311,49 @@ class LowpMLP(nn.Module):
 
   @nn.compact
   def __call__(self, x):
-    dense = functools.partial(fj.ForgeDense, optimizer=LOWP_OPT,
-                              param_dtype=BF16,
-                              implementation=self.implementation)
+    dense = functools.partial(
+      fj.ForgeDense,
+      optimizer=LOWP_OPT,
+      param_dtype=BF16,
+      implementation=self.implementation,
+    )
     x = nn.gelu(dense(96, name="fc1")(x))
     return dense(10, use_bias=False, name="fc2")(x)
 
 
 def _batches(seed, steps):
   rng = np.random.default_rng(seed)
-  return [(jnp.asarray(rng.standard_normal((16, 24)), F32),
-           jnp.asarray(rng.integers(0, 10, 16))) for _ in range(steps)]
+  return [
+    (
+      jnp.asarray(rng.standard_normal((16, 24)), F32),
+      jnp.asarray(rng.integers(0, 10, 16)),
+    )
+    for _ in range(steps)
+  ]
 
 
 def _new_state(seed, implementation="xla"):
   model = LowpMLP(implementation)
   variables = model.init(jax.random.key(seed), jnp.ones((2, 24)))
-  return TrainState.create(apply_fn=model.apply, params=variables,
-                           tx=LOWP_OPT.to_optax())
+  return TrainState.create(
+    apply_fn=model.apply, params=variables, tx=LOWP_OPT.to_optax()
+  )
 
 
 @jax.jit
 def _train_step(state, batch):
   x, y = batch
   loss, grads = jax.value_and_grad(
-      lambda p: optax.softmax_cross_entropy_with_integer_labels(
-          state.apply_fn(p, x), y).mean())(state.params)
+    lambda p: optax.softmax_cross_entropy_with_integer_labels(
+      state.apply_fn(p, x), y
+    ).mean()
+  )(state.params)
   return state.apply_gradients(grads=grads), loss
 
 
 def test_training_with_bf16_sr_and_int8_states_learns(seed):
   state = _new_state(seed)
-  batches = _batches(seed, 1) * 30   # fit one batch
+  batches = _batches(seed, 1) * 30  # fit one batch
   losses = []
   for batch in batches:
     state, loss = _train_step(state, batch)
@@ -313,20 +372,26 @@ def test_checkpoint_round_trip_is_bit_exact_and_never_casts(tmp_path, seed):
   restored = checkpoint.restore(path, _new_state(seed + 1))
   # (apply_fn and tx come from the abstract state: compare the arrays.)
   for part in ("params", "opt_state"):
-    assert (jax.tree.structure(getattr(restored, part))
-            == jax.tree.structure(getattr(state, part)))
-  for (key, a), b in zip(jax.tree_util.tree_flatten_with_path(restored)[0],
-                         jax.tree.leaves(state)):
-    assert_bitwise_equal(np.atleast_1d(a), np.atleast_1d(b),
-                         jax.tree_util.keystr(key))
+    assert jax.tree.structure(getattr(restored, part)) == jax.tree.structure(
+      getattr(state, part)
+    )
+  for (key, a), b in zip(
+    jax.tree_util.tree_flatten_with_path(restored)[0], jax.tree.leaves(state)
+  ):
+    assert_bitwise_equal(
+      np.atleast_1d(a), np.atleast_1d(b), jax.tree_util.keystr(key)
+    )
   layer = restored.params[COLL]["fc1"]
   assert layer["opt_state"].nu.codes.dtype == Q.CODES_CONTAINER
   assert layer["kernel"].dtype == BF16 and float(layer["count"]) == 3.0
   # orbax would cast int8 codes (their container) to whatever the target
   # says; the helper refuses.
-  wrong = _new_state(seed).replace(params=jax.tree.map(
+  wrong = _new_state(seed).replace(
+    params=jax.tree.map(
       lambda a: a.astype(BF16) if a.dtype == Q.CODES_CONTAINER else a,
-      _new_state(seed).params))
+      _new_state(seed).params,
+    )
+  )
   with pytest.raises(TypeError, match="float8_e4m3fnuz"):
     checkpoint.restore(path, wrong)
 

@@ -8,14 +8,19 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-import make_docs  # pylint: disable=wrong-import-position
+import make_docs  # noqa: E402  (benchmarks/ is on sys.path only now)
 
 
 def _row(gemm_ms, unfused_ms, mosaic_ms, k=1000, n=1000):
   """An AdamW row of a kernel run: float32 W, m and v (12 bytes a weight)."""
-  return {"k": k, "n": n, "gemm": {"ms": gemm_ms},
-          "unfused": {"ms": unfused_ms}, "fused_mosaic": {"ms": mosaic_ms},
-          "fused_memory": {"weight_and_state_bytes": 12 * k * n}}
+  return {
+    "k": k,
+    "n": n,
+    "gemm": {"ms": gemm_ms},
+    "unfused": {"ms": unfused_ms},
+    "fused_mosaic": {"ms": mosaic_ms},
+    "fused_memory": {"weight_and_state_bytes": 12 * k * n},
+  }
 
 
 def test_traffic_bound_times_the_fused_bytes_at_optax_bandwidth():
@@ -38,31 +43,54 @@ def test_traffic_bound_is_the_gemm_when_the_traffic_hides_under_it():
 
 
 def _model_run(variant, step_ms, flags="", date="2026-11-30"):
-  return {"config": "llama-3.1-8b", "num_layers": 32, "variant": variant,
-          "batch": 1, "seq": 512, "step_ms_median": step_ms,
-          "step_ms_all": [step_ms], "peak_bytes_in_use": 2**30,
-          "compiled_temp_bytes": 0, "projection_kernel_bytes": 2**30,
-          "mosaic_config": None,
-          "meta": {"device": "H200", "jax_version": "0.11.2", "commit": "c0ffee0",
-                   "date": date, "xla_flags": flags},
-          "_file": f"model_memory_{variant}{flags}_c0ffee0.json"}
+  return {
+    "config": "llama-3.1-8b",
+    "num_layers": 32,
+    "variant": variant,
+    "batch": 1,
+    "seq": 512,
+    "step_ms_median": step_ms,
+    "step_ms_all": [step_ms],
+    "peak_bytes_in_use": 2**30,
+    "compiled_temp_bytes": 0,
+    "projection_kernel_bytes": 2**30,
+    "mosaic_config": None,
+    "meta": {
+      "device": "H200",
+      "jax_version": "0.11.2",
+      "commit": "c0ffee0",
+      "date": date,
+      "xla_flags": flags,
+    },
+    "_file": f"model_memory_{variant}{flags}_c0ffee0.json",
+  }
 
 
 def test_forge_is_paired_with_optax_only_under_the_same_xla_flags():
   flag = "--xla_gpu_enable_dynamic_slice_fusion=true"
-  runs = [_model_run("optax", 110.0), _model_run("forge", 100.0),
-          _model_run("optax", 90.0, flag), _model_run("forge", 100.0, flag)]
+  runs = [
+    _model_run("optax", 110.0),
+    _model_run("forge", 100.0),
+    _model_run("optax", 90.0, flag),
+    _model_run("forge", 100.0, flag),
+  ]
   text = make_docs.step_section(runs)
-  pairs = [line for line in text.splitlines()
-           if line.startswith("| llama-3.1-8b") and "1 x 512" in line]
+  pairs = [
+    line
+    for line in text.splitlines()
+    if line.startswith("| llama-3.1-8b") and "1 x 512" in line
+  ]
   assert len(pairs) == 2
   assert "| 1.100 |" in next(p for p in pairs if flag not in p)
   assert "| 0.900 |" in next(p for p in pairs if flag in p)
 
 
 def test_tables_take_the_newest_run_of_each_configuration():
-  runs = [_model_run("optax", 110.0), _model_run("forge", 100.0),
-          _model_run("forge", 50.0, date="2026-12-01")]
+  runs = [
+    _model_run("optax", 110.0),
+    _model_run("forge", 100.0),
+    _model_run("forge", 50.0, date="2026-12-01"),
+  ]
   runs[2]["_file"] = "model_memory_forge_newer_c0ffee0.json"
   table = make_docs.readme_table(runs)
   assert "| 50 / 110 |" in table and "| 100 / 110 |" not in table
@@ -75,16 +103,21 @@ def test_docs_are_generated_from_the_kept_results():
   with open(make_docs.README) as f:
     readme = f.read()
   for name, body in make_docs.readme_sections().items():
-    section = re.search(rf"<!-- BEGIN {name} -->\n(.*?)\n<!-- END {name} -->",
-                        readme, re.S)
+    section = re.search(
+      rf"<!-- BEGIN {name} -->\n(.*?)\n<!-- END {name} -->", readme, re.S
+    )
     assert section and section.group(1) == body, (
-        f"README's {name!r} section is stale: run python "
-        "benchmarks/make_docs.py")
+      f"README's {name!r} section is stale: run python benchmarks/make_docs.py"
+    )
   with open(make_docs.BENCHMARKS_MD) as f:
     assert f.read() == make_docs.benchmarks_page(), (
-        "docs/benchmarks.md is stale: run python benchmarks/make_docs.py")
-  kept = {os.path.relpath(os.path.join(dirpath, name), ROOT)
-          for dirpath, _, names in os.walk(make_docs.RESULTS) for name in names}
+      "docs/benchmarks.md is stale: run python benchmarks/make_docs.py"
+    )
+  kept = {
+    os.path.relpath(os.path.join(dirpath, name), ROOT)
+    for dirpath, _, names in os.walk(make_docs.RESULTS)
+    for name in names
+  }
   assert kept == make_docs.used_results(), (
-      "result files no table uses: "
-      f"{sorted(kept - make_docs.used_results())}")
+    f"result files no table uses: {sorted(kept - make_docs.used_results())}"
+  )

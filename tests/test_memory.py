@@ -15,23 +15,28 @@ import pytest
 from flax import traverse_util
 
 import forge_jax as fj
-from examples.lm import train as train_lib
 from examples.lm import llama
+from examples.lm import train as train_lib
 
 BATCH, SEQ = 2, 32
-CONFIG = dataclasses.replace(llama.CONFIGS["small"], num_layers=6, dim=128,
-                             ffn_dim=512, head_dim=32)
+CONFIG = dataclasses.replace(
+  llama.CONFIGS["small"], num_layers=6, dim=128, ffn_dim=512, head_dim=32
+)
 OPT = fj.adamw(1e-3, weight_decay=0.1)
 
 
 def _model(config, forge):
-  return llama.Llama(dataclasses.replace(
-      config, forge_optimizer=OPT if forge else None))
+  return llama.Llama(
+    dataclasses.replace(config, forge_optimizer=OPT if forge else None)
+  )
 
 
 def _abstract_state(model, tokens):
-  return jax.eval_shape(lambda: train_lib.create_train_state(
-      model, OPT.to_optax(), jax.random.key(0), tokens))
+  return jax.eval_shape(
+    lambda: train_lib.create_train_state(
+      model, OPT.to_optax(), jax.random.key(0), tokens
+    )
+  )
 
 
 @functools.lru_cache(maxsize=None)
@@ -62,8 +67,11 @@ def _activation_floor(config) -> int:
 
   def grads(trained, frozen, tokens):
     def loss(trained):
-      variables = {"params": traverse_util.unflatten_dict({**trained, **frozen})}
+      variables = {
+        "params": traverse_util.unflatten_dict({**trained, **frozen})
+      }
       return train_lib.loss_fn(variables, model.apply, tokens)
+
     return jax.grad(loss)(trained)
 
   compiled = jax.jit(grads).lower(trained, frozen, tokens).compile()
@@ -80,17 +88,26 @@ def _growth(config, forge, layers=(4, 8)):
   for num_layers in layers:
     c = dataclasses.replace(config, num_layers=num_layers)
     memory, state = _step_memory(c, forge)
-    rows.append((memory, state, _activation_floor(c),
-                 _nbytes(llama.kernels(state.params))))
+    rows.append(
+      (
+        memory,
+        state,
+        _activation_floor(c),
+        _nbytes(llama.kernels(state.params)),
+      )
+    )
   return rows
 
 
-@pytest.mark.parametrize("scan_layers,remat", [
+@pytest.mark.parametrize(
+  "scan_layers,remat",
+  [
     pytest.param(False, False, id="unrolled-no-remat"),
     pytest.param(True, True, id="scan-remat"),
     pytest.param(False, True, id="unrolled-remat", marks=pytest.mark.slow),
     pytest.param(True, False, id="scan-no-remat", marks=pytest.mark.slow),
-])
+  ],
+)
 def test_no_temp_memory_grows_with_the_kernels(scan_layers, remat):
   """Doubling the depth adds the activations it must, never the gradients.
 
@@ -110,16 +127,22 @@ def test_no_temp_memory_grows_with_the_kernels(scan_layers, remat):
   if scan_layers:
     assert optax_growth >= 0.9 * kernel_growth, (optax_growth, kernel_growth)
     assert forge_growth <= floor_growth + 0.1 * kernel_growth, (
-        forge_growth, floor_growth, kernel_growth)
+      forge_growth,
+      floor_growth,
+      kernel_growth,
+    )
     assert f8.temp_size_in_bytes < o8.temp_size_in_bytes
   else:
     assert forge_growth <= optax_growth + 0.01 * kernel_growth, (
-        forge_growth, optax_growth)
+      forge_growth,
+      optax_growth,
+    )
     assert f8.temp_size_in_bytes <= o8.temp_size_in_bytes
   # Every donated kernel and optimizer state is updated in place.
   for memory, state in ((f4, state4), (f8, state8)):
     assert memory.alias_size_in_bytes >= _nbytes(
-        state.params[fj.FORGE_COLLECTION])
+      state.params[fj.FORGE_COLLECTION]
+    )
 
 
 def test_scanned_step_copies_no_layer_out_of_the_stacks():
@@ -134,16 +157,24 @@ def test_scanned_step_copies_no_layer_out_of_the_stacks():
   """
   config = dataclasses.replace(CONFIG, scan_layers=True, remat=True)
   memory, state = _step_memory(config, True)
-  stacks = [leaf for leaf in jax.tree.leaves(state.params[fj.FORGE_COLLECTION])
-            if leaf.ndim == 3]
+  stacks = [
+    leaf
+    for leaf in jax.tree.leaves(state.params[fj.FORGE_COLLECTION])
+    if leaf.ndim == 3
+  ]
   layer_bytes = _nbytes(stacks) // config.num_layers
   beyond_floor = memory.temp_size_in_bytes - _activation_floor(config)
   assert beyond_floor <= 0.5 * layer_bytes, (beyond_floor, layer_bytes)
 
 
 def _policy_step(num_layers, policy):
-  config = dataclasses.replace(CONFIG, scan_layers=True, remat=True,
-                               num_layers=num_layers, remat_policy=policy)
+  config = dataclasses.replace(
+    CONFIG,
+    scan_layers=True,
+    remat=True,
+    num_layers=num_layers,
+    remat_policy=policy,
+  )
   compiled, state = _compiled_step(config, True)
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
@@ -160,26 +191,44 @@ def test_remat_policy_saves_activations_not_kernels():
   CPU counts a loop's body once, so by one layer's projections)."""
   c = CONFIG
   tokens = BATCH * SEQ
-  saved_per_layer = 4 * tokens * (
+  saved_per_layer = (
+    4
+    * tokens
+    * (
       c.dim  # the layer's input
-      + (c.num_heads + 2 * c.num_kv_heads) * c.head_dim + c.dim  # q, k, v, o
-      + 2 * c.ffn_dim)  # gate, up
-  rows = {(layers, policy): _policy_step(layers, policy)
-          for layers in (4, 8)
-          for policy in (None, "dots_with_no_batch_dims_saveable")}
-  per_layer = {policy: (rows[8, policy][0].temp_size_in_bytes
-                        - rows[4, policy][0].temp_size_in_bytes) / 4
-               for policy in (None, "dots_with_no_batch_dims_saveable")}
+      + (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
+      + c.dim  # q, k, v, o
+      + 2 * c.ffn_dim
+    )
+  )  # gate, up
+  rows = {
+    (layers, policy): _policy_step(layers, policy)
+    for layers in (4, 8)
+    for policy in (None, "dots_with_no_batch_dims_saveable")
+  }
+  per_layer = {
+    policy: (
+      rows[8, policy][0].temp_size_in_bytes
+      - rows[4, policy][0].temp_size_in_bytes
+    )
+    / 4
+    for policy in (None, "dots_with_no_batch_dims_saveable")
+  }
   extra = per_layer["dots_with_no_batch_dims_saveable"] - per_layer[None]
   inputs_per_layer = 4 * tokens * c.dim  # full remat saves those already
   assert abs(extra - (saved_per_layer - inputs_per_layer)) <= (
-      0.05 * saved_per_layer), (extra, saved_per_layer)
+    0.05 * saved_per_layer
+  ), (extra, saved_per_layer)
   memory, _, state = rows[8, "dots_with_no_batch_dims_saveable"]
   kernel_bytes_per_layer = _nbytes(llama.kernels(state.params)) // 8
   assert extra < 0.5 * kernel_bytes_per_layer, (extra, kernel_bytes_per_layer)
-  assert memory.alias_size_in_bytes >= _nbytes(state.params[fj.FORGE_COLLECTION])
+  assert memory.alias_size_in_bytes >= _nbytes(
+    state.params[fj.FORGE_COLLECTION]
+  )
   recomputed = 2 * tokens * c.dim * (
-      (c.num_heads + 2 * c.num_kv_heads) * c.head_dim + 2 * c.ffn_dim) + (
-          2 * tokens * c.num_heads * c.head_dim * c.dim)  # q k v gate up, o
-  saved_flops = rows[8, None][1] - rows[8, "dots_with_no_batch_dims_saveable"][1]
+    (c.num_heads + 2 * c.num_kv_heads) * c.head_dim + 2 * c.ffn_dim
+  ) + (2 * tokens * c.num_heads * c.head_dim * c.dim)  # q k v gate up, o
+  saved_flops = (
+    rows[8, None][1] - rows[8, "dots_with_no_batch_dims_saveable"][1]
+  )
   assert saved_flops >= 0.95 * recomputed, (saved_flops, recomputed)

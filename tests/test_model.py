@@ -14,9 +14,16 @@ from flax.training.train_state import TrainState
 
 import forge_jax as fj
 from examples.lm import data as data_lib
-from examples.lm.llama import (CONFIGS, PROJECTIONS, apply_rope, kernels,
-                              make_model, rope_tables, stack_layers,
-                              unstack_layers)
+from examples.lm.llama import (
+  CONFIGS,
+  PROJECTIONS,
+  apply_rope,
+  kernels,
+  make_model,
+  rope_tables,
+  stack_layers,
+  unstack_layers,
+)
 from examples.lm.train import build_variants, make_train_step
 
 TINY = CONFIGS["tiny"]
@@ -85,8 +92,11 @@ def test_shapes_and_param_count(variant, qk_norm):
   n_params = sum(x.size for x in jax.tree.leaves(variables["params"]))
   if variant == "forge":
     assert n_kernels + n_params == v.model.config.num_params()
-    forge_paths = set(kernels({"params": {}, **{
-        fj.FORGE_COLLECTION: variables[fj.FORGE_COLLECTION]}}))
+    forge_paths = set(
+      kernels(
+        {"params": {}, **{fj.FORGE_COLLECTION: variables[fj.FORGE_COLLECTION]}}
+      )
+    )
     assert len(forge_paths) == 7 * TINY.num_layers + 1
     assert {p.split("/")[-1] for p in forge_paths} == set(PROJECTIONS)
   else:
@@ -109,8 +119,10 @@ def test_variants_same_init_and_outputs(qk_norm):
   assert sorted(pf) == sorted(pb)
   for path in pb:
     np.testing.assert_array_equal(pf[path], pb[path], err_msg=path)
-  np.testing.assert_array_equal(variants["forge"].model.apply(vf, tokens),
-                                variants["baseline"].model.apply(vb, tokens))
+  np.testing.assert_array_equal(
+    variants["forge"].model.apply(vf, tokens),
+    variants["baseline"].model.apply(vb, tokens),
+  )
 
 
 @functools.lru_cache(maxsize=None)
@@ -137,9 +149,13 @@ def test_forge_matches_baseline_training():
     assert np.max(np.abs(k - k0[path])) > 1e-4, path
   # Embedding and norms (q/k norms too): optax in both variants.
   _assert_params_close(final_f, final_b)
-  counts = [x for p, x in jax.tree_util.tree_flatten_with_path(
-      final_f[fj.FORGE_COLLECTION])[0]
-            if getattr(p[-1], "key", None) == "count"]
+  counts = [
+    x
+    for p, x in jax.tree_util.tree_flatten_with_path(
+      final_f[fj.FORGE_COLLECTION]
+    )[0]
+    if getattr(p[-1], "key", None) == "count"
+  ]
   assert len(counts) == 7 * TINY.num_layers + 1
   assert all(float(c) == 3.0 for c in counts)
   assert fj.wiped_layers(final_f) == []
@@ -161,17 +177,23 @@ def test_scan_layers_trains_and_matches_unrolled(remat):
   scanned = build_variants(TINY, OPT, scan_layers=True, remat=remat)["forge"]
 
   native = scanned.model.init(KEY, batches[0][:, :-1])
-  assert (jax.tree.map(jnp.shape, native)
-          == jax.tree.map(jnp.shape, stack_layers(init_u)))
+  assert jax.tree.map(jnp.shape, native) == jax.tree.map(
+    jnp.shape, stack_layers(init_u)
+  )
   q = native[fj.FORGE_COLLECTION]["layers"]["attn"]["q_proj"]
-  assert q["kernel"].shape == (TINY.num_layers, TINY.dim,
-                               TINY.num_heads * TINY.head_dim)
+  assert q["kernel"].shape == (
+    TINY.num_layers,
+    TINY.dim,
+    TINY.num_heads * TINY.head_dim,
+  )
   assert q["count"].shape == (TINY.num_layers,)
 
   # Same weights as the unrolled reference, in the stacked layout.
-  state = TrainState.create(apply_fn=scanned.model.apply, tx=scanned.tx,
-                            params=jax.tree.map(jnp.asarray,
-                                                stack_layers(init_u)))
+  state = TrainState.create(
+    apply_fn=scanned.model.apply,
+    tx=scanned.tx,
+    params=jax.tree.map(jnp.asarray, stack_layers(init_u)),
+  )
   state, ls = _train(state, batches)
   np.testing.assert_allclose(ls, lu, rtol=1e-5)
   final = _host(unstack_layers(state.params))
@@ -181,8 +203,9 @@ def test_scan_layers_trains_and_matches_unrolled(remat):
   for path, k in kernels(final).items():  # every layer's kernel moved
     assert np.max(np.abs(k - k0[path])) > 1e-4, path
   stacked = state.params[fj.FORGE_COLLECTION]["layers"]
-  np.testing.assert_array_equal(stacked["mlp"]["down_proj"]["count"],
-                                [3.0] * TINY.num_layers)
+  np.testing.assert_array_equal(
+    stacked["mlp"]["down_proj"]["count"], [3.0] * TINY.num_layers
+  )
   assert fj.wiped_layers(state.params) == []
 
 
@@ -207,9 +230,13 @@ def test_scan_remat_qk_norm_forge_matches_baseline():
   _assert_params_close(final["forge"][1], final["baseline"][1])
 
 
-@pytest.mark.parametrize("policy", [
+@pytest.mark.parametrize(
+  "policy",
+  [
     "dots_with_no_batch_dims_saveable",
-    pytest.param("everything_saveable", marks=pytest.mark.slow)])
+    pytest.param("everything_saveable", marks=pytest.mark.slow),
+  ],
+)
 def test_scan_remat_policy_matches_full_remat_and_baseline(policy):
   """fj.scan with a remat policy: the updated kernels, optimizer
   states and counts match full remat's, and training matches the nn.Dense
@@ -220,11 +247,13 @@ def test_scan_remat_policy_matches_full_remat_and_baseline(policy):
   the baseline itself moves between full remat and the policy.
   """
   final = {
-      "full": _trained_qk("forge", scan_layers=True, remat=True),
-      "forge": _trained_qk("forge", scan_layers=True, remat=True,
-                           remat_policy=policy),
-      "baseline": _trained_qk("baseline", scan_layers=True, remat=True,
-                              remat_policy=policy),
+    "full": _trained_qk("forge", scan_layers=True, remat=True),
+    "forge": _trained_qk(
+      "forge", scan_layers=True, remat=True, remat_policy=policy
+    ),
+    "baseline": _trained_qk(
+      "baseline", scan_layers=True, remat=True, remat_policy=policy
+    ),
   }
   np.testing.assert_allclose(final["forge"][0], final["full"][0], rtol=1e-6)
   forge, full = final["forge"][1], final["full"][1]
@@ -238,10 +267,13 @@ def test_scan_remat_policy_matches_full_remat_and_baseline(policy):
   _assert_params_close(forge, final["baseline"][1])
 
 
-@pytest.mark.parametrize("overrides, match", [
+@pytest.mark.parametrize(
+  "overrides, match",
+  [
     (dict(remat=True, remat_policy="dots"), "must be None or one of"),
     (dict(remat_policy="dots_saveable"), "needs remat=True"),
-])
+  ],
+)
 def test_remat_policy_names_are_checked(overrides, match):
   with pytest.raises(ValueError, match=match):
     dataclasses.replace(TINY, **overrides)
@@ -251,8 +283,9 @@ def test_remat_unrolled_matches():
   batches = _batches(3)
   init_u, lu, final_u = _reference("forge", qk_norm=False)
   v = build_variants(TINY, OPT, remat=True)["forge"]
-  state = TrainState.create(apply_fn=v.model.apply, tx=v.tx,
-                            params=jax.tree.map(jnp.asarray, init_u))
+  state = TrainState.create(
+    apply_fn=v.model.apply, tx=v.tx, params=jax.tree.map(jnp.asarray, init_u)
+  )
   state, lr = _train(state, batches)
   np.testing.assert_allclose(lr, lu, rtol=1e-5)
   _assert_kernels_close(_host(state.params), final_u)
@@ -266,8 +299,10 @@ def test_stack_unstack_roundtrip():
   assert all(jax.tree.leaves(jax.tree.map(np.array_equal, back, variables)))
 
 
-@pytest.mark.parametrize("name,expected", [("llama-3.1-8b", 8_030_261_248),
-                                           ("qwen3-14b", 14_768_307_200)])
+@pytest.mark.parametrize(
+  "name,expected",
+  [("llama-3.1-8b", 8_030_261_248), ("qwen3-14b", 14_768_307_200)],
+)
 def test_large_configs_abstract(name, expected):
   config = CONFIGS[name]
   assert config.num_params() == expected
@@ -281,8 +316,9 @@ def test_rope_is_a_rotation():
   cos, sin = rope_tables(config, 16)
   x = jax.random.normal(KEY, (2, 16, 3, TINY.head_dim))
   y = apply_rope(x, cos, sin)
-  np.testing.assert_allclose(jnp.linalg.norm(y, axis=-1),
-                             jnp.linalg.norm(x, axis=-1), rtol=1e-5)
+  np.testing.assert_allclose(
+    jnp.linalg.norm(y, axis=-1), jnp.linalg.norm(x, axis=-1), rtol=1e-5
+  )
   np.testing.assert_allclose(y[:, 0], x[:, 0], rtol=1e-6)  # position 0
 
 
@@ -298,7 +334,8 @@ def test_stdlib_corpus_and_batches():
   assert b1.min() >= 0 and b1.max() < data_lib.VOCAB_SIZE
   assert not np.array_equal(b1, b2)
   np.testing.assert_array_equal(
-      next(data_lib.batch_iterator(corpus.train, 4, 32, seed=3)), b1)
+    next(data_lib.batch_iterator(corpus.train, 4, 32, seed=3)), b1
+  )
   # Windows are contiguous slices of the corpus.
   text = corpus.train.tobytes()
   assert bytes(b1[0].astype(np.uint8).tolist()) in text
@@ -306,11 +343,27 @@ def test_stdlib_corpus_and_batches():
 
 def test_main_job_smoke(tmp_path):
   from examples.lm import main as main_lib
+
   out = str(tmp_path / "run")
-  summary = main_lib.main([
-      "--config", "tiny", "--steps", "4", "--batch-size", "2", "--seq-len",
-      "32", "--max-mb", "0.5", "--eval-batches", "1", "--no-progress",
-      "--out", out])
+  summary = main_lib.main(
+    [
+      "--config",
+      "tiny",
+      "--steps",
+      "4",
+      "--batch-size",
+      "2",
+      "--seq-len",
+      "32",
+      "--max-mb",
+      "0.5",
+      "--eval-batches",
+      "1",
+      "--no-progress",
+      "--out",
+      out,
+    ]
+  )
   assert os.path.getsize(os.path.join(out, "loss_curves.png")) > 1000
   with open(os.path.join(out, "summary.json")) as f:
     saved = json.load(f)

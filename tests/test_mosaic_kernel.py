@@ -33,39 +33,59 @@ import pytest
 import forge_jax as fj
 from forge_jax import quantization as Q
 from forge_jax.ops import backends, mosaic, triton_kernel
-from forge_jax.ops.mosaic import config as mosaic_config
 from forge_jax.ops.fused_dense import FusedDenseSpec
+from forge_jax.ops.mosaic import config as mosaic_config
 
-from conftest import (assert_bitwise_equal, assert_same_bits, bits,
-                      host_copy, poison, ulp_distance)
-from test_kernel import (BF16, F32, OPTIMIZERS, assert_leaves_match,
-                         assert_outputs_match, random_inputs, run_reference)
+from conftest import (
+  assert_bitwise_equal,
+  assert_same_bits,
+  bits,
+  host_copy,
+  poison,
+  ulp_distance,
+)
+from test_kernel import (
+  BF16,
+  F32,
+  OPTIMIZERS,
+  assert_leaves_match,
+  assert_outputs_match,
+  random_inputs,
+  run_reference,
+)
 from test_low_precision import exact_inputs
 
 # 64 x 64 parts, two compute warpgroups: a CTA tile is 64 x 128. K = 128,
 # N = 256, 128 tokens: 2 x 2 tiles on two CTAs, 2 pipeline steps each, and
 # two 64 x 32 epilogue sub-tiles per part (four of 64 x 16 when
 # double-buffered: two slots, each reused once).
-SMALL = dict(tile_k=64, tile_n=64, tile_t=64, max_concurrent_steps=2,
-             epilogue_k=64)
+SMALL = dict(
+  tile_k=64, tile_n=64, tile_t=64, max_concurrent_steps=2, epilogue_k=64
+)
 CONFIGS = {
-    "all-prefetched": mosaic.MosaicConfig(**SMALL, epilogue_n=32,
-                                          epilogue_slots=2),
-    "double-buffered": mosaic.MosaicConfig(
-        **SMALL, epilogue_n=16, epilogue_slots=2, prefetch_step=0),
-    "single-buffered": mosaic.MosaicConfig(**SMALL, epilogue_n=32,
-                                           epilogue_slots=1),
-    "one-warpgroup": mosaic.MosaicConfig(**SMALL, epilogue_n=32,
-                                         epilogue_slots=2, compute_wgs=1),
-    # A 64 x 64 tile per warpgroup, in turns: four tiles a CTA, two steps
-    # each; two 64 x 32 sub-tiles per tile in two buffers per warpgroup,
-    # loaded ahead across tiles.
-    "pingpong": mosaic.MosaicConfig(**SMALL, epilogue_n=32, epilogue_slots=2,
-                                    schedule="pingpong"),
-    # Four sub-tiles a tile, single-buffered: each load waits for the
-    # previous sub-tile's stores.
-    "pingpong-single-buffered": mosaic.MosaicConfig(
-        **SMALL, epilogue_n=16, epilogue_slots=1, schedule="pingpong"),
+  "all-prefetched": mosaic.MosaicConfig(
+    **SMALL, epilogue_n=32, epilogue_slots=2
+  ),
+  "double-buffered": mosaic.MosaicConfig(
+    **SMALL, epilogue_n=16, epilogue_slots=2, prefetch_step=0
+  ),
+  "single-buffered": mosaic.MosaicConfig(
+    **SMALL, epilogue_n=32, epilogue_slots=1
+  ),
+  "one-warpgroup": mosaic.MosaicConfig(
+    **SMALL, epilogue_n=32, epilogue_slots=2, compute_wgs=1
+  ),
+  # A 64 x 64 tile per warpgroup, in turns: four tiles a CTA, two steps
+  # each; two 64 x 32 sub-tiles per tile in two buffers per warpgroup,
+  # loaded ahead across tiles.
+  "pingpong": mosaic.MosaicConfig(
+    **SMALL, epilogue_n=32, epilogue_slots=2, schedule="pingpong"
+  ),
+  # Four sub-tiles a tile, single-buffered: each load waits for the
+  # previous sub-tile's stores.
+  "pingpong-single-buffered": mosaic.MosaicConfig(
+    **SMALL, epilogue_n=16, epilogue_slots=1, schedule="pingpong"
+  ),
 }
 X_SHAPE, N = (2, 64, 128), 256
 # int8 states: epilogue sub-tiles of one quantization block (64 columns).
@@ -73,12 +93,13 @@ X_SHAPE, N = (2, 64, 128), 256
 # one row of 128 x 128 tiles, two sub-tiles per part (double-buffered);
 # 'int8-pingpong': eight 64 x 64 tiles, one sub-tile each.
 INT8_CONFIGS = {
-    "int8": mosaic.MosaicConfig(**SMALL, epilogue_n=64, epilogue_slots=1),
-    "int8-pingpong": mosaic.MosaicConfig(**SMALL, epilogue_n=64,
-                                         epilogue_slots=1,
-                                         schedule="pingpong"),
-    "int8-two-rows": mosaic.MosaicConfig(
-        **{**SMALL, "tile_k": 128}, epilogue_n=64, epilogue_slots=2),
+  "int8": mosaic.MosaicConfig(**SMALL, epilogue_n=64, epilogue_slots=1),
+  "int8-pingpong": mosaic.MosaicConfig(
+    **SMALL, epilogue_n=64, epilogue_slots=1, schedule="pingpong"
+  ),
+  "int8-two-rows": mosaic.MosaicConfig(
+    **{**SMALL, "tile_k": 128}, epilogue_n=64, epilogue_slots=2
+  ),
 }
 #: One config per schedule (inline, pingpong): the per-optimizer tests run
 #: each.
@@ -86,16 +107,29 @@ SCHEDULES = ("all-prefetched", "pingpong")
 #: The optimizers the default run checks with float32 storage, one schedule
 #: each in turn; it checks the others with int8 states (which every one of
 #: them can hold: centered RMSprop and plain SGD cannot).
-FP32_DEFAULT = ("adam", "nadam", "radam-unrectified", "lion",
-                "rmsprop-centered-nesterov", "rmsprop-bias-correction", "sgd")
-INT8_DEFAULT = ("adamw-schedule", "nadamw", "radam-rectified", "adagrad",
-                "sgd-nesterov")
+FP32_DEFAULT = (
+  "adam",
+  "nadam",
+  "radam-unrectified",
+  "lion",
+  "rmsprop-centered-nesterov",
+  "rmsprop-bias-correction",
+  "sgd",
+)
+INT8_DEFAULT = (
+  "adamw-schedule",
+  "nadamw",
+  "radam-rectified",
+  "adagrad",
+  "sgd-nesterov",
+)
 
 
 def slow_unless(default, *values, case_id=None):
   """``pytest.param(*values)``, marked slow unless the default run takes it."""
-  return pytest.param(*values, id=case_id,
-                      marks=() if default else pytest.mark.slow)
+  return pytest.param(
+    *values, id=case_id, marks=() if default else pytest.mark.slow
+  )
 
 
 def fp32_default_schedule(name):
@@ -105,38 +139,74 @@ def fp32_default_schedule(name):
 
 def by_schedule(default_schedules):
   """One case per schedule, slow unless in ``default_schedules``."""
-  return [slow_unless(schedule in default_schedules, schedule,
-                      case_id=schedule) for schedule in SCHEDULES]
+  return [
+    slow_unless(schedule in default_schedules, schedule, case_id=schedule)
+    for schedule in SCHEDULES
+  ]
 
 
-def run_mosaic(opt, x, dy, kernel, state, count, config, layer_index=None,
-               step=None, offset=None, layer_id=0):
-  spec = FusedDenseSpec(optimizer=opt, implementation="mosaic",
-                        layer_id=layer_id)
+def run_mosaic(
+  opt,
+  x,
+  dy,
+  kernel,
+  state,
+  count,
+  config,
+  layer_index=None,
+  step=None,
+  offset=None,
+  layer_id=0,
+):
+  spec = FusedDenseSpec(
+    optimizer=opt, implementation="mosaic", layer_id=layer_id
+  )
   apply = jnp.all(jnp.isfinite(dy))
   scalars = opt.scalars(jnp.asarray(count, jnp.int32))
-  fn = jax.jit(functools.partial(mosaic.mosaic_update, spec,
-                                 config=config, interpret=True,
-                                 layer_index=layer_index, offset=offset))
+  fn = jax.jit(
+    functools.partial(
+      mosaic.mosaic_update,
+      spec,
+      config=config,
+      interpret=True,
+      layer_index=layer_index,
+      offset=offset,
+    )
+  )
   return host_copy(fn(x, dy, kernel, state, scalars, apply, step=step))
 
 
-def run_reference_at(opt, x, dy, kernel, state, count, step, offset=None,
-                     layer_id=0):
+def run_reference_at(
+  opt, x, dy, kernel, state, count, step, offset=None, layer_id=0
+):
   """The reference with stochastic rounding's step, offset and layer id."""
-  spec = FusedDenseSpec(optimizer=opt, implementation="xla",
-                        layer_id=layer_id)
+  spec = FusedDenseSpec(optimizer=opt, implementation="xla", layer_id=layer_id)
   fn = jax.jit(functools.partial(backends.xla_update, spec, offset=offset))
-  return host_copy(fn(x, dy, kernel, state,
-                      opt.scalars(jnp.asarray(count, jnp.int32)),
-                      jnp.all(jnp.isfinite(dy)), step=step))
+  return host_copy(
+    fn(
+      x,
+      dy,
+      kernel,
+      state,
+      opt.scalars(jnp.asarray(count, jnp.int32)),
+      jnp.all(jnp.isfinite(dy)),
+      step=step,
+    )
+  )
 
 
 FP32_CASES = [
-    slow_unless(name in FP32_DEFAULT
-                and schedule == fp32_default_schedule(name),
-                name, opt, count, schedule, case_id=f"{name}-{schedule}")
-    for name, opt, count in OPTIMIZERS for schedule in SCHEDULES]
+  slow_unless(
+    name in FP32_DEFAULT and schedule == fp32_default_schedule(name),
+    name,
+    opt,
+    count,
+    schedule,
+    case_id=f"{name}-{schedule}",
+  )
+  for name, opt, count in OPTIMIZERS
+  for schedule in SCHEDULES
+]
 
 
 @pytest.mark.parametrize("name,opt,count,schedule", FP32_CASES)
@@ -154,8 +224,10 @@ def test_mosaic_kernel_matches_reference(name, opt, count, schedule, seed):
   assert (bits(actual[0]) != bits(old_kernel)).mean() > 0.5
 
 
-BF16_CASES = [slow_unless(config in SCHEDULES, config, case_id=config)
-              for config in sorted(CONFIGS)]
+BF16_CASES = [
+  slow_unless(config in SCHEDULES, config, case_id=config)
+  for config in sorted(CONFIGS)
+]
 
 
 @pytest.mark.parametrize("config", BF16_CASES)
@@ -170,8 +242,7 @@ def test_mosaic_configs_and_bf16_storage(config, seed):
 @pytest.mark.parametrize("schedule", by_schedule({"pingpong"}))
 def test_mosaic_skips_and_counts_nonfinite_gradient_elements(schedule, seed):
   opt = fj.adamw(0.05)
-  x, dy, kernel, state = random_inputs(seed, opt, X_SHAPE, N,
-                                       (F32, F32, BF16))
+  x, dy, kernel, state = random_inputs(seed, opt, X_SHAPE, N, (F32, F32, BF16))
   x = x.at[0, 3, 17].set(jnp.nan)  # row 17 of dW is NaN: N elements skipped
   expected = run_reference(opt, x, dy, kernel, state, 2)
   actual = run_mosaic(opt, x, dy, kernel, state, 2, CONFIGS[schedule])
@@ -204,8 +275,7 @@ def test_mosaic_counts_skipped_elements_per_warpgroup(schedule, seed):
   """Warpgroups whose parts skip different numbers of elements: the total
   is each one's count, not one's twice."""
   opt = fj.adamw(0.05)
-  x, dy, kernel, state = random_inputs(seed, opt, X_SHAPE, N,
-                                       (F32, F32, BF16))
+  x, dy, kernel, state = random_inputs(seed, opt, X_SHAPE, N, (F32, F32, BF16))
   rows, columns = [3, 70], uneven_columns(N)
   x, dy = overflowing_inputs(x, dy, rows, columns)
   expected = run_reference(opt, x, dy, kernel, state, 2)
@@ -219,24 +289,29 @@ def test_mosaic_stacked_layer_updates_only_its_entry(schedule, seed):
   """Interpret mode steps the layer's entries outside the kernel
   (``mosaic_update``), the same for either schedule."""
   opt = fj.adamw(0.05)
-  x, dy, kernel, state = random_inputs(seed, opt, X_SHAPE, N,
-                                       (F32, F32, BF16))
+  x, dy, kernel, state = random_inputs(seed, opt, X_SHAPE, N, (F32, F32, BF16))
   stack = lambda a: jnp.stack([a, a + 1.0, a - 1.0])
   kernels, states = stack(kernel), jax.tree.map(stack, state)
   layer = lambda tree, i: jax.tree.map(lambda a: a[i], tree)
   expected = run_reference(opt, x, dy, kernels[1], layer(states, 1), 2)
-  actual = run_mosaic(opt, x, dy, kernels, states, 2,
-                      CONFIGS[schedule], layer_index=jnp.int32(1))
+  actual = run_mosaic(
+    opt, x, dy, kernels, states, 2, CONFIGS[schedule], layer_index=jnp.int32(1)
+  )
   assert_leaves_match((actual[0][1], layer(actual[1], 1)), expected, "layer 1")
   for i in (0, 2):  # the other layers are untouched, bit for bit
-    for a, b in zip(jax.tree.leaves(layer(actual[:2], i)),
-                    jax.tree.leaves(layer((kernels, states), i))):
+    for a, b in zip(
+      jax.tree.leaves(layer(actual[:2], i)),
+      jax.tree.leaves(layer((kernels, states), i)),
+    ):
       np.testing.assert_array_equal(bits(a), bits(b))
 
 
 def test_mosaic_config_errors_name_the_bad_field():
-  with pytest.raises(ValueError, match=r"epilogue_slots=5 must be between 1 "
-                     r"and the 4 epilogue sub-tiles"):
+  with pytest.raises(
+    ValueError,
+    match=r"epilogue_slots=5 must be between 1 "
+    r"and the 4 epilogue sub-tiles",
+  ):
     mosaic.MosaicConfig(epilogue_slots=5)
   with pytest.raises(ValueError, match=r"prefetch_step=-1 must be >= 0"):
     mosaic.MosaicConfig(prefetch_step=-1)
@@ -247,36 +322,50 @@ def test_mosaic_config_errors_name_the_bad_field():
   for schedule in mosaic.SCHEDULES:
     with pytest.raises(ValueError, match=r"compute_wgs=4 must be 1 or 2"):
       mosaic.MosaicConfig(compute_wgs=4, schedule=schedule)
-  with pytest.raises(ValueError, match=r"tile_n=32 must be at least 64 when 2 "
-                     r"compute warpgroups share a tile"):
+  with pytest.raises(
+    ValueError,
+    match=r"tile_n=32 must be at least 64 when 2 "
+    r"compute warpgroups share a tile",
+  ):
     mosaic.MosaicConfig(tile_n=32)
   with pytest.raises(ValueError, match=r"prefetch_step=1 does not apply"):
     mosaic.MosaicConfig(prefetch_step=1, schedule="pingpong")
-  with pytest.raises(ValueError, match=r"take 320 registers a thread, more "
-                     r"than the 216 of each of 2 compute warpgroups"):
+  with pytest.raises(
+    ValueError,
+    match=r"take 320 registers a thread, more "
+    r"than the 216 of each of 2 compute warpgroups",
+  ):
     mosaic.MosaicConfig(tile_n=256, schedule="pingpong")
-  with pytest.raises(ValueError, match=r"ctas_per_sm=2 must be 1 with "
-                     r"schedule='pingpong'"):
+  with pytest.raises(
+    ValueError,
+    match=r"ctas_per_sm=2 must be 1 with "
+    r"schedule='pingpong'",
+  ):
     mosaic.MosaicConfig(ctas_per_sm=2, schedule="pingpong")
   for removed in ("overlap", "epilogue-warpgroup", "ring"):
-    with pytest.raises(ValueError, match=rf"schedule='{removed}' must be one "
-                       r"of \('inline', 'pingpong'\)"):
+    with pytest.raises(
+      ValueError,
+      match=rf"schedule='{removed}' must be one "
+      r"of \('inline', 'pingpong'\)",
+    ):
       mosaic.MosaicConfig(schedule=removed)
 
 
-@pytest.mark.parametrize("schedule,features,slots", [
-    ("all-prefetched", 128, 2), ("pingpong", 64, 2)])
+@pytest.mark.parametrize(
+  "schedule,features,slots", [("all-prefetched", 128, 2), ("pingpong", 64, 2)]
+)
 def test_mosaic_hand_written_pipelines_with_uneven_tiles_and_steps(
-    schedule, features, slots, seed):
+  schedule, features, slots, seed
+):
   """Three tiles on two CTAs (one CTA gets two, the other one: with
   'pingpong' its second warpgroup has none) and three pipeline steps on a
   ring of two buffers: the step and sub-tile rings run across tiles, and
   the last tile's loads must not be issued."""
   opt = fj.adamw(0.05, weight_decay=0.1)
-  inputs = random_inputs(seed, opt, (3, 64, 192), features,
-                         (BF16, F32, BF16))
-  config = dataclasses.replace(CONFIGS[schedule], epilogue_n=16,
-                               epilogue_slots=slots)
+  inputs = random_inputs(seed, opt, (3, 64, 192), features, (BF16, F32, BF16))
+  config = dataclasses.replace(
+    CONFIGS[schedule], epilogue_n=16, epilogue_slots=slots
+  )
   expected = run_reference(opt, *inputs, 2)
   actual = run_mosaic(opt, *inputs, 2, config)
   assert_leaves_match(actual, expected, schedule)
@@ -298,15 +387,18 @@ def test_mosaic_one_pipeline_step_per_tile(schedule, seed):
 def test_default_config_fits_dtypes_and_shape():
   def default(tokens, n, dtype, opt=fj.adamw(1e-3)):
     return mosaic.default_config(
-        jax.ShapeDtypeStruct((tokens, 4096), BF16),
-        jax.ShapeDtypeStruct((4096, n), dtype), opt)
+      jax.ShapeDtypeStruct((tokens, 4096), BF16),
+      jax.ShapeDtypeStruct((4096, n), dtype),
+      opt,
+    )
+
   inline = mosaic.INLINE_CONFIGS
   pingpong = mosaic.PINGPONG_CONFIGS
   # bf16 W, m and v: the inline schedule below 2048 tokens, pingpong from
   # there on.
   assert default(512, 4096, BF16) == default(1024, 4096, BF16) == inline[0]
   assert default(2048, 4096, BF16) == default(8192, 4096, BF16) == pingpong[0]
-  assert mosaic.ranked_configs(2048)[:len(pingpong)] == pingpong
+  assert mosaic.ranked_configs(2048)[: len(pingpong)] == pingpong
   # float32 W, m and v fit one epilogue buffer per warpgroup beside the
   # five-stage pipeline (no pingpong config fits); four float32 state
   # tensors a shallower pipeline.
@@ -317,21 +409,36 @@ def test_default_config_fits_dtypes_and_shape():
   # one buffer per warpgroup beside five stages).
   int8 = int8_sr(fj.adamw(1e-3))
   assert default(8192, 4096, BF16, int8) == dataclasses.replace(
-      inline[1], epilogue_n=64)
-  for tokens, n, dtype, opt in ((2048, 4096, F32, four),
-                                (8192, 384, BF16, fj.adamw(1e-3)),
-                                (8192, 4096, BF16, int8)):
+    inline[1], epilogue_n=64
+  )
+  for tokens, n, dtype, opt in (
+    (2048, 4096, F32, four),
+    (8192, 384, BF16, fj.adamw(1e-3)),
+    (8192, 4096, BF16, int8),
+  ):
     config = default(tokens, n, dtype, opt)
-    assert mosaic.unsupported_reason(
-        jnp.zeros((tokens, 4096), BF16), jnp.zeros((tokens, n), BF16),
-        jnp.zeros((4096, n), dtype), opt, config) is None
+    assert (
+      mosaic.unsupported_reason(
+        jnp.zeros((tokens, 4096), BF16),
+        jnp.zeros((tokens, n), BF16),
+        jnp.zeros((4096, n), dtype),
+        opt,
+        config,
+      )
+      is None
+    )
 
 
-@pytest.mark.parametrize("config", [
+@pytest.mark.parametrize(
+  "config",
+  [
     mosaic.MosaicConfig(compute_wgs=1),
     mosaic.MosaicConfig(ctas_per_sm=2),
-    *mosaic.INLINE_CONFIGS, *mosaic.PINGPONG_CONFIGS],
-    ids=repr)
+    *mosaic.INLINE_CONFIGS,
+    *mosaic.PINGPONG_CONFIGS,
+  ],
+  ids=repr,
+)
 def test_compute_warpgroups_take_only_released_registers(config):
   """setmaxnreg raises a warpgroup's registers from what the CTA's other
   warpgroups released and waits for them: asking for more than the memory
@@ -352,8 +459,9 @@ def test_too_many_epilogue_barriers_is_a_clear_error():
   opt = fj.rmsprop(1e-3, centered=True, momentum=0.9)
   config = mosaic.MosaicConfig(tile_k=64, epilogue_n=8, epilogue_slots=5)
   x = jnp.zeros((64, 64), BF16)
-  reason = mosaic.unsupported_reason(x, x, jnp.zeros((64, 128), BF16), opt,
-                                     config)
+  reason = mosaic.unsupported_reason(
+    x, x, jnp.zeros((64, 128), BF16), opt, config
+  )
   assert "40 barriers, more than Mosaic GPU's 32" in reason
 
 
@@ -373,10 +481,12 @@ def run_lowp_steps(opt, seed, config, counts=(4, 5), offset=None):
   for count in counts:
     x, dy = exact_inputs(seed + count, X_SHAPE, n, BF16)
     step = jnp.int32(count)
-    expected = run_reference_at(opt, x, dy, w, state, count, step, offset,
-                                layer_id=9)
-    actual = run_mosaic(opt, x, dy, w, state, count, config, step=step,
-                        offset=offset, layer_id=9)
+    expected = run_reference_at(
+      opt, x, dy, w, state, count, step, offset, layer_id=9
+    )
+    actual = run_mosaic(
+      opt, x, dy, w, state, count, config, step=step, offset=offset, layer_id=9
+    )
     assert_same_bits(actual, expected, f"count={count}")
     assert (bits(expected[0]) != bits(w)).mean() > 0.3
     w, state = jax.tree.map(jnp.asarray, expected[:2])
@@ -384,24 +494,28 @@ def run_lowp_steps(opt, seed, config, counts=(4, 5), offset=None):
 
 
 SR_OPTIMIZERS = {
-    "adamw": fj.adamw(0.05, weight_decay=0.1, weight_rounding="stochastic",
-                      rounding_seed=11),
-    "lion": fj.lion(0.05, weight_rounding="stochastic", rounding_seed=3),
+  "adamw": fj.adamw(
+    0.05, weight_decay=0.1, weight_rounding="stochastic", rounding_seed=11
+  ),
+  "lion": fj.lion(0.05, weight_rounding="stochastic", rounding_seed=3),
 }
 
 
 SR_CASES = [
-    slow_unless(False, "adamw", None, "double-buffered",
-                case_id="adamw-whole"),
-    slow_unless(False, "lion", (4096, 512), "double-buffered",
-                case_id="lion-shard-offset"),
-    slow_unless(True, "lion", (4096, 512), "pingpong",
-                case_id="lion-shard-offset-pingpong")]
+  slow_unless(False, "adamw", None, "double-buffered", case_id="adamw-whole"),
+  slow_unless(
+    False, "lion", (4096, 512), "double-buffered", case_id="lion-shard-offset"
+  ),
+  slow_unless(
+    True, "lion", (4096, 512), "pingpong", case_id="lion-shard-offset-pingpong"
+  ),
+]
 
 
 @pytest.mark.parametrize("name,offset,config", SR_CASES)
-def test_mosaic_stochastic_rounding_matches_reference_bits(name, offset,
-                                                           config, seed):
+def test_mosaic_stochastic_rounding_matches_reference_bits(
+  name, offset, config, seed
+):
   """Two steps (a new draw each); a tensor-parallel shard at a global
   offset hashes the global indices, as the reference does."""
   run_lowp_steps(SR_OPTIMIZERS[name], seed, CONFIGS[config], offset=offset)
@@ -415,19 +529,37 @@ SR_STACKED_CONFIG = "single-buffered"
 def test_mosaic_stochastic_rounding_of_a_stacked_layer(seed):
   opt = SR_OPTIMIZERS["adamw"]
   x, dy = exact_inputs(seed, X_SHAPE, N, BF16)
-  w = (0.5 * jax.random.normal(jax.random.key(seed), (X_SHAPE[-1], N)))
+  w = 0.5 * jax.random.normal(jax.random.key(seed), (X_SHAPE[-1], N))
   kernels = jnp.stack([w, w + 1.0, w - 1.0]).astype(BF16)
   states = opt.init(kernels)
   step, offset = jnp.int32(7), (128, 256)
-  expected = run_reference_at(opt, x, dy, kernels[2], jax.tree.map(
-      lambda a: a[2], states), 7, step, offset, layer_id=9)
-  actual = run_mosaic(opt, x, dy, kernels, states, 7,
-                      CONFIGS[SR_STACKED_CONFIG], layer_index=jnp.int32(2),
-                      step=step, offset=offset, layer_id=9)
+  expected = run_reference_at(
+    opt,
+    x,
+    dy,
+    kernels[2],
+    jax.tree.map(lambda a: a[2], states),
+    7,
+    step,
+    offset,
+    layer_id=9,
+  )
+  actual = run_mosaic(
+    opt,
+    x,
+    dy,
+    kernels,
+    states,
+    7,
+    CONFIGS[SR_STACKED_CONFIG],
+    layer_index=jnp.int32(2),
+    step=step,
+    offset=offset,
+    layer_id=9,
+  )
   layer = lambda tree, i: jax.tree.map(lambda a: a[i], tree)
   assert_same_bits(layer(actual[:2], 2), expected[:2], "layer 2")
-  assert_same_bits(layer(actual[:2], 0), layer((kernels, states), 0),
-                   "layer 0")
+  assert_same_bits(layer(actual[:2], 0), layer((kernels, states), 0), "layer 0")
 
 
 def assert_within_rounding(actual, expected, what, identical):
@@ -444,45 +576,62 @@ def assert_within_rounding(actual, expected, what, identical):
       continue
     assert (bits(a) == bits(e)).mean() >= identical, (what, a.dtype)
     if a.dtype == Q.CODES_CONTAINER:
-      distance = np.abs(np.asarray(Q.int8_codes(a), np.int32)
-                        - np.asarray(Q.int8_codes(e), np.int32))
+      distance = np.abs(
+        np.asarray(Q.int8_codes(a), np.int32)
+        - np.asarray(Q.int8_codes(e), np.int32)
+      )
       assert distance.max() <= 1, what
     else:
       assert ulp_distance(a, e).max() <= 1, what
 
 
 def int8_sr(opt, seed=0):
-  return dataclasses.replace(opt, state_dtype="int8",
-                             weight_rounding="stochastic", rounding_seed=seed)
+  return dataclasses.replace(
+    opt, state_dtype="int8", weight_rounding="stochastic", rounding_seed=seed
+  )
 
 
 # Every optimizer with a state that int8 can hold (centered RMSprop refuses
 # int8; plain SGD has no state).
-INT8_OPTIMIZERS = [(name, int8_sr(opt, i), count)
-                   for i, (name, opt, count) in enumerate(OPTIMIZERS)
-                   if name not in ("rmsprop-centered-nesterov", "sgd")]
+INT8_OPTIMIZERS = [
+  (name, int8_sr(opt, i), count)
+  for i, (name, opt, count) in enumerate(OPTIMIZERS)
+  if name not in ("rmsprop-centered-nesterov", "sgd")
+]
 
 
 def int8_inputs(seed, opt):
   """Exact x and dy; a bf16 kernel and a random state, quantized."""
   float_opt = dataclasses.replace(opt, state_dtype=None)
-  _, _, kernel, state = random_inputs(seed, float_opt, X_SHAPE, N,
-                                      (BF16, F32, BF16))
-  state = type(state)(**{
+  _, _, kernel, state = random_inputs(
+    seed, float_opt, X_SHAPE, N, (BF16, F32, BF16)
+  )
+  state = type(state)(
+    **{
       field: Q.store(value, "int8", field in opt.nonnegative_state)
-      for field, value in state._asdict().items()})
+      for field, value in state._asdict().items()
+    }
+  )
   return (*exact_inputs(seed, X_SHAPE, N, BF16), kernel, state)
 
 
 INT8_CASES = [
-    slow_unless(name in INT8_DEFAULT, name, opt, count,
-                sorted(INT8_CONFIGS)[i % len(INT8_CONFIGS)], case_id=name)
-    for i, (name, opt, count) in enumerate(INT8_OPTIMIZERS)]
+  slow_unless(
+    name in INT8_DEFAULT,
+    name,
+    opt,
+    count,
+    sorted(INT8_CONFIGS)[i % len(INT8_CONFIGS)],
+    case_id=name,
+  )
+  for i, (name, opt, count) in enumerate(INT8_OPTIMIZERS)
+]
 
 
 @pytest.mark.parametrize("name,opt,count,config", INT8_CASES)
-def test_mosaic_int8_states_match_reference_bits(name, opt, count, config,
-                                                 seed):
+def test_mosaic_int8_states_match_reference_bits(
+  name, opt, count, config, seed
+):
   """One step from a random int8 state, with stochastic rounding: codes,
   scales and weights are the reference's but for rare elements whose
   float32 update XLA compiles differently in the interpreter's tile (NAdam:
@@ -490,12 +639,14 @@ def test_mosaic_int8_states_match_reference_bits(name, opt, count, config,
   inputs = int8_inputs(seed, opt)
   step = jnp.int32(count + 1)
   expected = run_reference_at(opt, *inputs, count, step, layer_id=9)
-  actual = run_mosaic(opt, *inputs, count, INT8_CONFIGS[config], step=step,
-                      layer_id=9)
+  actual = run_mosaic(
+    opt, *inputs, count, INT8_CONFIGS[config], step=step, layer_id=9
+  )
   assert int(actual[2]) == int(expected[2]) == 0
   assert_within_rounding(actual[:2], expected[:2], name, identical=0.9999)
-  for new, old in zip(jax.tree.leaves(expected[:2]),
-                      jax.tree.leaves(inputs[2:])):
+  for new, old in zip(
+    jax.tree.leaves(expected[:2]), jax.tree.leaves(inputs[2:])
+  ):
     assert (bits(new) != bits(old)).any(), f"{name}: a leaf did not move"
 
 
@@ -503,15 +654,25 @@ def test_mosaic_int8_states_match_reference_bits(name, opt, count, config,
 def test_mosaic_int8_steps_of_a_shard_and_of_a_stacked_layer(seed):
   """Two AdamW steps of a tensor-parallel shard; then a stacked layer."""
   opt = int8_sr(SR_OPTIMIZERS["adamw"], 11)
-  w, state = run_lowp_steps(opt, seed, INT8_CONFIGS["int8-two-rows"],
-                            offset=(256, 1024))
+  w, state = run_lowp_steps(
+    opt, seed, INT8_CONFIGS["int8-two-rows"], offset=(256, 1024)
+  )
   x, dy = exact_inputs(seed, X_SHAPE, N, BF16)
   stack = lambda a: jnp.stack([a, a])
   step = jnp.int32(6)
   expected = run_reference_at(opt, x, dy, w, state, 6, step, layer_id=9)
-  actual = run_mosaic(opt, x, dy, stack(w), jax.tree.map(stack, state), 6,
-                      INT8_CONFIGS["int8"], layer_index=jnp.int32(1),
-                      step=step, layer_id=9)
+  actual = run_mosaic(
+    opt,
+    x,
+    dy,
+    stack(w),
+    jax.tree.map(stack, state),
+    6,
+    INT8_CONFIGS["int8"],
+    layer_index=jnp.int32(1),
+    step=step,
+    layer_id=9,
+  )
   layer = lambda tree, i: jax.tree.map(lambda a: a[i], tree)
   assert_same_bits(layer(actual[:2], 1), expected[:2], "layer 1")
   assert_same_bits(layer(actual[:2], 0), (w, state), "layer 0")
@@ -531,10 +692,12 @@ def test_mosaic_nonfinite_gradients_keep_int8_blocks_bit_for_bit(seed):
   assert_same_bits(actual, expected, "NaN row")
   old = host_copy((w, state))
   assert_bitwise_equal(actual[0][17], old[0][17], "weights of the NaN row")
-  quantized_leaves = lambda state: jax.tree.leaves(state,
-                                                   is_leaf=Q.is_quantized)
-  for new_leaf, old_leaf in zip(quantized_leaves(actual[1]),
-                                quantized_leaves(old[1])):
+  quantized_leaves = lambda state: jax.tree.leaves(
+    state, is_leaf=Q.is_quantized
+  )
+  for new_leaf, old_leaf in zip(
+    quantized_leaves(actual[1]), quantized_leaves(old[1])
+  ):
     assert_bitwise_equal(new_leaf.codes[17], old_leaf.codes[17], "codes")
     assert_bitwise_equal(new_leaf.scale[17], old_leaf.scale[17], "scales")
   dy = poison(dy, np.s_[0, 3, 0], np.inf)
@@ -548,20 +711,24 @@ def test_mosaic_refuses_what_it_cannot_run_and_auto_falls_back():
   x = jnp.zeros((128, 128), BF16)
   kernel = jnp.zeros((128, 256), F32)
   for supported in (opt, SR_OPTIMIZERS["adamw"]):
-    assert mosaic.unsupported_reason(x, x[:, :1].repeat(256, 1), kernel,
-                                     supported) is None
+    assert (
+      mosaic.unsupported_reason(x, x[:, :1].repeat(256, 1), kernel, supported)
+      is None
+    )
   odd = jnp.zeros((128, 200), F32)
   with pytest.raises(ValueError, match=r"features=200 must be a multiple"):
     backends.select("mosaic", x, jnp.zeros((128, 200), BF16), odd, opt)
   with pytest.raises(ValueError, match=r"x.dtype=float32 must be bfloat16"):
     backends.select("mosaic", x.astype(F32), x.astype(F32), kernel, opt)
   int8 = fj.adamw(1e-3, state_dtype="int8")
-  assert mosaic.unsupported_reason(x, x[:, :1].repeat(256, 1), kernel,
-                                   int8) is None
+  assert (
+    mosaic.unsupported_reason(x, x[:, :1].repeat(256, 1), kernel, int8) is None
+  )
   assert mosaic.default_config(x, kernel, int8).epilogue_n == 64
   with pytest.raises(ValueError, match=r"epilogue_n=32 must be 64"):
-    mosaic.check_supported(x, x[:, :1].repeat(256, 1), kernel, int8,
-                           CONFIGS["single-buffered"])
+    mosaic.check_supported(
+      x, x[:, :1].repeat(256, 1), kernel, int8, CONFIGS["single-buffered"]
+    )
   f16 = fj.adamw(1e-3, state_dtype="float16")
   with pytest.raises(ValueError, match=r"state dtype float16 is not"):
     backends.select("mosaic", x, x[:, :1].repeat(256, 1), kernel, f16)
@@ -572,21 +739,29 @@ def test_mosaic_refuses_what_it_cannot_run_and_auto_falls_back():
 #: The schedules of the GPU test: with one epilogue buffer per warpgroup
 #: every optimizer's float32 state fits.
 GPU_CONFIGS = {
-    "default": None,
-    "pingpong": mosaic.MosaicConfig(
-        schedule="pingpong", tile_n=128, max_concurrent_steps=4,
-        epilogue_slots=1),
+  "default": None,
+  "pingpong": mosaic.MosaicConfig(
+    schedule="pingpong", tile_n=128, max_concurrent_steps=4, epilogue_slots=1
+  ),
 }
 
 #: Storage modes: the kernel's dtype and the optimizer's state and rounding.
 STORAGE_MODES = {
-    "fp32": (F32, lambda opt, seed: opt),
-    "bf16": (BF16, lambda opt, seed: dataclasses.replace(
-        opt, state_dtype="bfloat16")),
-    "bf16-sr": (BF16, lambda opt, seed: dataclasses.replace(
-        opt, state_dtype="bfloat16", weight_rounding="stochastic",
-        rounding_seed=seed)),
-    "int8": (BF16, int8_sr),
+  "fp32": (F32, lambda opt, seed: opt),
+  "bf16": (
+    BF16,
+    lambda opt, seed: dataclasses.replace(opt, state_dtype="bfloat16"),
+  ),
+  "bf16-sr": (
+    BF16,
+    lambda opt, seed: dataclasses.replace(
+      opt,
+      state_dtype="bfloat16",
+      weight_rounding="stochastic",
+      rounding_seed=seed,
+    ),
+  ),
+  "int8": (BF16, int8_sr),
 }
 INT8_NAMES = {name for name, _, _ in INT8_OPTIMIZERS}
 
@@ -595,20 +770,29 @@ def lowering_cases():
   """Every schedule x optimizer x storage mode; the default run lowers each
   optimizer once per schedule, the storage modes in turn."""
   for i, (name, opt, _) in enumerate(OPTIMIZERS):
-    storages = [storage for storage in STORAGE_MODES
-                if storage != "int8" or name in INT8_NAMES]
+    storages = [
+      storage
+      for storage in STORAGE_MODES
+      if storage != "int8" or name in INT8_NAMES
+    ]
     for j, schedule in enumerate(mosaic.SCHEDULES):
       for storage in storages:
-        yield slow_unless(storage == storages[(i + j) % len(storages)],
-                          schedule, name, opt, storage,
-                          case_id=f"{schedule}-{name}-{storage}")
+        yield slow_unless(
+          storage == storages[(i + j) % len(storages)],
+          schedule,
+          name,
+          opt,
+          storage,
+          case_id=f"{schedule}-{name}-{storage}",
+        )
 
 
 LOWERING_CASES = list(lowering_cases())
 
 
-def lower_for_cuda(opt, kernel_shape, kernel_dtype, schedule, tokens=512,
-                   layer_index=None):
+def lower_for_cuda(
+  opt, kernel_shape, kernel_dtype, schedule, tokens=512, layer_index=None
+):
   """``mosaic_update`` through Mosaic GPU's CUDA lowering (the compiled
   path: transposed wgmma, refs updated in place, setmaxnreg), on the CPU,
   with a config a GPU runs: the default ranking's for 'inline',
@@ -628,14 +812,29 @@ def lower_for_cuda(opt, kernel_shape, kernel_dtype, schedule, tokens=512,
   spec = FusedDenseSpec(optimizer=opt, implementation="mosaic", layer_id=3)
 
   def update(x, dy, kernel, state, scalars, apply, step):
-    return mosaic.mosaic_update(spec, x, dy, kernel, state, scalars, apply,
-                                config, interpret=False, step=step,
-                                layer_index=layer_index)
+    return mosaic.mosaic_update(
+      spec,
+      x,
+      dy,
+      kernel,
+      state,
+      scalars,
+      apply,
+      config,
+      interpret=False,
+      step=step,
+      layer_index=layer_index,
+    )
 
   traced = jax.jit(update).trace(
-      x, dy, kernel, jax.eval_shape(opt.init, kernel),
-      jax.eval_shape(opt.scalars, jnp.int32(3)),
-      jax.ShapeDtypeStruct((), jnp.bool_), jax.ShapeDtypeStruct((), jnp.int32))
+    x,
+    dy,
+    kernel,
+    jax.eval_shape(opt.init, kernel),
+    jax.eval_shape(opt.scalars, jnp.int32(3)),
+    jax.ShapeDtypeStruct((), jnp.bool_),
+    jax.ShapeDtypeStruct((), jnp.int32),
+  )
   return traced.lower(lowering_platforms=("cuda",)).as_text()
 
 
@@ -647,8 +846,9 @@ def test_mosaic_kernel_lowers_for_cuda_on_cpu(schedule, name, opt, storage):
   loads too."""
   del name
   kernel_dtype, storage_optimizer = STORAGE_MODES[storage]
-  text = lower_for_cuda(storage_optimizer(opt, 7), (256, 512), kernel_dtype,
-                        schedule)
+  text = lower_for_cuda(
+    storage_optimizer(opt, 7), (256, 512), kernel_dtype, schedule
+  )
   assert "mosaic_gpu" in text
 
 
@@ -657,8 +857,9 @@ def test_mosaic_stacked_kernel_lowers_for_cuda_on_cpu(schedule):
   """A stacked layer's kernel and state, read and written in place at the
   layer's index (a TMA coordinate: no interpret-mode test sees it)."""
   opt = SR_OPTIMIZERS["adamw"]
-  text = lower_for_cuda(opt, (3, 256, 512), BF16, schedule,
-                        layer_index=jnp.int32(1))
+  text = lower_for_cuda(
+    opt, (3, 256, 512), BF16, schedule, layer_index=jnp.int32(1)
+  )
   assert "mosaic_gpu" in text
 
 
@@ -666,6 +867,7 @@ def test_default_run_covers_every_schedule_optimizer_and_storage_mode():
   """The default run (not ``slow``) checks every optimizer at least once
   and every schedule with every storage mode, in interpret mode and through
   the CUDA lowering, where it lowers every optimizer on every schedule."""
+
   def default(cases):
     return [case.values for case in cases if not case.marks]
 
@@ -674,42 +876,51 @@ def test_default_run_covers_every_schedule_optimizer_and_storage_mode():
 
   names = {name for name, _, _ in OPTIMIZERS}
   assert {case[0] for case in default(FP32_CASES) + default(INT8_CASES)} == (
-      names)
-  for configs in ([case[3] for case in default(FP32_CASES)],
-                  [case[0] for case in default(BF16_CASES)],
-                  [case[2] for case in default(SR_CASES)]
-                  + [SR_STACKED_CONFIG],
-                  [case[3] for case in default(INT8_CASES)]):
+    names
+  )
+  for configs in (
+    [case[3] for case in default(FP32_CASES)],
+    [case[0] for case in default(BF16_CASES)],
+    [case[2] for case in default(SR_CASES)] + [SR_STACKED_CONFIG],
+    [case[3] for case in default(INT8_CASES)],
+  ):
     assert set(map(schedule_of, configs)) == set(mosaic.SCHEDULES)
   lowered = default(LOWERING_CASES)
   assert {(case[0], case[1]) for case in lowered} == {
-      (schedule, name) for schedule in mosaic.SCHEDULES for name in names}
+    (schedule, name) for schedule in mosaic.SCHEDULES for name in names
+  }
   assert {(case[0], case[3]) for case in lowered} == {
-      (schedule, storage) for schedule in mosaic.SCHEDULES
-      for storage in STORAGE_MODES}
+    (schedule, storage)
+    for schedule in mosaic.SCHEDULES
+    for storage in STORAGE_MODES
+  }
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("schedule", sorted(GPU_CONFIGS))
-@pytest.mark.parametrize("name,opt,count", OPTIMIZERS,
-                         ids=[name for name, _, _ in OPTIMIZERS])
-def test_compiled_mosaic_kernel_matches_reference_on_gpu(name, opt, count,
-                                                         schedule, seed):
+@pytest.mark.parametrize(
+  "name,opt,count", OPTIMIZERS, ids=[name for name, _, _ in OPTIMIZERS]
+)
+def test_compiled_mosaic_kernel_matches_reference_on_gpu(
+  name, opt, count, schedule, seed
+):
   """On sm90+: the compiled kernel (transposed wgmma, TMA, in place) at a
   Llama layer shape, with the default config and with each schedule."""
   if not backends._on_hopper_or_newer():  # pylint: disable=protected-access
     pytest.skip("needs a Hopper or newer GPU")
-  inputs = random_inputs(seed, opt, (2048, 4096), 1024,
-                         (F32, F32, BF16))
+  inputs = random_inputs(seed, opt, (2048, 4096), 1024, (F32, F32, BF16))
   config = GPU_CONFIGS[schedule]
   if config is not None and (
-      reason := mosaic.unsupported_reason(*inputs[:3], opt, config)):
+    reason := mosaic.unsupported_reason(*inputs[:3], opt, config)
+  ):
     pytest.skip(reason)
   expected = run_reference(opt, *inputs, count)
   spec = FusedDenseSpec(optimizer=opt, implementation="mosaic")
   scalars = opt.scalars(jnp.asarray(count, jnp.int32))
-  fn = jax.jit(functools.partial(mosaic.mosaic_update, spec,
-                                 config=config), donate_argnums=(2, 3))
+  fn = jax.jit(
+    functools.partial(mosaic.mosaic_update, spec, config=config),
+    donate_argnums=(2, 3),
+  )
   actual = host_copy(fn(*inputs, scalars, jnp.all(jnp.isfinite(inputs[1]))))
   assert_leaves_match(actual, expected, name)
 
@@ -724,39 +935,58 @@ def test_compiled_mosaic_kernel_counts_skipped_elements_on_gpu(schedule, seed):
   if not backends._on_hopper_or_newer():  # pylint: disable=protected-access
     pytest.skip("needs a Hopper or newer GPU")
   opt = fj.adamw(1e-3, weight_decay=0.1)
-  inputs = random_inputs(seed, opt, (2048, 4096), 1024,
-                         (F32, F32, BF16))
+  inputs = random_inputs(seed, opt, (2048, 4096), 1024, (F32, F32, BF16))
   rows, columns = [5, 700, 2049, 4000], uneven_columns(1024)
   inputs = (*overflowing_inputs(*inputs[:2], rows, columns), *inputs[2:])
   expected = run_reference(opt, *inputs, 3)
   spec = FusedDenseSpec(optimizer=opt, implementation="mosaic")
-  fn = jax.jit(functools.partial(mosaic.mosaic_update, spec,
-                                 config=GPU_CONFIGS[schedule]),
-               donate_argnums=(2, 3))
+  fn = jax.jit(
+    functools.partial(mosaic.mosaic_update, spec, config=GPU_CONFIGS[schedule]),
+    donate_argnums=(2, 3),
+  )
   for _ in range(3):  # a race may hit one call and not the next
     kernel, state = jax.tree.map(jnp.copy, inputs[2:])
-    actual = host_copy(fn(*inputs[:2], kernel, state,
-                          opt.scalars(jnp.asarray(3, jnp.int32)),
-                          jnp.bool_(True)))
+    actual = host_copy(
+      fn(
+        *inputs[:2],
+        kernel,
+        state,
+        opt.scalars(jnp.asarray(3, jnp.int32)),
+        jnp.bool_(True),
+      )
+    )
     assert int(expected[2]) == int(actual[2]) == len(rows) * len(columns)
     assert_leaves_match(actual, expected, schedule)
 
 
 #: On the H200 these leave some weight more than one bf16 ulp from the
 #: reference; the other seven optimizers pass.
-_GPU_ULP_KNOWN = ("radam-unrectified", "radam-rectified",
-                  "rmsprop-bias-correction")
+_GPU_ULP_KNOWN = (
+  "radam-unrectified",
+  "radam-rectified",
+  "rmsprop-bias-correction",
+)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    "name,opt,count",
-    [pytest.param(*case, marks=pytest.mark.xfail(
-        reason="> 1 bf16 ulp on some weight on the H200", strict=False))
-     if case[0] in _GPU_ULP_KNOWN else case for case in INT8_OPTIMIZERS],
-    ids=[name for name, _, _ in INT8_OPTIMIZERS])
+  "name,opt,count",
+  [
+    pytest.param(
+      *case,
+      marks=pytest.mark.xfail(
+        reason="> 1 bf16 ulp on some weight on the H200", strict=False
+      ),
+    )
+    if case[0] in _GPU_ULP_KNOWN
+    else case
+    for case in INT8_OPTIMIZERS
+  ],
+  ids=[name for name, _, _ in INT8_OPTIMIZERS],
+)
 def test_compiled_mosaic_kernel_int8_sr_matches_reference_on_gpu(
-    name, opt, count, seed):
+  name, opt, count, seed
+):
   """On sm90+: bf16 SR weights and int8 states at a Llama layer shape, dW
   exact. Only the rule's float32 arithmetic may differ (FMA contraction,
   sqrt through rsqrt), moving a rare element across a rounding boundary:
@@ -764,21 +994,32 @@ def test_compiled_mosaic_kernel_int8_sr_matches_reference_on_gpu(
   if not backends._on_hopper_or_newer():  # pylint: disable=protected-access
     pytest.skip("needs a Hopper or newer GPU")
   x, dy = exact_inputs(seed, (2048, 4096), 1024, BF16)
-  w = (0.02 * jax.random.normal(jax.random.key(seed), (4096, 1024))
-       ).astype(BF16)
+  w = (0.02 * jax.random.normal(jax.random.key(seed), (4096, 1024))).astype(
+    BF16
+  )
   state = opt.init(w)
   spec = FusedDenseSpec(optimizer=opt, implementation="mosaic", layer_id=9)
-  fn = jax.jit(functools.partial(mosaic.mosaic_update, spec),
-               donate_argnums=(2, 3))
+  fn = jax.jit(
+    functools.partial(mosaic.mosaic_update, spec), donate_argnums=(2, 3)
+  )
   for count in (count, count + 1):
     step = jnp.int32(count)
     expected = run_reference_at(opt, x, dy, w, state, count, step, layer_id=9)
-    actual = host_copy(fn(x, dy, jnp.copy(w), jax.tree.map(jnp.copy, state),
-                          opt.scalars(jnp.int32(count)), jnp.bool_(True),
-                          step=step))
+    actual = host_copy(
+      fn(
+        x,
+        dy,
+        jnp.copy(w),
+        jax.tree.map(jnp.copy, state),
+        opt.scalars(jnp.int32(count)),
+        jnp.bool_(True),
+        step=step,
+      )
+    )
     assert int(actual[2]) == int(expected[2]) == 0
-    assert_within_rounding(actual[:2], expected[:2], (name, count),
-                           identical=0.999)
+    assert_within_rounding(
+      actual[:2], expected[:2], (name, count), identical=0.999
+    )
     w, state = jax.tree.map(jnp.asarray, expected[:2])
 
 
@@ -791,17 +1032,18 @@ def test_auto_selects_mosaic_on_hopper_and_triton_where_it_cannot_run():
   kernel = jnp.zeros((4096, 1024), BF16)
   sr = fj.adamw(1e-3, weight_rounding="stochastic")
   for opt in (fj.adamw(1e-3), sr):
-    assert backends.select("auto", x, dy, kernel, opt) is (
-        mosaic.mosaic_update)
+    assert backends.select("auto", x, dy, kernel, opt) is (mosaic.mosaic_update)
   # int8 states: Mosaic too (the Triton kernel trained a 14B-shaped scanned
   # model to NaN); float16 states: Triton only.
   assert backends.select("auto", x, dy, kernel, int8_sr(fj.adamw(1e-3))) is (
-      mosaic.mosaic_update)
-  assert backends.select("auto", x, dy, kernel,
-                         fj.adamw(1e-3, state_dtype="float16")) is (
-      triton_kernel.triton_update)
+    mosaic.mosaic_update
+  )
+  assert backends.select(
+    "auto", x, dy, kernel, fj.adamw(1e-3, state_dtype="float16")
+  ) is (triton_kernel.triton_update)
   assert backends.select("mosaic", x, dy, kernel, int8_sr(fj.adamw(1e-3))) is (
-      mosaic.mosaic_update)
+    mosaic.mosaic_update
+  )
 
 
 @pytest.mark.gpu
@@ -817,19 +1059,25 @@ def test_compiled_kernel_bits_do_not_depend_on_config_or_run(tokens, seed):
   opt = fj.adamw(1e-3, weight_decay=0.1)
   inputs = random_inputs(seed, opt, (tokens, 4096), 4096, (BF16, BF16, BF16))
   configs = set(mosaic.ranked_configs(tokens))
-  configs |= {mosaic.MosaicConfig(epilogue_n=64),
-              mosaic.MosaicConfig(epilogue_slots=4, prefetch_step=4),
-              mosaic.MosaicConfig(schedule="pingpong", tile_n=128,
-                                  max_concurrent_steps=5),
-              mosaic.MosaicConfig(schedule="pingpong", tile_n=128,
-                                  max_concurrent_steps=3, epilogue_slots=4)}
+  configs |= {
+    mosaic.MosaicConfig(epilogue_n=64),
+    mosaic.MosaicConfig(epilogue_slots=4, prefetch_step=4),
+    mosaic.MosaicConfig(
+      schedule="pingpong", tile_n=128, max_concurrent_steps=5
+    ),
+    mosaic.MosaicConfig(
+      schedule="pingpong", tile_n=128, max_concurrent_steps=3, epilogue_slots=4
+    ),
+  }
   spec = FusedDenseSpec(optimizer=opt, implementation="mosaic")
   scalars = opt.scalars(jnp.asarray(3, jnp.int32))
   apply = jnp.all(jnp.isfinite(inputs[1]))
   first = None
   for config in sorted(configs, key=repr):
-    fn = jax.jit(functools.partial(mosaic.mosaic_update, spec,
-                                   config=config), donate_argnums=(2, 3))
+    fn = jax.jit(
+      functools.partial(mosaic.mosaic_update, spec, config=config),
+      donate_argnums=(2, 3),
+    )
     for _ in range(3):
       kernel, state = jax.tree.map(jnp.copy, inputs[2:])
       out = host_copy(fn(inputs[0], inputs[1], kernel, state, scalars, apply))

@@ -25,12 +25,17 @@ def test_to_optax_is_the_optax_alias(case, seed):
   opt = getattr(fj, case.name)(**case.kwargs)
   ours, theirs = opt.to_optax(), getattr(optax, case.name)(**case.kwargs)
   keys = jax.random.split(jax.random.key(seed), 8)
-  params = {"fc1": {"kernel": jax.random.normal(keys[0], (5, 3)),
-                    "bias": jax.random.normal(keys[1], (3,))}}
+  params = {
+    "fc1": {
+      "kernel": jax.random.normal(keys[0], (5, 3)),
+      "bias": jax.random.normal(keys[1], (3,)),
+    }
+  }
   state_a, state_b = ours.init(params), theirs.init(params)
   for i in range(3):
     grads = jax.tree.map(
-        lambda p, k=keys[2 + i]: jax.random.normal(k, p.shape), params)
+      lambda p, k=keys[2 + i]: jax.random.normal(k, p.shape), params
+    )
     upd_a, state_a = ours.update(grads, state_a, params)
     upd_b, state_b = theirs.update(grads, state_b, params)
     chex.assert_trees_all_equal(upd_a, upd_b)

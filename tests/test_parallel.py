@@ -34,43 +34,67 @@ import numpy as np
 import pytest
 from flax import traverse_util
 from flax.training.train_state import TrainState
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import forge_jax as fj
-from forge_jax import parallel
 from examples.lm.llama import Block, Llama, LlamaConfig, kernels, rope_tables
 from examples.lm.train import loss_fn
+from forge_jax import parallel
 
 COLL = fj.FORGE_COLLECTION
 # On CPU only (float32 GEMMs in full precision; a GPU's TF32 default would
 # blur the 1e-5 comparisons): elsewhere the subprocess runs them on CPU.
 ENOUGH = jax.default_backend() == "cpu" and jax.device_count() >= NUM_DEVICES
 needs_devices = pytest.mark.skipif(
-    not ENOUGH, reason=f"needs {NUM_DEVICES} devices: run by "
-    "test_suite_in_subprocess")
+  not ENOUGH,
+  reason=f"needs {NUM_DEVICES} devices: run by test_suite_in_subprocess",
+)
 
 OPT = fj.adamw(learning_rate=1e-2, weight_decay=0.1)
 # Heads, KV heads, ffn and vocab divide by 8: TP up to 8 splits every head.
-CFG = LlamaConfig(vocab_size=64, dim=32, num_layers=2, num_heads=16,
-                  num_kv_heads=8, head_dim=4, ffn_dim=64, max_len=64,
-                  implementation="xla")
+CFG = LlamaConfig(
+  vocab_size=64,
+  dim=32,
+  num_layers=2,
+  num_heads=16,
+  num_kv_heads=8,
+  head_dim=4,
+  ffn_dim=64,
+  max_len=64,
+  implementation="xla",
+)
 B, T, STEPS = 2, 16, 3
 RTOL = 1e-5
 
 
-@pytest.mark.skipif(ENOUGH or os.environ.get("FORGE_PARALLEL_CHILD") == "1",
-                    reason="the tests run in this process")
+@pytest.mark.skipif(
+  ENOUGH or os.environ.get("FORGE_PARALLEL_CHILD") == "1",
+  reason="the tests run in this process",
+)
 def test_suite_in_subprocess():
   env = dict(os.environ, FORGE_PARALLEL_CHILD="1", JAX_PLATFORMS="cpu")
   proc = subprocess.run(
-      [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-       os.path.abspath(__file__)],
-      env=env, capture_output=True, text=True, timeout=900,
-      cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    [
+      sys.executable,
+      "-m",
+      "pytest",
+      "-q",
+      "-p",
+      "no:cacheprovider",
+      os.path.abspath(__file__),
+    ],
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=900,
+    cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+  )
   assert proc.returncode == 0, proc.stdout[-20000:] + proc.stderr[-5000:]
   last = proc.stdout.strip().splitlines()[-1]
   assert " passed" in last and "failed" not in last and "error" not in last, (
-      proc.stdout[-3000:])
+    proc.stdout[-3000:]
+  )
 
 
 # ---------------------------------------------------------------------------
@@ -91,7 +115,9 @@ def _assert_trees_close(actual, expected, rtol=RTOL, what=""):
   for (path, a), (_, e) in zip(flat_a, flat_e):
     assert np.all(np.isfinite(np.asarray(a))), (what, path)
     err = _rel(a, e)
-    assert err <= rtol, f"{what} {jax.tree_util.keystr(path)}: {err:.3g} > {rtol}"
+    assert err <= rtol, (
+      f"{what} {jax.tree_util.keystr(path)}: {err:.3g} > {rtol}"
+    )
 
 
 def _non_kernels(params):
@@ -103,8 +129,14 @@ def _host(tree):
   return jax.tree.map(lambda a: np.array(a, copy=True), tree)
 
 
-def _config(forge: bool, tp: int = 0, sp: bool = False, base=CFG,
-            optimizer=OPT, **overrides):
+def _config(
+  forge: bool,
+  tp: int = 0,
+  sp: bool = False,
+  base=CFG,
+  optimizer=OPT,
+  **overrides,
+):
   kw = dict(forge_optimizer=optimizer if forge else None)
   if tp:
     kw.update(tensor_axis="model", batch_axis="data", sequence_parallel=sp)
@@ -112,8 +144,9 @@ def _config(forge: bool, tp: int = 0, sp: bool = False, base=CFG,
 
 
 def _unpartitioned(config: LlamaConfig) -> LlamaConfig:
-  return dataclasses.replace(config, tensor_axis=None, batch_axis=None,
-                             sequence_parallel=False)
+  return dataclasses.replace(
+    config, tensor_axis=None, batch_axis=None, sequence_parallel=False
+  )
 
 
 class BlockLoss(nn.Module):
@@ -140,13 +173,19 @@ def _model_loss(variables, apply_fn, batch):
 def _batches(kind: str):
   key = jax.random.key(7)
   if kind in ("model", "scan_model"):
-    return [jax.random.randint(k, (B, T + 1), 0, CFG.vocab_size)
-            for k in jax.random.split(key, STEPS)]
+    return [
+      jax.random.randint(k, (B, T + 1), 0, CFG.vocab_size)
+      for k in jax.random.split(key, STEPS)
+    ]
   out = []
   for k in jax.random.split(key, STEPS):
     kx, ky = jax.random.split(k)
-    out.append((jax.random.normal(kx, (B, T, CFG.dim)),
-                jax.random.normal(ky, (B, T, CFG.dim))))
+    out.append(
+      (
+        jax.random.normal(kx, (B, T, CFG.dim)),
+        jax.random.normal(ky, (B, T, CFG.dim)),
+      )
+    )
   return out
 
 
@@ -166,12 +205,13 @@ def _step_fn(kind):
   def step(state, batch):
     value, grads = jax.value_and_grad(loss)(state.params, state.apply_fn, batch)
     return state.apply_gradients(grads=grads), value
+
   return step
 
 
 @dataclasses.dataclass
 class Run:
-  params: dict          # host copy of all variables after the last step
+  params: dict  # host copy of all variables after the last step
   losses: list
   hlo: str = ""
   shardings_before: dict = None
@@ -189,7 +229,9 @@ def _batch_shardings(kind, mesh, sp):
 def _init_values(kind: str, config: LlamaConfig):
   """The variables on one device (the partitioning does not change them)."""
   model = _model(kind, _unpartitioned(config))
-  return jax.jit(model.init)(jax.random.key(0), _init_args(kind, _batches(kind)[0]))
+  return jax.jit(model.init)(
+    jax.random.key(0), _init_args(kind, _batches(kind)[0])
+  )
 
 
 def _run(kind: str, config: LlamaConfig, mesh=None, sp=False) -> Run:
@@ -213,16 +255,19 @@ def _run(kind: str, config: LlamaConfig, mesh=None, sp=False) -> Run:
     return Run(_host(state.params), losses)
 
   with jax.set_mesh(mesh):
-    abstract = jax.eval_shape(model.init, jax.random.key(0),
-                              _init_args(kind, batches[0]))
+    abstract = jax.eval_shape(
+      model.init, jax.random.key(0), _init_args(kind, batches[0])
+    )
   specs = parallel.partition_specs(abstract)
-  variables = jax.tree.map(lambda v, s: jax.device_put(v, NamedSharding(mesh, s)),
-                           variables, specs)
+  variables = jax.tree.map(
+    lambda v, s: jax.device_put(v, NamedSharding(mesh, s)), variables, specs
+  )
   before = jax.tree.map(lambda a: a.sharding, variables)
   with jax.set_mesh(mesh):
     state = TrainState.create(apply_fn=model.apply, params=variables, tx=tx)
-    batches = [jax.device_put(b, _batch_shardings(kind, mesh, sp))
-               for b in batches]
+    batches = [
+      jax.device_put(b, _batch_shardings(kind, mesh, sp)) for b in batches
+    ]
     compiled = step.lower(state, batches[0]).compile()
     losses = []
     for batch in batches:
@@ -239,8 +284,9 @@ def _single(kind: str, config: LlamaConfig) -> Run:
 
 def _all_gather_shapes(hlo: str) -> list[tuple]:
   shapes = []
-  for m in re.finditer(r"=\s*\(?(\w+)\[([\d,]*)\][^=]*?\ball-gather(?:-start)?\(",
-                       hlo):
+  for m in re.finditer(
+    r"=\s*\(?(\w+)\[([\d,]*)\][^=]*?\ball-gather(?:-start)?\(", hlo
+  ):
     shapes.append(tuple(int(d) for d in m.group(2).split(",") if d))
   return shapes
 
@@ -253,13 +299,19 @@ def _check_forge_shardings(run: Run):
   assert len(flat_b) == len(flat_a) == len(arrays)
   for (path, b), a, array in zip(flat_b, flat_a, arrays):
     assert a.is_equivalent_to(b, array.ndim), (jax.tree_util.keystr(path), b, a)
-  ndims = {path: layer["kernel"].ndim for path, layer in _forge_layers(run.params[COLL])}
+  ndims = {
+    path: layer["kernel"].ndim
+    for path, layer in _forge_layers(run.params[COLL])
+  }
   for layer_path, layer in _forge_layers(run.shardings_after[COLL]):
     kernel = layer["kernel"]
     assert not kernel.is_fully_replicated, layer_path
     for leaf in jax.tree.leaves(layer["opt_state"]):
       assert leaf.is_equivalent_to(kernel, ndims[layer_path]), (
-          layer_path, leaf, kernel)
+        layer_path,
+        leaf,
+        kernel,
+      )
     for name in ("count", "skipped", "intact"):
       assert layer[name].is_fully_replicated, (layer_path, name)
 
@@ -289,8 +341,9 @@ TP_SP = [(tp, sp) for tp in (2, 4, 8) for sp in (False, True)]
 
 @needs_devices
 @pytest.mark.parametrize("kind", ["block", "model"])
-@pytest.mark.parametrize("tp,sp", TP_SP, ids=[f"tp{t}-{'sp' if s else 'nosp'}"
-                                              for t, s in TP_SP])
+@pytest.mark.parametrize(
+  "tp,sp", TP_SP, ids=[f"tp{t}-{'sp' if s else 'nosp'}" for t, s in TP_SP]
+)
 def test_tensor_parallel_matches_one_device_and_optax(kind, tp, sp):
   mesh = parallel.make_mesh(tp)
   forge = _run(kind, _config(True, tp, sp), mesh, sp)
@@ -298,21 +351,27 @@ def test_tensor_parallel_matches_one_device_and_optax(kind, tp, sp):
 
   # FORGE under TP (+SP) == FORGE on one device: every weight, state, count.
   single = _single(kind, _config(True))
-  _assert_trees_close(forge.params, single.params,
-                      what="forge TP vs one device")
+  _assert_trees_close(
+    forge.params, single.params, what="forge TP vs one device"
+  )
   np.testing.assert_allclose(forge.losses, single.losses, rtol=RTOL)
   # == nn.Dense + optax under the same sharding: kernels and other params.
   fk, bk = kernels(forge.params), kernels(baseline.params)
   assert sorted(fk) == sorted(bk) and fk
   for path in bk:
     assert _rel(fk[path], bk[path]) <= RTOL, path
-  _assert_trees_close(_non_kernels(forge.params["params"]),
-                      _non_kernels(baseline.params["params"]),
-                      what="params vs optax")
+  _assert_trees_close(
+    _non_kernels(forge.params["params"]),
+    _non_kernels(baseline.params["params"]),
+    what="params vs optax",
+  )
   np.testing.assert_allclose(forge.losses, baseline.losses, rtol=RTOL)
   # The baseline itself is exact against one device.
-  _assert_trees_close(baseline.params, _single(kind, _config(False)).params,
-                      what="optax TP vs one device")
+  _assert_trees_close(
+    baseline.params,
+    _single(kind, _config(False)).params,
+    what="optax TP vs one device",
+  )
 
   # Shardings unchanged by the steps; states sharded exactly like kernels.
   _check_forge_shardings(forge)
@@ -326,8 +385,9 @@ def test_tensor_parallel_matches_one_device_and_optax(kind, tp, sp):
 
 
 @needs_devices
-@pytest.mark.parametrize("tp,sp", [(2, True), (4, False)],
-                         ids=["tp2-sp", "tp4-nosp"])
+@pytest.mark.parametrize(
+  "tp,sp", [(2, True), (4, False)], ids=["tp2-sp", "tp4-nosp"]
+)
 def test_tensor_parallel_scanned_layers(tp, sp):
   """fj.scan (FORGE) under TP, stacked variables, against one device.
 
@@ -358,10 +418,18 @@ def test_tensor_parallel_scanned_layers(tp, sp):
 
 
 @needs_devices
-@pytest.mark.parametrize("optimizer", [
-    fj.adamw(1e-3), fj.lion(1e-4), fj.sgd(1e-2, momentum=0.9), fj.sgd(1e-2),
-    fj.rmsprop(1e-3, centered=True, momentum=0.9), fj.radam(1e-3)],
-    ids=["adamw", "lion", "sgd_momentum", "sgd", "rmsprop", "radam"])
+@pytest.mark.parametrize(
+  "optimizer",
+  [
+    fj.adamw(1e-3),
+    fj.lion(1e-4),
+    fj.sgd(1e-2, momentum=0.9),
+    fj.sgd(1e-2),
+    fj.rmsprop(1e-3, centered=True, momentum=0.9),
+    fj.radam(1e-3),
+  ],
+  ids=["adamw", "lion", "sgd_momentum", "sgd", "rmsprop", "radam"],
+)
 def test_partition_specs_of_states_are_the_kernels(optimizer):
   mesh = parallel.make_mesh(4)
   init = nn.initializers.lecun_normal()
@@ -369,27 +437,41 @@ def test_partition_specs_of_states_are_the_kernels(optimizer):
   class Net(nn.Module):
     @nn.compact
     def __call__(self, x):
-      h = fj.ForgeDense(16, optimizer=optimizer,
-                        kernel_init=nn.with_partitioning(init, (None, "model")),
-                        name="col")(x)
-      return fj.ForgeDense(8, optimizer=optimizer,
-                           kernel_init=nn.with_partitioning(init, ("model", None)),
-                           input_partitioning=(None, "model"), name="row")(h)
+      h = fj.ForgeDense(
+        16,
+        optimizer=optimizer,
+        kernel_init=nn.with_partitioning(init, (None, "model")),
+        name="col",
+      )(x)
+      return fj.ForgeDense(
+        8,
+        optimizer=optimizer,
+        kernel_init=nn.with_partitioning(init, ("model", None)),
+        input_partitioning=(None, "model"),
+        name="row",
+      )(h)
 
   x = jnp.ones((4, 8))
   with jax.set_mesh(mesh):
     abstract = jax.eval_shape(Net().init, jax.random.key(0), x)
   specs = nn.get_partition_spec(abstract)[COLL]
-  for name, kernel_spec in (("col", P(None, "model")), ("row", P("model", None))):
+  for name, kernel_spec in (
+    ("col", P(None, "model")),
+    ("row", P("model", None)),
+  ):
     layer = specs[name]
     assert layer["kernel"] == kernel_spec
-    for leaf in jax.tree.leaves(layer["opt_state"],
-                                is_leaf=lambda s: isinstance(s, P)):
+    for leaf in jax.tree.leaves(
+      layer["opt_state"], is_leaf=lambda s: isinstance(s, P)
+    ):
       assert leaf == kernel_spec, (name, layer["opt_state"])
     for scalar in ("count", "skipped", "intact"):
       assert layer[scalar] == P(), (name, scalar)
   variables = parallel.init_sharded(Net().init, mesh, jax.random.key(0), x)
-  for name, kernel_spec in (("col", P(None, "model")), ("row", P("model", None))):
+  for name, kernel_spec in (
+    ("col", P(None, "model")),
+    ("row", P("model", None)),
+  ):
     layer = variables[COLL][name]
     want = NamedSharding(mesh, kernel_spec)
     for leaf in jax.tree.leaves((layer["kernel"], layer["opt_state"])):
@@ -407,12 +489,20 @@ def test_logical_partitioning_with_rules():
   class Net(nn.Module):
     @nn.compact
     def __call__(self, x):
-      h = fj.ForgeDense(16, optimizer=OPT, kernel_init=nn.with_logical_partitioning(
-          init, ("embed", "mlp")), input_partitioning=("batch", "embed"),
-                        name="up")(x)
-      return fj.ForgeDense(8, optimizer=OPT, kernel_init=nn.with_logical_partitioning(
-          init, ("mlp", "embed")), input_partitioning=("batch", "mlp"),
-                           name="down")(h)
+      h = fj.ForgeDense(
+        16,
+        optimizer=OPT,
+        kernel_init=nn.with_logical_partitioning(init, ("embed", "mlp")),
+        input_partitioning=("batch", "embed"),
+        name="up",
+      )(x)
+      return fj.ForgeDense(
+        8,
+        optimizer=OPT,
+        kernel_init=nn.with_logical_partitioning(init, ("mlp", "embed")),
+        input_partitioning=("batch", "mlp"),
+        name="down",
+      )(h)
 
   x = jax.random.normal(jax.random.key(1), (4, 8))
   with nn.logical_axis_rules(rules), jax.set_mesh(mesh):
@@ -426,13 +516,15 @@ def test_logical_partitioning_with_rules():
 
     def loss(v):
       return jnp.sum(Net().apply(v, x) ** 2)
+
     new = jax.jit(jax.grad(loss))(variables)
   single = Net().init(jax.random.key(0), x)
   single = parallel.strip_boxes(single)
   want = jax.grad(lambda v: jnp.sum(Net().apply(v, x) ** 2))(single)
   _assert_trees_close(_host(new[COLL]), _host(want[COLL]))
   assert new[COLL]["down"]["opt_state"].mu.sharding.is_equivalent_to(
-      NamedSharding(mesh, P("model", None)), 2)
+    NamedSharding(mesh, P("model", None)), 2
+  )
 
 
 # ---------------------------------------------------------------------------
@@ -442,26 +534,49 @@ def test_logical_partitioning_with_rules():
 @needs_devices
 def test_triton_kernel_per_shard_matches_xla_reference():
   mesh = parallel.make_mesh(2)
-  runs = {impl: _run("block", _config(True, 2, True, implementation=impl,
-                                      num_layers=1), mesh, sp=True)
-          for impl in ("xla", "triton")}
-  _assert_trees_close(runs["triton"].params, runs["xla"].params, rtol=1e-6,
-                      what="triton vs xla under TP=2+SP")
+  runs = {
+    impl: _run(
+      "block",
+      _config(True, 2, True, implementation=impl, num_layers=1),
+      mesh,
+      sp=True,
+    )
+    for impl in ("xla", "triton")
+  }
+  _assert_trees_close(
+    runs["triton"].params,
+    runs["xla"].params,
+    rtol=1e-6,
+    what="triton vs xla under TP=2+SP",
+  )
   assert "forge_fused_dense_update" not in runs["xla"].hlo
 
 
 # ---------------------------------------------------------------------------
 # int8 block states (and stochastically rounded bf16 kernels) under TP.
 
-INT8_OPT = fj.adamw(learning_rate=1e-2, weight_decay=0.1, state_dtype="int8",
-                    weight_rounding="stochastic")
+INT8_OPT = fj.adamw(
+  learning_rate=1e-2,
+  weight_decay=0.1,
+  state_dtype="int8",
+  weight_rounding="stochastic",
+)
 # bf16 kernels; every column-parallel layer (q/k/v 256, ffn 256, vocab 256)
 # leaves 64 columns, one int8 block, per shard at TP=4.
-INT8_CFG = dataclasses.replace(CFG, vocab_size=256, dim=64, num_layers=1,
-                               num_heads=8, num_kv_heads=8, head_dim=32,
-                               ffn_dim=256, param_dtype=jnp.bfloat16)
-int8_config = functools.partial(_config, True, base=INT8_CFG,
-                                optimizer=INT8_OPT)
+INT8_CFG = dataclasses.replace(
+  CFG,
+  vocab_size=256,
+  dim=64,
+  num_layers=1,
+  num_heads=8,
+  num_kv_heads=8,
+  head_dim=32,
+  ffn_dim=256,
+  param_dtype=jnp.bfloat16,
+)
+int8_config = functools.partial(
+  _config, True, base=INT8_CFG, optimizer=INT8_OPT
+)
 
 
 def _bits(a) -> np.ndarray:
@@ -473,11 +588,16 @@ def _bits(a) -> np.ndarray:
 def _int8_dense(kernel_names, features, implementation):
   row_parallel = kernel_names[0] is not None
   return fj.ForgeDense(
-      features, optimizer=INT8_OPT, param_dtype=jnp.bfloat16,
-      implementation=implementation, name="dense",
-      kernel_init=nn.with_partitioning(nn.initializers.lecun_normal(),
-                                       kernel_names),
-      input_partitioning=(None, None, "model") if row_parallel else None)
+    features,
+    optimizer=INT8_OPT,
+    param_dtype=jnp.bfloat16,
+    implementation=implementation,
+    name="dense",
+    kernel_init=nn.with_partitioning(
+      nn.initializers.lecun_normal(), kernel_names
+    ),
+    input_partitioning=(None, None, "model") if row_parallel else None,
+  )
 
 
 def _linear_loss_steps(net, variables, x, weight, steps=STEPS):
@@ -499,17 +619,22 @@ def _assert_state_sharded_like_kernel(layer, mesh, kernel_spec):
     assert layer[name].sharding.is_fully_replicated, name
 
 
-INT8_LAYERS = [((None, "model"), 256, 4, "xla"),
-               (("model", None), 96, 2, "xla"),
-               ((None, "model"), 256, 2, "triton")]
+INT8_LAYERS = [
+  ((None, "model"), 256, 4, "xla"),
+  (("model", None), 96, 2, "xla"),
+  ((None, "model"), 256, 2, "triton"),
+]
 
 
 @needs_devices
 @pytest.mark.parametrize(
-    "kernel_names,features,tp,implementation", INT8_LAYERS,
-    ids=["column-tp4-xla", "row-tp2-xla-partial-block", "column-tp2-triton"])
-def test_int8_states_of_one_layer_match_one_device(kernel_names, features, tp,
-                                                   implementation):
+  "kernel_names,features,tp,implementation",
+  INT8_LAYERS,
+  ids=["column-tp4-xla", "row-tp2-xla-partial-block", "column-tp2-triton"],
+)
+def test_int8_states_of_one_layer_match_one_device(
+  kernel_names, features, tp, implementation
+):
   """Codes, scales and the stochastically rounded bf16 kernel of a sharded
   layer equal one device's: shards hold whole blocks and hash global
   indices. Row-parallel layers take any features (a partial last block)."""
@@ -521,8 +646,10 @@ def test_int8_states_of_one_layer_match_one_device(kernel_names, features, tp,
   with jax.set_mesh(mesh):
     abstract = jax.eval_shape(net.init, jax.random.key(0), x)
   specs = nn.get_partition_spec(abstract)[COLL]["opt_state"]
-  assert all(s == kernel_spec for s in jax.tree.leaves(
-      specs, is_leaf=lambda s: isinstance(s, P))), specs
+  assert all(
+    s == kernel_spec
+    for s in jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, P))
+  ), specs
   assert parallel.partition_specs(abstract)[COLL]["opt_state"] == specs
 
   sharded = parallel.init_sharded(net.init, mesh, jax.random.key(0), x)
@@ -531,7 +658,8 @@ def test_int8_states_of_one_layer_match_one_device(kernel_names, features, tp,
     sharded = _linear_loss_steps(net, sharded, x, weight)
   _assert_state_sharded_like_kernel(sharded[COLL], mesh, kernel_spec)
   single = _linear_loss_steps(
-      net, parallel.strip_boxes(net.init(jax.random.key(0), x)), x, weight)
+    net, parallel.strip_boxes(net.init(jax.random.key(0), x)), x, weight
+  )
 
   got, want = _host(sharded[COLL]), _host(single[COLL])
   assert float(got["count"]) == STEPS
@@ -556,9 +684,11 @@ def _differing_share(a, b) -> float:
 
 
 @needs_devices
-@pytest.mark.parametrize("tp,sp", INT8_TP_SP,
-                         ids=[f"tp{t}-{'sp' if s else 'nosp'}"
-                              for t, s in INT8_TP_SP])
+@pytest.mark.parametrize(
+  "tp,sp",
+  INT8_TP_SP,
+  ids=[f"tp{t}-{'sp' if s else 'nosp'}" for t, s in INT8_TP_SP],
+)
 def test_int8_stochastic_model_matches_one_device(tp, sp):
   """A Llama model with int8 states and stochastically rounded bf16
   kernels under TP (+SP) against the same optimizer on one device (the
@@ -584,9 +714,13 @@ def test_int8_states_keep_their_types_under_explicit_axes():
   """On an Explicit mesh the sharding is in the types: codes and scales are
   typed like the kernel before the step, inside it and after it."""
   from jax.sharding import AxisType  # pylint: disable=import-outside-toplevel
-  mesh = jax.make_mesh((1, 2), ("data", "model"),
-                       axis_types=(AxisType.Explicit,) * 2,
-                       devices=jax.devices()[:2])
+
+  mesh = jax.make_mesh(
+    (1, 2),
+    ("data", "model"),
+    axis_types=(AxisType.Explicit,) * 2,
+    devices=jax.devices()[:2],
+  )
   kernel_spec = P("model", None)
   net = _int8_dense(tuple(kernel_spec), 64, "xla")
   x = jax.random.normal(jax.random.key(1), (2, 8, 32))
@@ -616,9 +750,13 @@ def test_int8_column_split_must_hold_whole_blocks():
   for features in (96, 64):
     net = _int8_dense((None, "model"), features, "xla")
     per_shard = features // 2
-    with pytest.raises(ValueError, match=re.escape(
+    with pytest.raises(
+      ValueError,
+      match=re.escape(
         f"features={features} split over 2 devices gives {per_shard} columns "
-        "per shard, which must be a multiple of the int8 block size 64")):
+        "per shard, which must be a multiple of the int8 block size 64"
+      ),
+    ):
       parallel.init_sharded(net.init, mesh, jax.random.key(0), x)
 
 
@@ -632,14 +770,23 @@ def _mlp(data_parallel="error", batch_axis="data"):
   class Net(nn.Module):
     @nn.compact
     def __call__(self, x):
-      h = fj.ForgeDense(32, optimizer=OPT, data_parallel=data_parallel,
-                        kernel_init=nn.with_partitioning(init, (None, "model")),
-                        input_partitioning=(batch_axis, None, None),
-                        name="up")(x)
-      return fj.ForgeDense(16, optimizer=OPT, data_parallel=data_parallel,
-                           kernel_init=nn.with_partitioning(init, ("model", None)),
-                           input_partitioning=(batch_axis, None, "model"),
-                           name="down")(nn.gelu(h))
+      h = fj.ForgeDense(
+        32,
+        optimizer=OPT,
+        data_parallel=data_parallel,
+        kernel_init=nn.with_partitioning(init, (None, "model")),
+        input_partitioning=(batch_axis, None, None),
+        name="up",
+      )(x)
+      return fj.ForgeDense(
+        16,
+        optimizer=OPT,
+        data_parallel=data_parallel,
+        kernel_init=nn.with_partitioning(init, ("model", None)),
+        input_partitioning=(batch_axis, None, "model"),
+        name="down",
+      )(nn.gelu(h))
+
   return Net()
 
 
@@ -650,8 +797,13 @@ def test_data_parallel_is_refused_with_advice():
   with pytest.raises(parallel.DataParallelError) as info:
     parallel.init_sharded(_mlp().init, mesh, jax.random.key(0), x)
   text = str(info.value)
-  for needle in ("'data' (size 2)", "replicated", "data_parallel='psum'",
-                 "nn.Dense", "tensor / sequence parallelism"):
+  for needle in (
+    "'data' (size 2)",
+    "replicated",
+    "data_parallel='psum'",
+    "nn.Dense",
+    "tensor / sequence parallelism",
+  ):
     assert needle in text, (needle, text)
   # The Llama model: a batch axis of size > 1 is data parallelism too.
   config = _config(True, tp=4)
@@ -659,7 +811,9 @@ def test_data_parallel_is_refused_with_advice():
   with pytest.raises(parallel.DataParallelError, match="data_parallel='psum'"):
     parallel.init_sharded(Llama(config).init, mesh, jax.random.key(0), tokens)
   # A data axis of size 1 is fine (the tests above use it).
-  parallel.init_sharded(_mlp().init, parallel.make_mesh(4), jax.random.key(0), x)
+  parallel.init_sharded(
+    _mlp().init, parallel.make_mesh(4), jax.random.key(0), x
+  )
 
 
 @needs_devices
@@ -674,15 +828,25 @@ def test_data_parallel_under_user_shard_map_is_refused(check_vma):
   def step(v, x):
     return jax.grad(lambda v: fj.forge_dense(x, v, None, spec).sum())(v)
 
-  f = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), P("data")),
-                            out_specs=P(), check_vma=check_vma))
+  f = jax.jit(
+    jax.shard_map(
+      step,
+      mesh=mesh,
+      in_specs=(P(), P("data")),
+      out_specs=P(),
+      check_vma=check_vma,
+    )
+  )
   with pytest.raises(parallel.DataParallelError, match="summed|added together"):
     f(variables, x)
   # Inside shard_map with a replicated input the update is the same
   # everywhere and nothing is summed (known only when check_vma tracks it).
   if check_vma:
-    g = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), P()),
-                              out_specs=P(), check_vma=True))(variables, x)
+    g = jax.jit(
+      jax.shard_map(
+        step, mesh=mesh, in_specs=(P(), P()), out_specs=P(), check_vma=True
+      )
+    )(variables, x)
     want = step(variables, x)
     _assert_trees_close(_host(g), _host(want), rtol=0)
 
@@ -690,16 +854,22 @@ def test_data_parallel_under_user_shard_map_is_refused(check_vma):
 @needs_devices
 def test_data_parallel_under_explicit_mesh_is_refused():
   from jax.sharding import AxisType  # pylint: disable=import-outside-toplevel
-  mesh = jax.make_mesh((2,), ("data",), axis_types=(AxisType.Explicit,),
-                       devices=jax.devices()[:2])
+
+  mesh = jax.make_mesh(
+    (2,), ("data",), axis_types=(AxisType.Explicit,), devices=jax.devices()[:2]
+  )
   spec = fj.FusedDenseSpec(fj.sgd(0.1), "xla")
-  variables = jax.device_put(fj.init_variables(fj.sgd(0.1), jnp.ones((4, 3))),
-                             NamedSharding(mesh, P()))
+  variables = jax.device_put(
+    fj.init_variables(fj.sgd(0.1), jnp.ones((4, 3))), NamedSharding(mesh, P())
+  )
   x = jax.device_put(jnp.ones((8, 4)), NamedSharding(mesh, P("data")))
   with jax.set_mesh(mesh):
-    with pytest.raises(parallel.DataParallelError, match="data_parallel='psum'"):
+    with pytest.raises(
+      parallel.DataParallelError, match="data_parallel='psum'"
+    ):
       jax.jit(jax.grad(lambda v: fj.forge_dense(x, v, None, spec).sum()))(
-          variables)
+        variables
+      )
 
 
 @needs_devices
@@ -707,18 +877,29 @@ def test_explicit_mesh_layout_from_the_input_types():
   """Explicit axes: an undeclared input layout is read from the input's
   type: sequence-sharded -> gathered (exact); batch-sharded -> refused."""
   from jax.sharding import AxisType  # pylint: disable=import-outside-toplevel
-  mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+
+  mesh = jax.make_mesh(
+    (2, 4), ("data", "model"), axis_types=(AxisType.Explicit,) * 2
+  )
   init = nn.initializers.lecun_normal()
 
   class Net(nn.Module):
     @nn.compact
     def __call__(self, x):
-      h = fj.ForgeDense(32, optimizer=OPT, name="up", kernel_init=nn.with_partitioning(
-          init, (None, "model")))(x)
-      return fj.ForgeDense(16, optimizer=OPT, name="down",
-                           kernel_init=nn.with_partitioning(init, ("model", None)),
-                           input_partitioning=(None, None, "model"),
-                           output_partitioning=(None, "model", None))(nn.gelu(h))
+      h = fj.ForgeDense(
+        32,
+        optimizer=OPT,
+        name="up",
+        kernel_init=nn.with_partitioning(init, (None, "model")),
+      )(x)
+      return fj.ForgeDense(
+        16,
+        optimizer=OPT,
+        name="down",
+        kernel_init=nn.with_partitioning(init, ("model", None)),
+        input_partitioning=(None, None, "model"),
+        output_partitioning=(None, "model", None),
+      )(nn.gelu(h))
 
   x = jax.random.normal(jax.random.key(1), (2, 8, 16))
   loss = lambda v, x: jnp.sum(Net().apply(v, x) ** 2)
@@ -730,7 +911,8 @@ def test_explicit_mesh_layout_from_the_input_types():
     got = jax.jit(jax.grad(loss))(variables, x_sp)
     _assert_trees_close(_host(got), _host(want))
     assert got[COLL]["down"]["opt_state"].nu.sharding.is_equivalent_to(
-        NamedSharding(mesh, P("model", None)), 2)
+      NamedSharding(mesh, P("model", None)), 2
+    )
     x_dp = jax.device_put(x, NamedSharding(mesh, P("data", None, None)))
     with pytest.raises(parallel.DataParallelError, match="'data' \\(size 2\\)"):
       jax.jit(jax.grad(loss))(variables, x_dp)
@@ -748,7 +930,9 @@ def test_data_parallel_psum_opt_in_is_exact():
 
   def step(v, x):
     grads = jax.grad(loss)(v, x)  # FORGE's cotangents are the new variables
-    params = jax.tree.map(lambda p, g: p - 0.1 * g, v["params"], grads["params"])
+    params = jax.tree.map(
+      lambda p, g: p - 0.1 * g, v["params"], grads["params"]
+    )
     return {"params": params, COLL: grads[COLL]}
 
   single = parallel.strip_boxes(net.init(jax.random.key(0), x))
@@ -763,7 +947,8 @@ def test_data_parallel_psum_opt_in_is_exact():
       got = jax.jit(step)(got, xs)
   _assert_trees_close(_host(got), _host(want))
   assert got[COLL]["up"]["kernel"].sharding.is_equivalent_to(
-      NamedSharding(mesh, P(None, "model")), 2)
+    NamedSharding(mesh, P(None, "model")), 2
+  )
 
 
 # ---------------------------------------------------------------------------
@@ -774,8 +959,13 @@ def test_data_parallel_psum_opt_in_is_exact():
 def test_nonfinite_dy_on_one_shard_skips_the_whole_layer():
   """One shard's NaN must not let the other shards update."""
   mesh = parallel.make_mesh(4)
-  net = fj.ForgeDense(32, optimizer=OPT, kernel_init=nn.with_partitioning(
-      nn.initializers.lecun_normal(), (None, "model")))
+  net = fj.ForgeDense(
+    32,
+    optimizer=OPT,
+    kernel_init=nn.with_partitioning(
+      nn.initializers.lecun_normal(), (None, "model")
+    ),
+  )
   x = jax.random.normal(jax.random.key(1), (2, 8, 16))
   variables = parallel.init_sharded(net.init, mesh, jax.random.key(0), x)
   before = _host(variables)
@@ -783,11 +973,14 @@ def test_nonfinite_dy_on_one_shard_skips_the_whole_layer():
   weight = jnp.ones((32,)).at[3].set(jnp.nan)
   with jax.set_mesh(mesh):
     new = jax.jit(jax.grad(lambda v: jnp.sum(net.apply(v, x) * weight)))(
-        variables)
+      variables
+    )
   new = _host(new)
   np.testing.assert_array_equal(new[COLL]["kernel"], before[COLL]["kernel"])
-  for leaf, old in zip(jax.tree.leaves(new[COLL]["opt_state"]),
-                       jax.tree.leaves(before[COLL]["opt_state"])):
+  for leaf, old in zip(
+    jax.tree.leaves(new[COLL]["opt_state"]),
+    jax.tree.leaves(before[COLL]["opt_state"]),
+  ):
     np.testing.assert_array_equal(leaf, old)
   assert float(new[COLL]["count"]) == 0.0
   # The same layer with a finite dY on every shard does update.
@@ -799,9 +992,12 @@ def test_nonfinite_dy_on_one_shard_skips_the_whole_layer():
 # The op with a layout: the one-device op run per shard.
 
 OP_LAYOUTS = {
-    "column-sp": dict(kernel_spec=P(None, "model"), x_spec=(None, "model", None)),
-    "row-sp": dict(kernel_spec=P("model", None), x_spec=(None, None, "model"),
-                   y_spec=(None, "model", None)),
+  "column-sp": dict(kernel_spec=P(None, "model"), x_spec=(None, "model", None)),
+  "row-sp": dict(
+    kernel_spec=P("model", None),
+    x_spec=(None, None, "model"),
+    y_spec=(None, "model", None),
+  ),
 }
 
 
@@ -821,8 +1017,9 @@ def test_forge_dense_with_a_layout_is_the_one_device_op(name, tp):
   layout = parallel.plan_layout(parallel.make_mesh(tp), 3, **OP_LAYOUTS[name])
 
   def step(layout, x, variables, bias, dy):
-    y, vjp = jax.vjp(lambda *a: fj.forge_dense(*a, spec, layout=layout),
-                     x, variables, bias)
+    y, vjp = jax.vjp(
+      lambda *a: fj.forge_dense(*a, spec, layout=layout), x, variables, bias
+    )
     return y, vjp(dy)
 
   want = jax.jit(functools.partial(step, None))(x, variables, bias, dy)
@@ -833,17 +1030,29 @@ def test_forge_dense_with_a_layout_is_the_one_device_op(name, tp):
 
 def test_layout_errors_are_clear():
   mesh = jax.sharding.AbstractMesh((2, 2), ("data", "model"))
-  with pytest.raises(ValueError, match="features are sharded over model but "
-                     "the kernel's in_features over None"):
-    parallel.plan_layout(mesh, 3, P(None, "model"), x_spec=(None, None, "model"))
+  with pytest.raises(
+    ValueError,
+    match="features are sharded over model but "
+    "the kernel's in_features over None",
+  ):
+    parallel.plan_layout(
+      mesh, 3, P(None, "model"), x_spec=(None, None, "model")
+    )
   with pytest.raises(ValueError, match="only the kernel's in_features"):
-    parallel.plan_layout(mesh, 3, P(None, "model"), y_spec=(None, "model", "model"))
+    parallel.plan_layout(
+      mesh, 3, P(None, "model"), y_spec=(None, "model", "model")
+    )
   with pytest.raises(ValueError, match="not in the mesh"):
     parallel.plan_layout(mesh, 2, P(None, "tensor"))
-  layout = parallel.plan_layout(mesh, 3, P("model", None),
-                                x_spec=(None, None, "model"),
-                                y_spec=(None, "model", None))
+  layout = parallel.plan_layout(
+    mesh,
+    3,
+    P("model", None),
+    x_spec=(None, None, "model"),
+    y_spec=(None, "model", None),
+  )
   assert layout.scatter == (1, ("model",)) and layout.gather is None
-  layout = parallel.plan_layout(mesh, 3, P(None, "model"),
-                                x_spec=(None, "model", None))
+  layout = parallel.plan_layout(
+    mesh, 3, P(None, "model"), x_spec=(None, "model", None)
+  )
   assert layout.gather == (1, ("model",)) and layout.y == ((), (), ("model",))

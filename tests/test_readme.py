@@ -5,19 +5,22 @@ import re
 
 import numpy as np
 
-README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                      "README.md")
+README = os.path.join(
+  os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md"
+)
 
 
 def test_quickstart_runs_and_trains():
   with open(README) as f:
     text = f.read()
-  quickstart = text[text.index("## Quickstart"):]
+  quickstart = text[text.index("## Quickstart") :]
   code = re.search(r"```python\n(.*?)```", quickstart, re.S).group(1)
   scope = {}
   exec(compile(code, "README quickstart", "exec"), scope)  # pylint: disable=exec-used
   state, batch = scope["state"], scope["batch"]
-  kernel0 = np.array(state.params["_overwrite_with_gradient"]["ForgeDense_0"]["kernel"])
+  kernel0 = np.array(
+    state.params["_overwrite_with_gradient"]["ForgeDense_0"]["kernel"]
+  )
   losses = []
   for _ in range(3):
     state, loss = scope["train_step"](state, batch)

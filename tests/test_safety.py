@@ -12,9 +12,17 @@ from flax.training.train_state import TrainState
 
 import forge_jax as fj
 
-from conftest import (COLL, MLP, assert_bitwise_equal, assert_rel_close,
-                      cross_entropy, host_copy, make_batch, make_train_step,
-                      poison)
+from conftest import (
+  COLL,
+  MLP,
+  assert_bitwise_equal,
+  assert_rel_close,
+  cross_entropy,
+  host_copy,
+  make_batch,
+  make_train_step,
+  poison,
+)
 
 OPT = fj.adamw(1e-2, weight_decay=0.1)
 
@@ -54,17 +62,26 @@ def test_called_twice_in_one_forward_raises(seed):
 # Optimizers FORGE cannot fuse.
 
 
-@pytest.mark.parametrize("optimizer,extra", [
+@pytest.mark.parametrize(
+  "optimizer,extra",
+  [
     pytest.param(optax.adafactor(1e-3), "elementwise", id="adafactor"),
-    pytest.param(optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3)),
-                 "clip_by_global_norm", id="chain-clip-adam"),
-    pytest.param(optax.adam(1e-3), "fj.adam", id="optax.adam"),
-    pytest.param(optax.MultiSteps(optax.adam(1e-3), 4), "micro-batch",
-                 id="MultiSteps"),
     pytest.param(
-        optax.MultiSteps(optax.adam(1e-3), 4).gradient_transformation(),
-        "micro-batch", id="MultiSteps.gradient_transformation()"),
-])
+      optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3)),
+      "clip_by_global_norm",
+      id="chain-clip-adam",
+    ),
+    pytest.param(optax.adam(1e-3), "fj.adam", id="optax.adam"),
+    pytest.param(
+      optax.MultiSteps(optax.adam(1e-3), 4), "micro-batch", id="MultiSteps"
+    ),
+    pytest.param(
+      optax.MultiSteps(optax.adam(1e-3), 4).gradient_transformation(),
+      "micro-batch",
+      id="MultiSteps.gradient_transformation()",
+    ),
+  ],
+)
 def test_non_forge_optimizer_raises_type_error(optimizer, extra, seed):
   x, _ = make_batch(seed, (4, 6), 4)
   layer = fj.ForgeDense(3, optimizer=optimizer)
@@ -119,7 +136,8 @@ def test_state_of_another_optimizer_raises_type_error(seed):
 def _params_only_loss(model, variables, batch):
   """The loss as a function of ``params`` alone (the collection held fixed)."""
   return lambda params: cross_entropy(
-      model.apply, {"params": params, COLL: variables[COLL]}, batch)
+    model.apply, {"params": params, COLL: variables[COLL]}, batch
+  )
 
 
 def test_grad_of_params_only_raises_at_trace_time(seed):
@@ -146,8 +164,9 @@ def test_grad_of_params_only_is_refused_for_first_layer_without_bias(seed):
   check can run inside the layer; fj.TrainState refuses the grads."""
   model = NoBiasFirst()
   variables, batch = _init(model, seed)
-  state = fj.TrainState.create(apply_fn=model.apply, params=variables,
-                               tx=OPT.to_optax())
+  state = fj.TrainState.create(
+    apply_fn=model.apply, params=variables, tx=OPT.to_optax()
+  )
   loss = _params_only_loss(model, variables, batch)
   grads = jax.grad(loss)(variables["params"])
   with pytest.raises(ValueError, match="all of state.params"):
@@ -186,8 +205,9 @@ def test_layer_not_reaching_the_loss_is_wiped_and_fails_loudly(mode, seed):
   (NaN learning rate), so the loss turns NaN and every other FORGE layer
   skips its update from then on. Data lost, loudly."""
   variables, batch = _init(WithAuxHead(mode), seed, (2, 3, 6))
-  state = TrainState.create(apply_fn=WithAuxHead(mode).apply,
-                            params=variables, tx=OPT.to_optax())
+  state = TrainState.create(
+    apply_fn=WithAuxHead(mode).apply, params=variables, tx=OPT.to_optax()
+  )
   assert fj.wiped_layers(state.params) == []
   step = jax.jit(make_train_step(), donate_argnums=0)
 
@@ -216,8 +236,9 @@ def test_layer_not_reaching_the_loss_is_wiped_and_fails_loudly(mode, seed):
   assert fj.wiped_layers(state.params) == ["aux"]
   for name in ("fc1", "fc2"):
     after = state.params[COLL][name]
-    for old, new in zip(_kernel_and_state(before[name]),
-                        _kernel_and_state(after)):
+    for old, new in zip(
+      _kernel_and_state(before[name]), _kernel_and_state(after)
+    ):
       assert_bitwise_equal(new, old, name)
     assert float(after["count"]) == float(before[name]["count"]) == 2.0
 
@@ -235,8 +256,10 @@ def test_nonfinite_loss_leaves_every_forge_layer_untouched(seed):
   model = MLP((8, 6, 4), optimizer=OPT)
   variables, (x, y) = _init(model, seed, (2, 5, 6))
   state = TrainState.create(
-      apply_fn=model.apply, params=variables,
-      tx=optax.apply_if_finite(OPT.to_optax(), max_consecutive_errors=3))
+    apply_fn=model.apply,
+    params=variables,
+    tx=optax.apply_if_finite(OPT.to_optax(), max_consecutive_errors=3),
+  )
   step = jax.jit(make_train_step(), donate_argnums=0)
   state, _ = step(state, (x, y))  # one good step: non-zero state, count 1
   before = host_copy(state.params[COLL])
@@ -247,17 +270,20 @@ def test_nonfinite_loss_leaves_every_forge_layer_untouched(seed):
   assert np.isnan(float(loss))
   after = host_copy(state.params[COLL])
   for name, layer in before.items():
-    for old, new in zip(jax.tree.leaves((layer["kernel"], layer["opt_state"])),
-                        jax.tree.leaves((after[name]["kernel"],
-                                         after[name]["opt_state"]))):
+    for old, new in zip(
+      jax.tree.leaves((layer["kernel"], layer["opt_state"])),
+      jax.tree.leaves((after[name]["kernel"], after[name]["opt_state"])),
+    ):
       assert_bitwise_equal(new, old, f"{name}")
     assert float(after[name]["count"]) == float(layer["count"]) == 1.0
     assert float(after[name]["skipped"]) == layer["kernel"].size
     assert float(after[name]["intact"]) == 1.0
 
   # A finite step afterwards trains again.
-  for old, new in zip(jax.tree.leaves(before_params), jax.tree.leaves(
-      host_copy(state.params["params"]))):
+  for old, new in zip(
+    jax.tree.leaves(before_params),
+    jax.tree.leaves(host_copy(state.params["params"])),
+  ):
     assert_bitwise_equal(new, old, "bias")  # apply_if_finite kept them
   state, loss = step(state, (x, y))
   assert np.isfinite(float(loss))
@@ -272,12 +298,12 @@ def test_nonfinite_loss_leaves_every_forge_layer_untouched(seed):
 
 @pytest.mark.parametrize("implementation", ["xla", "triton"])
 @pytest.mark.parametrize("shape", [(6,), (2, 3, 2, 6)], ids=["rank1", "rank4"])
-def test_rank1_and_rank4_inputs_work_like_nn_dense(shape, implementation,
-                                                   seed):
+def test_rank1_and_rank4_inputs_work_like_nn_dense(shape, implementation, seed):
   x = jax.random.normal(jax.random.key(seed), shape)
   key = jax.random.key(seed + 1)
-  forge = fj.ForgeDense(5, optimizer=OPT, implementation=implementation,
-                        name="fc1")
+  forge = fj.ForgeDense(
+    5, optimizer=OPT, implementation=implementation, name="fc1"
+  )
   dense = nn.Dense(5, name="fc1")
   fv, dv = forge.init(key, x), dense.init(key, x)
   assert_bitwise_equal(fv[COLL]["kernel"], dv["params"]["kernel"], "kernel")
@@ -306,21 +332,32 @@ def test_pretrained_nn_dense_weights_load_by_path(seed):
   fv, dv = forge_model.init(key, x), dense_model.init(key, x)
   # Same initializers, same rng paths: the same kernels by name.
   for name in ("fc1", "fc2"):
-    assert_bitwise_equal(fv[COLL][name]["kernel"], dv["params"][name]["kernel"],
-                         name)
-  paths = lambda tree: {jax.tree_util.keystr(p) for p, _ in
-                        jax.tree_util.tree_flatten_with_path(tree)[0]}
+    assert_bitwise_equal(
+      fv[COLL][name]["kernel"], dv["params"][name]["kernel"], name
+    )
+  paths = lambda tree: {
+    jax.tree_util.keystr(p)
+    for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]
+  }
   assert paths(fv["params"]) == {"['fc1']['bias']", "['fc2']['bias']"}
   assert "['fc1']['kernel']" in paths(fv[COLL])
 
   # Load a pretrained nn.Dense checkpoint by path.
   pretrained = dense_model.init(jax.random.key(seed + 1), x)
   loaded = {
-      "params": {name: {"bias": layer["bias"]}
-                 for name, layer in pretrained["params"].items()},
-      COLL: {name: {**fv[COLL][name], "kernel": layer["kernel"],
-                    "opt_state": OPT.init(layer["kernel"])}
-             for name, layer in pretrained["params"].items()},
+    "params": {
+      name: {"bias": layer["bias"]}
+      for name, layer in pretrained["params"].items()
+    },
+    COLL: {
+      name: {
+        **fv[COLL][name],
+        "kernel": layer["kernel"],
+        "opt_state": OPT.init(layer["kernel"]),
+      }
+      for name, layer in pretrained["params"].items()
+    },
   }
-  assert_bitwise_equal(forge_model.apply(loaded, x),
-                       dense_model.apply(pretrained, x), "outputs")
+  assert_bitwise_equal(
+    forge_model.apply(loaded, x), dense_model.apply(pretrained, x), "outputs"
+  )

@@ -10,13 +10,13 @@ import dataclasses
 import functools
 from typing import Any
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import flax.linen as nn
-from jax.ad_checkpoint import checkpoint_name
 import numpy as np
 import pytest
 from flax.training.train_state import TrainState
+from jax.ad_checkpoint import checkpoint_name
 
 import forge_jax as fj
 from forge_jax.ops.fused_dense import FusedDenseSpec
@@ -25,18 +25,29 @@ from conftest import assert_bitwise_equal
 
 COLL = fj.FORGE_COLLECTION
 OPT = fj.adamw(1e-2, weight_decay=0.1)
-LOW_PRECISION = fj.adamw(1e-2, weight_decay=0.1, state_dtype="int8",
-                         weight_rounding="stochastic", rounding_seed=7)
+LOW_PRECISION = fj.adamw(
+  1e-2,
+  weight_decay=0.1,
+  state_dtype="int8",
+  weight_rounding="stochastic",
+  rounding_seed=7,
+)
 WIDTH, LAYERS, TOKENS = 32, 4, 24
 # Backends and storage formats of the stacked mode: by default each backend
 # and each format once.
 STACKED_CASES = [
-    pytest.param("xla", OPT, jnp.float32, id="xla-f32"),
-    pytest.param("triton", OPT, jnp.float32, id="triton-f32",
-                 marks=pytest.mark.slow),
-    pytest.param("xla", LOW_PRECISION, jnp.bfloat16, id="xla-bf16-sr-int8",
-                 marks=pytest.mark.slow),
-    pytest.param("triton", LOW_PRECISION, jnp.bfloat16, id="triton-bf16-sr-int8"),
+  pytest.param("xla", OPT, jnp.float32, id="xla-f32"),
+  pytest.param(
+    "triton", OPT, jnp.float32, id="triton-f32", marks=pytest.mark.slow
+  ),
+  pytest.param(
+    "xla",
+    LOW_PRECISION,
+    jnp.bfloat16,
+    id="xla-bf16-sr-int8",
+    marks=pytest.mark.slow,
+  ),
+  pytest.param("triton", LOW_PRECISION, jnp.bfloat16, id="triton-bf16-sr-int8"),
 ]
 
 
@@ -52,11 +63,17 @@ class Block(nn.Module):
       if self.forge:
         # An explicit layer_id: the module paths (so the default ids) differ
         # between nn.scan and fj.scan.
-        return fj.ForgeDense(WIDTH, optimizer=self.optimizer, use_bias=False,
-                             implementation=self.implementation,
-                             param_dtype=self.param_dtype,
-                             layer_id=int(name[-1]), name=name)
+        return fj.ForgeDense(
+          WIDTH,
+          optimizer=self.optimizer,
+          use_bias=False,
+          implementation=self.implementation,
+          param_dtype=self.param_dtype,
+          layer_id=int(name[-1]),
+          name=name,
+        )
       return nn.Dense(WIDTH, use_bias=False, name=name)
+
     norm = self.param("norm", nn.initializers.ones_init(), (WIDTH,))
     h = jnp.tanh(checkpoint_name(dense("fc1")(x * norm * scale), "fc1_out"))
     return x + dense("fc2")(h), None
@@ -73,16 +90,28 @@ class Stack(nn.Module):
   def __call__(self, x):
     forge = self.mode != "optax"
     if self.mode == "forge_scan":
-      layers = fj.scan(nn.remat(Block, prevent_cse=False, policy=self.policy),
-                       variable_axes={True: 0}, split_rngs={"params": True},
-                       in_axes=(nn.broadcast,), length=LAYERS)
+      layers = fj.scan(
+        nn.remat(Block, prevent_cse=False, policy=self.policy),
+        variable_axes={True: 0},
+        split_rngs={"params": True},
+        in_axes=(nn.broadcast,),
+        length=LAYERS,
+      )
     else:
-      layers = nn.scan(nn.remat(Block, policy=self.policy),
-                       variable_axes={True: 0},
-                       split_rngs={"params": True}, in_axes=(nn.broadcast,),
-                       length=LAYERS)
-    x, _ = layers(forge, self.optimizer, self.implementation, self.param_dtype,
-                  name="layers")(x, 0.5)
+      layers = nn.scan(
+        nn.remat(Block, policy=self.policy),
+        variable_axes={True: 0},
+        split_rngs={"params": True},
+        in_axes=(nn.broadcast,),
+        length=LAYERS,
+      )
+    x, _ = layers(
+      forge,
+      self.optimizer,
+      self.implementation,
+      self.param_dtype,
+      name="layers",
+    )(x, 0.5)
     return x
 
 
@@ -92,8 +121,9 @@ def _train(mode, seed, steps=3, **fields):
   x = jax.random.normal(key, (TOKENS, WIDTH))
   target = jax.random.normal(jax.random.fold_in(key, 1), (TOKENS, WIDTH))
   variables = model.init(key, x)
-  state = TrainState.create(apply_fn=model.apply, params=variables,
-                            tx=model.optimizer.to_optax())
+  state = TrainState.create(
+    apply_fn=model.apply, params=variables, tx=model.optimizer.to_optax()
+  )
 
   def loss_fn(variables):
     return jnp.mean(jnp.square(model.apply(variables, x) - target))
@@ -124,7 +154,8 @@ def test_same_layout_as_nn_scan(seed):
   theirs = jax.eval_shape(Stack("forge_nn_scan").init, jax.random.key(seed), x)
   assert jax.tree.structure(ours) == jax.tree.structure(theirs)
   assert jax.tree.map(lambda a: (a.shape, a.dtype), ours) == jax.tree.map(
-      lambda a: (a.shape, a.dtype), theirs)
+    lambda a: (a.shape, a.dtype), theirs
+  )
   assert ours[COLL]["layers"]["fc1"]["kernel"].shape == (LAYERS, WIDTH, WIDTH)
 
 
@@ -136,16 +167,21 @@ def test_matches_nn_scan_and_optax(seed):
   np.testing.assert_allclose(forge_losses, nn_losses, rtol=1e-6)
   np.testing.assert_allclose(forge_losses, ref_losses, rtol=1e-5)
   for name, kernel in _kernels(forge, "forge").items():
-    np.testing.assert_allclose(kernel, _kernels(nn_scan, "forge")[name],
-                               rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(kernel, _kernels(ref, "optax")[name],
-                               rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+      kernel, _kernels(nn_scan, "forge")[name], rtol=1e-5, atol=1e-6
+    )
+    np.testing.assert_allclose(
+      kernel, _kernels(ref, "optax")[name], rtol=1e-5, atol=1e-6
+    )
     moved = np.abs(kernel - init_s[COLL]["layers"][name]["kernel"])
     assert moved.reshape(LAYERS, -1).max(axis=1).min() > 0, "every layer moves"
   # Norm scales: ordinary stacked gradients, trained by optax.
-  np.testing.assert_allclose(forge.params["params"]["layers"]["norm"],
-                             ref.params["params"]["layers"]["norm"],
-                             rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(
+    forge.params["params"]["layers"]["norm"],
+    ref.params["params"]["layers"]["norm"],
+    rtol=1e-5,
+    atol=1e-6,
+  )
   counts = forge.params[COLL]["layers"]["fc1"]["count"]
   np.testing.assert_array_equal(counts, np.full(LAYERS, 3.0))
   assert fj.wiped_layers(forge.params) == []
@@ -159,12 +195,14 @@ def test_less_temporary_memory_than_nn_scan(seed):
 
 
 @pytest.mark.parametrize("implementation, optimizer, dtype", STACKED_CASES)
-def test_stacked_backward_matches_nn_scan(seed, implementation, optimizer,
-                                          dtype):
+def test_stacked_backward_matches_nn_scan(
+  seed, implementation, optimizer, dtype
+):
   """fj.scan' stacked backward against nn.scan's, which runs the
   one-layer op on slices, for every backend and storage format."""
-  fields = dict(optimizer=optimizer, implementation=implementation,
-                param_dtype=dtype)
+  fields = dict(
+    optimizer=optimizer, implementation=implementation, param_dtype=dtype
+  )
   _, ours, our_losses, _ = _train("forge_scan", seed, **fields)
   _, theirs, their_losses, _ = _train("forge_nn_scan", seed, **fields)
   np.testing.assert_array_equal(our_losses, their_losses)
@@ -176,11 +214,10 @@ def test_stacked_backward_matches_nn_scan(seed, implementation, optimizer,
 CP = jax.checkpoint_policies
 # By default a policy that saves the dots and one that saves a named value.
 POLICIES = [
-    pytest.param(CP.nothing_saveable, id="nothing", marks=pytest.mark.slow),
-    pytest.param(CP.dots_with_no_batch_dims_saveable, id="dots_no_batch"),
-    pytest.param(CP.everything_saveable, id="everything",
-                 marks=pytest.mark.slow),
-    pytest.param(CP.save_only_these_names("fc1_out"), id="names"),
+  pytest.param(CP.nothing_saveable, id="nothing", marks=pytest.mark.slow),
+  pytest.param(CP.dots_with_no_batch_dims_saveable, id="dots_no_batch"),
+  pytest.param(CP.everything_saveable, id="everything", marks=pytest.mark.slow),
+  pytest.param(CP.save_only_these_names("fc1_out"), id="names"),
 ]
 
 
@@ -194,8 +231,9 @@ def test_policy_matches_full_remat_and_nn_scan(seed, policy):
   np.testing.assert_array_equal(our_losses, full_losses)
   np.testing.assert_array_equal(our_losses, their_losses)
   flat = jax.tree_util.tree_flatten_with_path(ours.params)[0]
-  for (path, leaf), a, b in zip(flat, jax.tree.leaves(full.params),
-                                jax.tree.leaves(theirs.params)):
+  for (path, leaf), a, b in zip(
+    flat, jax.tree.leaves(full.params), jax.tree.leaves(theirs.params)
+  ):
     assert_bitwise_equal(leaf, a, f"full remat {jax.tree_util.keystr(path)}")
     assert_bitwise_equal(leaf, b, f"nn.scan {jax.tree_util.keystr(path)}")
 
@@ -215,8 +253,9 @@ def _equations(jaxpr):
           yield from _equations(sub)
 
 
-@pytest.mark.parametrize("policy", [None, CP.everything_saveable],
-                         ids=["full-remat", "everything"])
+@pytest.mark.parametrize(
+  "policy", [None, CP.everything_saveable], ids=["full-remat", "everything"]
+)
 def test_pallas_kernel_updates_whole_stacks(seed, policy):
   """Under fj.scan the Pallas kernel reads and writes the stacked
   kernels and states themselves (aliased), and no [L, K, N] stack is
@@ -232,26 +271,39 @@ def test_pallas_kernel_updates_whole_stacks(seed, policy):
   calls = [e for e in equations if e.primitive.name == "pallas_call"]
   assert len(calls) == 2, "fc1 and fc2, in the backward loop's body"
   for call in calls:
-    aliased = [call.invars[i].aval.shape
-               for i, _ in call.params["input_output_aliases"]]
+    aliased = [
+      call.invars[i].aval.shape for i, _ in call.params["input_output_aliases"]
+    ]
     assert aliased == [(LAYERS, WIDTH, WIDTH)] * 3, aliased  # kernel, mu, nu
-  stack_writes = [e for e in equations
-                  if e.primitive.name == "dynamic_update_slice"
-                  and e.invars[0].aval.ndim == 3]
+  stack_writes = [
+    e
+    for e in equations
+    if e.primitive.name == "dynamic_update_slice" and e.invars[0].aval.ndim == 3
+  ]
   assert not stack_writes
 
 
 class Nested(nn.Module):
   @nn.compact
   def __call__(self, x, scale):
-    return fj.scan(Block, variable_axes={True: 0}, split_rngs={"params": True},
-                   in_axes=(nn.broadcast,), length=2)(name="inner")(x, scale)
+    return fj.scan(
+      Block,
+      variable_axes={True: 0},
+      split_rngs={"params": True},
+      in_axes=(nn.broadcast,),
+      length=2,
+    )(name="inner")(x, scale)
 
 
 def test_nested_fj_scan_raises(seed):
   """The outer backward hands the inner scan whole outer stacks."""
-  model = fj.scan(Nested, variable_axes={True: 0}, split_rngs={"params": True},
-                  in_axes=(nn.broadcast,), length=2)()
+  model = fj.scan(
+    Nested,
+    variable_axes={True: 0},
+    split_rngs={"params": True},
+    in_axes=(nn.broadcast,),
+    length=2,
+  )()
   x = jnp.ones((TOKENS, WIDTH))
   variables = model.init(jax.random.key(seed), x, 0.5)
   with pytest.raises(NotImplementedError, match="inside the block of another"):
@@ -261,10 +313,12 @@ def test_nested_fj_scan_raises(seed):
 # ---------------------------------------------------------------------------
 # Stacked mode of the op: the stacks with one layer stepped, bit for bit.
 
+
 def _stepped(spec, x, variables, dy, layer_index=None):
   """``(dx, new variables)``: one backward pass of the fused op."""
   _, vjp = jax.vjp(
-      lambda x, v: fj.forge_dense(x, v, None, spec, layer_index), x, variables)
+    lambda x, v: fj.forge_dense(x, v, None, spec, layer_index), x, variables
+  )
   return vjp(dy)
 
 
@@ -285,17 +339,20 @@ def _layer_stacks(spec, key, layers, k, n):
 
 
 @pytest.mark.parametrize("implementation, optimizer, dtype", STACKED_CASES)
-def test_stacked_op_steps_one_layer_of_the_stacks(seed, implementation,
-                                                  optimizer, dtype):
+def test_stacked_op_steps_one_layer_of_the_stacks(
+  seed, implementation, optimizer, dtype
+):
   """With a layer index the op's cotangent is the stacks with exactly that
   layer stepped: the bits the one-layer op writes (stochastic rounding uses
   the layer's own count), every other layer untouched, and the same dx."""
   k, n, layers = 40, 96, 3  # masked tiles, a partial int8 block of columns
-  spec = FusedDenseSpec(optimizer=optimizer, implementation=implementation,
-                        dtype=dtype, layer_id=5)
+  spec = FusedDenseSpec(
+    optimizer=optimizer, implementation=implementation, dtype=dtype, layer_id=5
+  )
   key_stacks, key_x, key_dy = jax.random.split(jax.random.key(seed), 3)
-  stacks = _layer_stacks(dataclasses.replace(spec, implementation="xla"),
-                         key_stacks, layers, k, n)
+  stacks = _layer_stacks(
+    dataclasses.replace(spec, implementation="xla"), key_stacks, layers, k, n
+  )
   x = jax.random.normal(key_x, (2, TOKENS // 2, k), dtype)
   dy = jax.random.normal(key_dy, (2, TOKENS // 2, n), dtype)
   stacked_step = jax.jit(functools.partial(_stepped, spec))
@@ -306,10 +363,14 @@ def test_stacked_op_steps_one_layer_of_the_stacks(seed, implementation,
     dx_layer, new_layer = layer_step(x, layer, dy)
     assert_bitwise_equal(dx, dx_layer, "dx")
     flat_new = jax.tree_util.tree_flatten_with_path(new_stacks)[0]
-    for (path, new), old, expected in zip(flat_new, jax.tree.leaves(stacks),
-                                          jax.tree.leaves(new_layer)):
+    for (path, new), old, expected in zip(
+      flat_new, jax.tree.leaves(stacks), jax.tree.leaves(new_layer)
+    ):
       what = jax.tree_util.keystr(path)
       assert_bitwise_equal(new[index], expected, f"{what}[{index}]")
       others = [i for i in range(layers) if i != index]
-      assert_bitwise_equal(np.asarray(new)[others], np.asarray(old)[others],
-                           f"{what}, other layers")
+      assert_bitwise_equal(
+        np.asarray(new)[others],
+        np.asarray(old)[others],
+        f"{what}, other layers",
+      )

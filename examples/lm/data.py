@@ -52,13 +52,16 @@ class ByteCorpus:
     return VOCAB_SIZE
 
   def describe(self) -> str:
-    return (f"{self.num_files} stdlib .py files from {self.root}: "
-            f"{self.train.size / 1e6:.2f} MB train, "
-            f"{self.valid.size / 1e6:.2f} MB valid")
+    return (
+      f"{self.num_files} stdlib .py files from {self.root}: "
+      f"{self.train.size / 1e6:.2f} MB train, "
+      f"{self.valid.size / 1e6:.2f} MB valid"
+    )
 
 
-def load_stdlib_corpus(max_mb: float = 8.0, valid_every: int = 20,
-                       root: Optional[Path] = None) -> ByteCorpus:
+def load_stdlib_corpus(
+  max_mb: float = 8.0, valid_every: int = 20, root: Optional[Path] = None
+) -> ByteCorpus:
   """Concatenate stdlib sources (at most ``max_mb`` MB) and split them.
 
   Args:
@@ -76,19 +79,21 @@ def load_stdlib_corpus(max_mb: float = 8.0, valid_every: int = 20,
       data = path.read_bytes()
     except OSError:
       continue
-    data = data[:budget - total]
+    data = data[: budget - total]
     (valid if i % valid_every == 0 else train).append(data)
     total += len(data)
     used += 1
   if not train or not valid:
     raise RuntimeError(f"no Python sources found under {root}")
   as_array = lambda parts: np.frombuffer(b"".join(parts), dtype=np.uint8).copy()
-  return ByteCorpus(train=as_array(train), valid=as_array(valid),
-                    num_files=used, root=str(root))
+  return ByteCorpus(
+    train=as_array(train), valid=as_array(valid), num_files=used, root=str(root)
+  )
 
 
-def batch_iterator(data: np.ndarray, batch_size: int, seq_len: int,
-                   seed: int = 0) -> Iterator[np.ndarray]:
+def batch_iterator(
+  data: np.ndarray, batch_size: int, seq_len: int, seed: int = 0
+) -> Iterator[np.ndarray]:
   """Endless ``[batch_size, seq_len + 1]`` int32 windows at random offsets.
 
   Windows start at uniform random positions drawn from
@@ -108,4 +113,5 @@ def batch_iterator(data: np.ndarray, batch_size: int, seq_len: int,
 def decode(tokens) -> str:
   """Bytes back to text (invalid UTF-8 replaced)."""
   return bytes(np.asarray(tokens, dtype=np.uint8).tolist()).decode(
-      "utf-8", errors="replace")
+    "utf-8", errors="replace"
+  )

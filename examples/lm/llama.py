@@ -22,21 +22,25 @@ import dataclasses
 import math
 from typing import Any, Optional
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import flax.linen as nn
 import numpy as np
 
 from forge_jax.linen import FORGE_COLLECTION, ForgeDense
 from forge_jax.optimizers import ForgeOptimizer
 from forge_jax.scan import scan as forge_scan
 
-
 #: ``LlamaConfig.remat_policy`` names -> ``jax.checkpoint_policies``.
 REMAT_POLICIES = {
-    name: getattr(jax.checkpoint_policies, name)
-    for name in ("nothing_saveable", "everything_saveable", "dots_saveable",
-                 "dots_with_no_batch_dims_saveable")}
+  name: getattr(jax.checkpoint_policies, name)
+  for name in (
+    "nothing_saveable",
+    "everything_saveable",
+    "dots_saveable",
+    "dots_with_no_batch_dims_saveable",
+  )
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,26 +117,37 @@ class LlamaConfig:
 
   def __post_init__(self):
     if self.num_heads % self.num_kv_heads:
-      raise ValueError(f"num_heads={self.num_heads} must be a multiple of "
-                       f"num_kv_heads={self.num_kv_heads}")
+      raise ValueError(
+        f"num_heads={self.num_heads} must be a multiple of "
+        f"num_kv_heads={self.num_kv_heads}"
+      )
     if self.head_dim % 2:
       raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
     if self.forge_optimizer is not None and not isinstance(
-        self.forge_optimizer, ForgeOptimizer):
-      raise TypeError(f"forge_optimizer={self.forge_optimizer!r} must be a "
-                      "forge_jax optimizer (fj.adamw(...), ...)")
+      self.forge_optimizer, ForgeOptimizer
+    ):
+      raise TypeError(
+        f"forge_optimizer={self.forge_optimizer!r} must be a "
+        "forge_jax optimizer (fj.adamw(...), ...)"
+      )
     if self.sequence_parallel and self.tensor_axis is None:
       raise ValueError("sequence_parallel=True needs a tensor_axis")
-    if self.remat_policy is not None and self.remat_policy not in REMAT_POLICIES:
-      raise ValueError(f"remat_policy={self.remat_policy!r} must be None or "
-                       f"one of {sorted(REMAT_POLICIES)}")
+    if (
+      self.remat_policy is not None and self.remat_policy not in REMAT_POLICIES
+    ):
+      raise ValueError(
+        f"remat_policy={self.remat_policy!r} must be None or "
+        f"one of {sorted(REMAT_POLICIES)}"
+      )
     if self.remat_policy is not None and not self.remat:
       raise ValueError(f"remat_policy={self.remat_policy!r} needs remat=True")
 
   @property
   def checkpoint_policy(self):
     """The ``jax.checkpoint_policies`` function named by ``remat_policy``."""
-    return None if self.remat_policy is None else REMAT_POLICIES[self.remat_policy]
+    return (
+      None if self.remat_policy is None else REMAT_POLICIES[self.remat_policy]
+    )
 
   @property
   def partitioned(self) -> bool:
@@ -145,47 +160,113 @@ class LlamaConfig:
     on the tensor axis under sequence parallelism), ``seq`` inside them.
     """
     tp = self.tensor_axis
-    return (("batch", self.batch_axis),
-            ("act_seq", tp if self.sequence_parallel else None),
-            ("heads", tp), ("kv_heads", tp), ("mlp", tp), ("vocab", tp),
-            ("seq", None), ("embed", None), ("head_dim", None),
-            ("layers", None))
+    return (
+      ("batch", self.batch_axis),
+      ("act_seq", tp if self.sequence_parallel else None),
+      ("heads", tp),
+      ("kv_heads", tp),
+      ("mlp", tp),
+      ("vocab", tp),
+      ("seq", None),
+      ("embed", None),
+      ("head_dim", None),
+      ("layers", None),
+    )
 
   def num_params(self) -> int:
     """Trainable parameters (kernels, embedding, norm scales)."""
-    d, h, kv, hd, f = (self.dim, self.num_heads, self.num_kv_heads,
-                       self.head_dim, self.ffn_dim)
+    d, h, kv, hd, f = (
+      self.dim,
+      self.num_heads,
+      self.num_kv_heads,
+      self.head_dim,
+      self.ffn_dim,
+    )
     attn = d * h * hd + 2 * d * kv * hd + h * hd * d
     block = attn + 3 * d * f + 2 * d + (2 * hd if self.qk_norm else 0)
     return self.num_layers * block + 2 * self.vocab_size * d + d
 
 
 CONFIGS: dict[str, LlamaConfig] = {
-    # Tests: ~15K parameters (byte vocabulary).
-    "tiny": LlamaConfig(vocab_size=256, dim=16, num_layers=2, num_heads=2,
-                        num_kv_heads=1, head_dim=8, ffn_dim=48, max_len=256),
-    # CPU demo: ~1.0M parameters.
-    "small": LlamaConfig(vocab_size=256, dim=128, num_layers=4, num_heads=4,
-                         num_kv_heads=2, head_dim=32, ffn_dim=512, max_len=1024),
-    # GPU demo: ~130M parameters, bf16 compute.
-    "medium": LlamaConfig(vocab_size=256, dim=1024, num_layers=12,
-                          num_heads=16, num_kv_heads=4, head_dim=64,
-                          ffn_dim=2816, max_len=2048, dtype=jnp.bfloat16),
-    "llama-3.1-8b": LlamaConfig(
-        vocab_size=128256, dim=4096, num_layers=32, num_heads=32,
-        num_kv_heads=8, head_dim=128, ffn_dim=14336, rope_theta=500_000.0,
-        rope_scaling=(8.0, 1.0, 4.0, 8192), norm_eps=1e-5, max_len=131072,
-        dtype=jnp.bfloat16, remat=True, scan_layers=True),
-    "qwen3-14b": LlamaConfig(
-        vocab_size=151936, dim=5120, num_layers=40, num_heads=40,
-        num_kv_heads=8, head_dim=128, ffn_dim=17408, rope_theta=1_000_000.0,
-        norm_eps=1e-6, qk_norm=True, max_len=40960, dtype=jnp.bfloat16,
-        remat=True, scan_layers=True),
+  # Tests: ~15K parameters (byte vocabulary).
+  "tiny": LlamaConfig(
+    vocab_size=256,
+    dim=16,
+    num_layers=2,
+    num_heads=2,
+    num_kv_heads=1,
+    head_dim=8,
+    ffn_dim=48,
+    max_len=256,
+  ),
+  # CPU demo: ~1.0M parameters.
+  "small": LlamaConfig(
+    vocab_size=256,
+    dim=128,
+    num_layers=4,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=32,
+    ffn_dim=512,
+    max_len=1024,
+  ),
+  # GPU demo: ~130M parameters, bf16 compute.
+  "medium": LlamaConfig(
+    vocab_size=256,
+    dim=1024,
+    num_layers=12,
+    num_heads=16,
+    num_kv_heads=4,
+    head_dim=64,
+    ffn_dim=2816,
+    max_len=2048,
+    dtype=jnp.bfloat16,
+  ),
+  "llama-3.1-8b": LlamaConfig(
+    vocab_size=128256,
+    dim=4096,
+    num_layers=32,
+    num_heads=32,
+    num_kv_heads=8,
+    head_dim=128,
+    ffn_dim=14336,
+    rope_theta=500_000.0,
+    rope_scaling=(8.0, 1.0, 4.0, 8192),
+    norm_eps=1e-5,
+    max_len=131072,
+    dtype=jnp.bfloat16,
+    remat=True,
+    scan_layers=True,
+  ),
+  "qwen3-14b": LlamaConfig(
+    vocab_size=151936,
+    dim=5120,
+    num_layers=40,
+    num_heads=40,
+    num_kv_heads=8,
+    head_dim=128,
+    ffn_dim=17408,
+    rope_theta=1_000_000.0,
+    norm_eps=1e-6,
+    qk_norm=True,
+    max_len=40960,
+    dtype=jnp.bfloat16,
+    remat=True,
+    scan_layers=True,
+  ),
 }
 
 #: Names of the projections; the ones FORGE trains when forge_optimizer is set.
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-               "down_proj", "lm_head")
+PROJECTIONS = (
+  "q_proj",
+  "k_proj",
+  "v_proj",
+  "o_proj",
+  "gate_proj",
+  "up_proj",
+  "down_proj",
+  "lm_head",
+)
 
 
 #: Logical names of each projection: (kernel, input, output). Column-parallel
@@ -194,14 +275,14 @@ PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
 _COLUMN_IN = ("batch", "act_seq", "embed")
 _ROW_OUT = ("batch", "act_seq", "embed")
 _PARTITIONING = {
-    "q_proj": (("embed", "heads"), _COLUMN_IN, ("batch", "seq", "heads")),
-    "k_proj": (("embed", "kv_heads"), _COLUMN_IN, ("batch", "seq", "kv_heads")),
-    "v_proj": (("embed", "kv_heads"), _COLUMN_IN, ("batch", "seq", "kv_heads")),
-    "o_proj": (("heads", "embed"), ("batch", "seq", "heads"), _ROW_OUT),
-    "gate_proj": (("embed", "mlp"), _COLUMN_IN, ("batch", "seq", "mlp")),
-    "up_proj": (("embed", "mlp"), _COLUMN_IN, ("batch", "seq", "mlp")),
-    "down_proj": (("mlp", "embed"), ("batch", "seq", "mlp"), _ROW_OUT),
-    "lm_head": (("embed", "vocab"), _COLUMN_IN, ("batch", "seq", "vocab")),
+  "q_proj": (("embed", "heads"), _COLUMN_IN, ("batch", "seq", "heads")),
+  "k_proj": (("embed", "kv_heads"), _COLUMN_IN, ("batch", "seq", "kv_heads")),
+  "v_proj": (("embed", "kv_heads"), _COLUMN_IN, ("batch", "seq", "kv_heads")),
+  "o_proj": (("heads", "embed"), ("batch", "seq", "heads"), _ROW_OUT),
+  "gate_proj": (("embed", "mlp"), _COLUMN_IN, ("batch", "seq", "mlp")),
+  "up_proj": (("embed", "mlp"), _COLUMN_IN, ("batch", "seq", "mlp")),
+  "down_proj": (("mlp", "embed"), ("batch", "seq", "mlp"), _ROW_OUT),
+  "lm_head": (("embed", "vocab"), _COLUMN_IN, ("batch", "seq", "vocab")),
 }
 
 
@@ -211,42 +292,65 @@ def _dense(config: LlamaConfig, features: int, name: str) -> nn.Module:
   if config.partitioned:
     kernel_axes, in_axes, out_axes = _PARTITIONING[name]
     kernel_init = nn.with_logical_partitioning(
-        kernel_init, kernel_axes, mesh=config.mesh, rules=config.axis_rules())
-    extra = dict(input_partitioning=in_axes, output_partitioning=out_axes,
-                 mesh=config.mesh, data_parallel=config.forge_data_parallel)
+      kernel_init, kernel_axes, mesh=config.mesh, rules=config.axis_rules()
+    )
+    extra = dict(
+      input_partitioning=in_axes,
+      output_partitioning=out_axes,
+      mesh=config.mesh,
+      data_parallel=config.forge_data_parallel,
+    )
   if config.forge_optimizer is not None:
-    return ForgeDense(features, optimizer=config.forge_optimizer,
-                      use_bias=False, dtype=config.dtype,
-                      param_dtype=config.param_dtype,
-                      implementation=config.implementation, name=name,
-                      kernel_init=kernel_init, **extra)
-  return nn.Dense(features, use_bias=False, dtype=config.dtype,
-                  param_dtype=config.param_dtype, name=name,
-                  kernel_init=kernel_init)
+    return ForgeDense(
+      features,
+      optimizer=config.forge_optimizer,
+      use_bias=False,
+      dtype=config.dtype,
+      param_dtype=config.param_dtype,
+      implementation=config.implementation,
+      name=name,
+      kernel_init=kernel_init,
+      **extra,
+    )
+  return nn.Dense(
+    features,
+    use_bias=False,
+    dtype=config.dtype,
+    param_dtype=config.param_dtype,
+    name=name,
+    kernel_init=kernel_init,
+  )
 
 
 def _constrain(config: LlamaConfig, x, *names):
   """Shard an activation by logical names (no-op unless partitioned)."""
   if not config.partitioned:
     return x
-  return nn.with_logical_constraint(x, names, rules=config.axis_rules(),
-                                    mesh=config.mesh)
+  return nn.with_logical_constraint(
+    x, names, rules=config.axis_rules(), mesh=config.mesh
+  )
 
 
 def _check_heads(config: LlamaConfig):
   if config.tensor_axis is None:
     return
-  mesh = config.mesh if config.mesh is not None else jax.sharding.get_abstract_mesh()
+  mesh = (
+    config.mesh if config.mesh is not None else jax.sharding.get_abstract_mesh()
+  )
   if mesh.empty or config.tensor_axis not in mesh.axis_names:
     return
   tp = dict(zip(mesh.axis_names, mesh.axis_sizes))[config.tensor_axis]
-  for what, n in (("num_kv_heads", config.num_kv_heads),
-                  ("ffn_dim", config.ffn_dim), ("vocab_size", config.vocab_size)):
+  for what, n in (
+    ("num_kv_heads", config.num_kv_heads),
+    ("ffn_dim", config.ffn_dim),
+    ("vocab_size", config.vocab_size),
+  ):
     if n % tp:
       raise ValueError(
-          f"{what}={n} must be a multiple of the tensor-parallel size {tp} "
-          f"(mesh axis {config.tensor_axis!r}); replicating KV heads is not "
-          "implemented")
+        f"{what}={n} must be a multiple of the tensor-parallel size {tp} "
+        f"(mesh axis {config.tensor_axis!r}); replicating KV heads is not "
+        "implemented"
+      )
 
 
 class RMSNorm(nn.Module):
@@ -258,18 +362,22 @@ class RMSNorm(nn.Module):
 
   @nn.compact
   def __call__(self, x):
-    scale = self.param("scale", nn.initializers.ones_init(), (x.shape[-1],),
-                       self.param_dtype)
+    scale = self.param(
+      "scale", nn.initializers.ones_init(), (x.shape[-1],), self.param_dtype
+    )
     x32 = x.astype(jnp.float32)
-    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True)
-                              + self.eps)
+    x32 = x32 * jax.lax.rsqrt(
+      jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps
+    )
     return (x32 * scale.astype(jnp.float32)).astype(self.dtype)
 
 
 def rope_frequencies(config: LlamaConfig) -> np.ndarray:
   """Inverse frequencies ``[head_dim // 2]`` (float64, host-side constants)."""
   d = config.head_dim
-  inv_freq = 1.0 / (config.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
+  inv_freq = 1.0 / (
+    config.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d)
+  )
   if config.rope_scaling is not None:  # Llama 3.1 ("llama3" rope_type)
     factor, low, high, old_len = config.rope_scaling
     wavelen = 2 * math.pi / inv_freq
@@ -284,10 +392,16 @@ def rope_frequencies(config: LlamaConfig) -> np.ndarray:
 def rope_tables(config: LlamaConfig, seq_len: int):
   """``cos, sin`` of shape ``[seq_len, head_dim]`` (float32)."""
   if seq_len > config.max_len:
-    raise ValueError(f"sequence length {seq_len} exceeds max_len={config.max_len}")
-  freqs = np.outer(np.arange(seq_len, dtype=np.float64), rope_frequencies(config))
+    raise ValueError(
+      f"sequence length {seq_len} exceeds max_len={config.max_len}"
+    )
+  freqs = np.outer(
+    np.arange(seq_len, dtype=np.float64), rope_frequencies(config)
+  )
   emb = np.concatenate([freqs, freqs], axis=-1)
-  return jnp.asarray(np.cos(emb), jnp.float32), jnp.asarray(np.sin(emb), jnp.float32)
+  return jnp.asarray(np.cos(emb), jnp.float32), jnp.asarray(
+    np.sin(emb), jnp.float32
+  )
 
 
 def apply_rope(x, cos, sin):
@@ -324,8 +438,12 @@ class Attention(nn.Module):
     # GQA: jax.nn.dot_product_attention shares each K/V head among
     # num_heads // num_kv_heads query heads; softmax is in float32.
     out = jax.nn.dot_product_attention(
-        q, k, v.astype(q.dtype), is_causal=True,
-        implementation=c.attention_implementation)
+      q,
+      k,
+      v.astype(q.dtype),
+      is_causal=True,
+      implementation=c.attention_implementation,
+    )
     out = _constrain(c, out, "batch", "seq", "heads", "head_dim")
     out = out.reshape(b, t, c.num_heads * c.head_dim)
     out = _constrain(c, out, "batch", "seq", "heads")
@@ -370,14 +488,22 @@ class Llama(nn.Module):
   @nn.compact
   def __call__(self, tokens):
     c = self.config
-    x = nn.Embed(c.vocab_size, c.dim, dtype=c.dtype, param_dtype=c.param_dtype,
-                 embedding_init=nn.initializers.normal(stddev=0.02),
-                 name="embed")(tokens)
+    x = nn.Embed(
+      c.vocab_size,
+      c.dim,
+      dtype=c.dtype,
+      param_dtype=c.param_dtype,
+      embedding_init=nn.initializers.normal(stddev=0.02),
+      name="embed",
+    )(tokens)
     _check_heads(c)
     x = _constrain(c, x, *_ROW_OUT)
     cos, sin = rope_tables(c, tokens.shape[-1])
-    block = (nn.remat(Block, prevent_cse=not c.scan_layers,
-                      policy=c.checkpoint_policy) if c.remat else Block)
+    block = (
+      nn.remat(Block, prevent_cse=not c.scan_layers, policy=c.checkpoint_policy)
+      if c.remat
+      else Block
+    )
     if c.scan_layers:
       # variable_axes={True: 0}: every collection (params and FORGE's
       # _overwrite_with_gradient) is stacked along a leading layer axis.
@@ -388,11 +514,14 @@ class Llama(nn.Module):
         block = nn.remat(Block, prevent_cse=False, policy=c.checkpoint_policy)
       else:
         scan = nn.scan
-      stack = scan(block, variable_axes={True: 0},
-                   split_rngs={"params": True},
-                   in_axes=(nn.broadcast, nn.broadcast),
-                   length=c.num_layers,
-                   metadata_params={nn.PARTITION_NAME: "layers"})
+      stack = scan(
+        block,
+        variable_axes={True: 0},
+        split_rngs={"params": True},
+        in_axes=(nn.broadcast, nn.broadcast),
+        length=c.num_layers,
+        metadata_params={nn.PARTITION_NAME: "layers"},
+      )
       x, _ = stack(c, name="layers")(x, cos, sin)
     else:
       for i in range(c.num_layers):
@@ -403,9 +532,11 @@ class Llama(nn.Module):
     return logits.astype(jnp.float32)
 
 
-def make_model(config: LlamaConfig | str,
-               forge_optimizer: Optional[ForgeOptimizer] = None,
-               **overrides) -> Llama:
+def make_model(
+  config: LlamaConfig | str,
+  forge_optimizer: Optional[ForgeOptimizer] = None,
+  **overrides,
+) -> Llama:
   """``Llama`` for a config (or the name of one in ``CONFIGS``).
 
   ``forge_optimizer`` (or ``overrides``) replace the config's fields, e.g.
@@ -465,7 +596,9 @@ def kernels(variables) -> dict[str, jax.Array]:
   """
   out = {}
   for collection in ("params", FORGE_COLLECTION):
-    flat = jax.tree_util.tree_flatten_with_path(variables.get(collection, {}))[0]
+    flat = jax.tree_util.tree_flatten_with_path(variables.get(collection, {}))[
+      0
+    ]
     for path, leaf in flat:
       keys = [str(getattr(k, "key", k)) for k in path]
       if keys[-1] == "kernel":

@@ -11,9 +11,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Optional
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import flax.linen as nn
 import optax
 from flax.training.train_state import TrainState
 
@@ -23,7 +23,8 @@ from forge_jax.optimizers import ForgeOptimizer
 def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
   """Mean next-token cross entropy in float32."""
   return optax.softmax_cross_entropy_with_integer_labels(
-      logits.astype(jnp.float32), targets).mean()
+    logits.astype(jnp.float32), targets
+  ).mean()
 
 
 def loss_fn(variables, apply_fn: Callable, batch: jax.Array) -> jax.Array:
@@ -32,8 +33,12 @@ def loss_fn(variables, apply_fn: Callable, batch: jax.Array) -> jax.Array:
   return cross_entropy(apply_fn(variables, inputs), targets)
 
 
-def create_train_state(model: nn.Module, tx: optax.GradientTransformation,
-                       key: jax.Array, batch: jax.Array) -> TrainState:
+def create_train_state(
+  model: nn.Module,
+  tx: optax.GradientTransformation,
+  key: jax.Array,
+  batch: jax.Array,
+) -> TrainState:
   """Init ``model`` on ``batch [B, T+1]`` and wrap all its variables.
 
   ``params`` of the state is the whole variables dict, so FORGE's collection
@@ -89,8 +94,9 @@ class Variant:
     return make_train_step(donate=donate)
 
 
-def build_variants(config, optimizer: ForgeOptimizer,
-                   **overrides) -> dict[str, Variant]:
+def build_variants(
+  config, optimizer: ForgeOptimizer, **overrides
+) -> dict[str, Variant]:
   """``{'forge': ..., 'baseline': ...}`` for one Llama config.
 
   Both use ``optimizer.to_optax()`` for their ``params``, so FORGE and the
@@ -98,16 +104,18 @@ def build_variants(config, optimizer: ForgeOptimizer,
   weights (ForgeDense initializes like nn.Dense of the same name).
   """
   from examples.lm.llama import make_model  # pylint: disable=import-outside-toplevel
+
   if not isinstance(optimizer, ForgeOptimizer):
     raise TypeError(f"{optimizer=} must be a forge_jax optimizer")
   overrides.pop("forge_optimizer", None)
   forge = make_model(config, forge_optimizer=optimizer, **overrides)
   baseline = make_model(config, forge_optimizer=None, **overrides)
-  baseline = baseline.clone(config=dataclasses.replace(baseline.config,
-                                                       forge_optimizer=None))
+  baseline = baseline.clone(
+    config=dataclasses.replace(baseline.config, forge_optimizer=None)
+  )
   return {
-      "forge": Variant("forge", forge, optimizer.to_optax()),
-      "baseline": Variant("baseline", baseline, optimizer.to_optax()),
+    "forge": Variant("forge", forge, optimizer.to_optax()),
+    "baseline": Variant("baseline", baseline, optimizer.to_optax()),
   }
 
 
@@ -117,13 +125,22 @@ def memory_stats(compiled) -> dict[str, Optional[int]]:
     analysis = compiled.memory_analysis()
   except Exception:  # pylint: disable=broad-except
     analysis = None
-  names = ("temp_size_in_bytes", "argument_size_in_bytes",
-           "output_size_in_bytes", "alias_size_in_bytes",
-           "generated_code_size_in_bytes")
-  stats = {name: (None if analysis is None else
-                  int(getattr(analysis, name, 0) or 0)) for name in names}
+  names = (
+    "temp_size_in_bytes",
+    "argument_size_in_bytes",
+    "output_size_in_bytes",
+    "alias_size_in_bytes",
+    "generated_code_size_in_bytes",
+  )
+  stats = {
+    name: (None if analysis is None else int(getattr(analysis, name, 0) or 0))
+    for name in names
+  }
   if analysis is not None:
     stats["peak_estimate_bytes"] = (
-        stats["temp_size_in_bytes"] + stats["argument_size_in_bytes"]
-        + stats["output_size_in_bytes"] - stats["alias_size_in_bytes"])
+      stats["temp_size_in_bytes"]
+      + stats["argument_size_in_bytes"]
+      + stats["output_size_in_bytes"]
+      - stats["alias_size_in_bytes"]
+    )
   return stats

@@ -27,26 +27,59 @@ from forge_jax.ops.update import apply_update
 def weight_gradient(x, dy, precision=None):
   """``dW = x.T @ dy`` in float32, with the dimension numbers autodiff uses."""
   batch_axes = tuple(range(x.ndim - 1))
-  return lax.dot_general(x, dy, ((batch_axes, batch_axes), ((), ())),
-                         precision=precision,
-                         preferred_element_type=jnp.float32)
+  return lax.dot_general(
+    x,
+    dy,
+    ((batch_axes, batch_axes), ((), ())),
+    precision=precision,
+    preferred_element_type=jnp.float32,
+  )
 
 
-def xla_update(spec, x, dy, kernel, opt_state, scalars, apply, *, step=None,
-               offset=None, layer_index=None):
+def xla_update(
+  spec,
+  x,
+  dy,
+  kernel,
+  opt_state,
+  scalars,
+  apply,
+  *,
+  step=None,
+  offset=None,
+  layer_index=None,
+):
   """Reference backend: ``dW`` through XLA, then the elementwise rule.
 
   ``step`` (the layer's count, an integer scalar; None: 0),
   ``spec.layer_id`` and the elements' global indices (``offset``) seed
   stochastic rounding.
   """
-  return apply_gradient(spec, weight_gradient(x, dy, spec.precision), kernel,
-                        opt_state, scalars, apply, step=step, offset=offset,
-                        layer_index=layer_index)
+  return apply_gradient(
+    spec,
+    weight_gradient(x, dy, spec.precision),
+    kernel,
+    opt_state,
+    scalars,
+    apply,
+    step=step,
+    offset=offset,
+    layer_index=layer_index,
+  )
 
 
-def apply_gradient(spec, grad, kernel, opt_state, scalars, apply, *, step=None,
-                   offset=None, layer_index=None):
+def apply_gradient(
+  spec,
+  grad,
+  kernel,
+  opt_state,
+  scalars,
+  apply,
+  *,
+  step=None,
+  offset=None,
+  layer_index=None,
+):
   """The elementwise rule on a whole float32 ``grad``, updating in place:
   ``(new_kernel, new_state, skipped)``.
 
@@ -55,14 +88,24 @@ def apply_gradient(spec, grad, kernel, opt_state, scalars, apply, *, step=None,
   ``dynamic_update_slice``, which XLA fuses with the update and runs in place.
   """
   new_kernel, new_state, updated = apply_update(
-      spec.optimizer, grad, kernel, opt_state, scalars, apply,
-      order_in_place=True, guard_results=False, step=step,
-      layer_id=spec.layer_id,
-      indices=global_indices(kernel.shape[-2:], offset),
-      layer_index=layer_index)
-  return (stacks.with_layer_entry(kernel, new_kernel, layer_index),
-          stacks.with_layer_entries(opt_state, new_state, layer_index),
-          jnp.sum(jnp.logical_not(updated), dtype=jnp.int32))
+    spec.optimizer,
+    grad,
+    kernel,
+    opt_state,
+    scalars,
+    apply,
+    order_in_place=True,
+    guard_results=False,
+    step=step,
+    layer_id=spec.layer_id,
+    indices=global_indices(kernel.shape[-2:], offset),
+    layer_index=layer_index,
+  )
+  return (
+    stacks.with_layer_entry(kernel, new_kernel, layer_index),
+    stacks.with_layer_entries(opt_state, new_state, layer_index),
+    jnp.sum(jnp.logical_not(updated), dtype=jnp.int32),
+  )
 
 
 def global_indices(shape, offset):
@@ -106,6 +149,7 @@ def select(implementation: str, x, dy, kernel, optimizer):
   if implementation == "xla":
     return xla_update
   from forge_jax.ops import mosaic, triton_kernel
+
   if implementation == "triton":
     triton_kernel.check_supported(x, dy, kernel, optimizer)
     return triton_kernel.triton_update
@@ -114,12 +158,16 @@ def select(implementation: str, x, dy, kernel, optimizer):
     return mosaic.mosaic_update
   if implementation == "auto":
     kernels = [
-        (_on_hopper_or_newer(), mosaic, mosaic.mosaic_update),
-        (_on_gpu(), triton_kernel, triton_kernel.triton_update)]
+      (_on_hopper_or_newer(), mosaic, mosaic.mosaic_update),
+      (_on_gpu(), triton_kernel, triton_kernel.triton_update),
+    ]
     for available, module, update in kernels:
-      if available and module.unsupported_reason(x, dy, kernel,
-                                                 optimizer) is None:
+      if (
+        available
+        and module.unsupported_reason(x, dy, kernel, optimizer) is None
+      ):
         return update
     return xla_update
   raise ValueError(
-      f"{implementation=} must be 'auto', 'xla', 'triton' or 'mosaic'")
+    f"{implementation=} must be 'auto', 'xla', 'triton' or 'mosaic'"
+  )

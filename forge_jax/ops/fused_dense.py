@@ -30,16 +30,14 @@ from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
+from flax.linen import dtypes as flax_dtypes
 from jax import lax
 from jax.custom_derivatives import SymbolicZero
-from flax.linen import dtypes as flax_dtypes
 
-from forge_jax import layer_context
-from forge_jax import parallel
-from forge_jax.optimizers import ForgeOptimizer, not_elementwise_message
-from forge_jax.ops import backends
-from forge_jax.ops import stacks
+from forge_jax import layer_context, parallel
+from forge_jax.ops import backends, stacks
 from forge_jax.ops.update import true_after
+from forge_jax.optimizers import ForgeOptimizer, not_elementwise_message
 
 IMPLEMENTATIONS = ("auto", "xla", "triton", "mosaic")
 
@@ -68,10 +66,17 @@ class ForgeVariables(NamedTuple):
   intact: jax.Array
 
 
-def init_variables(optimizer: ForgeOptimizer, kernel: jax.Array) -> ForgeVariables:
+def init_variables(
+  optimizer: ForgeOptimizer, kernel: jax.Array
+) -> ForgeVariables:
   scalar = lambda v: jnp.asarray(v, jnp.float32)
-  return ForgeVariables(kernel=kernel, opt_state=optimizer.init(kernel),
-                        count=scalar(0), skipped=scalar(0), intact=scalar(1))
+  return ForgeVariables(
+    kernel=kernel,
+    opt_state=optimizer.init(kernel),
+    count=scalar(0),
+    skipped=scalar(0),
+    intact=scalar(1),
+  )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,32 +98,36 @@ def _dense(x, kernel, bias, spec: FusedDenseSpec, reduce=lambda y: y):
   """``flax.linen.Dense``'s forward, operation for operation; ``reduce``
   sums a shard's partial products before the bias is added."""
   x, kernel, bias = flax_dtypes.promote_dtype(x, kernel, bias, dtype=spec.dtype)
-  y = lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())),
-                      precision=spec.precision)
+  y = lax.dot_general(
+    x, kernel, (((x.ndim - 1,), (0,)), ((), ())), precision=spec.precision
+  )
   y = reduce(y)
   if bias is not None:
     y += jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,))
   return y
 
 
-def _validate(x, variables: ForgeVariables, bias, spec: FusedDenseSpec,
-              layer_index=None):
+def _validate(
+  x, variables: ForgeVariables, bias, spec: FusedDenseSpec, layer_index=None
+):
   if layer_index is not None:
     _validate_stacked(variables, layer_index)
   kernel = stacks.layer_entry(variables.kernel, layer_index)
   if kernel.ndim != 2:
-    raise ValueError(f"{kernel.shape=} must be rank 2 ([in_features, features])")
+    raise ValueError(
+      f"{kernel.shape=} must be rank 2 ([in_features, features])"
+    )
   if x.ndim < 1 or x.shape[-1] != kernel.shape[0]:
     raise ValueError(
-        f"{x.shape=} must end in the kernel's in_features {kernel.shape[0]}")
+      f"{x.shape=} must end in the kernel's in_features {kernel.shape[0]}"
+    )
   for name, value in (("x", x), ("kernel", kernel)):
     if not jnp.issubdtype(value.dtype, jnp.floating):
       raise TypeError(f"{name}.dtype={value.dtype} must be a floating dtype")
   if bias is not None and bias.shape != (kernel.shape[1],):
     raise ValueError(f"{bias.shape=} must be ({kernel.shape[1]},)")
   if spec.implementation not in IMPLEMENTATIONS:
-    raise ValueError(
-        f"{spec.implementation=} must be one of {IMPLEMENTATIONS}")
+    raise ValueError(f"{spec.implementation=} must be one of {IMPLEMENTATIONS}")
   if not isinstance(spec.optimizer, ForgeOptimizer):
     raise TypeError(not_elementwise_message(spec.optimizer))
 
@@ -126,25 +135,33 @@ def _validate(x, variables: ForgeVariables, bias, spec: FusedDenseSpec,
 def _validate_stacked(variables: ForgeVariables, layer_index):
   """Stacks share one leading layer axis; the index is an integer scalar."""
   if jnp.ndim(layer_index) != 0 or not jnp.issubdtype(
-      jnp.result_type(layer_index), jnp.integer):
+    jnp.result_type(layer_index), jnp.integer
+  ):
     raise TypeError(f"layer_index={layer_index!r} must be an integer scalar")
   if jnp.ndim(variables.kernel) != 3:
-    raise ValueError(f"{variables.kernel.shape=} must be rank 3 ([layers, "
-                     "in_features, features]) with a layer_index")
+    raise ValueError(
+      f"{variables.kernel.shape=} must be rank 3 ([layers, "
+      "in_features, features]) with a layer_index"
+    )
   layers = variables.kernel.shape[0]
   for path, leaf in jax.tree_util.tree_flatten_with_path(variables)[0]:
     if jnp.ndim(leaf) < 1 or jnp.shape(leaf)[0] != layers:
       raise ValueError(
-          f"variables{jax.tree_util.keystr(path)} has shape {jnp.shape(leaf)}: "
-          f"with a layer_index every leaf must be stacked on a leading axis "
-          f"of {layers} layers")
+        f"variables{jax.tree_util.keystr(path)} has shape {jnp.shape(leaf)}: "
+        f"with a layer_index every leaf must be stacked on a leading axis "
+        f"of {layers} layers"
+      )
 
 
-def forge_dense(x: jax.Array, variables: ForgeVariables,
-                bias: Optional[jax.Array], spec: FusedDenseSpec,
-                layer_index: Optional[jax.Array] = None,
-                layout: Optional[parallel.ShardedLayout] = None,
-                where: str = "forge_dense") -> jax.Array:
+def forge_dense(
+  x: jax.Array,
+  variables: ForgeVariables,
+  bias: Optional[jax.Array],
+  spec: FusedDenseSpec,
+  layer_index: Optional[jax.Array] = None,
+  layout: Optional[parallel.ShardedLayout] = None,
+  where: str = "forge_dense",
+) -> jax.Array:
   """``x @ kernel + bias``; differentiating it w.r.t. ``variables`` steps them.
 
   Args:
@@ -193,29 +210,35 @@ def check_differentiated(x, variables, bias):
   others_perturbed = x.perturbed or (bias is not None and bias.perturbed)
   if others_perturbed and not kernel_perturbed:
     raise ValueError(
-        "A ForgeDense kernel is not being differentiated while its inputs or "
-        "bias are: FORGE would silently train nothing. Differentiate with "
-        "respect to all variables, e.g. jax.grad(loss)(variables) with "
-        "variables = {'params': ..., '_overwrite_with_gradient': ...} "
-        "(TrainState.params when created from the whole variables dict), "
-        "not variables['params'] alone.")
+      "A ForgeDense kernel is not being differentiated while its inputs or "
+      "bias are: FORGE would silently train nothing. Differentiate with "
+      "respect to all variables, e.g. jax.grad(loss)(variables) with "
+      "variables = {'params': ..., '_overwrite_with_gradient': ...} "
+      "(TrainState.params when created from the whole variables dict), "
+      "not variables['params'] alone."
+    )
 
 
 def primal_values(tree):
   """The values inside a fwd rule's ``CustomVJPPrimal`` wrappers."""
   return jax.tree.map(
-      lambda p: p.value, tree,
-      is_leaf=lambda p: isinstance(p, jax.custom_derivatives.CustomVJPPrimal))
+    lambda p: p.value,
+    tree,
+    is_leaf=lambda p: isinstance(p, jax.custom_derivatives.CustomVJPPrimal),
+  )
 
 
 def _forge_dense_fwd(spec, layout, x, variables, bias, layer_index):
   check_differentiated(x, variables, bias)
   x, variables, bias, layer_index = primal_values(
-      (x, variables, bias, layer_index))
+    (x, variables, bias, layer_index)
+  )
   # The dot itself, not a nested call of the custom_vjp: remat policies
   # (``dots_saveable``, ...) see a dot_general and may save its output.
-  return (_forward(spec, layout, x, variables, bias, layer_index),
-          (x, variables, bias, layer_index))
+  return (
+    _forward(spec, layout, x, variables, bias, layer_index),
+    (x, variables, bias, layer_index),
+  )
 
 
 def order_after(dx):
@@ -230,8 +253,9 @@ def order_after(dx):
   return true_after(dx.reshape(-1)[0])
 
 
-def step_scalars(spec: FusedDenseSpec, variables: ForgeVariables,
-                 layer_index=None):
+def step_scalars(
+  spec: FusedDenseSpec, variables: ForgeVariables, layer_index=None
+):
   """This step's optimizer scalars, the learning rate poisoned if wiped.
 
   A wiped layer (zeros written over it) gets a NaN learning rate: its
@@ -241,8 +265,10 @@ def step_scalars(spec: FusedDenseSpec, variables: ForgeVariables,
   """
   scalars = spec.optimizer.scalars(layer_step(variables, layer_index))
   intact = stacks.layer_entry(variables.intact, layer_index)
-  return scalars._replace(neg_lr=scalars.neg_lr * jnp.where(
-      intact > 0, 1.0, jnp.nan).astype(scalars.neg_lr.dtype))
+  return scalars._replace(
+    neg_lr=scalars.neg_lr
+    * jnp.where(intact > 0, 1.0, jnp.nan).astype(scalars.neg_lr.dtype)
+  )
 
 
 def layer_step(variables: ForgeVariables, layer_index=None) -> jax.Array:
@@ -250,8 +276,14 @@ def layer_step(variables: ForgeVariables, layer_index=None) -> jax.Array:
   return stacks.layer_entry(variables.count, layer_index).astype(jnp.int32)
 
 
-def stepped(variables: ForgeVariables, new_kernel, new_state, skipped,
-            apply, layer_index=None) -> ForgeVariables:
+def stepped(
+  variables: ForgeVariables,
+  new_kernel,
+  new_state,
+  skipped,
+  apply,
+  layer_index=None,
+) -> ForgeVariables:
   """The layer's variables after a step (``count`` advances if applied).
 
   With a ``layer_index``, ``new_kernel`` and ``new_state`` are the stacks
@@ -259,13 +291,16 @@ def stepped(variables: ForgeVariables, new_kernel, new_state, skipped,
   """
   count = stacks.layer_entry(variables.count, layer_index)
   return ForgeVariables(
-      kernel=new_kernel,
-      opt_state=new_state,
-      count=stacks.with_layer_entry(
-          variables.count, count + apply.astype(jnp.float32), layer_index),
-      skipped=stacks.with_layer_entry(
-          variables.skipped, skipped.astype(jnp.float32), layer_index),
-      intact=variables.intact)
+    kernel=new_kernel,
+    opt_state=new_state,
+    count=stacks.with_layer_entry(
+      variables.count, count + apply.astype(jnp.float32), layer_index
+    ),
+    skipped=stacks.with_layer_entry(
+      variables.skipped, skipped.astype(jnp.float32), layer_index
+    ),
+    intact=variables.intact,
+  )
 
 
 # ---------------------------------------------------------------------------
@@ -305,24 +340,27 @@ def _on_every_shard(flag, axes):
 def _forward(spec, layout, x, variables, bias, layer_index):
   forward = functools.partial(_local_forward, spec, layout)
   if layout.mesh is not None:
-    x_s, v_s, b_s, i_s = parallel.operand_specs(layout, variables, bias,
-                                                 layer_index is not None)
-    forward = parallel.per_shard(forward, layout, (x_s, v_s.kernel, b_s, i_s),
-                                 layout.y_spec())
+    x_s, v_s, b_s, i_s = parallel.operand_specs(
+      layout, variables, bias, layer_index is not None
+    )
+    forward = parallel.per_shard(
+      forward, layout, (x_s, v_s.kernel, b_s, i_s), layout.y_spec()
+    )
   return forward(x, variables.kernel, bias, layer_index)
 
 
 def _local_forward(spec, layout, x, kernel, bias, layer_index):
   x = _all_gather(x, layout.gather)
-  reduce = functools.partial(_reduce, axes=layout.k_axes,
-                             scatter=layout.scatter)
+  reduce = functools.partial(
+    _reduce, axes=layout.k_axes, scatter=layout.scatter
+  )
   return _dense(x, stacks.layer_entry(kernel, layer_index), bias, spec, reduce)
 
 
 def _local_backward(spec, layout, x, variables, bias, layer_index, dy):
   kernel = stacks.layer_entry(variables.kernel, layer_index)
-  x = _all_gather(x, layout.gather)      # the tokens the forward used
-  dy = _all_gather(dy, layout.scatter)   # transpose of the reduce-scatter
+  x = _all_gather(x, layout.gather)  # the tokens the forward used
+  dy = _all_gather(dy, layout.scatter)  # transpose of the reduce-scatter
   # dx and dbias exactly as autodiff of flax.linen.Dense, with the old
   # kernel; then dx summed over the kernel's N axes, dbias over the tokens'
   # data axes.
@@ -345,18 +383,39 @@ def _local_backward(spec, layout, x, variables, bias, layer_index, dy):
     grad = backends.weight_gradient(x_c, dy, spec.precision)
     grad = lax.psum(grad, layout.data_axes)
     new_kernel, new_state, skipped = backends.apply_gradient(
-        spec, grad, variables.kernel, variables.opt_state, scalars, apply,
-        step=step, offset=offset, layer_index=layer_index)
+      spec,
+      grad,
+      variables.kernel,
+      variables.opt_state,
+      scalars,
+      apply,
+      step=step,
+      offset=offset,
+      layer_index=layer_index,
+    )
   else:
     # The whole stack: a backend may refuse a stack by its size.
-    backend = backends.select(spec.implementation, x_c, dy, variables.kernel,
-                              spec.optimizer)
+    backend = backends.select(
+      spec.implementation, x_c, dy, variables.kernel, spec.optimizer
+    )
     new_kernel, new_state, skipped = backend(
-        spec, x_c, dy, variables.kernel, variables.opt_state, scalars, apply,
-        step=step, offset=offset, layer_index=layer_index)
+      spec,
+      x_c,
+      dy,
+      variables.kernel,
+      variables.opt_state,
+      scalars,
+      apply,
+      step=step,
+      offset=offset,
+      layer_index=layer_index,
+    )
   skipped = _psum(skipped, layout.k_axes + layout.n_axes)
-  return dx, stepped(variables, new_kernel, new_state, skipped, apply,
-                     layer_index), dbias
+  return (
+    dx,
+    stepped(variables, new_kernel, new_state, skipped, apply, layer_index),
+    dbias,
+  )
 
 
 def _shard_offset(layout, local_shape) -> Optional[tuple]:
@@ -365,8 +424,9 @@ def _shard_offset(layout, local_shape) -> Optional[tuple]:
   None for a kernel that is not sharded."""
   if not layout.k_axes and not layout.n_axes:
     return None
-  return tuple(_axis_offset(axes, size)
-               for axes, size in zip(layout.kernel, local_shape))
+  return tuple(
+    _axis_offset(axes, size) for axes, size in zip(layout.kernel, local_shape)
+  )
 
 
 def _axis_offset(axes, local_size):
@@ -385,11 +445,12 @@ def _forge_dense_bwd(spec, layout, residuals, dy):
     dy = jnp.zeros(dy.shape, dy.dtype)
   backward = functools.partial(_local_backward, spec, layout)
   if layout.mesh is not None:
-    x_s, v_s, b_s, i_s = parallel.operand_specs(layout, variables, bias,
-                                                 layer_index is not None)
+    x_s, v_s, b_s, i_s = parallel.operand_specs(
+      layout, variables, bias, layer_index is not None
+    )
     backward = parallel.per_shard(
-        backward, layout, (x_s, v_s, b_s, i_s, layout.y_spec()),
-        (x_s, v_s, b_s))
+      backward, layout, (x_s, v_s, b_s, i_s, layout.y_spec()), (x_s, v_s, b_s)
+    )
   dx, new_variables, dbias = backward(x, variables, bias, layer_index, dy)
   return dx, new_variables, dbias, None
 

@@ -15,15 +15,18 @@ import jax
 from jax import lax
 
 
-def layer_entry(stack: jax.Array, layer_index: Optional[jax.Array]) -> jax.Array:
+def layer_entry(
+  stack: jax.Array, layer_index: Optional[jax.Array]
+) -> jax.Array:
   """``stack[layer_index]`` (``stack`` itself when ``layer_index`` is None)."""
   if layer_index is None:
     return stack
   return lax.dynamic_index_in_dim(stack, layer_index, keepdims=False)
 
 
-def with_layer_entry(stack: jax.Array, entry: jax.Array,
-                     layer_index: Optional[jax.Array]) -> jax.Array:
+def with_layer_entry(
+  stack: jax.Array, entry: jax.Array, layer_index: Optional[jax.Array]
+) -> jax.Array:
   """``stack`` with ``stack[layer_index]`` replaced by ``entry`` (``entry``
   itself when ``layer_index`` is None)."""
   if layer_index is None:
@@ -38,8 +41,9 @@ def layer_entries(tree, layer_index: Optional[jax.Array]):
 
 def with_layer_entries(stacks, entries, layer_index: Optional[jax.Array]):
   """:func:`with_layer_entry` of every leaf of ``stacks``."""
-  return jax.tree.map(lambda s, e: with_layer_entry(s, e, layer_index),
-                      stacks, entries)
+  return jax.tree.map(
+    lambda s, e: with_layer_entry(s, e, layer_index), stacks, entries
+  )
 
 
 def layer_state_shapes(kernel, optimizer):

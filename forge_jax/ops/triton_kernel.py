@@ -42,8 +42,11 @@ from jax.experimental.pallas import triton as plgpu
 
 from forge_jax import quantization
 from forge_jax.ops import stacks
-from forge_jax.ops.update import (apply_update, pack_kernel_scalars,
-                                  read_kernel_scalars)
+from forge_jax.ops.update import (
+  apply_update,
+  pack_kernel_scalars,
+  read_kernel_scalars,
+)
 
 _SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
@@ -71,9 +74,13 @@ class TritonConfig:
         raise ValueError(f"{name}={value} must be a power of two")
     if self.group_k < 1:
       raise ValueError(f"group_k={self.group_k} must be positive")
-    if self.epilogue_split not in (1, 2, 4) or self.block_n % (16 * self.epilogue_split):
-      raise ValueError(f"epilogue_split={self.epilogue_split} must be 1, 2 or 4 "
-                       f"and leave chunks of block_n={self.block_n} of at least 16")
+    if self.epilogue_split not in (1, 2, 4) or self.block_n % (
+      16 * self.epilogue_split
+    ):
+      raise ValueError(
+        f"epilogue_split={self.epilogue_split} must be 1, 2 or 4 "
+        f"and leave chunks of block_n={self.block_n} of at least 16"
+      )
 
 
 #: Shared memory the main loop's pipeline may take (H100/H200 have 227 KB a
@@ -83,12 +90,22 @@ SHARED_MEMORY_BUDGET = 200 * 1024
 
 def pipeline_shared_memory(config: TritonConfig, itemsize: int) -> int:
   """Bytes of shared memory for ``num_stages`` buffered x and dy blocks."""
-  return (config.num_stages * config.block_t
-          * (config.block_k + config.block_n) * itemsize)
+  return (
+    config.num_stages
+    * config.block_t
+    * (config.block_k + config.block_n)
+    * itemsize
+  )
 
 
-def default_config(tokens: int, k: int, n: int, itemsize: int = 2, *,
-                   state_block: Optional[int] = None) -> TritonConfig:
+def default_config(
+  tokens: int,
+  k: int,
+  n: int,
+  itemsize: int = 2,
+  *,
+  state_block: Optional[int] = None,
+) -> TritonConfig:
   """A tile shape that fits the problem: full 128x128 tiles where they fit,
   smaller ones for tiny layers (8 outputs, say) so few elements are masked,
   and a token block whose pipeline fits in shared memory for ``itemsize``-
@@ -100,10 +117,16 @@ def default_config(tokens: int, k: int, n: int, itemsize: int = 2, *,
   if state_block is not None:
     block_n = max(block_n, state_block)
     split = block_n // state_block
-  config = TritonConfig(block_k=pow2(k, 128), block_n=block_n,
-                        block_t=pow2(tokens, 128), epilogue_split=split)
-  while (pipeline_shared_memory(config, itemsize) > SHARED_MEMORY_BUDGET
-         and config.block_t > 16):
+  config = TritonConfig(
+    block_k=pow2(k, 128),
+    block_n=block_n,
+    block_t=pow2(tokens, 128),
+    epilogue_split=split,
+  )
+  while (
+    pipeline_shared_memory(config, itemsize) > SHARED_MEMORY_BUDGET
+    and config.block_t > 16
+  ):
     config = dataclasses.replace(config, block_t=config.block_t // 2)
   return config
 
@@ -113,11 +136,16 @@ def unsupported_reason(x, dy, kernel, optimizer) -> Optional[str]:
   for name, value in (("x", x), ("dy", dy), ("kernel", kernel)):
     if jnp.dtype(value.dtype) not in map(jnp.dtype, _SUPPORTED_DTYPES):
       return f"{name}.dtype={value.dtype} must be float32, bfloat16 or float16"
-  state = jax.eval_shape(quantization.codes_as_int8,
-                         stacks.layer_state_shapes(kernel, optimizer))
+  state = jax.eval_shape(
+    quantization.codes_as_int8, stacks.layer_state_shapes(kernel, optimizer)
+  )
   for leaf in jax.tree.leaves(state):
-    if jnp.dtype(leaf.dtype) not in map(jnp.dtype, _SUPPORTED_DTYPES + (jnp.int8,)):
-      return f"optimizer state dtype {leaf.dtype} is not supported by the kernel"
+    if jnp.dtype(leaf.dtype) not in map(
+      jnp.dtype, _SUPPORTED_DTYPES + (jnp.int8,)
+    ):
+      return (
+        f"optimizer state dtype {leaf.dtype} is not supported by the kernel"
+      )
   if math.prod(x.shape[:-1]) == 0:
     return f"{x.shape=} has no tokens"
   if math.prod(kernel.shape) >= 2**31:
@@ -125,9 +153,11 @@ def unsupported_reason(x, dy, kernel, optimizer) -> Optional[str]:
     # 40 x 5120 x 17408) trains to NaN through this kernel, while one update
     # of such a stack alone matches XLA; the cause is not isolated, so such
     # stacks are refused rather than risked.
-    return (f"the kernel (stack) has {math.prod(kernel.shape)} elements, "
-            "2**31 or more, where this kernel is not known to be correct; "
-            "use implementation='mosaic' or 'xla'")
+    return (
+      f"the kernel (stack) has {math.prod(kernel.shape)} elements, "
+      "2**31 or more, where this kernel is not known to be correct; "
+      "use implementation='mosaic' or 'xla'"
+    )
   return None
 
 
@@ -142,27 +172,43 @@ def check_config(config: TritonConfig, quantized: bool):
   chunk = config.block_n // config.epilogue_split
   if quantized and chunk != quantization.BLOCK_SIZE:
     raise ValueError(
-        f"int8 optimizer states are quantized in blocks of "
-        f"{quantization.BLOCK_SIZE} consecutive columns, and the kernel's "
-        f"epilogue works on chunks of block_n / epilogue_split = "
-        f"{config.block_n} / {config.epilogue_split} = {chunk} columns: a "
-        f"block would straddle chunks or tiles. Use block_n = "
-        f"{quantization.BLOCK_SIZE} * epilogue_split (e.g. block_n=128, "
-        f"epilogue_split=2).")
+      f"int8 optimizer states are quantized in blocks of "
+      f"{quantization.BLOCK_SIZE} consecutive columns, and the kernel's "
+      f"epilogue works on chunks of block_n / epilogue_split = "
+      f"{config.block_n} / {config.epilogue_split} = {chunk} columns: a "
+      f"block would straddle chunks or tiles. Use block_n = "
+      f"{quantization.BLOCK_SIZE} * epilogue_split (e.g. block_n=128, "
+      f"epilogue_split=2)."
+    )
 
 
-def _fused_kernel(scalars_ref, x_ref, dy_ref, w_ref, *refs, optimizer,
-                  state_treedef, scalars_treedef, tokens, k, n,
-                  config: TritonConfig, dot_precision, scale_leaves, layer_id,
-                  stacked: bool):
+def _fused_kernel(
+  scalars_ref,
+  x_ref,
+  dy_ref,
+  w_ref,
+  *refs,
+  optimizer,
+  state_treedef,
+  scalars_treedef,
+  tokens,
+  k,
+  n,
+  config: TritonConfig,
+  dot_precision,
+  scale_leaves,
+  layer_id,
+  stacked: bool,
+):
   num_state = state_treedef.num_leaves
   state_refs = refs[:num_state]
   w_out_ref = refs[num_state]
-  state_out_refs = refs[num_state + 1:2 * num_state + 1]
+  state_out_refs = refs[num_state + 1 : 2 * num_state + 1]
   skipped_ref = refs[2 * num_state + 1]
   bk, bn, bt = config.block_k, config.block_n, config.block_t
-  pid_k, pid_n = _tile_indices(pl.program_id(0), pl.cdiv(k, bk), pl.cdiv(n, bn),
-                               config.group_k)
+  pid_k, pid_n = _tile_indices(
+    pl.program_id(0), pl.cdiv(k, bk), pl.cdiv(n, bn), config.group_k
+  )
 
   k_idx = pid_k * bk + lax.broadcasted_iota(jnp.int32, (bt, bk), 1)
   n_idx = pid_n * bn + lax.broadcasted_iota(jnp.int32, (bt, bn), 1)
@@ -170,20 +216,32 @@ def _fused_kernel(scalars_ref, x_ref, dy_ref, w_ref, *refs, optimizer,
   def accumulate(t, acc):
     t_x = t * bt + lax.broadcasted_iota(jnp.int32, (bt, bk), 0)
     t_dy = t * bt + lax.broadcasted_iota(jnp.int32, (bt, bn), 0)
-    x = plgpu.load(x_ref.at[pl.ds(t * bt, bt), pl.ds(pid_k * bk, bk)],
-                   mask=(t_x < tokens) & (k_idx < k), other=0.0)
-    dy = plgpu.load(dy_ref.at[pl.ds(t * bt, bt), pl.ds(pid_n * bn, bn)],
-                    mask=(t_dy < tokens) & (n_idx < n), other=0.0)
-    return acc + lax.dot_general(x, dy, (((0,), (0,)), ((), ())),
-                                 precision=dot_precision,
-                                 preferred_element_type=jnp.float32)
+    x = plgpu.load(
+      x_ref.at[pl.ds(t * bt, bt), pl.ds(pid_k * bk, bk)],
+      mask=(t_x < tokens) & (k_idx < k),
+      other=0.0,
+    )
+    dy = plgpu.load(
+      dy_ref.at[pl.ds(t * bt, bt), pl.ds(pid_n * bn, bn)],
+      mask=(t_dy < tokens) & (n_idx < n),
+      other=0.0,
+    )
+    return acc + lax.dot_general(
+      x,
+      dy,
+      (((0,), (0,)), ((), ())),
+      precision=dot_precision,
+      preferred_element_type=jnp.float32,
+    )
 
-  grad = lax.fori_loop(0, pl.cdiv(tokens, bt), accumulate,
-                       jnp.zeros((bk, bn), jnp.float32))
+  grad = lax.fori_loop(
+    0, pl.cdiv(tokens, bt), accumulate, jnp.zeros((bk, bn), jnp.float32)
+  )
 
   # The shard's global offset: stochastic rounding hashes global indices.
-  scalars, apply, step, shard_row, shard_col, layer_index = (
-      read_kernel_scalars(scalars_ref, scalars_treedef))
+  scalars, apply, step, shard_row, shard_col, layer_index = read_kernel_scalars(
+    scalars_ref, scalars_treedef
+  )
   # Stacked refs are [L, K, N]: one indexer, the layer first (Triton's
   # lowering takes a single indexer per load or store).
   layer = (layer_index,) if stacked else ()
@@ -194,7 +252,9 @@ def _fused_kernel(scalars_ref, x_ref, dy_ref, w_ref, *refs, optimizer,
   block = quantization.BLOCK_SIZE
   num_blocks = pl.cdiv(n, block)
   skipped = jnp.zeros((), jnp.int32)
-  for c, grad_chunk in enumerate(jnp.split(grad, config.epilogue_split, axis=1)):
+  for c, grad_chunk in enumerate(
+    jnp.split(grad, config.epilogue_split, axis=1)
+  ):
     col0 = pid_n * bn + c * chunk
     row_idx = pid_k * bk + lax.broadcasted_iota(jnp.int32, (bk, 1), 0)
     col_idx = col0 + lax.broadcasted_iota(jnp.int32, (1, chunk), 1)
@@ -202,27 +262,42 @@ def _fused_kernel(scalars_ref, x_ref, dy_ref, w_ref, *refs, optimizer,
     cols = col0 + lax.broadcasted_iota(jnp.int32, (bk, chunk), 1)
     mask = (rows < k) & (cols < n)
     tile = lambda ref: ref.at[  # pylint: disable=cell-var-from-loop
-        layer + (pl.ds(pid_k * bk, bk), pl.ds(col0, chunk))]
+      layer + (pl.ds(pid_k * bk, bk), pl.ds(col0, chunk))
+    ]
     # A chunk is one quantization block: its scales are a [bk, 1] column.
     block0 = pid_n * (bn // block) + c
     scale_mask = (row_idx < k) & (block0 < num_blocks)
     scale_tile = lambda ref: ref.at[  # pylint: disable=cell-var-from-loop
-        layer + (pl.ds(pid_k * bk, bk), pl.ds(block0, 1))]
+      layer + (pl.ds(pid_k * bk, bk), pl.ds(block0, 1))
+    ]
     load = lambda ref, is_scale: (  # pylint: disable=cell-var-from-loop
-        plgpu.load(scale_tile(ref), mask=scale_mask, other=0.0) if is_scale
-        else plgpu.load(tile(ref), mask=mask,
-                        other=0 if ref.dtype == jnp.int8 else 0.0))
+      plgpu.load(scale_tile(ref), mask=scale_mask, other=0.0)
+      if is_scale
+      else plgpu.load(
+        tile(ref), mask=mask, other=0 if ref.dtype == jnp.int8 else 0.0
+      )
+    )
     w = plgpu.load(tile(w_ref), mask=mask, other=0.0)
     state = jax.tree.unflatten(
-        state_treedef,
-        [load(r, is_scale) for r, is_scale in zip(state_refs, scale_leaves)])
+      state_treedef,
+      [load(r, is_scale) for r, is_scale in zip(state_refs, scale_leaves)],
+    )
     new_w, new_state, updated = apply_update(
-        optimizer, grad_chunk, w, state, scalars, apply, step=step,
-        layer_id=layer_id, indices=(shard_row + row_idx, shard_col + col_idx),
-        valid=mask)
+      optimizer,
+      grad_chunk,
+      w,
+      state,
+      scalars,
+      apply,
+      step=step,
+      layer_id=layer_id,
+      indices=(shard_row + row_idx, shard_col + col_idx),
+      valid=mask,
+    )
     plgpu.store(tile(w_out_ref), new_w, mask=mask)
-    for ref, value, is_scale in zip(state_out_refs, jax.tree.leaves(new_state),
-                                    scale_leaves):
+    for ref, value, is_scale in zip(
+      state_out_refs, jax.tree.leaves(new_state), scale_leaves
+    ):
       if is_scale:
         plgpu.store(scale_tile(ref), value, mask=scale_mask)
       else:
@@ -242,10 +317,21 @@ def _tile_indices(pid, num_k, num_n, group_k):
   return pid_k, pid_n
 
 
-def triton_update(spec, x, dy, kernel, opt_state, scalars, apply,
-                  config: Optional[TritonConfig] = None,
-                  interpret: Optional[bool] = None, *, step=None, offset=None,
-                  layer_index=None):
+def triton_update(
+  spec,
+  x,
+  dy,
+  kernel,
+  opt_state,
+  scalars,
+  apply,
+  config: Optional[TritonConfig] = None,
+  interpret: Optional[bool] = None,
+  *,
+  step=None,
+  offset=None,
+  layer_index=None,
+):
   """Backend entry point: same contract as ``backends.xla_update``."""
   optimizer = spec.optimizer
   k, n = kernel.shape[-2:]
@@ -255,8 +341,12 @@ def triton_update(spec, x, dy, kernel, opt_state, scalars, apply,
   quantized = quantization.has_quantized(opt_state)
   if config is None:
     config = default_config(
-        tokens, k, n, max(x2.dtype.itemsize, dy2.dtype.itemsize),
-        state_block=quantization.BLOCK_SIZE if quantized else None)
+      tokens,
+      k,
+      n,
+      max(x2.dtype.itemsize, dy2.dtype.itemsize),
+      state_block=quantization.BLOCK_SIZE if quantized else None,
+    )
   check_config(config, quantized)
   if interpret is None:
     interpret = jax.default_backend() != "gpu"
@@ -266,32 +356,42 @@ def triton_update(spec, x, dy, kernel, opt_state, scalars, apply,
   scale_leaves = tuple(quantization.scale_leaf_mask(kernel_state))
   state_leaves, state_treedef = jax.tree.flatten(kernel_state)
   scalar_vector, scalars_treedef = pack_kernel_scalars(
-      scalars, apply, step, offset, layer_index)
+    scalars, apply, step, offset, layer_index
+  )
 
   grid = (pl.cdiv(k, config.block_k) * pl.cdiv(n, config.block_n),)
   both_f32 = x2.dtype == jnp.float32 and dy2.dtype == jnp.float32
   kernel_fn = functools.partial(
-      _fused_kernel, optimizer=optimizer, state_treedef=state_treedef,
-      scalars_treedef=scalars_treedef,
-      tokens=tokens, k=k, n=n, config=config,
-      dot_precision=lax.Precision.HIGHEST if both_f32 else None,
-      scale_leaves=scale_leaves, layer_id=spec.layer_id,
-      stacked=layer_index is not None)
+    _fused_kernel,
+    optimizer=optimizer,
+    state_treedef=state_treedef,
+    scalars_treedef=scalars_treedef,
+    tokens=tokens,
+    k=k,
+    n=n,
+    config=config,
+    dot_precision=lax.Precision.HIGHEST if both_f32 else None,
+    scale_leaves=scale_leaves,
+    layer_id=spec.layer_id,
+    stacked=layer_index is not None,
+  )
   out_shape = (
-      [jax.ShapeDtypeStruct(kernel.shape, kernel.dtype)]
-      + [jax.ShapeDtypeStruct(s.shape, s.dtype) for s in state_leaves]
-      + [jax.ShapeDtypeStruct(grid, jnp.int32)])
+    [jax.ShapeDtypeStruct(kernel.shape, kernel.dtype)]
+    + [jax.ShapeDtypeStruct(s.shape, s.dtype) for s in state_leaves]
+    + [jax.ShapeDtypeStruct(grid, jnp.int32)]
+  )
   # Inputs: scalars, x, dy, kernel, *state. Kernel and state update in place.
   aliases = {3 + i: i for i in range(1 + len(state_leaves))}
   outputs = pl.pallas_call(
-      kernel_fn,
-      out_shape=out_shape,
-      grid=grid,
-      input_output_aliases=aliases,
-      interpret=interpret,
-      compiler_params=plgpu.CompilerParams(num_warps=config.num_warps,
-                                           num_stages=config.num_stages),
-      name="forge_fused_dense_update",
+    kernel_fn,
+    out_shape=out_shape,
+    grid=grid,
+    input_output_aliases=aliases,
+    interpret=interpret,
+    compiler_params=plgpu.CompilerParams(
+      num_warps=config.num_warps, num_stages=config.num_stages
+    ),
+    name="forge_fused_dense_update",
   )(scalar_vector, x2, dy2, kernel, *state_leaves)
   new_kernel = outputs[0]
   new_state = jax.tree.unflatten(state_treedef, outputs[1:-1])

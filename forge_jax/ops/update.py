@@ -23,14 +23,22 @@ def true_after(value: jax.Array) -> jax.Array:
   return jnp.logical_or(jnp.isnan(value), jnp.logical_not(jnp.isnan(value)))
 
 
-def apply_update(optimizer: ForgeOptimizer, grad: jax.Array, kernel: jax.Array,
-                 state: NamedTuple, scalars: NamedTuple, apply: jax.Array, *,
-                 order_in_place: bool = False,
-                 step: Optional[jax.Array] = None, layer_id: int = 0,
-                 indices: Optional[tuple] = None,
-                 valid: Optional[jax.Array] = None,
-                 layer_index: Optional[jax.Array] = None,
-                 guard_results: bool = True):
+def apply_update(
+  optimizer: ForgeOptimizer,
+  grad: jax.Array,
+  kernel: jax.Array,
+  state: NamedTuple,
+  scalars: NamedTuple,
+  apply: jax.Array,
+  *,
+  order_in_place: bool = False,
+  step: Optional[jax.Array] = None,
+  layer_id: int = 0,
+  indices: Optional[tuple] = None,
+  valid: Optional[jax.Array] = None,
+  layer_index: Optional[jax.Array] = None,
+  guard_results: bool = True,
+):
   """One optimizer step on ``kernel`` (2-D: a kernel or a tile of one),
   skipping non-finite grads.
 
@@ -76,19 +84,26 @@ def apply_update(optimizer: ForgeOptimizer, grad: jax.Array, kernel: jax.Array,
     stepped = optimizer.update_kernel(grad, kernel_f32, read, scalars)
     ok = jnp.logical_and(jnp.isfinite(grad), apply)
     if guard_results:
-      ok = jnp.logical_and(ok, finite_result(stepped.astype(kernel.dtype),
-                                             new_state_f32, scalars))
+      ok = jnp.logical_and(
+        ok, finite_result(stepped.astype(kernel.dtype), new_state_f32, scalars)
+      )
     return stepped, new_state_f32, ok
 
   kernel_f32 = stacks.layer_entry(kernel, layer_index).astype(jnp.float32)
   stepped, new_state_f32, ok = rule(
-      grad, kernel_f32,
-      quantization.load_state(stacks.layer_entries(state, layer_index)))
+    grad,
+    kernel_f32,
+    quantization.load_state(stacks.layer_entries(state, layer_index)),
+  )
   new_kernel = quantization.round_weights(
-      jnp.where(ok, stepped, kernel_f32),
-      kernel.dtype, rounding=optimizer.weight_rounding,
-      seed=optimizer.rounding_seed, layer_id=layer_id, step=step,
-      indices=indices)
+    jnp.where(ok, stepped, kernel_f32),
+    kernel.dtype,
+    rounding=optimizer.weight_rounding,
+    seed=optimizer.rounding_seed,
+    layer_id=layer_id,
+    step=step,
+    indices=indices,
+  )
   store_ok, store_index = ok, layer_index
   if order_in_place:
     # The kernel's fusion reads the old state; the state's fusions overwrite
@@ -105,13 +120,18 @@ def apply_update(optimizer: ForgeOptimizer, grad: jax.Array, kernel: jax.Array,
     # Recompute the new state (and where to store it) for the stores from
     # barrier-separated inputs: no float32 copy of it, nor of the mask,
     # stays alive between the two fusions.
-    grad_s, kernel_s, old_s = lax.optimization_barrier((
-        grad, stacks.layer_entry(kernel, store_index).astype(jnp.float32),
-        quantization.load_state(stacks.layer_entries(state, store_index))))
+    grad_s, kernel_s, old_s = lax.optimization_barrier(
+      (
+        grad,
+        stacks.layer_entry(kernel, store_index).astype(jnp.float32),
+        quantization.load_state(stacks.layer_entries(state, store_index)),
+      )
+    )
     _, new_state_f32, ok_s = rule(grad_s, kernel_s, old_s)
     store_ok = jnp.logical_and(ok_s, after_kernel)
   new_state = quantization.update_state(
-      new_state_f32, stacks.layer_entries(state, store_index), store_ok, valid)
+    new_state_f32, stacks.layer_entries(state, store_index), store_ok, valid
+  )
   return new_kernel, new_state, ok
 
 
@@ -141,8 +161,13 @@ class KernelScalars(NamedTuple):
   layer_index: jax.Array  # int32: the layer of stacked refs
 
 
-def pack_kernel_scalars(scalars: NamedTuple, apply: jax.Array, step=None,
-                        offset=None, layer_index=None):
+def pack_kernel_scalars(
+  scalars: NamedTuple,
+  apply: jax.Array,
+  step=None,
+  offset=None,
+  layer_index=None,
+):
   """The optimizer's scalars, then ``apply``, the step, the shard's offset
   ``(row, column)`` and the layer index, as one float32 vector (the integers
   are exact up to 2**24), and the optimizer scalars' treedef."""
@@ -151,10 +176,10 @@ def pack_kernel_scalars(scalars: NamedTuple, apply: jax.Array, step=None,
   offset = (0, 0) if offset is None else offset
   layer_index = 0 if layer_index is None else layer_index
   vector = jnp.stack(
-      [jnp.asarray(s, jnp.float32) for s in leaves]
-      + [apply.astype(jnp.float32)]
-      + [jnp.asarray(v).astype(jnp.float32)
-         for v in (step, *offset, layer_index)])
+    [jnp.asarray(s, jnp.float32) for s in leaves]
+    + [apply.astype(jnp.float32)]
+    + [jnp.asarray(v).astype(jnp.float32) for v in (step, *offset, layer_index)]
+  )
   return vector, treedef
 
 
@@ -162,6 +187,8 @@ def read_kernel_scalars(ref, treedef) -> KernelScalars:
   """Inside a kernel: the :func:`pack_kernel_scalars` vector ``ref``."""
   num = treedef.num_leaves
   values = [ref[i] for i in range(num + len(KernelScalars._fields) - 1)]
-  return KernelScalars(jax.tree.unflatten(treedef, values[:num]),
-                       values[num] > 0.5,
-                       *(v.astype(jnp.int32) for v in values[num + 1:]))
+  return KernelScalars(
+    jax.tree.unflatten(treedef, values[:num]),
+    values[num] > 0.5,
+    *(v.astype(jnp.int32) for v in values[num + 1 :]),
+  )

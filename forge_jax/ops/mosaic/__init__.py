@@ -15,22 +15,30 @@ one module per schedule (:mod:`~forge_jax.ops.mosaic.inline`,
 :mod:`~forge_jax.ops.mosaic.compat` (lowerings this JAX lacks).
 """
 
-from forge_jax.ops.mosaic.config import (INLINE_CONFIGS, PINGPONG_CONFIGS,
-                                         PINGPONG_MIN_TOKENS, SCHEDULES,
-                                         MosaicConfig, default_config,
-                                         ranked_configs)
-from forge_jax.ops.mosaic.kernel import (check_supported, mosaic_update,
-                                         unsupported_reason)
+from forge_jax.ops.mosaic.config import (
+  INLINE_CONFIGS,
+  PINGPONG_CONFIGS,
+  PINGPONG_MIN_TOKENS,
+  SCHEDULES,
+  MosaicConfig,
+  default_config,
+  ranked_configs,
+)
+from forge_jax.ops.mosaic.kernel import (
+  check_supported,
+  mosaic_update,
+  unsupported_reason,
+)
 
 __all__ = [
-    "INLINE_CONFIGS",
-    "PINGPONG_CONFIGS",
-    "PINGPONG_MIN_TOKENS",
-    "SCHEDULES",
-    "MosaicConfig",
-    "check_supported",
-    "default_config",
-    "mosaic_update",
-    "ranked_configs",
-    "unsupported_reason",
+  "INLINE_CONFIGS",
+  "PINGPONG_CONFIGS",
+  "PINGPONG_MIN_TOKENS",
+  "SCHEDULES",
+  "MosaicConfig",
+  "check_supported",
+  "default_config",
+  "mosaic_update",
+  "ranked_configs",
+  "unsupported_reason",
 ]

@@ -38,7 +38,7 @@ def _floor_via_truncation(x):
   truncated = x.astype(jnp.int32).astype(x.dtype)
   down = jnp.where(truncated > x, truncated - 1, truncated)
   down = jnp.where(down == 0, x * 0, down)
-  return jnp.where(jnp.abs(x) < 2.0**jnp.finfo(x.dtype).nmant, down, x)
+  return jnp.where(jnp.abs(x) < 2.0 ** jnp.finfo(x.dtype).nmant, down, x)
 
 
 @functools.cache
@@ -50,6 +50,7 @@ def register_missing_lowerings():
   # pylint: disable=import-outside-toplevel,protected-access
   from jax._src.pallas.mosaic_gpu import core as gpu_core
   from jax._src.pallas.mosaic_gpu import lowering
+
   rules = lowering.mosaic_lowering_rules[gpu_core.WGxWG_SEMANTICS]
   rules.setdefault(lax.sqrt_p, lowering._lower_fun(_sqrt_via_rsqrt))
   rules.setdefault(lax.is_finite_p, lowering._lower_fun(_is_finite))

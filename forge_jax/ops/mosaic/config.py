@@ -73,53 +73,65 @@ class MosaicConfig:
       if value < 8 or value & (value - 1):
         raise ValueError(f"{name}={value} must be a power of two >= 8")
     if self.tile_t % 64:
-      raise ValueError(f"tile_t={self.tile_t} must be a multiple of 64 "
-                       "(wgmma's contraction with a transposed operand)")
+      raise ValueError(
+        f"tile_t={self.tile_t} must be a multiple of 64 "
+        "(wgmma's contraction with a transposed operand)"
+      )
     if self.tile_k % 64 or self.epilogue_k % 64:
-      raise ValueError(f"tile_k={self.tile_k} and epilogue_k={self.epilogue_k} "
-                       "must be multiples of 64 (a warpgroup's wgmma rows)")
+      raise ValueError(
+        f"tile_k={self.tile_k} and epilogue_k={self.epilogue_k} "
+        "must be multiples of 64 (a warpgroup's wgmma rows)"
+      )
     if self.tile_k % self.epilogue_k or self.tile_n % self.epilogue_n:
       raise ValueError(
-          f"epilogue_k={self.epilogue_k} and epilogue_n={self.epilogue_n} "
-          f"must divide tile_k={self.tile_k} and tile_n={self.tile_n}")
+        f"epilogue_k={self.epilogue_k} and epilogue_n={self.epilogue_n} "
+        f"must divide tile_k={self.tile_k} and tile_n={self.tile_n}"
+      )
     if self.ctas_per_sm not in (1, 2):
       raise ValueError(f"ctas_per_sm={self.ctas_per_sm} must be 1 or 2")
     if self.schedule not in SCHEDULES:
-      raise ValueError(f"schedule={self.schedule!r} must be one of "
-                       f"{SCHEDULES}")
+      raise ValueError(f"schedule={self.schedule!r} must be one of {SCHEDULES}")
     if self.compute_wgs not in (1, 2):
       raise ValueError(f"compute_wgs={self.compute_wgs} must be 1 or 2")
     if self.parts_per_tile > 1 and self.tile_n < 64:
       raise ValueError(
-          f"tile_n={self.tile_n} must be at least 64 when "
-          f"{self.parts_per_tile} compute warpgroups share a tile: each "
-          "takes its columns of dy's block, whose 128-byte swizzle tiles are "
-          "64 columns wide")
+        f"tile_n={self.tile_n} must be at least 64 when "
+        f"{self.parts_per_tile} compute warpgroups share a tile: each "
+        "takes its columns of dy's block, whose 128-byte swizzle tiles are "
+        "64 columns wide"
+      )
     if self.schedule != "inline" and self.ctas_per_sm != 1:
-      raise ValueError(f"ctas_per_sm={self.ctas_per_sm} must be 1 with "
-                       f"schedule={self.schedule!r} (its warpgroups take the "
-                       "SM's registers)")
+      raise ValueError(
+        f"ctas_per_sm={self.ctas_per_sm} must be 1 with "
+        f"schedule={self.schedule!r} (its warpgroups take the "
+        "SM's registers)"
+      )
     if self.schedule != "inline" and self.prefetch_step:
-      raise ValueError(f"prefetch_step={self.prefetch_step} does not apply "
-                       f"with schedule={self.schedule!r}")
+      raise ValueError(
+        f"prefetch_step={self.prefetch_step} does not apply "
+        f"with schedule={self.schedule!r}"
+      )
     if not 1 <= self.epilogue_slots <= self.epilogue_subtiles:
       raise ValueError(
-          f"epilogue_slots={self.epilogue_slots} must be between 1 and the "
-          f"{self.epilogue_subtiles} epilogue sub-tiles of a warpgroup's part")
+        f"epilogue_slots={self.epilogue_slots} must be between 1 and the "
+        f"{self.epilogue_subtiles} epilogue sub-tiles of a warpgroup's part"
+      )
     if self.schedule == "pingpong":
       compute = accumulator_registers(self)
       available = compute_warpgroup_registers(self)
       if compute > available:
         raise ValueError(
-            f"the {self.tile_k} x {self.tile_n} accumulator and the update "
-            f"take {compute} registers a thread, more than the {available} "
-            f"of each of {self.compute_wgs} compute warpgroups "
-            "(schedule='pingpong')")
+          f"the {self.tile_k} x {self.tile_n} accumulator and the update "
+          f"take {compute} registers a thread, more than the {available} "
+          f"of each of {self.compute_wgs} compute warpgroups "
+          "(schedule='pingpong')"
+        )
     if self.prefetch_step < 0:
       raise ValueError(f"prefetch_step={self.prefetch_step} must be >= 0")
     if self.max_concurrent_steps < 2:
-      raise ValueError(f"max_concurrent_steps={self.max_concurrent_steps} "
-                       "must be at least 2")
+      raise ValueError(
+        f"max_concurrent_steps={self.max_concurrent_steps} must be at least 2"
+      )
 
   @property
   def parts_per_tile(self) -> int:
@@ -181,11 +193,11 @@ def compute_warpgroup_registers(config: MosaicConfig) -> int:
   overdraws that pool when the warpgroups do not divide the file evenly,
   and the last setmaxnreg waits forever.) With ``ctas_per_sm`` CTAs a CTA
   has its share of the file."""
-  launch = (_REGISTER_FILE // config.ctas_per_sm // config.num_warpgroups
-            // 8 * 8)
+  launch = (
+    _REGISTER_FILE // config.ctas_per_sm // config.num_warpgroups // 8 * 8
+  )
   released = _released_registers(config, launch)
-  return min(MAX_REGISTERS,
-             (launch + released // config.compute_wgs) // 8 * 8)
+  return min(MAX_REGISTERS, (launch + released // config.compute_wgs) // 8 * 8)
 
 
 def epilogue_buffers(config: MosaicConfig) -> int:
@@ -193,13 +205,22 @@ def epilogue_buffers(config: MosaicConfig) -> int:
   return config.epilogue_slots * config.compute_wgs
 
 
-def shared_memory_bytes(config: MosaicConfig, activation_itemsize: int,
-                        storage_itemsizes) -> int:
+def shared_memory_bytes(
+  config: MosaicConfig, activation_itemsize: int, storage_itemsizes
+) -> int:
   """A CTA's pipeline buffers + its epilogue buffers."""
-  pipeline = (config.max_concurrent_steps * config.tile_t
-              * (config.tile_k + config.cta_tile_n) * activation_itemsize)
-  epilogue = (epilogue_buffers(config) * config.epilogue_k * config.epilogue_n
-              * sum(storage_itemsizes))
+  pipeline = (
+    config.max_concurrent_steps
+    * config.tile_t
+    * (config.tile_k + config.cta_tile_n)
+    * activation_itemsize
+  )
+  epilogue = (
+    epilogue_buffers(config)
+    * config.epilogue_k
+    * config.epilogue_n
+    * sum(storage_itemsizes)
+  )
   return pipeline + epilogue
 
 
@@ -212,11 +233,11 @@ def shared_memory_bytes(config: MosaicConfig, activation_itemsize: int,
 #: epilogue buffer per warpgroup beside it; optimizers with four float32
 #: state tensors a shallower pipeline.
 INLINE_CONFIGS = (
-    MosaicConfig(max_concurrent_steps=5),
-    MosaicConfig(max_concurrent_steps=5, epilogue_slots=1),
-    MosaicConfig(max_concurrent_steps=4, epilogue_slots=1),
-    MosaicConfig(max_concurrent_steps=3, epilogue_slots=1),
-    MosaicConfig(max_concurrent_steps=2, epilogue_slots=1),
+  MosaicConfig(max_concurrent_steps=5),
+  MosaicConfig(max_concurrent_steps=5, epilogue_slots=1),
+  MosaicConfig(max_concurrent_steps=4, epilogue_slots=1),
+  MosaicConfig(max_concurrent_steps=3, epilogue_slots=1),
+  MosaicConfig(max_concurrent_steps=2, epilogue_slots=1),
 )
 #: Ranked first from ``PINGPONG_MIN_TOKENS`` tokens, where they fit: faster
 #: than the inline schedule from 2048 tokens, slower at 512
@@ -224,10 +245,12 @@ INLINE_CONFIGS = (
 #: float32 W, m, v, which fit only one epilogue buffer per warpgroup beside
 #: them, nor with int8 states: those keep the inline ranking.
 PINGPONG_CONFIGS = (
-    MosaicConfig(schedule="pingpong", tile_n=128, max_concurrent_steps=4,
-                 epilogue_slots=3),
-    MosaicConfig(schedule="pingpong", tile_n=128, max_concurrent_steps=5,
-                 epilogue_slots=2),
+  MosaicConfig(
+    schedule="pingpong", tile_n=128, max_concurrent_steps=4, epilogue_slots=3
+  ),
+  MosaicConfig(
+    schedule="pingpong", tile_n=128, max_concurrent_steps=5, epilogue_slots=2
+  ),
 )
 PINGPONG_MIN_TOKENS = 2048
 
@@ -244,13 +267,16 @@ def storage_itemsizes(kernel, state) -> list:
   """Bytes per element of the kernel and of each state leaf that passes
   through shared memory (all but int8 block scales)."""
   is_scale = [False] + quantization.scale_leaf_mask(state)
-  return [jnp.dtype(leaf.dtype).itemsize
-          for leaf, scale in zip([kernel] + jax.tree.leaves(state), is_scale)
-          if not scale]
+  return [
+    jnp.dtype(leaf.dtype).itemsize
+    for leaf, scale in zip([kernel] + jax.tree.leaves(state), is_scale)
+    if not scale
+  ]
 
 
-def fitting_config(tokens, k, n, activation_itemsize, itemsizes,
-                   quantized: bool) -> MosaicConfig:
+def fitting_config(
+  tokens, k, n, activation_itemsize, itemsizes, quantized: bool
+) -> MosaicConfig:
   """The first ranked config whose tiles divide the shape and whose buffers
   fit in shared memory (else the last: ``unsupported_reason`` says why);
   ``itemsizes`` are :func:`storage_itemsizes`. With int8 states an epilogue
@@ -258,12 +284,17 @@ def fitting_config(tokens, k, n, activation_itemsize, itemsizes,
   configs = ranked_configs(tokens, quantized)
   if quantized:
     configs = tuple(
-        dataclasses.replace(config, epilogue_n=quantization.BLOCK_SIZE)
-        for config in configs)
+      dataclasses.replace(config, epilogue_n=quantization.BLOCK_SIZE)
+      for config in configs
+    )
   for config in configs:
-    if (shared_memory_bytes(config, activation_itemsize, itemsizes)
-        <= SHARED_MEMORY_BUDGET and not k % config.tile_k
-        and not n % config.cta_tile_n and not tokens % config.tile_t):
+    if (
+      shared_memory_bytes(config, activation_itemsize, itemsizes)
+      <= SHARED_MEMORY_BUDGET
+      and not k % config.tile_k
+      and not n % config.cta_tile_n
+      and not tokens % config.tile_t
+    ):
       return config
   return configs[-1]
 
@@ -271,7 +302,10 @@ def fitting_config(tokens, k, n, activation_itemsize, itemsizes,
 def default_config(x, kernel, optimizer) -> MosaicConfig:
   """The fastest default config for this call's shapes and dtypes."""
   state = stacks.layer_state_shapes(kernel, optimizer)
-  return fitting_config(math.prod(x.shape[:-1]), *kernel.shape[-2:],
-                        jnp.dtype(x.dtype).itemsize,
-                        storage_itemsizes(kernel, state),
-                        quantization.has_quantized(state))
+  return fitting_config(
+    math.prod(x.shape[:-1]),
+    *kernel.shape[-2:],
+    jnp.dtype(x.dtype).itemsize,
+    storage_itemsizes(kernel, state),
+    quantization.has_quantized(state),
+  )

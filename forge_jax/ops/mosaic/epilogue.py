@@ -34,8 +34,21 @@ class Epilogue:
   written in global memory, as a ``[epilogue_k]`` vector).
   """
 
-  def __init__(self, *, storage_gmem, storage_out, is_scale, smem, barriers,
-               layer, rule, stochastic, shard_origin, config, interpret):
+  def __init__(
+    self,
+    *,
+    storage_gmem,
+    storage_out,
+    is_scale,
+    smem,
+    barriers,
+    layer,
+    rule,
+    stochastic,
+    shard_origin,
+    config,
+    interpret,
+  ):
     self.storage_gmem, self.storage_out = storage_gmem, storage_out
     self.is_scale, self.smem, self.barriers = is_scale, smem, barriers
     self.tma_gmem = [r for r, scale in zip(storage_gmem, is_scale) if not scale]
@@ -62,8 +75,9 @@ class Epilogue:
     if after_stores:
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
     for leaf, (gmem, smem) in enumerate(zip(self.tma_gmem, self.smem)):
-      plgpu.copy_gmem_to_smem(self._window(gmem, k0, n0), smem.at[buffer],
-                              self._barrier(buffer, leaf))
+      plgpu.copy_gmem_to_smem(
+        self._window(gmem, k0, n0), smem.at[buffer], self._barrier(buffer, leaf)
+      )
 
   def _indices(self, k0, n0, shape):
     """Stochastic rounding's global (rows, cols) of the sub-tile at ``(k0,
@@ -71,8 +85,10 @@ class Epilogue:
     if not self.stochastic:
       return None
     row0, col0 = self.shard_origin
-    return (row0 + k0 + lax.broadcasted_iota(jnp.int32, shape, 0),
-            col0 + n0 + lax.broadcasted_iota(jnp.int32, shape, 1))
+    return (
+      row0 + k0 + lax.broadcasted_iota(jnp.int32, shape, 0),
+      col0 + n0 + lax.broadcasted_iota(jnp.int32, shape, 1),
+    )
 
   def _read_scales(self, gmem, k0, n0):
     if self.interpret:  # the interpreter has no plgpu.load
@@ -84,8 +100,9 @@ class Epilogue:
     """The rule on the sub-tile at ``(k0, n0)``, of ``grad``'s shape: the
     new values and each row's count of skipped (non-finite) elements (a
     vector, summed within warps only: see :func:`skipped_rows_shape`)."""
-    new_values, updated = self.rule(grad, values,
-                                    self._indices(k0, n0, grad.shape))
+    new_values, updated = self.rule(
+      grad, values, self._indices(k0, n0, grad.shape)
+    )
     return new_values, jnp.sum(jnp.where(updated, 0.0, 1.0), axis=1)
 
   def update(self, buffer, k0, n0, grad, release=None):
@@ -96,8 +113,10 @@ class Epilogue:
     for leaf in range(len(self.tma_gmem)):
       plgpu.barrier_wait(self._barrier(buffer, leaf))
     smem_values = iter(smem[buffer] for smem in self.smem)
-    values = [self._read_scales(gmem, k0, n0) if scale else next(smem_values)
-              for gmem, scale in zip(self.storage_gmem, self.is_scale)]
+    values = [
+      self._read_scales(gmem, k0, n0) if scale else next(smem_values)
+      for gmem, scale in zip(self.storage_gmem, self.is_scale)
+    ]
     new_values, skipped = self.apply(grad, values, k0, n0)
     if any(self.is_scale):
       # Every thread's reads of the block scales are done before any writes

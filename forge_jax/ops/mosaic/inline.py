@@ -35,8 +35,11 @@ def inline_schedule(pipeline: Pipeline):
   accumulating its part, and update their parts right after the tile's
   main loop while the memory warpgroup's ring runs on into the next
   tile."""
-  config, num_tiles, num_steps = (pipeline.config, pipeline.num_tiles,
-                                  pipeline.num_steps)
+  config, num_tiles, num_steps = (
+    pipeline.config,
+    pipeline.num_tiles,
+    pipeline.num_steps,
+  )
   tk, tn, ek, en = pipeline.tk, pipeline.tn, pipeline.ek, pipeline.en
   slots, part_subtiles = pipeline.slots, pipeline.part_subtiles
   skipped_gmem = pipeline.skipped_gmem
@@ -48,8 +51,7 @@ def inline_schedule(pipeline: Pipeline):
     """Loads sub-tile ``index`` of the part at ``(k0, n0)`` into one of
     warpgroup ``wg``'s ``slots`` buffers."""
     di, dj = part_subtiles[index]
-    ep.issue_loads(wg * slots + index % slots, k0 + di, n0 + dj,
-                   after_stores)
+    ep.issue_loads(wg * slots + index % slots, k0 + di, n0 + dj, after_stores)
 
   def update_part(ep, wg, k0, n0, acc):
     """Updates the part at ``(k0, n0)`` with its accumulated ``acc``,
@@ -59,29 +61,38 @@ def inline_schedule(pipeline: Pipeline):
     skipped = jnp.zeros((ek,), jnp.float32)
     for index, (di, dj) in enumerate(part_subtiles):
       following = index + slots
-      release = (functools.partial(load_subtile, ep, wg, following, k0, n0,
-                                   after_stores=False)
-                 if following < len(part_subtiles) else None)
-      skipped += ep.update(wg * slots + index % slots, k0 + di, n0 + dj,
-                           acc[di:di + ek, dj:dj + en], release)
+      release = (
+        functools.partial(
+          load_subtile, ep, wg, following, k0, n0, after_stores=False
+        )
+        if following < len(part_subtiles)
+        else None
+      )
+      skipped += ep.update(
+        wg * slots + index % slots,
+        k0 + di,
+        n0 + dj,
+        acc[di : di + ek, dj : dj + en],
+        release,
+      )
     return skipped
 
   @functools.partial(
-      pl.run_scoped,
-      **pipeline.ring_buffers(stages),
-      loaded=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-      consumed=plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),
-      **pipeline.epilogue_allocations(),
-      collective_axes="wg",
+    pl.run_scoped,
+    **pipeline.ring_buffers(stages),
+    loaded=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+    consumed=plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),
+    **pipeline.epilogue_allocations(),
+    collective_axes="wg",
   )
-  def _scope(x_smem, dy_smem, loaded, consumed, epilogue_smem,
-             load_barriers):
+  def _scope(x_smem, dy_smem, loaded, consumed, epilogue_smem, load_barriers):
     wg = lax.axis_index("wg")
 
     @pl.when(wg == wgs)
     def _memory():
-      pipeline.stream_tiles(x_smem, dy_smem, lambda _, slot: loaded.at[slot],
-                            consumed, stages)
+      pipeline.stream_tiles(
+        x_smem, dy_smem, lambda _, slot: loaded.at[slot], consumed, stages
+      )
 
     @pl.when(wg < wgs)
     def _compute():
@@ -102,11 +113,19 @@ def inline_schedule(pipeline: Pipeline):
             for index in range(slots):
               load_subtile(ep, wg, index, k0, n0)
 
-        @functools.partial(pl.run_scoped,
-                           acc_ref=plgpu.ACC((tk, tn), jnp.float32))
+        @functools.partial(
+          pl.run_scoped, acc_ref=plgpu.ACC((tk, tn), jnp.float32)
+        )
         def _acc_scope(acc_ref):
-          acc = pipeline.main_loop(acc_ref, x_smem, dy_smem,
-                                   lambda slot: loaded.at[slot], consumed,
-                                   stages, loop_info.local_index * num_steps,
-                                   wg, prefetch)
+          acc = pipeline.main_loop(
+            acc_ref,
+            x_smem,
+            dy_smem,
+            lambda slot: loaded.at[slot],
+            consumed,
+            stages,
+            loop_info.local_index * num_steps,
+            wg,
+            prefetch,
+          )
           skipped_gmem[wgs * linear + wg] = update_part(ep, wg, k0, n0, acc)

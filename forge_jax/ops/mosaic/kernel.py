@@ -65,11 +65,16 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from forge_jax import quantization
 from forge_jax.ops import stacks
 from forge_jax.ops.mosaic import compat
-from forge_jax.ops.mosaic.config import (MAX_BARRIERS, SHARED_MEMORY_BUDGET,
-                                         MosaicConfig, default_config,
-                                         epilogue_buffers, fitting_config,
-                                         shared_memory_bytes,
-                                         storage_itemsizes)
+from forge_jax.ops.mosaic.config import (
+  MAX_BARRIERS,
+  SHARED_MEMORY_BUDGET,
+  MosaicConfig,
+  default_config,
+  epilogue_buffers,
+  fitting_config,
+  shared_memory_bytes,
+  storage_itemsizes,
+)
 from forge_jax.ops.mosaic.inline import inline_schedule
 from forge_jax.ops.mosaic.pingpong import pingpong_schedule
 from forge_jax.ops.mosaic.pipeline import Pipeline
@@ -84,8 +89,9 @@ _STATE_DTYPES = _STORAGE_DTYPES + (quantization.CODES_CONTAINER,)
 DEFAULT_NUM_SMS = 132
 
 
-def unsupported_reason(x, dy, kernel, optimizer,
-                       config: Optional[MosaicConfig] = None) -> Optional[str]:
+def unsupported_reason(
+  x, dy, kernel, optimizer, config: Optional[MosaicConfig] = None
+) -> Optional[str]:
   """Why the Mosaic GPU kernel cannot run this call, or None if it can."""
   for name, value in (("x", x), ("dy", dy)):
     if jnp.dtype(value.dtype) not in map(jnp.dtype, _ACTIVATION_DTYPES):
@@ -98,35 +104,46 @@ def unsupported_reason(x, dy, kernel, optimizer,
   quantized = quantization.has_quantized(state)
   for leaf in jax.tree.leaves(state):
     if jnp.dtype(leaf.dtype) not in map(jnp.dtype, _STATE_DTYPES):
-      return (f"optimizer state dtype {leaf.dtype} is not supported (float32, "
-              "bfloat16 or int8 blocks)")
+      return (
+        f"optimizer state dtype {leaf.dtype} is not supported (float32, "
+        "bfloat16 or int8 blocks)"
+      )
   activation_itemsize = jnp.dtype(x.dtype).itemsize
   itemsizes = storage_itemsizes(kernel, state)
   k, n = kernel.shape[-2:]
   tokens = math.prod(x.shape[:-1])
   if tokens == 0:
     return f"{x.shape=} has no tokens"
-  config = config or fitting_config(tokens, k, n, activation_itemsize,
-                                    itemsizes, quantized)
+  config = config or fitting_config(
+    tokens, k, n, activation_itemsize, itemsizes, quantized
+  )
   if quantized and config.epilogue_n != quantization.BLOCK_SIZE:
-    return (f"int8 states are quantized in blocks of "
-            f"{quantization.BLOCK_SIZE} columns: epilogue_n="
-            f"{config.epilogue_n} must be {quantization.BLOCK_SIZE}")
-  for name, size, tile in (("in_features", k, config.tile_k),
-                           ("features", n, config.cta_tile_n),
-                           ("tokens", tokens, config.tile_t)):
+    return (
+      f"int8 states are quantized in blocks of "
+      f"{quantization.BLOCK_SIZE} columns: epilogue_n="
+      f"{config.epilogue_n} must be {quantization.BLOCK_SIZE}"
+    )
+  for name, size, tile in (
+    ("in_features", k, config.tile_k),
+    ("features", n, config.cta_tile_n),
+    ("tokens", tokens, config.tile_t),
+  ):
     if size % tile:
       return f"{name}={size} must be a multiple of {tile}"
   barriers = epilogue_buffers(config) * len(itemsizes)
   if barriers > MAX_BARRIERS:
-    return (f"{config} loads {len(itemsizes)} leaves into each of "
-            f"{epilogue_buffers(config)} epilogue buffers: {barriers} "
-            f"barriers, more than Mosaic GPU's {MAX_BARRIERS} per group")
+    return (
+      f"{config} loads {len(itemsizes)} leaves into each of "
+      f"{epilogue_buffers(config)} epilogue buffers: {barriers} "
+      f"barriers, more than Mosaic GPU's {MAX_BARRIERS} per group"
+    )
   needed = shared_memory_bytes(config, activation_itemsize, itemsizes)
   if needed * config.ctas_per_sm > SHARED_MEMORY_BUDGET:
-    return (f"the tiles of {config} need {needed} bytes of shared memory "
-            f"per CTA, {config.ctas_per_sm} CTAs per SM: more than "
-            f"{SHARED_MEMORY_BUDGET}")
+    return (
+      f"the tiles of {config} need {needed} bytes of shared memory "
+      f"per CTA, {config.ctas_per_sm} CTAs per SM: more than "
+      f"{SHARED_MEMORY_BUDGET}"
+    )
   return None
 
 
@@ -150,20 +167,45 @@ def skipped_rows_shape(config: MosaicConfig, num_tiles: int) -> tuple:
   return (config.parts_per_tile * num_tiles, config.epilogue_k)
 
 
-def _fused_kernel(scalars_gmem, x_gmem, dy_gmem, storage_gmem, storage_out,
-                  skipped_gmem, *, optimizer, state_treedef, scalars_treedef,
-                  config: MosaicConfig, layer_id, interpret, stacked,
-                  is_scale):
+def _fused_kernel(
+  scalars_gmem,
+  x_gmem,
+  dy_gmem,
+  storage_gmem,
+  storage_out,
+  skipped_gmem,
+  *,
+  optimizer,
+  state_treedef,
+  scalars_treedef,
+  config: MosaicConfig,
+  layer_id,
+  interpret,
+  stacked,
+  is_scale,
+):
   """The kernel body: the config's schedule on this call's :class:`Pipeline`
   (whose docstring says what the refs hold)."""
   compat.register_missing_lowerings()  # before Mosaic GPU lowers this body
   pipeline = Pipeline(
-      scalars_gmem, x_gmem, dy_gmem, storage_gmem, storage_out, skipped_gmem,
-      optimizer=optimizer, state_treedef=state_treedef,
-      scalars_treedef=scalars_treedef, config=config, layer_id=layer_id,
-      interpret=interpret, stacked=stacked, is_scale=is_scale)
-  {"inline": inline_schedule,
-   "pingpong": pingpong_schedule}[config.schedule](pipeline)
+    scalars_gmem,
+    x_gmem,
+    dy_gmem,
+    storage_gmem,
+    storage_out,
+    skipped_gmem,
+    optimizer=optimizer,
+    state_treedef=state_treedef,
+    scalars_treedef=scalars_treedef,
+    config=config,
+    layer_id=layer_id,
+    interpret=interpret,
+    stacked=stacked,
+    is_scale=is_scale,
+  )
+  {"inline": inline_schedule, "pingpong": pingpong_schedule}[config.schedule](
+    pipeline
+  )
   plgpu.wait_smem_to_gmem(0, wait_read_only=False)
 
 
@@ -173,15 +215,29 @@ def _num_ctas(num_tiles: int, config: MosaicConfig, interpret: bool) -> int:
   keep it quick and still check the persistent loop."""
   if interpret:
     return min(num_tiles, 2)
-  sms = (jax.devices()[0].core_count if jax.default_backend() == "gpu"
-         else DEFAULT_NUM_SMS)
+  sms = (
+    jax.devices()[0].core_count
+    if jax.default_backend() == "gpu"
+    else DEFAULT_NUM_SMS
+  )
   return min(num_tiles, sms * config.ctas_per_sm)
 
 
-def mosaic_update(spec, x, dy, kernel, opt_state, scalars, apply,
-                  config: Optional[MosaicConfig] = None,
-                  interpret: Optional[bool] = None, *, step=None,
-                  offset=None, layer_index=None):
+def mosaic_update(
+  spec,
+  x,
+  dy,
+  kernel,
+  opt_state,
+  scalars,
+  apply,
+  config: Optional[MosaicConfig] = None,
+  interpret: Optional[bool] = None,
+  *,
+  step=None,
+  offset=None,
+  layer_index=None,
+):
   """Backend entry point: same contract as ``backends.xla_update``."""
   optimizer = spec.optimizer
   if interpret is None:
@@ -190,12 +246,23 @@ def mosaic_update(spec, x, dy, kernel, opt_state, scalars, apply,
     # Interpret mode writes separate outputs, not the stacks in place: step
     # the layer's entries and put them back (same values).
     new_kernel, new_state, skipped = mosaic_update(
-        spec, x, dy, stacks.layer_entry(kernel, layer_index),
-        stacks.layer_entries(opt_state, layer_index), scalars, apply,
-        config, interpret, step=step, offset=offset)
-    return (stacks.with_layer_entry(kernel, new_kernel, layer_index),
-            stacks.with_layer_entries(opt_state, new_state, layer_index),
-            skipped)
+      spec,
+      x,
+      dy,
+      stacks.layer_entry(kernel, layer_index),
+      stacks.layer_entries(opt_state, layer_index),
+      scalars,
+      apply,
+      config,
+      interpret,
+      step=step,
+      offset=offset,
+    )
+    return (
+      stacks.with_layer_entry(kernel, new_kernel, layer_index),
+      stacks.with_layer_entries(opt_state, new_state, layer_index),
+      skipped,
+    )
   config = config or default_config(x, kernel, optimizer)
   check_supported(x, dy, kernel, optimizer, config)
   k, n = kernel.shape[-2:]
@@ -206,20 +273,31 @@ def mosaic_update(spec, x, dy, kernel, opt_state, scalars, apply,
   kernel_state = quantization.codes_as_int8(opt_state)
   state_leaves, state_treedef = jax.tree.flatten(kernel_state)
   scalar_vector, scalars_treedef = pack_kernel_scalars(
-      scalars, apply, step, offset, layer_index)
+    scalars, apply, step, offset, layer_index
+  )
   kernel_fn = functools.partial(
-      _fused_kernel, optimizer=optimizer, state_treedef=state_treedef,
-      scalars_treedef=scalars_treedef,
-      config=config, layer_id=spec.layer_id, interpret=interpret,
-      stacked=layer_index is not None,
-      is_scale=tuple([False] + quantization.scale_leaf_mask(kernel_state)))
+    _fused_kernel,
+    optimizer=optimizer,
+    state_treedef=state_treedef,
+    scalars_treedef=scalars_treedef,
+    config=config,
+    layer_id=spec.layer_id,
+    interpret=interpret,
+    stacked=layer_index is not None,
+    is_scale=tuple([False] + quantization.scale_leaf_mask(kernel_state)),
+  )
   storage = [kernel] + state_leaves
   num_tiles = (k // config.tile_k) * (n // config.cta_tile_n)
-  skipped_type = jax.ShapeDtypeStruct(skipped_rows_shape(config, num_tiles),
-                                      jnp.float32)
+  skipped_type = jax.ShapeDtypeStruct(
+    skipped_rows_shape(config, num_tiles), jnp.float32
+  )
   threads = config.num_warpgroups
-  mesh = plgpu.Mesh(grid=(_num_ctas(num_tiles, config, interpret),),
-                    grid_names=("sm",), num_threads=threads, thread_name="wg")
+  mesh = plgpu.Mesh(
+    grid=(_num_ctas(num_tiles, config, interpret),),
+    grid_names=("sm",),
+    num_threads=threads,
+    thread_name="wg",
+  )
   # Without Mosaic GPU's automatic warpgroup barriers around every smem
   # store and before every TMA load (13 a sub-tile in the epilogue, where
   # the rule's four warps should run apart): a warp reads and writes only
@@ -227,8 +305,9 @@ def mosaic_update(spec, x, dy, kernel, opt_state, scalars, apply,
   # after commit_smem's barrier or a per-thread barrier arrival, and every
   # cross-warpgroup hand-off is a barrier all threads arrive on.
   compiler_params = plgpu.CompilerParams(
-      lowering_semantics=plgpu.LoweringSemantics.Warpgroup,
-      unsafe_no_auto_barriers=True)
+    lowering_semantics=plgpu.LoweringSemantics.Warpgroup,
+    unsafe_no_auto_barriers=True,
+  )
   name = "forge_fused_dense_update_mosaic"
   if interpret or layer_index is None:
     # Separate outputs: interpret mode takes no refs, and an unstacked call
@@ -239,17 +318,23 @@ def mosaic_update(spec, x, dy, kernel, opt_state, scalars, apply,
     num = len(storage)
     if interpret:
       from jax._src.pallas.mosaic_gpu.interpret import params  # pylint: disable=import-outside-toplevel
+
       x_operand, interpret_params = x2.T, params.InterpretGPUParams()
     else:
       x_operand, interpret_params = x2, None
     outputs = plgpu.kernel(
-        lambda s, x, dy, *refs: kernel_fn(s, x, dy, refs[:num],
-                                          refs[num:2 * num], refs[-1]),
-        out_type=[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in storage]
-        + [skipped_type],
-        grid=mesh.grid, grid_names=mesh.grid_names, num_threads=threads,
-        thread_name="wg", compiler_params=compiler_params,
-        interpret=interpret_params, kernel_name=name,
+      lambda s, x, dy, *refs: kernel_fn(
+        s, x, dy, refs[:num], refs[num : 2 * num], refs[-1]
+      ),
+      out_type=[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in storage]
+      + [skipped_type],
+      grid=mesh.grid,
+      grid_names=mesh.grid_names,
+      num_threads=threads,
+      thread_name="wg",
+      compiler_params=compiler_params,
+      interpret=interpret_params,
+      kernel_name=name,
     )(scalar_vector, x_operand, dy2, *storage)
     new_storage, skipped = outputs[:-1], outputs[-1]
   else:
@@ -259,12 +344,17 @@ def mosaic_update(spec, x, dy, kernel, opt_state, scalars, apply,
     refs = [jax.new_ref(a) for a in storage]
     skipped_ref = jax.new_ref(jnp.zeros(skipped_type.shape, jnp.float32))
     pl.kernel(
-        lambda s, x, dy, *refs: kernel_fn(s, x, dy, refs[:-1], refs[:-1],
-                                          refs[-1]),
-        out_type=(), mesh=mesh, compiler_params=compiler_params, name=name,
+      lambda s, x, dy, *refs: kernel_fn(
+        s, x, dy, refs[:-1], refs[:-1], refs[-1]
+      ),
+      out_type=(),
+      mesh=mesh,
+      compiler_params=compiler_params,
+      name=name,
     )(scalar_vector, x2, dy2, *refs, skipped_ref)
     new_storage = [r[...] for r in refs]
     skipped = skipped_ref[...]
   new_state = quantization.codes_as_container(
-      jax.tree.unflatten(state_treedef, new_storage[1:]))
+    jax.tree.unflatten(state_treedef, new_storage[1:])
+  )
   return new_storage[0], new_state, jnp.sum(skipped.astype(jnp.int32))

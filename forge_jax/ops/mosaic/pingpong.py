@@ -25,8 +25,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from forge_jax.ops.mosaic.config import (MEMORY_REGISTERS,
-                                         compute_warpgroup_registers)
+from forge_jax.ops.mosaic.config import (
+  MEMORY_REGISTERS,
+  compute_warpgroup_registers,
+)
 from forge_jax.ops.mosaic.pipeline import Pipeline
 
 
@@ -39,8 +41,11 @@ def pingpong_schedule(pipeline: Pipeline):
   and state sub-tiles, numbered across tiles, as soon as a buffer's
   stores have read it: the loads run ahead of the updates, into the next
   tile's, instead of waiting for them."""
-  config, num_tiles, num_steps = (pipeline.config, pipeline.num_tiles,
-                                  pipeline.num_steps)
+  config, num_tiles, num_steps = (
+    pipeline.config,
+    pipeline.num_tiles,
+    pipeline.num_steps,
+  )
   tk, tn, ek, en = pipeline.tk, pipeline.tn, pipeline.ek, pipeline.en
   slots, part_subtiles = pipeline.slots, pipeline.part_subtiles
   skipped_gmem = pipeline.skipped_gmem
@@ -50,19 +55,20 @@ def pingpong_schedule(pipeline: Pipeline):
   per_tile = len(part_subtiles)
 
   @functools.partial(
-      pl.run_scoped,
-      **pipeline.ring_buffers(stages),
-      # One barrier per (owner, slot): a thread tracks a barrier's phase by
-      # waiting on every phase of it, so a warpgroup's barriers must not
-      # complete for the other's steps.
-      loaded=plgpu.Barrier(num_arrivals=2, num_barriers=wgs * stages),
-      consumed=plgpu.Barrier(num_barriers=stages),
-      buffer_free=plgpu.Barrier(num_barriers=wgs * slots),
-      **pipeline.epilogue_allocations(),
-      collective_axes="wg",
+    pl.run_scoped,
+    **pipeline.ring_buffers(stages),
+    # One barrier per (owner, slot): a thread tracks a barrier's phase by
+    # waiting on every phase of it, so a warpgroup's barriers must not
+    # complete for the other's steps.
+    loaded=plgpu.Barrier(num_arrivals=2, num_barriers=wgs * stages),
+    consumed=plgpu.Barrier(num_barriers=stages),
+    buffer_free=plgpu.Barrier(num_barriers=wgs * slots),
+    **pipeline.epilogue_allocations(),
+    collective_axes="wg",
   )
-  def _scope(x_smem, dy_smem, loaded, consumed, buffer_free, epilogue_smem,
-             load_barriers):
+  def _scope(
+    x_smem, dy_smem, loaded, consumed, buffer_free, epilogue_smem, load_barriers
+  ):
     wg = lax.axis_index("wg")
     owner = lambda local_tile: lax.rem(local_tile, wgs)
 
@@ -75,10 +81,12 @@ def pingpong_schedule(pipeline: Pipeline):
     @pl.when(wg == memory_wg)
     def _memory():
       pipeline.stream_tiles(
-          x_smem, dy_smem,
-          lambda local_tile, slot: loaded.at[owner(local_tile) * stages
-                                             + slot],
-          consumed, stages)
+        x_smem,
+        dy_smem,
+        lambda local_tile, slot: loaded.at[owner(local_tile) * stages + slot],
+        consumed,
+        stages,
+      )
 
     @pl.when(wg == loader_wg)
     def _loader():
@@ -99,13 +107,13 @@ def pingpong_schedule(pipeline: Pipeline):
 
       # Observe the last buffers' releases too, leaving the barriers clean.
       for owner_wg in range(wgs):
-        total = ((pipeline.local_tiles() - owner_wg + wgs - 1) // wgs
-                 * per_tile)
+        total = (pipeline.local_tiles() - owner_wg + wgs - 1) // wgs * per_tile
 
         @pl.loop(lax.max(total - slots, 0), total)
         def _drain(position):
           plgpu.barrier_wait(
-              buffer_free.at[owner_wg * slots + lax.rem(position, slots)])
+            buffer_free.at[owner_wg * slots + lax.rem(position, slots)]
+          )
 
     @pl.when(wg < wgs)
     def _compute():
@@ -119,18 +127,28 @@ def pingpong_schedule(pipeline: Pipeline):
           (linear,) = loop_info.index
           k0, n0 = pipeline.tile_origin(linear)
 
-          @functools.partial(pl.run_scoped,
-                             acc_ref=plgpu.ACC((tk, tn), jnp.float32))
+          @functools.partial(
+            pl.run_scoped, acc_ref=plgpu.ACC((tk, tn), jnp.float32)
+          )
           def _acc_scope(acc_ref):
             acc = pipeline.main_loop(
-                acc_ref, x_smem, dy_smem,
-                lambda slot: loaded.at[wg * stages + slot], consumed,
-                stages, loop_info.local_index * num_steps, 0)
+              acc_ref,
+              x_smem,
+              dy_smem,
+              lambda slot: loaded.at[wg * stages + slot],
+              consumed,
+              stages,
+              loop_info.local_index * num_steps,
+              0,
+            )
             skipped = jnp.zeros((ek,), jnp.float32)
             for index, (di, dj) in enumerate(part_subtiles):
               buf, _ = buffer(loop_info.local_index, index)
               skipped += ep.update(
-                  buf, k0 + di, n0 + dj, acc[di:di + ek, dj:dj + en],
-                  functools.partial(plgpu.barrier_arrive,
-                                    buffer_free.at[buf]))
+                buf,
+                k0 + di,
+                n0 + dj,
+                acc[di : di + ek, dj : dj + en],
+                functools.partial(plgpu.barrier_arrive, buffer_free.at[buf]),
+              )
             skipped_gmem[linear] = skipped

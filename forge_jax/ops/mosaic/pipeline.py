@@ -17,8 +17,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from forge_jax.ops.mosaic.config import (MEMORY_REGISTERS, MosaicConfig,
-                                         epilogue_buffers, launch_registers)
+from forge_jax.ops.mosaic.config import (
+  MEMORY_REGISTERS,
+  MosaicConfig,
+  epilogue_buffers,
+  launch_registers,
+)
 from forge_jax.ops.mosaic.epilogue import Epilogue
 from forge_jax.ops.update import apply_update, read_kernel_scalars
 
@@ -27,8 +31,10 @@ def _swizzled(block_minor: int, dtype):
   """TMA transforms for a block whose minor dimension has ``block_minor``
   elements of ``dtype``."""
   swizzle = plgpu.find_swizzle(block_minor * jnp.dtype(dtype).itemsize * 8)
-  return (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)),
-          plgpu.SwizzleTransform(swizzle))
+  return (
+    plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)),
+    plgpu.SwizzleTransform(swizzle),
+  )
 
 
 class Pipeline:
@@ -43,9 +49,24 @@ class Pipeline:
   (:func:`forge_jax.ops.mosaic.kernel.skipped_rows_shape`).
   """
 
-  def __init__(self, scalars_gmem, x_gmem, dy_gmem, storage_gmem, storage_out,
-               skipped_gmem, *, optimizer, state_treedef, scalars_treedef,
-               config: MosaicConfig, layer_id, interpret, stacked, is_scale):
+  def __init__(
+    self,
+    scalars_gmem,
+    x_gmem,
+    dy_gmem,
+    storage_gmem,
+    storage_out,
+    skipped_gmem,
+    *,
+    optimizer,
+    state_treedef,
+    scalars_treedef,
+    config: MosaicConfig,
+    layer_id,
+    interpret,
+    stacked,
+    is_scale,
+  ):
     self.scalars_gmem, self.x_gmem, self.dy_gmem = scalars_gmem, x_gmem, dy_gmem
     self.storage_gmem, self.storage_out = storage_gmem, storage_out
     self.skipped_gmem = skipped_gmem
@@ -75,15 +96,18 @@ class Pipeline:
       self.x_window = lambda k0, t: x_gmem.at[pl.ds(t * tt, tt), pl.ds(k0, tk)]
     self.x_transforms = _swizzled(self.x_block[1], x_gmem.dtype)
     self.dy_transforms = _swizzled(self.cta_tn, dy_gmem.dtype)
-    self.tma_refs = [ref for ref, scale in zip(storage_gmem, is_scale)
-                     if not scale]
+    self.tma_refs = [
+      ref for ref, scale in zip(storage_gmem, is_scale) if not scale
+    ]
     # Sub-tiles of one warpgroup's tile_k x tile_n part, in order.
-    self.part_subtiles = [(i * ek, j * en) for i in range(tk // ek)
-                          for j in range(tn // en)]
+    self.part_subtiles = [
+      (i * ek, j * en) for i in range(tk // ek) for j in range(tn // en)
+    ]
 
   def tile_origin(self, linear):
-    k_idx, n_idx = plgpu.planar_snake(linear, (self.k_iters, self.n_iters), 1,
-                                      self.config.grid_tile_width)
+    k_idx, n_idx = plgpu.planar_snake(
+      linear, (self.k_iters, self.n_iters), 1, self.config.grid_tile_width
+    )
     return k_idx * self.tk, n_idx * self.cta_tn
 
   def wgmma(self, acc_ref, x_smem, dy_smem, part):
@@ -98,42 +122,68 @@ class Pipeline:
     (:meth:`epilogue_allocations`)."""
     optimizer, storage_gmem = self.optimizer, self.storage_gmem
     scalars, apply, step, shard_row, shard_col, layer_index = (
-        read_kernel_scalars(self.scalars_gmem, self.scalars_treedef))
+      read_kernel_scalars(self.scalars_gmem, self.scalars_treedef)
+    )
 
     def rule(grad, values, indices):
       state = jax.tree.unflatten(self.state_treedef, values[1:])
       new_w, new_state, updated = apply_update(
-          optimizer, grad, values[0], state, scalars, apply, step=step,
-          layer_id=self.layer_id, indices=indices)
+        optimizer,
+        grad,
+        values[0],
+        state,
+        scalars,
+        apply,
+        step=step,
+        layer_id=self.layer_id,
+        indices=indices,
+      )
       return [new_w] + jax.tree.leaves(new_state), updated
 
     return Epilogue(
-        storage_gmem=storage_gmem, storage_out=self.storage_out,
-        is_scale=self.is_scale, smem=smem, barriers=barriers,
-        layer=(layer_index,) if self.stacked else (), rule=rule,
-        stochastic=(optimizer.weight_rounding == "stochastic"
-                    and storage_gmem[0].dtype == jnp.bfloat16),
-        shard_origin=(shard_row, shard_col), config=self.config,
-        interpret=self.interpret)
+      storage_gmem=storage_gmem,
+      storage_out=self.storage_out,
+      is_scale=self.is_scale,
+      smem=smem,
+      barriers=barriers,
+      layer=(layer_index,) if self.stacked else (),
+      rule=rule,
+      stochastic=(
+        optimizer.weight_rounding == "stochastic"
+        and storage_gmem[0].dtype == jnp.bfloat16
+      ),
+      shard_origin=(shard_row, shard_col),
+      config=self.config,
+      interpret=self.interpret,
+    )
 
   def epilogue_allocations(self):
     """The epilogue's buffers and load barriers, for ``pl.run_scoped``."""
     ek, en, tma_refs = self.ek, self.en, self.tma_refs
     num_buffers = epilogue_buffers(self.config)
     return dict(
-        epilogue_smem=[plgpu.SMEM((num_buffers, ek, en), ref.dtype,
-                                  transforms=_swizzled(en, ref.dtype))
-                       for ref in tma_refs],
-        # One barrier per (buffer, leaf): each TMA load arrives once.
-        load_barriers=plgpu.Barrier(num_barriers=num_buffers * len(tma_refs)))
+      epilogue_smem=[
+        plgpu.SMEM(
+          (num_buffers, ek, en), ref.dtype, transforms=_swizzled(en, ref.dtype)
+        )
+        for ref in tma_refs
+      ],
+      # One barrier per (buffer, leaf): each TMA load arrives once.
+      load_barriers=plgpu.Barrier(num_barriers=num_buffers * len(tma_refs)),
+    )
 
   def ring_buffers(self, stages):
     """The x and dy blocks of a ring of ``stages`` pipeline steps."""
     return dict(
-        x_smem=plgpu.SMEM((stages, *self.x_block), self.x_gmem.dtype,
-                          transforms=self.x_transforms),
-        dy_smem=plgpu.SMEM((stages, self.tt, self.cta_tn), self.dy_gmem.dtype,
-                           transforms=self.dy_transforms))
+      x_smem=plgpu.SMEM(
+        (stages, *self.x_block), self.x_gmem.dtype, transforms=self.x_transforms
+      ),
+      dy_smem=plgpu.SMEM(
+        (stages, self.tt, self.cta_tn),
+        self.dy_gmem.dtype,
+        transforms=self.dy_transforms,
+      ),
+    )
 
   def take_registers(self, registers):
     """Raises a compute warpgroup's registers (setmaxnreg) when ``registers``
@@ -169,11 +219,12 @@ class Pipeline:
           plgpu.barrier_wait(consumed.at[slot])
 
         barrier = ready(loop_info.local_index, slot)
-        plgpu.copy_gmem_to_smem(self.x_window(k0, t), x_smem.at[slot],
-                                barrier)
+        plgpu.copy_gmem_to_smem(self.x_window(k0, t), x_smem.at[slot], barrier)
         plgpu.copy_gmem_to_smem(
-            self.dy_gmem.at[pl.ds(t * tt, tt), pl.ds(cta_n0, cta_tn)],
-            dy_smem.at[slot], barrier)
+          self.dy_gmem.at[pl.ds(t * tt, tt), pl.ds(cta_n0, cta_tn)],
+          dy_smem.at[slot],
+          barrier,
+        )
 
     # Observe the last steps' releases too, leaving the barriers clean.
     total = self.local_tiles() * num_steps
@@ -182,8 +233,18 @@ class Pipeline:
     def _drain(count):
       plgpu.barrier_wait(consumed.at[lax.rem(count, stages)])
 
-  def main_loop(self, acc_ref, x_smem, dy_smem, ready, consumed, stages, first,
-                part, after_wgmma=lambda t: None):
+  def main_loop(
+    self,
+    acc_ref,
+    x_smem,
+    dy_smem,
+    ready,
+    consumed,
+    stages,
+    first,
+    part,
+    after_wgmma=lambda t: None,
+  ):
     """Accumulates one tile from the ring of ``stages`` buffers (steps
     ``first + t``, loads arriving on ``ready(slot)``) and returns the
     accumulator. A step's buffers are released after the next step's
@@ -209,8 +270,9 @@ class Pipeline:
       return acc_ref, lax.select(following == stages, 0, following), slot
 
     first_slot = lax.rem(first, stages)
-    _, _, last = lax.fori_loop(0, self.num_steps, step,
-                               (acc_ref, first_slot, first_slot))
+    _, _, last = lax.fori_loop(
+      0, self.num_steps, step, (acc_ref, first_slot, first_slot)
+    )
     acc = acc_ref[...]  # waits for the last wgmma
     plgpu.barrier_arrive(consumed.at[last])
     return acc
