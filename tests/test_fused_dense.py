@@ -7,7 +7,7 @@
   masked token tail).
 * ``MosaicInterpretTest``: the Mosaic GPU kernel in Mosaic GPU's interpret
   mode, on the smallest shape that spans several of its tiles (its configs
-  and schedules are test_mosaic_kernel.py's subject).
+  and schedules are test_mosaic.py's subject).
 * ``TritonGpuTest``, ``MosaicGpuTest``: both kernels compiled, on a GPU
   (skipped elsewhere).
 """
@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from forge_jax.ops import backends, mosaic_kernel, triton_kernel
+from forge_jax.ops import backends, mosaic, triton_kernel
 from forge_jax.ops.fused_dense import FusedDenseSpec
 
 from conftest import host_copy
@@ -80,19 +80,14 @@ _SMALL = dict(
 MOSAIC_CONFIGS = {
   # One buffer of 64 x 32 epilogue sub-tiles: room for the four state
   # tensors of centered RMSprop with momentum.
-  "inline": mosaic_kernel.MosaicConfig(
-    **_SMALL, epilogue_n=32, epilogue_slots=1
-  ),
-  "pingpong": mosaic_kernel.MosaicConfig(
+  "inline": mosaic.MosaicConfig(**_SMALL, epilogue_n=32, epilogue_slots=1),
+  "pingpong": mosaic.MosaicConfig(
     **_SMALL, epilogue_n=32, epilogue_slots=2, schedule="pingpong"
-  ),
-  "epilogue-warpgroup": mosaic_kernel.MosaicConfig(
-    **_SMALL, epilogue_n=32, epilogue_slots=2, schedule="epilogue-warpgroup"
   ),
 }
 # int8 states: epilogue sub-tiles of one quantization block (64 columns).
 MOSAIC_LOWP_CONFIGS = {
-  "int8": mosaic_kernel.MosaicConfig(**_SMALL, epilogue_n=64, epilogue_slots=1),
+  "int8": mosaic.MosaicConfig(**_SMALL, epilogue_n=64, epilogue_slots=1),
 }
 
 
@@ -171,7 +166,7 @@ class MosaicInterpretTest(FusedDenseTestBase):
   lowp_shapes = [MOSAIC_SHAPE]
   lowp_configs = MOSAIC_LOWP_CONFIGS
   # A call takes seconds to tens of seconds: by default one case against
-  # the reference and the fused op's custom_vjp (test_mosaic_kernel.py's
+  # the reference and the fused op's custom_vjp (test_mosaic.py's
   # default run covers the kernel's schedules, non-finite gradients and
   # int8 states).
   default_cases = {
@@ -186,7 +181,7 @@ class MosaicInterpretTest(FusedDenseTestBase):
 
   def backend(self, spec, config):
     def update(x, dy, kernel, state, scalars, apply, step):
-      return mosaic_kernel.mosaic_update(
+      return mosaic.mosaic_update(
         spec,
         x,
         dy,

@@ -85,7 +85,14 @@ def apply_update(
     ok = jnp.logical_and(jnp.isfinite(grad), apply)
     if guard_results:
       ok = jnp.logical_and(
-        ok, finite_result(stepped.astype(kernel.dtype), new_state_f32, scalars)
+        ok,
+        finite_result(
+          stepped.astype(kernel.dtype),
+          new_state_f32,
+          kernel_f32,
+          old_state,
+          scalars,
+        ),
       )
     return stepped, new_state_f32, ok
 
@@ -135,18 +142,29 @@ def apply_update(
   return new_kernel, new_state, ok
 
 
-def finite_result(new_kernel, new_state, scalars) -> jax.Array:
-  """False where the rule made a non-finite kernel or state element.
+def finite_result(new_kernel, new_state, kernel, state, scalars) -> jax.Array:
+  """False where the rule made a non-finite kernel or state element from a
+  finite one.
 
   Such an element keeps its old values and counts as skipped, like one with
   a non-finite gradient: no update writes a NaN or an infinity from finite
-  inputs unreported. A NaN learning rate (a wiped layer's poison, see
-  ``fused_dense.step_scalars``) is let through on purpose.
+  inputs unreported. Non-finite inputs propagate as in optax, and a NaN
+  learning rate (a wiped layer's poison, see ``fused_dense.step_scalars``)
+  is let through on purpose.
   """
-  finite = jnp.isfinite(new_kernel)
-  for leaf in jax.tree.leaves(new_state):
-    finite = jnp.logical_and(finite, jnp.isfinite(leaf))
-  return jnp.logical_or(finite, jnp.isnan(scalars.neg_lr))
+
+  def all_finite(first, rest):
+    finite = jnp.isfinite(first)
+    for leaf in jax.tree.leaves(rest):
+      finite = jnp.logical_and(finite, jnp.isfinite(leaf))
+    return finite
+
+  return jnp.logical_or(
+    all_finite(new_kernel, new_state),
+    jnp.logical_or(
+      jnp.logical_not(all_finite(kernel, state)), jnp.isnan(scalars.neg_lr)
+    ),
+  )
 
 
 class KernelScalars(NamedTuple):
