@@ -153,17 +153,19 @@ def finite_result(new_kernel, new_state, kernel, state, scalars) -> jax.Array:
   is let through on purpose.
   """
 
-  def all_finite(first, rest):
-    finite = jnp.isfinite(first)
+  def nan_where_not_finite(first, rest):
+    # x - x is NaN exactly where x is not finite: arithmetic and one compare
+    # (Mosaic GPU lowers no negation of boolean vectors).
+    total = first.astype(jnp.float32) - first.astype(jnp.float32)
     for leaf in jax.tree.leaves(rest):
-      finite = jnp.logical_and(finite, jnp.isfinite(leaf))
-    return finite
+      total = total + (leaf - leaf)
+    return total
 
+  made = nan_where_not_finite(new_kernel, new_state)
+  given = nan_where_not_finite(kernel, state)
   return jnp.logical_or(
-    all_finite(new_kernel, new_state),
-    jnp.logical_or(
-      jnp.logical_not(all_finite(kernel, state)), jnp.isnan(scalars.neg_lr)
-    ),
+    made == made,
+    jnp.logical_or(jnp.isnan(given), jnp.isnan(scalars.neg_lr)),
   )
 
 
