@@ -44,7 +44,8 @@ class TrainState(train_state.TrainState):
     reached: after a step, ``{layer path: 1.0 or 0.0}`` (float32; ``[L]``
       for layers stacked by a scan): whether the step's loss reached the
       ForgeDense layer. A layer it did not reach keeps its kernel, state and
-      count as they were. None before the first step.
+      count as they were. All 1.0 before the first step; None for a model
+      without ForgeDense layers.
   """
 
   reached: Any = None
@@ -55,6 +56,15 @@ class TrainState(train_state.TrainState):
     if isinstance(params, Mapping) and FORGE_COLLECTION in params:
       # A model whose every parameter is FORGE's has no 'params' collection.
       params = {"params": {}, **params}
+      # Every layer counts as reached until a step says otherwise: the
+      # state's structure stays the same across steps (no retrace).
+      kwargs.setdefault(
+        "reached",
+        {
+          "/".join(path): jnp.ones(jnp.shape(layer["intact"]), jnp.float32)
+          for path, layer in _layers(params[FORGE_COLLECTION])
+        },
+      )
     return super().create(apply_fn=apply_fn, params=params, tx=tx, **kwargs)
 
   def apply_gradients(self, *, grads, **kwargs):

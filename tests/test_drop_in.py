@@ -292,6 +292,33 @@ def test_unreached_stacked_block_layer_keeps_its_stack():
   )
 
 
+def test_train_state_compiles_its_step_once():
+  """``reached`` exists from ``create`` on: the state's structure is the same
+  before and after a step, so a jitted step does not retrace."""
+  model = WithAuxHead()
+  x, y = data()
+  variables = model.init(jax.random.key(0), x)
+  state = fj.TrainState.create(
+    apply_fn=model.apply, params=variables, tx=OPT.to_optax()
+  )
+  assert state.unreached_layers() == []
+
+  traces = []
+
+  @jax.jit
+  def step(state):
+    traces.append(1)
+    grads = jax.grad(lambda p: jnp.mean((state.apply_fn(p, x) - y) ** 2))(
+      state.params
+    )
+    return state.apply_gradients(grads=grads)
+
+  for _ in range(3):
+    state = step(state)
+  assert len(traces) == 1
+  assert state.unreached_layers() == ["aux"]
+
+
 def test_stock_train_state_still_fails_loudly_on_an_unreached_layer():
   model = WithAuxHead()
   x, y = data()
