@@ -91,6 +91,27 @@ MOSAIC_LOWP_CONFIGS = {
 }
 
 
+def kernel_step(kernel_update, spec, config, interpret):
+  """One step of a Pallas kernel's ``*_update`` entry point with
+  ``config``, in the shape :meth:`FusedDenseTestBase.backend` returns."""
+
+  def update(x, dy, kernel, state, scalars, apply, step):
+    return kernel_update(
+      spec,
+      x,
+      dy,
+      kernel,
+      state,
+      scalars,
+      apply,
+      config=config,
+      interpret=interpret,
+      step=step,
+    )
+
+  return update
+
+
 class XlaTest(FusedDenseTestBase):
   implementation = "xla"
   shapes = SHAPES
@@ -141,21 +162,9 @@ class TritonInterpretTest(FusedDenseTestBase):
   }
 
   def backend(self, spec, config):
-    def update(x, dy, kernel, state, scalars, apply, step):
-      return triton_kernel.triton_update(
-        spec,
-        x,
-        dy,
-        kernel,
-        state,
-        scalars,
-        apply,
-        config=config,
-        interpret=self.interpret,
-        step=step,
-      )
-
-    return update
+    return kernel_step(
+      triton_kernel.triton_update, spec, config, self.interpret
+    )
 
 
 class MosaicInterpretTest(FusedDenseTestBase):
@@ -180,21 +189,7 @@ class MosaicInterpretTest(FusedDenseTestBase):
   }
 
   def backend(self, spec, config):
-    def update(x, dy, kernel, state, scalars, apply, step):
-      return mosaic.mosaic_update(
-        spec,
-        x,
-        dy,
-        kernel,
-        state,
-        scalars,
-        apply,
-        config=config,
-        interpret=self.interpret,
-        step=step,
-      )
-
-    return update
+    return kernel_step(mosaic.mosaic_update, spec, config, self.interpret)
 
   def activation_dtype(self, dtype):
     del dtype
