@@ -449,8 +449,9 @@ def test_overflowing_fused_update_is_skipped_and_counted(implementation):
 
 
 def test_triton_kernel_refuses_stacks_of_2_31_elements():
-  """The Triton kernel trains a Qwen3-14B-shaped scanned model with int8
-  states to NaN (stacks of 40 x 5120 x 17408 elements); it refuses them."""
+  """The Triton kernel's element offsets are 32-bit: a Qwen3-14B-shaped
+  scanned model (stacks of 40 x 5120 x 17408 elements) trained to NaN
+  through it. It refuses such stacks; one layer of them runs."""
   from forge_jax.ops import backends, triton_kernel  # pylint: disable=import-outside-toplevel
 
   optimizer = fj.adamw(1e-4, weight_rounding="stochastic", state_dtype="int8")
@@ -583,4 +584,79 @@ def test_int8_states_stay_finite_and_agree_at_model_shapes(shape):
   for implementation in ("triton", "mosaic"):
     np.testing.assert_allclose(
       finals[implementation], finals["xla"], atol=2e-3, err_msg=implementation
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+  "storage",
+  [
+    dict(),
+    dict(weight_rounding="stochastic", state_dtype="int8"),
+  ],
+  ids=["bf16", "bf16-sr-int8"],
+)
+def test_stacks_past_2_31_elements_train_like_xla_on_gpu(storage):
+  """The top layer of a stack of 26 Qwen3-14B up-projections (2.3e9
+  elements, past 32-bit offsets), updated in place at a traced index for
+  three steps through 'auto' and 'mosaic', equals 'xla' and stays finite;
+  the other layers are untouched; 'triton' refuses the stack."""
+  layers, (k, n), tokens = 26, MODEL_SHAPES["14b_up"], 512
+  optimizer = fj.adamw(1e-4, weight_decay=0.1, **storage)
+  layer = layers - 1
+
+  def step(implementation):
+    spec = fused_dense.FusedDenseSpec(
+      optimizer=optimizer, implementation=implementation, layer_id=5
+    )
+
+    @functools.partial(jax.jit, donate_argnums=0)
+    def update(variables, x, seed, index):
+      dy = (jax.random.normal(jax.random.key(seed), (tokens, n)) * 1e-3).astype(
+        jnp.bfloat16
+      )
+      return jax.vjp(
+        lambda v: fused_dense.forge_dense(x, v, None, spec, index), variables
+      )[1](dy)[0]
+
+    return update
+
+  def stacked_variables():
+    kernel = jax.jit(
+      lambda: (
+        jax.random.normal(jax.random.key(0), (layers, k, n)) * 0.02
+      ).astype(jnp.bfloat16)
+    )()
+    return jax.jit(
+      jax.vmap(lambda w: fused_dense.init_variables(optimizer, w))
+    )(kernel)
+
+  x = jax.random.normal(jax.random.key(1), (tokens, k), jnp.bfloat16)
+  index = jnp.int32(layer)
+  with pytest.raises(ValueError, match="2\\*\\*31"):
+    step("triton")(stacked_variables(), x, 0, index)
+  finals = {}
+  for implementation in ("xla", "auto", "mosaic"):
+    variables = stacked_variables()
+    untouched = np.asarray(variables.kernel[0], np.float32)
+    update = step(implementation)
+    for seed in range(3):
+      variables = update(variables, x, seed, index)
+    top = jax.tree.map(
+      lambda leaf: np.asarray(leaf[layer], np.float32), variables
+    )
+    for leaf in jax.tree.leaves(top):
+      assert np.all(np.isfinite(leaf)), implementation
+    assert float(top.count) == 3 and float(top.skipped) == 0, implementation
+    np.testing.assert_array_equal(
+      np.asarray(variables.kernel[0], np.float32), untouched
+    )
+    finals[implementation] = top
+    del variables
+  for implementation in ("auto", "mosaic"):
+    np.testing.assert_allclose(
+      finals[implementation].kernel,
+      finals["xla"].kernel,
+      atol=2e-3,
+      err_msg=implementation,
     )
