@@ -112,7 +112,7 @@ def _compare(a, b):
     # float32 arithmetic differently moves the result by many of its own
     # tiny ulps, but by less than one ulp at the leaf's scale.
     rms = np.sqrt(np.mean(np.square(fb[finite]))) if finite.any() else 0.0
-    scale_ulp = rms * 2.0 ** -(np.finfo(a.dtype).nmant)
+    scale_ulp = rms * 2.0 ** -(jnp.finfo(a.dtype).nmant)
     beyond = finite & (ulps > 1) & (np.abs(fa - fb) > scale_ulp)
     out["beyond_one_ulp"] = int(beyond.sum())
   return out

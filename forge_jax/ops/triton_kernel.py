@@ -149,10 +149,10 @@ def unsupported_reason(x, dy, kernel, optimizer) -> Optional[str]:
   if math.prod(x.shape[:-1]) == 0:
     return f"{x.shape=} has no tokens"
   if math.prod(kernel.shape) >= 2**31:
-    # Measured: a scanned model whose stacks pass 2**31 elements (Qwen3-14B's
-    # 40 x 5120 x 17408) trains to NaN through this kernel, while one update
-    # of such a stack alone matches XLA; the cause is not isolated, so such
-    # stacks are refused rather than risked.
+    # Measured: a scanned Qwen3-14B-shaped model trains to NaN through this
+    # kernel once its stacks pass 2**31 elements (25 layers; 24 train), while
+    # one update of such a stack alone matches XLA; the mechanism is not
+    # isolated, so such stacks are refused rather than risked.
     return (
       f"the kernel (stack) has {math.prod(kernel.shape)} elements, "
       "2**31 or more, where this kernel is not known to be correct; "
