@@ -15,18 +15,7 @@ from forge_jax import quantization as Q
 from forge_jax.ops import backends, triton_kernel
 from forge_jax.ops.fused_dense import FusedDenseSpec
 
-# test_mosaic_kernel.py takes these from here.
-from fused_dense_test_base import (  # noqa: F401
-  BF16,
-  F32,
-  LOWP_OPTIMIZERS,
-  OPTIMIZERS,
-  assert_leaves_match,
-  assert_outputs_match,
-  exact_inputs,
-  random_inputs,
-  run_reference,
-)
+from fused_dense_test_base import BF16, LOWP_OPTIMIZERS, exact_inputs
 
 
 def test_auto_selects_xla_off_gpu():

@@ -34,7 +34,6 @@ from forge_jax.ops.fused_dense import FusedDenseSpec
 from conftest import COLL, assert_bitwise_equal, host_copy
 
 # test_mosaic_kernel.py takes it from here.
-from fused_dense_test_base import exact_inputs  # noqa: F401
 
 BF16, F32 = jnp.bfloat16, jnp.float32
 # Jitted once: eager dispatch of the quantizer's many small ops is slow.

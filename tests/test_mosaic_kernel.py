@@ -44,16 +44,16 @@ from conftest import (
   poison,
   ulp_distance,
 )
-from test_kernel import (
+from fused_dense_test_base import (
   BF16,
   F32,
   OPTIMIZERS,
   assert_leaves_match,
   assert_outputs_match,
+  exact_inputs,
   random_inputs,
   run_reference,
 )
-from test_low_precision import exact_inputs
 
 # 64 x 64 parts, two compute warpgroups: a CTA tile is 64 x 128. K = 128,
 # N = 256, 128 tokens: 2 x 2 tiles on two CTAs, 2 pipeline steps each, and
