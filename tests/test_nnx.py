@@ -1,0 +1,434 @@
+"""``fj.nnx``: FORGE for Flax NNX against ``nnx.Linear`` + ``nnx.Optimizer``.
+
+The NNX training loop with its one change (differentiate with respect to
+``fj.nnx.TRAINABLE``, update with ``fj.nnx.Optimizer``) trains as
+``nnx.Linear`` + the optax alias, on every optimizer row of the table; the
+NNX layer calls the fused op of ``fj.ForgeDense`` (bit-identical steps, int8
+states and stochastic rounding included); ``fj.nnx.scan`` steps stacked
+layers in place; the safety checks of the Linen layer hold; tensor
+parallelism; orbax checkpoints resume bit for bit; an NNX Llama-style model
+follows the Linen one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import forge_jax as fj
+from conftest import (
+  assert_bitwise_equal,
+  assert_rel_close,
+  make_batch,
+  make_batches,
+  poison,
+)
+from examples.lm import llama
+from examples.lm import train as train_lib
+from fused_dense_test_base import (
+  BF16_STATE_RTOL,
+  CLASSES,
+  FEATURES,
+  OPTAX_CASES,
+  RTOL,
+  STEPS,
+)
+
+OPT = fj.adamw(1e-2, weight_decay=0.1)
+WRT = nnx.DiffState(0, fj.nnx.TRAINABLE)
+
+
+class MLP(nnx.Module):
+  """``fc1 -> gelu -> fc2 -> ...`` of ``fj.nnx.Linear`` or ``nnx.Linear``."""
+
+  def __init__(self, features, rngs, optimizer=None, **kwargs):
+    linear = nnx.Linear
+    if optimizer is not None:
+      linear = lambda *a, **k: fj.nnx.Linear(*a, optimizer=optimizer, **k)
+    self.layers = nnx.List(
+      [
+        linear(i, o, rngs=rngs, **kwargs)
+        for i, o in zip(features[:-1], features[1:])
+      ]
+    )
+
+  def __call__(self, x):
+    *hidden, last = self.layers
+    for layer in hidden:
+      x = nnx.gelu(layer(x))
+    return last(x)
+
+
+def cross_entropy(model, x, y):
+  return optax.softmax_cross_entropy_with_integer_labels(model(x), y).mean()
+
+
+def forge_step(loss_fn=cross_entropy):
+  """The NNX train step with FORGE's one change: the DiffState."""
+
+  @nnx.jit
+  def step(model, optimizer, *batch):
+    loss, grads = nnx.value_and_grad(loss_fn, argnums=WRT)(model, *batch)
+    optimizer.update(model, grads)
+    return loss
+
+  return step
+
+
+def reference_step(loss_fn=cross_entropy):
+  @nnx.jit
+  def step(model, optimizer, *batch):
+    loss, grads = nnx.value_and_grad(loss_fn)(model, *batch)
+    optimizer.update(model, grads)
+    return loss
+
+  return step
+
+
+def kernels_and_biases(model):
+  """``{(layer, 'kernel' | 'bias'): array}`` of every linear layer."""
+  out = {}
+  for path, module in nnx.iter_modules(model):
+    if isinstance(module, (nnx.Linear, fj.nnx.Linear)):
+      out[path, "kernel"] = np.asarray(module.kernel[...])
+      if module.bias is not None:
+        out[path, "bias"] = np.asarray(module.bias[...])
+  return out
+
+
+def forge_values(model):
+  return jax.tree.map(
+    np.asarray, nnx.to_pure_dict(nnx.state(model, fj.nnx.OverwriteWithGradient))
+  )
+
+
+# ---------------------------------------------------------------------------
+# The optimizer table against nnx.Linear + nnx.Optimizer(optax alias).
+
+_FIRST_OF_EACH = {
+  case.id
+  for case in OPTAX_CASES
+  if case is next(c for c in OPTAX_CASES if c.name == case.name)
+}
+TABLE = [
+  pytest.param(
+    case,
+    id=case.id,
+    marks=() if case.core or case.id in _FIRST_OF_EACH else pytest.mark.slow,
+  )
+  for case in OPTAX_CASES
+]
+
+
+@pytest.mark.parametrize("case", TABLE)
+def test_matches_nnx_linear_and_optax(case, seed):
+  """Every optimizer row: kernels, biases and losses of every step follow
+  ``nnx.Linear`` + ``nnx.Optimizer(optax.<name>)`` to 1e-6 (fp32)."""
+  opt = getattr(fj, case.name)(**case.kwargs)
+  features = (case.shape[-1],) + FEATURES
+  model = MLP(features, nnx.Rngs(seed), opt, implementation="xla")
+  ref = MLP(features, nnx.Rngs(seed))
+  initial = kernels_and_biases(model)
+  for key, value in kernels_and_biases(ref).items():
+    np.testing.assert_array_equal(initial[key], value)  # same init
+  optimizer = fj.nnx.Optimizer(model, opt.to_optax(), wrt=nnx.Param)
+  ref_optimizer = nnx.Optimizer(
+    ref, getattr(optax, case.name)(**case.kwargs), wrt=nnx.Param
+  )
+  bf16 = jnp.bfloat16 in (
+    case.kwargs.get("mu_dtype"),
+    case.kwargs.get("accumulator_dtype"),
+  )
+  rtol = BF16_STATE_RTOL if bf16 else RTOL
+  step, ref_step = forge_step(), reference_step()
+  for i, batch in enumerate(make_batches(seed, STEPS, case.shape, CLASSES)):
+    loss = step(model, optimizer, *batch)
+    ref_loss = ref_step(ref, ref_optimizer, *batch)
+    np.testing.assert_allclose(loss, ref_loss, rtol=rtol)
+    ours, theirs = kernels_and_biases(model), kernels_and_biases(ref)
+    for key in theirs:
+      assert_rel_close(ours[key], theirs[key], rtol, f"step {i} {key}")
+  assert all(
+    np.abs(kernels_and_biases(model)[k] - v).max() > 0
+    for k, v in initial.items()
+    if k[1] == "kernel"
+  )
+  assert int(optimizer.step[...]) == STEPS
+
+
+# ---------------------------------------------------------------------------
+# The same fused op as fj.ForgeDense: every backend, int8 states, SR.
+
+
+class LinenMLP(nn.Module):
+  features: tuple
+  optimizer: fj.ForgeOptimizer
+  implementation: str = "xla"
+
+  @nn.compact
+  def __call__(self, x):
+    for i, f in enumerate(self.features):
+      x = fj.ForgeDense(
+        f,
+        optimizer=self.optimizer,
+        implementation=self.implementation,
+        param_dtype=x.dtype,
+        name=f"layers_{i}",
+      )(x)
+      if i < len(self.features) - 1:
+        x = nn.gelu(x)
+    return x
+
+
+def _linen_loss(variables, apply_fn, x, y):
+  return optax.softmax_cross_entropy_with_integer_labels(
+    apply_fn(variables, x).astype(jnp.float32), y
+  ).mean()
+
+
+def _copy_linen_into_nnx(variables, model):
+  """The Linen model's kernels and biases, in the NNX model of the same
+  layer names (``layers_i`` -> ``layers[i]``)."""
+  for i, layer in enumerate(model.layers):
+    linen = variables[fj.FORGE_COLLECTION][f"layers_{i}"]
+    layer.kernel[...] = linen["kernel"]
+    layer.bias[...] = variables["params"][f"layers_{i}"]["bias"]
+
+
+OPS = [
+  pytest.param("xla", fj.adamw(1e-2, weight_decay=0.1), 12, id="xla-adamw"),
+  pytest.param(
+    "xla",
+    fj.adamw(1e-2, state_dtype="int8", weight_rounding="stochastic"),
+    128,
+    id="xla-int8-sr",
+  ),
+  pytest.param(
+    "triton",
+    fj.lion(1e-3, state_dtype="int8", weight_rounding="stochastic"),
+    128,
+    id="triton-int8-sr",
+  ),
+  pytest.param(
+    "mosaic",
+    fj.adamw(1e-2, weight_rounding="stochastic"),
+    128,
+    id="mosaic-sr",
+    marks=pytest.mark.slow,
+  ),
+]
+
+
+@pytest.mark.parametrize("implementation,opt,width", OPS)
+def test_steps_bit_for_bit_as_forge_dense(implementation, opt, width, seed):
+  """The NNX layer is the Linen layer's fused op: the same steps bit for
+  bit (bf16 kernels for stochastic rounding, seeded with the Linen layers'
+  ids), on every backend."""
+  dtype = jnp.bfloat16 if opt.weight_rounding == "stochastic" else jnp.float32
+  features = (width, 10)
+  x, y = make_batch(seed, (64, width), CLASSES)
+  x = x.astype(dtype)
+  linen = LinenMLP(features, opt, implementation)
+  variables = linen.init(jax.random.key(seed), x)
+  state = fj.TrainState.create(
+    apply_fn=linen.apply, params=variables, tx=opt.to_optax()
+  )
+  model = MLP(
+    (width,) + features,
+    nnx.Rngs(seed),
+    opt,
+    implementation=implementation,
+    param_dtype=dtype,
+  )
+  _copy_linen_into_nnx(variables, model)
+  for i, layer in enumerate(model.layers):  # the Linen layers' rounding ids
+    layer.layer_id = fj.quantization.layer_id_from_path((f"layers_{i}",))
+  optimizer = fj.nnx.Optimizer(model, opt.to_optax(), wrt=nnx.Param)
+
+  @jax.jit
+  def linen_step(state, x, y):
+    loss, grads = jax.value_and_grad(_linen_loss)(
+      state.params, state.apply_fn, x, y
+    )
+    return state.apply_gradients(grads=grads), loss
+
+  loss_fn = lambda m, x, y: optax.softmax_cross_entropy_with_integer_labels(
+    m(x).astype(jnp.float32), y
+  ).mean()
+  step = forge_step(loss_fn)
+  for _ in range(2):
+    state, linen_loss = linen_step(state, x, y)
+    loss = step(model, optimizer, x, y)
+    assert_bitwise_equal(loss, linen_loss, "loss")
+  ours = forge_values(model)
+  for i in range(len(features)):
+    theirs = state.params[fj.FORGE_COLLECTION][f"layers_{i}"]
+    for name in ("kernel", "opt_state", "count", "skipped", "intact"):
+      for a, b in zip(
+        jax.tree.leaves(ours["layers"][i][name]),
+        jax.tree.leaves(theirs[name]),
+      ):
+        assert_bitwise_equal(a, b, f"layers_{i}/{name}")
+
+
+# ---------------------------------------------------------------------------
+# Safety, as for the Linen layer.
+
+
+def _mlp(seed, features=(6, 8, 4), **kwargs):
+  model = MLP(features, nnx.Rngs(seed), OPT, implementation="xla", **kwargs)
+  return model, make_batch(seed, (5, features[0]), features[-1])
+
+
+class Branches(nnx.Module):
+  """A head per task; the loss reaches only the one it is given."""
+
+  def __init__(self, rngs):
+    self.body = fj.nnx.Linear(6, 8, optimizer=OPT, rngs=rngs)
+    self.heads = nnx.List(
+      [fj.nnx.Linear(8, 4, optimizer=OPT, rngs=rngs) for _ in range(2)]
+    )
+
+  def __call__(self, x, task):
+    return self.heads[task](nnx.gelu(self.body(x)))
+
+
+def test_unreached_layer_keeps_its_variables_bit_for_bit(seed):
+  model = Branches(nnx.Rngs(seed))
+  optimizer = fj.nnx.Optimizer(model, OPT.to_optax(), wrt=nnx.Param)
+  x, y = make_batch(seed, (5, 6), 4)
+  step = forge_step(lambda m, x, y: cross_entropy(lambda x: m(x, 0), x, y))
+  step(model, optimizer, x, y)
+  before = forge_values(model)
+  step(model, optimizer, x, y)  # traced once: head 1 is never reached
+  after = forge_values(model)
+  for a, b in zip(
+    jax.tree.leaves(after["heads"][1]), jax.tree.leaves(before["heads"][1])
+  ):
+    assert_bitwise_equal(a, b, "heads[1]")
+  assert float(after["heads"][1]["count"]) == 0.0
+  assert float(after["heads"][0]["count"]) == 2.0
+  assert optimizer.unreached_layers() == ["heads/1"]
+  assert fj.nnx.wiped_layers(model) == []
+
+  # nnx.update(model, grads) instead of the optimizer wipes the layer, and
+  # its next step turns the loss NaN.
+  @nnx.jit
+  def overwrite(model):
+    grads = nnx.grad(
+      lambda m: cross_entropy(lambda x: m(x, 0), x, y), argnums=WRT
+    )(model)
+    nnx.update(model, nnx.state(grads, fj.nnx.OverwriteWithGradient))
+
+  overwrite(model)
+  assert fj.nnx.wiped_layers(model) == ["heads/1"]
+  other_step = forge_step(
+    lambda m, x, y: cross_entropy(lambda x: m(x, 1), x, y)
+  )
+  assert np.isfinite(other_step(model, optimizer, x, y))
+  assert np.isnan(other_step(model, optimizer, x, y))
+
+
+class Twice(nnx.Module):
+  def __init__(self, rngs):
+    self.fc = fj.nnx.Linear(4, 4, optimizer=OPT, rngs=rngs)
+
+  def __call__(self, x):
+    return self.fc(self.fc(x))
+
+
+def test_called_twice_in_one_forward_raises(seed):
+  model = Twice(nnx.Rngs(seed))
+  x = jnp.ones((2, 4))
+  np.asarray(model(model.fc(x)))  # eager, not differentiated: fine
+  with pytest.raises(ValueError, match="called twice"):
+    nnx.grad(lambda m: m(x).sum(), argnums=WRT)(model)
+  with pytest.raises(ValueError, match="called twice"):
+    nnx.jit(lambda m: nnx.grad(lambda m: m(x).sum(), argnums=WRT)(m))(model)
+
+
+def test_grad_of_params_only_raises(seed):
+  model, (x, y) = _mlp(seed)
+  with pytest.raises(ValueError, match="fj.nnx.TRAINABLE"):
+    nnx.grad(cross_entropy)(model, x, y)
+
+
+def test_misuse_raises(seed):
+  model, (x, y) = _mlp(seed)
+  with pytest.raises(ValueError, match="selects FORGE's variables"):
+    fj.nnx.Optimizer(model, OPT.to_optax(), wrt=nnx.Variable)
+  with pytest.raises(ValueError, match="not the optimizer"):
+    fj.nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+  with pytest.raises(ValueError, match="MultiSteps"):
+    fj.nnx.Optimizer(model, optax.MultiSteps(OPT.to_optax(), 2), wrt=nnx.Param)
+  with pytest.raises(TypeError, match="elementwise|forge_jax"):
+    fj.nnx.Linear(2, 3, optimizer=optax.adam(1e-3), rngs=nnx.Rngs(0))
+  optimizer = fj.nnx.Optimizer(model, OPT.to_optax(), wrt=nnx.Param)
+  # Partial gradients that do not reach the FORGE layers: no install.
+  grads = nnx.grad(
+    lambda m: sum(jnp.sum(layer.bias[...]) for layer in m.layers)
+  )(model)
+  with pytest.raises(ValueError, match="fj.nnx.TRAINABLE"):
+    optimizer.update(model, grads)
+  # A cast kernel would receive the update through the cast.
+  kernel = model.layers[0].kernel
+  kernel.set_value(kernel.get_value().astype(jnp.bfloat16))
+  with pytest.raises(TypeError, match="was expected"):
+    model(x)
+
+
+def test_stochastic_rounding_needs_a_layer_id(seed):
+  opt = fj.adamw(1e-2, weight_rounding="stochastic")
+  model = MLP((6, 4), nnx.Rngs(seed), opt, param_dtype=jnp.bfloat16)
+  x = jnp.ones((2, 6), jnp.bfloat16)
+  with pytest.raises(ValueError, match="layer_id"):
+    model(x)
+  fj.nnx.Optimizer(model, opt.to_optax(), wrt=nnx.Param)  # numbers them
+  assert model.layers[0].layer_id == fj.quantization.layer_id_from_path(
+    ("layers", 0)
+  )
+  model(x)
+
+
+def test_nonfinite_step_is_skipped_and_counted(seed):
+  """NaN in one input: every layer skips the step whole (kernel and state
+  bit for bit, count not advanced, skipped = kernel size)."""
+  model, (x, y) = _mlp(seed)
+  # fj.nnx.Optimizer refuses apply_if_finite (a whole-gradient rule); it
+  # keeps the biases finite here, and fj.nnx.install FORGE's variables.
+  optimizer = nnx.Optimizer(
+    model,
+    optax.apply_if_finite(OPT.to_optax(), max_consecutive_errors=3),
+    wrt=nnx.Param,
+  )
+
+  @nnx.jit
+  def step(model, optimizer, x, y):
+    loss, grads = nnx.value_and_grad(cross_entropy, argnums=WRT)(model, x, y)
+    fj.nnx.install(model, grads)
+    optimizer.update(model, grads)
+    return loss
+
+  step(model, optimizer, x, y)
+  before = forge_values(model)
+  assert np.isnan(step(model, optimizer, poison(x, np.s_[1, 2]), y))
+  after = forge_values(model)
+  for i, layer in enumerate(before["layers"].values()):
+    new = after["layers"][i]
+    for a, b in zip(
+      jax.tree.leaves((new["kernel"], new["opt_state"])),
+      jax.tree.leaves((layer["kernel"], layer["opt_state"])),
+    ):
+      assert_bitwise_equal(a, b, f"layers[{i}]")
+    assert float(new["count"]) == 1.0
+    assert float(new["skipped"]) == layer["kernel"].size
+  step(model, optimizer, x, y)
+  assert float(model.layers[0].count[...]) == 2.0
+  assert float(model.layers[0].skipped[...]) == 0.0
