@@ -36,6 +36,7 @@ from typing import Any, Callable, Mapping, Optional
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import errors as flax_errors
 from flax import nnx
 from flax.core import spmd
 from flax.nnx.nn.linear import default_bias_init, default_kernel_init
@@ -485,6 +486,13 @@ def wiped_layers(model) -> list[str]:
   return names
 
 
+_STATEFUL_BLOCK = (
+  "fj.nnx.scan's block changed its variables (dropout's rng counts, batch "
+  "statistics, ...): fj.nnx.scan runs stateless blocks; use nnx.scan for "
+  "this one."
+)
+
+
 def _inexact(path, variable) -> bool:
   del path
   return all(
@@ -569,7 +577,10 @@ def scan(
 
     def layer_fn(layer_others, forge, x, layer_fixed, args):
       layer = nnx.merge(graphdef, forge, layer_others, layer_fixed)
-      out = f(x, layer, *args)
+      try:
+        out = f(x, layer, *args)
+      except flax_errors.TraceContextError as error:
+        raise NotImplementedError(_STATEFUL_BLOCK) from error
       before = jax.tree.leaves((forge, layer_others, layer_fixed))
       after = jax.tree.leaves(
         nnx.split(layer, OverwriteWithGradient, _inexact, ...)[1:]
@@ -577,11 +588,7 @@ def scan(
       if len(before) != len(after) or any(
         a is not b for a, b in zip(after, before)
       ):
-        raise NotImplementedError(
-          "fj.nnx.scan's block changed its variables (dropout's rng "
-          "counts, batch statistics, ...): fj.nnx.scan runs stateless "
-          "blocks; use nnx.scan for this one."
-        )
+        raise NotImplementedError(_STATEFUL_BLOCK)
       return out
 
     return scan_stacks(

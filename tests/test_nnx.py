@@ -432,3 +432,179 @@ def test_nonfinite_step_is_skipped_and_counted(seed):
   step(model, optimizer, x, y)
   assert float(model.layers[0].count[...]) == 2.0
   assert float(model.layers[0].skipped[...]) == 0.0
+
+
+# ---------------------------------------------------------------------------
+# fj.nnx.scan over stacked layers.
+
+
+class Block(nnx.Module):
+  def __init__(self, dim, hidden, rngs, optimizer=None, **kwargs):
+    linear = nnx.Linear
+    if optimizer is not None:
+      linear = lambda *a, **k: fj.nnx.Linear(*a, optimizer=optimizer, **k)
+    self.up = linear(dim, hidden, rngs=rngs, **kwargs)
+    self.down = linear(hidden, dim, rngs=rngs, **kwargs)
+    self.scale = nnx.Param(jnp.ones((dim,)))
+
+  def __call__(self, x, shift):
+    return x + self.down(nnx.gelu(self.up(x * self.scale[...] + shift)))
+
+
+class Stack(nnx.Module):
+  """Layers made with nnx.vmap, scanned as in the Flax NNX examples."""
+
+  def __init__(
+    self, layers, dim, hidden, rngs, scan=nnx.scan, remat=True, **kwargs
+  ):
+    @nnx.split_rngs(splits=layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def make(rngs):
+      return Block(dim, hidden, rngs, **kwargs)
+
+    self.blocks = make(rngs)
+    self.shift = nnx.Param(jnp.zeros((dim,)))
+    self.head = nnx.Linear(dim, CLASSES, rngs=rngs)
+    self.scan, self.remat = scan, remat
+
+  def __call__(self, x):
+    call = lambda block, x, shift: block(x, shift)
+    if self.remat:
+      call = nnx.remat(call)
+
+    @self.scan(in_axes=(nnx.Carry, 0, None), out_axes=nnx.Carry)
+    def forward(x, block, shift):
+      return call(block, x, shift)
+
+    return self.head(forward(x, self.blocks, self.shift[...]))
+
+
+def _stack_values(model):
+  return {
+    name: np.asarray(getattr(model.blocks, name).kernel[...])
+    for name in ("up", "down")
+  } | {
+    "scale": np.asarray(model.blocks.scale[...]),
+    "shift": np.asarray(model.shift[...]),
+  }
+
+
+@pytest.mark.parametrize("remat", [True, False], ids=["remat", "no-remat"])
+def test_scan_trains_like_nnx_scan_and_optax(remat, seed):
+  """fj.nnx.scan over fj.nnx.Linear follows nnx.scan over nnx.Linear +
+  the optax alias (the broadcast argument gets its summed gradient)."""
+  model = Stack(3, 8, 16, nnx.Rngs(seed), fj.nnx.scan, remat, optimizer=OPT)
+  ref = Stack(3, 8, 16, nnx.Rngs(seed), nnx.scan, remat)
+  optimizer = fj.nnx.Optimizer(model, OPT.to_optax(), wrt=nnx.Param)
+  ref_optimizer = nnx.Optimizer(
+    ref, optax.adamw(1e-2, weight_decay=0.1), wrt=nnx.Param
+  )
+  step, ref_step = forge_step(), reference_step()
+  for x, y in make_batches(seed, 4, (10, 8), CLASSES):
+    np.testing.assert_allclose(
+      step(model, optimizer, x, y), ref_step(ref, ref_optimizer, x, y), 1e-6
+    )
+  ours, theirs = _stack_values(model), _stack_values(ref)
+  for name in theirs:
+    assert_rel_close(ours[name], theirs[name], RTOL, name)
+  np.testing.assert_array_equal(model.blocks.up.count[...], [4.0] * 3)
+  assert optimizer.unreached_layers() == []
+
+
+def test_scan_steps_as_nnx_scan_bit_for_bit(seed):
+  """int8 states and stochastic rounding: fj.nnx.scan's in-place stacked
+  steps (each layer by its index) are nnx.scan's sliced steps, bit for
+  bit."""
+  opt = fj.adamw(1e-2, state_dtype="int8", weight_rounding="stochastic")
+  kwargs = dict(optimizer=opt, param_dtype=jnp.bfloat16, implementation="xla")
+  models = [
+    Stack(2, 64, 128, nnx.Rngs(seed), scan, True, **kwargs)
+    for scan in (fj.nnx.scan, nnx.scan)
+  ]
+  optimizers = [
+    fj.nnx.Optimizer(m, opt.to_optax(), wrt=nnx.Param) for m in models
+  ]
+  step = forge_step()
+  for x, y in make_batches(seed, 2, (16, 64), CLASSES):
+    losses = [step(m, o, x, y) for m, o in zip(models, optimizers)]
+    assert_bitwise_equal(losses[0], losses[1], "loss")
+  for a, b in zip(*(jax.tree.leaves(forge_values(m)) for m in models)):
+    assert_bitwise_equal(a, b, "FORGE's variables")
+
+
+def test_scan_refuses_what_it_cannot_honor(seed):
+  with pytest.raises(ValueError, match="in_axes"):
+    fj.nnx.scan(lambda x, b: b(x), in_axes=(nnx.Carry, 1))
+  with pytest.raises(ValueError, match="out_axes"):
+    fj.nnx.scan(lambda x, b: b(x), out_axes=(nnx.Carry, 0))
+
+  class Noisy(nnx.Module):
+    def __init__(self, rngs):
+      self.fc = fj.nnx.Linear(4, 4, optimizer=OPT, rngs=rngs)
+      self.dropout = nnx.Dropout(0.5, rngs=rngs)
+
+    def __call__(self, x):
+      return self.dropout(self.fc(x))
+
+  @nnx.split_rngs(splits=2)
+  @nnx.vmap(in_axes=(0,), out_axes=0)
+  def make(rngs):
+    return Noisy(rngs)
+
+  stack = make(nnx.Rngs(seed, dropout=seed))
+  forward = fj.nnx.scan(lambda x, block: block(x))
+  with pytest.raises(NotImplementedError, match="changed its variables"):
+    nnx.grad(lambda s: forward(jnp.ones((2, 4)), s).sum(), argnums=WRT)(stack)
+
+
+def _compiled(model, optimizer, x, y):
+  """The donated, jitted train step of ``(model, optimizer)``, compiled."""
+  graphdef, state = nnx.split((model, optimizer))
+  forge = model.blocks.up.__class__ is fj.nnx.Linear
+  wrt = WRT if forge else 0
+
+  def step(state, x, y):
+    model, optimizer = nnx.merge(graphdef, state)
+    grads = nnx.grad(cross_entropy, argnums=wrt)(model, x, y)
+    optimizer.update(model, grads)
+    return nnx.state((model, optimizer))
+
+  return jax.jit(step, donate_argnums=0).lower(state, x, y).compile()
+
+
+def _nbytes(tree) -> int:
+  return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+
+def test_scan_temp_memory_grows_with_activations_not_layers(seed):
+  """Doubling the depth: nnx.scan + optax holds every layer's stacked
+  gradient (temp grows by the added kernel bytes); fj.nnx.scan steps the
+  stacks in place (temp grows by the activations only, a small fraction
+  of the kernels here), and aliases every donated FORGE variable."""
+  dim, hidden, batch = 128, 512, (16, 128)
+  rows = {}
+  for layers in (2, 4):
+    for forge in (True, False):
+      kwargs = dict(optimizer=OPT, implementation="xla") if forge else {}
+      scan = fj.nnx.scan if forge else nnx.scan
+      model = Stack(layers, dim, hidden, nnx.Rngs(seed), scan, **kwargs)
+      optimizer = (fj.nnx.Optimizer if forge else nnx.Optimizer)(
+        model, OPT.to_optax(), wrt=nnx.Param
+      )
+      x, y = make_batch(seed, batch, CLASSES)
+      memory = _compiled(model, optimizer, x, y).memory_analysis()
+      kernels = _nbytes(
+        [model.blocks.up.kernel[...], model.blocks.down.kernel[...]]
+      )
+      rows[layers, forge] = (memory, kernels, forge_values(model))
+  kernel_growth = rows[4, True][1] - rows[2, True][1]
+  growth = {
+    forge: rows[4, forge][0].temp_size_in_bytes
+    - rows[2, forge][0].temp_size_in_bytes
+    for forge in (True, False)
+  }
+  assert growth[False] >= 0.9 * kernel_growth, (growth, kernel_growth)
+  assert growth[True] <= 0.1 * kernel_growth, (growth, kernel_growth)
+  for layers in (2, 4):
+    memory, _, forge = rows[layers, True]
+    assert memory.alias_size_in_bytes >= _nbytes(forge)
