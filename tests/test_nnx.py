@@ -608,3 +608,49 @@ def test_scan_temp_memory_grows_with_activations_not_layers(seed):
   for layers in (2, 4):
     memory, _, forge = rows[layers, True]
     assert memory.alias_size_in_bytes >= _nbytes(forge)
+
+
+# ---------------------------------------------------------------------------
+# Checkpoints, as NNX users write them.
+
+
+def test_orbax_checkpoint_resumes_bit_for_bit(tmp_path, seed):
+  """``nnx.state((model, optimizer))`` saved with orbax, restored into
+  ``nnx.eval_shape``'s abstract state: the resumed run takes exactly the
+  steps of the uninterrupted one (bf16 + stochastic rounding, int8
+  states: every bit of count, codes and scales came back)."""
+  ocp = pytest.importorskip("orbax.checkpoint")
+  opt = fj.adamw(1e-2, state_dtype="int8", weight_rounding="stochastic")
+
+  def create():
+    model = MLP(
+      (64, 64, CLASSES),
+      nnx.Rngs(seed),
+      opt,
+      implementation="xla",
+      param_dtype=jnp.bfloat16,
+    )
+    return model, fj.nnx.Optimizer(model, opt.to_optax(), wrt=nnx.Param)
+
+  model, optimizer = create()
+  batches = make_batches(seed, 4, (16, 64), CLASSES)
+  step = forge_step()
+  for batch in batches[:2]:
+    step(model, optimizer, *batch)
+  checkpointer = ocp.StandardCheckpointer()
+  checkpointer.save(tmp_path / "step_2", nnx.state((model, optimizer)))
+  checkpointer.wait_until_finished()
+  for batch in batches[2:]:
+    step(model, optimizer, *batch)
+
+  graphdef, abstract = nnx.split(nnx.eval_shape(create))
+  restored = checkpointer.restore(tmp_path / "step_2", abstract)
+  resumed_model, resumed_optimizer = nnx.merge(graphdef, restored)
+  assert float(resumed_model.layers[0].count[...]) == 2.0
+  for batch in batches[2:]:
+    step(resumed_model, resumed_optimizer, *batch)
+  expected = nnx.to_pure_dict(nnx.state((model, optimizer)))
+  actual = nnx.to_pure_dict(nnx.state((resumed_model, resumed_optimizer)))
+  assert jax.tree.structure(actual) == jax.tree.structure(expected)
+  for a, b in zip(jax.tree.leaves(actual), jax.tree.leaves(expected)):
+    assert_bitwise_equal(a, b, "resumed state")
