@@ -7,17 +7,17 @@ optimizer state are :class:`OverwriteWithGradient` variables, not
 alone, and the gradient of the loss with respect to them is their *updated*
 value, which :class:`Optimizer` (or :func:`install`) writes into the model.
 
-The training loop changes in one place: differentiate with respect to
-:data:`TRAINABLE` (``nnx.Param`` and FORGE's variables) and update with
-``fj.nnx.Optimizer``, which installs FORGE's variables before optax steps
-the parameters::
+The training loop changes in one way: ``nnx.Optimizer`` and
+``nnx.grad`` (``nnx.value_and_grad``) become their ``fj.nnx`` namesakes.
+:func:`grad` differentiates FORGE's variables too (``nnx.grad`` with
+``argnums=nnx.DiffState(0, fj.nnx.TRAINABLE)`` does the same), and
+:class:`Optimizer` installs them before optax steps the parameters::
 
   optimizer = fj.nnx.Optimizer(model, opt.to_optax(), wrt=nnx.Param)
 
   @nnx.jit
   def train_step(model, optimizer, batch):
-    grads = nnx.grad(loss_fn, argnums=nnx.DiffState(0, fj.nnx.TRAINABLE))(
-        model, batch)
+    grads = fj.nnx.grad(loss_fn)(model, batch)
     optimizer.update(model, grads)
 
 :func:`scan` replaces ``nnx.scan`` over a stack of layers (made with
@@ -393,8 +393,8 @@ def install(model, grads) -> dict[str, jax.Array]:
       raise ValueError(
         f"grads has no gradients for the fj.nnx.Linear at {_name(path)!r}, "
         "so FORGE's layers would train nothing: differentiate with respect "
-        "to FORGE's variables too, nnx.grad(loss_fn, argnums=nnx.DiffState("
-        "0, fj.nnx.TRAINABLE)), not nnx.Param alone."
+        "to FORGE's variables too, fj.nnx.grad(loss_fn) (or nnx.grad with "
+        "argnums=nnx.DiffState(0, fj.nnx.TRAINABLE)), not nnx.Param alone."
       )
     state = nnx.state(layer, OverwriteWithGradient)
     new, reached[_name(path)] = install_layer(
@@ -405,6 +405,34 @@ def install(model, grads) -> dict[str, jax.Array]:
     nnx.replace_by_pure_dict(state, new)
     nnx.update(layer, state)
   return reached
+
+
+def _with_forge(argnums):
+  """``argnums`` of ``nnx.grad`` with FORGE's variables in every filter."""
+  if isinstance(argnums, int):
+    return nnx.DiffState(argnums, TRAINABLE)
+  if isinstance(argnums, nnx.DiffState):
+    return nnx.DiffState(
+      argnums.argnum, nnx.Any(argnums.filter, OverwriteWithGradient)
+    )
+  return tuple(_with_forge(a) for a in argnums)
+
+
+def grad(f: Optional[Callable] = None, *, argnums=0, **kwargs):
+  """``nnx.grad`` (same arguments) that also differentiates FORGE's
+  variables: each argnum's filter (``nnx.Param`` by default) gets
+  :class:`OverwriteWithGradient` added."""
+  if f is None:
+    return functools.partial(grad, argnums=argnums, **kwargs)
+  return nnx.grad(f, argnums=_with_forge(argnums), **kwargs)
+
+
+def value_and_grad(f: Optional[Callable] = None, *, argnums=0, **kwargs):
+  """``nnx.value_and_grad`` that also differentiates FORGE's variables (see
+  :func:`grad`)."""
+  if f is None:
+    return functools.partial(value_and_grad, argnums=argnums, **kwargs)
+  return nnx.value_and_grad(f, argnums=_with_forge(argnums), **kwargs)
 
 
 class Optimizer(nnx.Optimizer):
@@ -604,7 +632,9 @@ __all__ = [
   "Optimizer",
   "OverwriteWithGradient",
   "forge_layers",
+  "grad",
   "install",
   "scan",
+  "value_and_grad",
   "wiped_layers",
 ]

@@ -13,6 +13,8 @@ follows the Linen one.
 from __future__ import annotations
 
 import dataclasses
+import os
+import re
 
 import flax.linen as nn
 import jax
@@ -23,6 +25,9 @@ import pytest
 from flax import nnx
 
 import forge_jax as fj
+from examples.lm import llama
+from examples.lm import train as train_lib
+
 from conftest import (
   assert_bitwise_equal,
   assert_rel_close,
@@ -30,8 +35,6 @@ from conftest import (
   make_batches,
   poison,
 )
-from examples.lm import llama
-from examples.lm import train as train_lib
 from fused_dense_test_base import (
   BF16_STATE_RTOL,
   CLASSES,
@@ -654,3 +657,24 @@ def test_orbax_checkpoint_resumes_bit_for_bit(tmp_path, seed):
   assert jax.tree.structure(actual) == jax.tree.structure(expected)
   for a, b in zip(jax.tree.leaves(actual), jax.tree.leaves(expected)):
     assert_bitwise_equal(a, b, "resumed state")
+
+
+def test_readme_nnx_section_runs_and_trains():
+  """The README's Flax NNX example (after its quickstart, whose imports
+  and optimizer it uses) trains as written."""
+  readme = os.path.join(os.path.dirname(os.path.dirname(__file__)), "README.md")
+  with open(readme) as f:
+    text = f.read()
+  blocks = [
+    re.search(r"```python\n(.*?)```", text[text.index(title) :], re.S).group(1)
+    for title in ("## Quickstart", "## Flax NNX")
+  ]
+  scope = {}
+  for block in blocks:
+    exec(compile(block, "README", "exec"), scope)  # pylint: disable=exec-used
+  model, optimizer = scope["model"], scope["optimizer"]
+  x = jax.random.normal(jax.random.key(0), (8, 784))
+  y = jax.random.normal(jax.random.key(1), (8, 10))
+  losses = [float(scope["nnx_step"](model, optimizer, x, y)) for _ in range(3)]
+  assert losses[-1] < losses[0]
+  assert float(model.fc1.count[...]) == 3.0
