@@ -678,3 +678,168 @@ def test_readme_nnx_section_runs_and_trains():
   losses = [float(scope["nnx_step"](model, optimizer, x, y)) for _ in range(3)]
   assert losses[-1] < losses[0]
   assert float(model.fc1.count[...]) == 3.0
+
+
+# ---------------------------------------------------------------------------
+# An NNX Llama-style model against the Linen one (examples/lm/llama.py).
+
+
+class RMSNorm(nnx.Module):
+  def __init__(self, dim, eps):
+    self.scale = nnx.Param(jnp.ones((dim,)))
+    self.eps = eps
+
+  def __call__(self, x):
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(
+      jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps
+    )
+    return (x32 * self.scale[...].astype(jnp.float32)).astype(x.dtype)
+
+
+class LlamaBlock(nnx.Module):
+  """llama.Block in NNX: the same projections, names and operations."""
+
+  def __init__(self, c: llama.LlamaConfig, rngs):
+    def dense(i, o):
+      return fj.nnx.Linear(
+        i,
+        o,
+        optimizer=c.forge_optimizer,
+        implementation=c.implementation,
+        use_bias=False,
+        rngs=rngs,
+      )
+
+    self.c = c
+    self.attn_norm = RMSNorm(c.dim, c.norm_eps)
+    self.mlp_norm = RMSNorm(c.dim, c.norm_eps)
+    heads, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    self.q_proj, self.k_proj = dense(c.dim, heads), dense(c.dim, kv)
+    self.v_proj, self.o_proj = dense(c.dim, kv), dense(heads, c.dim)
+    self.gate_proj = dense(c.dim, c.ffn_dim)
+    self.up_proj = dense(c.dim, c.ffn_dim)
+    self.down_proj = dense(c.ffn_dim, c.dim)
+
+  def __call__(self, x, cos, sin):
+    c = self.c
+    b, t, _ = x.shape
+    h = self.attn_norm(x)
+    q = self.q_proj(h).reshape(b, t, c.num_heads, c.head_dim)
+    k = self.k_proj(h).reshape(b, t, c.num_kv_heads, c.head_dim)
+    v = self.v_proj(h).reshape(b, t, c.num_kv_heads, c.head_dim)
+    q, k = llama.apply_rope(q, cos, sin), llama.apply_rope(k, cos, sin)
+    out = jax.nn.dot_product_attention(q, k, v.astype(q.dtype), is_causal=True)
+    x = x + self.o_proj(out.reshape(b, t, c.num_heads * c.head_dim))
+    h = self.mlp_norm(x)
+    return x + self.down_proj(nnx.silu(self.gate_proj(h)) * self.up_proj(h))
+
+
+class NNXLlama(nnx.Module):
+  def __init__(self, c: llama.LlamaConfig, rngs):
+    self.c = c
+    self.embed = nnx.Embed(
+      c.vocab_size,
+      c.dim,
+      embedding_init=nnx.initializers.normal(stddev=0.02),
+      rngs=rngs,
+    )
+    if c.scan_layers:
+
+      @nnx.split_rngs(splits=c.num_layers)
+      @nnx.vmap(in_axes=(0,), out_axes=0)
+      def make(rngs):
+        return LlamaBlock(c, rngs)
+
+      self.layers = make(rngs)
+    else:
+      self.layers = nnx.List([LlamaBlock(c, rngs) for _ in range(c.num_layers)])
+    self.norm = RMSNorm(c.dim, c.norm_eps)
+    self.lm_head = fj.nnx.Linear(
+      c.dim,
+      c.vocab_size,
+      optimizer=c.forge_optimizer,
+      implementation=c.implementation,
+      use_bias=False,
+      rngs=rngs,
+    )
+
+  def __call__(self, tokens):
+    x = self.embed(tokens)
+    cos, sin = llama.rope_tables(self.c, tokens.shape[-1])
+    if self.c.scan_layers:
+
+      @fj.nnx.scan(in_axes=(nnx.Carry, 0, None, None))
+      def forward(x, block, cos, sin):
+        return nnx.remat(lambda b, x: b(x, cos, sin))(block, x)
+
+      x = forward(x, self.layers, cos, sin)
+    else:
+      for block in self.layers:
+        x = block(x, cos, sin)
+    return self.lm_head(self.norm(x)).astype(jnp.float32)
+
+
+def _load_linen(model: NNXLlama, variables):
+  """The Linen model's weights into the NNX one (the same names)."""
+  params, forge = variables["params"], variables[fj.FORGE_COLLECTION]
+  scanned = model.c.scan_layers
+  model.embed.embedding[...] = params["embed"]["embedding"]
+  model.norm.scale[...] = params["norm"]["scale"]
+  model.lm_head.kernel[...] = forge["lm_head"]["kernel"]
+  blocks = [model.layers] if scanned else list(model.layers)
+  for i, block in enumerate(blocks):
+    name = "layers" if scanned else f"layers_{i}"
+    for norm in ("attn_norm", "mlp_norm"):
+      getattr(block, norm).scale[...] = params[name][norm]["scale"]
+    for part, projections in (
+      ("attn", ("q_proj", "k_proj", "v_proj", "o_proj")),
+      ("mlp", ("gate_proj", "up_proj", "down_proj")),
+    ):
+      for projection in projections:
+        getattr(block, projection).kernel[...] = forge[name][part][projection][
+          "kernel"
+        ]
+
+
+@pytest.mark.parametrize(
+  "scan_layers",
+  [False, pytest.param(True, marks=pytest.mark.slow)],
+  ids=["unrolled", "scanned"],
+)
+def test_llama_matches_the_linen_model(scan_layers, seed):
+  """Same weights, same batches: the NNX Llama-style model (fj.nnx.Linear,
+  fj.nnx.Optimizer) takes the Linen model's (ForgeDense, fj.TrainState)
+  losses and kernels, step by step."""
+  config = dataclasses.replace(
+    llama.CONFIGS["tiny"],
+    forge_optimizer=OPT,
+    implementation="xla",
+    scan_layers=scan_layers,
+    remat=scan_layers,
+  )
+  tokens = jax.random.randint(jax.random.key(seed), (4, 3, 17), 0, 256)
+  linen_model = llama.Llama(config)
+  state = train_lib.create_train_state(
+    linen_model, OPT.to_optax(), jax.random.key(seed), tokens[0]
+  )
+  model = NNXLlama(config, nnx.Rngs(seed))
+  _load_linen(model, state.params)
+  optimizer = fj.nnx.Optimizer(model, OPT.to_optax(), wrt=nnx.Param)
+  linen_step = train_lib.make_train_step(donate=False)
+
+  def loss_fn(model, batch):
+    return train_lib.cross_entropy(model(batch[:, :-1]), batch[:, 1:])
+
+  step = forge_step(loss_fn)
+  for batch in tokens:
+    state, linen_loss = linen_step(state, batch)
+    np.testing.assert_allclose(step(model, optimizer, batch), linen_loss, 1e-6)
+  theirs = llama.kernels(state.params)
+  ours = model.lm_head.kernel[...]
+  assert_rel_close(ours, theirs["lm_head"], RTOL, "lm_head")
+  name = "layers" if scan_layers else "layers_0"
+  block = model.layers if scan_layers else model.layers[0]
+  assert_rel_close(
+    block.down_proj.kernel[...], theirs[f"{name}/mlp/down_proj"], RTOL, "down"
+  )
