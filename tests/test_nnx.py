@@ -23,6 +23,8 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import forge_jax as fj
 from examples.lm import llama
@@ -843,3 +845,59 @@ def test_llama_matches_the_linen_model(scan_layers, seed):
   assert_rel_close(
     block.down_proj.kernel[...], theirs[f"{name}/mlp/down_proj"], RTOL, "down"
   )
+
+
+# ---------------------------------------------------------------------------
+# Tensor parallelism through nnx.with_partitioning.
+
+
+INT8 = fj.adamw(1e-2, state_dtype="int8")
+
+
+class Megatron(nnx.Module):
+  """Column-parallel up, row-parallel down (partitioned or not), int8
+  states."""
+
+  def __init__(self, rngs, partitioned):
+    init = nnx.initializers.lecun_normal()
+    shard = lambda names: (
+      nnx.with_partitioning(init, names) if partitioned else init
+    )
+    self.up = fj.nnx.Linear(
+      8, 256, optimizer=INT8, kernel_init=shard((None, "model")), rngs=rngs
+    )
+    self.down = fj.nnx.Linear(
+      256, 4, optimizer=INT8, kernel_init=shard(("model", None)), rngs=rngs
+    )
+
+  def __call__(self, x):
+    return self.down(nnx.gelu(self.up(x)))
+
+
+def test_tensor_parallel_matches_one_device(seed):
+  """``nnx.with_partitioning`` kernels train per shard as on one device;
+  every optimizer state leaf is sharded like its kernel (int8 block scales
+  included), and so are the updated ones."""
+  mesh = fj.parallel.make_mesh(model=2)
+  with jax.set_mesh(mesh):
+    model = Megatron(nnx.Rngs(seed), partitioned=True)
+    optimizer = fj.nnx.Optimizer(model, INT8.to_optax(), wrt=nnx.Param)
+  ref = Megatron(nnx.Rngs(seed), partitioned=False)
+  ref_optimizer = fj.nnx.Optimizer(ref, INT8.to_optax(), wrt=nnx.Param)
+  step = forge_step()
+  for x, y in make_batches(seed, 2, (6, 8), 4):
+    with jax.set_mesh(mesh):
+      loss = step(model, optimizer, x, y)
+    np.testing.assert_allclose(loss, step(ref, ref_optimizer, x, y), 1e-6)
+  for name, spec in (("up", P(None, "model")), ("down", P("model", None))):
+    layer = getattr(model, name)
+    leaves = jax.tree.leaves(
+      nnx.to_pure_dict(nnx.state(layer, fj.nnx.OverwriteWithGradient))
+    )
+    for leaf in leaves:
+      if leaf.ndim == 2:  # the kernel, the int8 codes and block scales
+        assert leaf.sharding.is_equivalent_to(NamedSharding(mesh, spec), 2)
+    assert_rel_close(
+      layer.kernel[...], getattr(ref, name).kernel[...], RTOL, name
+    )
+    assert sum(leaf.ndim == 2 for leaf in leaves) == 5
