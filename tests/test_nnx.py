@@ -117,17 +117,8 @@ def forge_values(model):
 # ---------------------------------------------------------------------------
 # The optimizer table against nnx.Linear + nnx.Optimizer(optax alias).
 
-_FIRST_OF_EACH = {
-  case.id
-  for case in OPTAX_CASES
-  if case is next(c for c in OPTAX_CASES if c.name == case.name)
-}
 TABLE = [
-  pytest.param(
-    case,
-    id=case.id,
-    marks=() if case.core or case.id in _FIRST_OF_EACH else pytest.mark.slow,
-  )
+  pytest.param(case, id=case.id, marks=() if case.core else pytest.mark.slow)
   for case in OPTAX_CASES
 ]
 
@@ -208,7 +199,13 @@ def _copy_linen_into_nnx(variables, model):
 
 
 OPS = [
-  pytest.param("xla", fj.adamw(1e-2, weight_decay=0.1), 12, id="xla-adamw"),
+  pytest.param(
+    "xla",
+    fj.adamw(1e-2, weight_decay=0.1),
+    12,
+    id="xla-adamw",
+    marks=pytest.mark.slow,
+  ),
   pytest.param(
     "xla",
     fj.adamw(1e-2, state_dtype="int8", weight_rounding="stochastic"),
@@ -494,7 +491,11 @@ def _stack_values(model):
   }
 
 
-@pytest.mark.parametrize("remat", [True, False], ids=["remat", "no-remat"])
+@pytest.mark.parametrize(
+  "remat",
+  [True, pytest.param(False, marks=pytest.mark.slow)],
+  ids=["remat", "no-remat"],
+)
 def test_scan_trains_like_nnx_scan_and_optax(remat, seed):
   """fj.nnx.scan over fj.nnx.Linear follows nnx.scan over nnx.Linear +
   the optax alias (the broadcast argument gets its summed gradient)."""
@@ -523,14 +524,14 @@ def test_scan_steps_as_nnx_scan_bit_for_bit(seed):
   opt = fj.adamw(1e-2, state_dtype="int8", weight_rounding="stochastic")
   kwargs = dict(optimizer=opt, param_dtype=jnp.bfloat16, implementation="xla")
   models = [
-    Stack(2, 64, 128, nnx.Rngs(seed), scan, True, **kwargs)
+    Stack(2, 16, 64, nnx.Rngs(seed), scan, True, **kwargs)
     for scan in (fj.nnx.scan, nnx.scan)
   ]
   optimizers = [
     fj.nnx.Optimizer(m, opt.to_optax(), wrt=nnx.Param) for m in models
   ]
   step = forge_step()
-  for x, y in make_batches(seed, 2, (16, 64), CLASSES):
+  for x, y in make_batches(seed, 2, (8, 16), CLASSES):
     losses = [step(m, o, x, y) for m, o in zip(models, optimizers)]
     assert_bitwise_equal(losses[0], losses[1], "loss")
   for a, b in zip(*(jax.tree.leaves(forge_values(m)) for m in models)):
