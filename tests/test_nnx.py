@@ -234,7 +234,7 @@ def test_steps_bit_for_bit_as_forge_dense(implementation, opt, width, seed):
   bit (bf16 kernels for stochastic rounding, seeded with the Linen layers'
   ids), on every backend."""
   dtype = jnp.bfloat16 if opt.weight_rounding == "stochastic" else jnp.float32
-  features = (width, 10)
+  features = (width, width)  # the Mosaic kernel: K and N multiples of 128
   x, y = make_batch(seed, (64, width), CLASSES)
   x = x.astype(dtype)
   linen = LinenMLP(features, opt, implementation)
