@@ -275,11 +275,12 @@ def _scan_apply(
     name: jax.random.key_data(keys) for name, keys in split_rngs.items()
   }
 
-  def layer_fn(layer_variables, x, key_data, args):
+  def layer_fn(others, forge, x, key_data, args):
     keys = {
       name: jax.random.wrap_key_data(data, impl=impls[name])
       for name, data in key_data.items()
     }
+    layer_variables = {**others, FORGE_COLLECTION: forge} if forge else others
     out, per_layer = layer.apply(
       layer_variables, x, *args, rngs={**broadcast_rngs, **keys}
     )
@@ -290,28 +291,65 @@ def _scan_apply(
       )
     return out
 
+  forge, others = _split_forge(variables)
+  return scan_stacks(
+    layer_fn,
+    length,
+    carry,
+    forge,
+    others,
+    split_data,
+    broadcast_args,
+    path,
+    unroll,
+  )
+
+
+def scan_stacks(
+  layer_fn: Callable,
+  length: int,
+  carry,
+  forge,
+  others,
+  per_layer,
+  broadcast_args,
+  path: tuple = (),
+  unroll: int = 1,
+):
+  """``carry`` through ``length`` layers, FORGE's stacks stepped in place.
+
+  The custom_vjp of :func:`scan` (and of ``fj.nnx.scan``), independent of
+  the module system: ``layer_fn(others_l, forge, x, per_layer_l, args)``
+  runs layer ``l`` on the carry ``x``. ``others`` (differentiable, stacked
+  on a leading layer axis) and ``per_layer`` (not differentiated: rng key
+  data, integer state) are sliced per layer; ``forge``, FORGE's stacks, is
+  handed over whole, and the forge layers inside step entry ``l`` of it
+  (:func:`forge_jax.layer_context.stacking`). The cotangent of ``forge`` is
+  the stepped stacks; those of ``others`` and ``broadcast_args`` are their
+  gradients (summed over the layers for the broadcast arguments).
+  """
   layout = []  # one _PullbackLayout, set when the forward's scan body traces
   take = lambda index: (
     lambda a: lax.dynamic_index_in_dim(a, index, keepdims=False)
   )
 
   @jax.custom_vjp
-  def run(carry, variables, layer_rngs, args):
+  def run(carry, forge, others, per_layer, args):
     def body(x, xs):
-      layer_variables, keys = xs
-      return layer_fn(layer_variables, x, keys, args), None
+      layer_forge, layer_others, layer_per_layer = xs
+      return layer_fn(layer_others, layer_forge, x, layer_per_layer, args), None
 
     with layer_context.stacking(None, length, path):
-      out, _ = lax.scan(body, carry, (variables, layer_rngs), unroll=unroll)
+      out, _ = lax.scan(
+        body, carry, (forge, others, per_layer), length=length, unroll=unroll
+      )
     return out
 
-  def run_fwd(carry, variables, layer_rngs, args):
-    forge, others = _split_forge(variables)
-
+  def run_fwd(carry, forge, others, per_layer, args):
     def body(x, xs):
-      index, layer_others, keys = xs
+      index, layer_others, layer_per_layer = xs
       layer_vjp_fn = lambda others, forge, x, args: layer_fn(
-        {**others, FORGE_COLLECTION: forge}, x, keys, args
+        others, forge, x, layer_per_layer, args
       )
       with layer_context.stacking(index, length, path):
         out, pullback = jax.vjp(layer_vjp_fn, layer_others, forge, x, args)
@@ -327,13 +365,16 @@ def _scan_apply(
       ]
 
     out, saved = lax.scan(
-      body, carry, (jnp.arange(length), others, layer_rngs), unroll=unroll
+      body,
+      carry,
+      (jnp.arange(length), others, per_layer),
+      length=length,
+      unroll=unroll,
     )
-    return out, (variables, saved, layer_rngs, args)
+    return out, (forge, others, saved, per_layer, args)
 
   def run_bwd(residuals, d_out):
-    variables, saved, layer_rngs, args = residuals
-    forge, others = _split_forge(variables)
+    forge, others, saved, per_layer, args = residuals
     ((treedef, sources),) = layout
 
     def body(i, loop_carry):
@@ -375,15 +416,13 @@ def _scan_apply(
       ),
       unroll=unroll,
     )
-    d_variables = dict(others_grad)
-    if forge:
-      d_variables[FORGE_COLLECTION] = new_forge
     return (
       d_carry,
-      d_variables,
-      jax.tree.map(_zero_cotangent, layer_rngs),
+      new_forge,
+      others_grad,
+      jax.tree.map(_zero_cotangent, per_layer),
       args_grad,
     )
 
   run.defvjp(run_fwd, run_bwd)
-  return run(carry, variables, split_data, broadcast_args)
+  return run(carry, forge, others, per_layer, broadcast_args)

@@ -126,19 +126,37 @@ def install(old, cotangents):
   new, reached = cotangents, {}
   for path, layer in _layers(old):
     written = _get(cotangents, path)
-    flags = written["intact"] > 0
-    reached["/".join(path)] = flags.astype(jnp.float32)
-    if layer_context.last_event(path) == layer_context.BACKWARD:
-      continue
-    keep = lambda ct, value: jnp.where(
-      jnp.reshape(
-        flags, jnp.shape(flags) + (1,) * (jnp.ndim(ct) - jnp.ndim(flags))
-      ),
-      ct,
-      value,
+    installed, reached["/".join(path)] = install_layer(
+      dict(layer),
+      written,
+      layer_context.last_event(path) == layer_context.BACKWARD,
     )
-    new = _set(new, path, jax.tree.map(keep, written, dict(layer)))
+    if installed is not written:
+      new = _set(new, path, installed)
   return new, reached
+
+
+def install_layer(old, written, backward_traced: bool):
+  """One layer's variables to install, and whether the step reached it.
+
+  ``old`` and ``written`` (its cotangents) are mappings of the layer's
+  variables with an ``intact`` entry. With ``backward_traced`` the layer's
+  backward wrote ``written``: it is returned as it is (the update stays in
+  place). Otherwise, where ``intact`` is 0 (the loss did not reach the
+  layer; for stacks, per layer) the old values stay.
+  """
+  flags = written["intact"] > 0
+  reached = flags.astype(jnp.float32)
+  if backward_traced:
+    return written, reached
+  keep = lambda ct, value: jnp.where(
+    jnp.reshape(
+      flags, jnp.shape(flags) + (1,) * (jnp.ndim(ct) - jnp.ndim(flags))
+    ),
+    ct,
+    value,
+  )
+  return jax.tree.map(keep, written, old), reached
 
 
 def _get(tree, path):
@@ -200,6 +218,13 @@ def check_layer_optimizers(tx, collection):
   optimizers = {
     layer_context.optimizer(path) for path, _ in _layers(collection)
   }
+  check_optimizers(tx, optimizers)
+
+
+def check_optimizers(tx, optimizers):
+  """Refuses a ``tx`` that is not the rule of the FORGE layers'
+  ``optimizers`` (a set; None entries are ignored)."""
+  optimizers = set(optimizers)
   optimizers.discard(None)
   if not optimizers:
     return

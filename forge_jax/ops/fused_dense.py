@@ -215,7 +215,8 @@ def check_differentiated(x, variables, bias):
       "respect to all variables, e.g. jax.grad(loss)(variables) with "
       "variables = {'params': ..., '_overwrite_with_gradient': ...} "
       "(TrainState.params when created from the whole variables dict), "
-      "not variables['params'] alone."
+      "not variables['params'] alone. Flax NNX: fj.nnx.grad(loss), or "
+      "nnx.grad(loss, argnums=nnx.DiffState(0, fj.nnx.TRAINABLE))."
     )
 
 

@@ -1,0 +1,640 @@
+"""FORGE for Flax NNX: ``fj.nnx.Linear``, ``fj.nnx.Optimizer``, ``fj.nnx.scan``.
+
+:class:`Linear` is a drop-in for ``nnx.Linear`` that calls the same fused op
+as ``fj.ForgeDense`` (:func:`forge_jax.forge_dense`). Its kernel and
+optimizer state are :class:`OverwriteWithGradient` variables, not
+``nnx.Param``: ``nnx.Optimizer(model, tx, wrt=nnx.Param)`` leaves them
+alone, and the gradient of the loss with respect to them is their *updated*
+value, which :class:`Optimizer` (or :func:`install`) writes into the model.
+
+The training loop changes in one way: ``nnx.Optimizer`` and
+``nnx.grad`` (``nnx.value_and_grad``) become their ``fj.nnx`` namesakes.
+:func:`grad` differentiates FORGE's variables too (``nnx.grad`` with
+``argnums=nnx.DiffState(0, fj.nnx.TRAINABLE)`` does the same), and
+:class:`Optimizer` installs them before optax steps the parameters::
+
+  optimizer = fj.nnx.Optimizer(model, opt.to_optax(), wrt=nnx.Param)
+
+  @nnx.jit
+  def train_step(model, optimizer, batch):
+    grads = fj.nnx.grad(loss_fn)(model, batch)
+    optimizer.update(model, grads)
+
+:func:`scan` replaces ``nnx.scan`` over a stack of layers (made with
+``nnx.vmap``) with FORGE's in-place backward pass, the one ``fj.scan`` gives
+Linen (:func:`forge_jax.scan.scan_stacks`).
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import weakref
+from types import MappingProxyType
+from typing import Any, Callable, Mapping, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import errors as flax_errors
+from flax import nnx
+from flax.core import spmd
+from flax.nnx.nn.linear import default_bias_init, default_kernel_init
+from jax.sharding import PartitionSpec as P
+
+from forge_jax import layer_context, parallel, quantization
+from forge_jax.ops.fused_dense import (
+  IMPLEMENTATIONS,
+  ForgeVariables,
+  FusedDenseSpec,
+  forge_dense,
+  init_variables,
+)
+from forge_jax.optimizers import ForgeOptimizer, not_elementwise_message
+from forge_jax.scan import scan_stacks
+from forge_jax.train_state import (
+  check_optimizers,
+  check_transformation,
+  install_layer,
+)
+
+
+class OverwriteWithGradient(nnx.Variable):
+  """A variable whose gradient is its new value.
+
+  :class:`Linear` keeps its kernel, optimizer state, ``count``, ``skipped``
+  and ``intact`` in variables of this type. FORGE's backward pass returns
+  their updated values as their gradients; :class:`Optimizer` installs
+  them. Not an ``nnx.Param``, so optax never holds state for them.
+  """
+
+
+#: The filter to differentiate with: the parameters optax trains and
+#: FORGE's variables, ``nnx.grad(loss, argnums=nnx.DiffState(0, TRAINABLE))``.
+TRAINABLE = (nnx.Param, OverwriteWithGradient)
+
+#: Sharding metadata a kernel's optimizer state inherits from the kernel.
+_SHARDING_KEYS = ("out_sharding", "sharding_rules", "mesh")
+
+_LAYER_KEYS = itertools.count()
+#: The kernel each layer's last traced call used (weakly), by layer key.
+_KERNELS_IN_USE: dict[tuple, weakref.ref] = {}
+
+
+def _value(variable):
+  return variable.get_value()
+
+
+def _values(tree):
+  """The values of a pytree of variables."""
+  return jax.tree.map(
+    _value, tree, is_leaf=lambda v: isinstance(v, nnx.Variable)
+  )
+
+
+class Linear(nnx.Module):
+  """A linear layer whose backward pass applies the optimizer step in place.
+
+  Use it where you would use ``nnx.Linear``: the arguments are the same,
+  plus ``optimizer`` (a forge_jax optimizer such as ``fj.adamw(...)``) and
+  ``implementation``. The same ``rngs`` give the same initial kernel and bias
+  as ``nnx.Linear``. ``kernel`` (``[in_features, out_features]``),
+  ``opt_state`` (a pytree of variables), ``count``, ``skipped`` and
+  ``intact`` are :class:`OverwriteWithGradient` variables; ``bias`` is an
+  ``nnx.Param`` trained by your optax transformation.
+
+  Args:
+    in_features, out_features, use_bias, dtype, param_dtype, precision,
+      kernel_init, bias_init, rngs, kernel_metadata, bias_metadata: as for
+      ``nnx.Linear``.
+    optimizer: the elementwise optimizer FORGE fuses into the backward pass.
+    implementation: 'auto', 'xla', 'triton' or 'mosaic' (see
+      ``fj.ForgeDense``).
+    layer_id: static id that seeds stochastic rounding; None:
+      :class:`Optimizer` sets a CRC-32 of the layer's path in the model.
+    input_partitioning, output_partitioning, data_parallel: as for
+      ``fj.ForgeDense`` (tensor and sequence parallelism).
+
+  Partitioning works as for ``nnx.Linear``
+  (``kernel_init=nnx.with_partitioning(init, (None, 'model'))``, logical
+  names with ``sharding_rules``): every optimizer state leaf that follows the
+  kernel (kernel-shaped, int8 block scales) gets the kernel's sharding
+  metadata, so ``nnx.get_partition_spec`` shards it like the kernel; the
+  scalars are replicated. Under a mesh the layer runs per shard with
+  ``jax.shard_map`` (:mod:`forge_jax.parallel`).
+  """
+
+  def __init__(
+    self,
+    in_features: int,
+    out_features: int,
+    *,
+    optimizer: ForgeOptimizer,
+    implementation: str = "auto",
+    use_bias: bool = True,
+    dtype: Optional[Any] = None,
+    param_dtype: Any = jnp.float32,
+    precision: Any = None,
+    kernel_init: Callable = default_kernel_init,
+    bias_init: Callable = default_bias_init,
+    rngs: nnx.Rngs,
+    layer_id: Optional[int] = None,
+    input_partitioning: Optional[tuple] = None,
+    output_partitioning: Optional[tuple] = None,
+    data_parallel: str = "error",
+    kernel_metadata: Mapping[str, Any] = MappingProxyType({}),
+    bias_metadata: Mapping[str, Any] = MappingProxyType({}),
+  ):
+    if not isinstance(optimizer, ForgeOptimizer):
+      raise TypeError(not_elementwise_message(optimizer))
+    if implementation not in IMPLEMENTATIONS:
+      raise ValueError(f"{implementation=} must be one of {IMPLEMENTATIONS}")
+    self.kernel = OverwriteWithGradient(
+      kernel_init(rngs.params(), (in_features, out_features), param_dtype),
+      **kernel_metadata,
+    )
+    metadata = self.kernel.get_metadata()
+    sharding = {k: metadata[k] for k in _SHARDING_KEYS if k in metadata}
+    kernel = self.kernel.get_value()
+    variables = init_variables(optimizer, kernel)
+
+    def state_variable(leaf):
+      follows = parallel.follows_kernel(jnp.shape(leaf), jnp.shape(kernel))
+      return OverwriteWithGradient(leaf, **(sharding if follows else {}))
+
+    self.opt_state = nnx.data(jax.tree.map(state_variable, variables.opt_state))
+    self.count = OverwriteWithGradient(variables.count)
+    self.skipped = OverwriteWithGradient(variables.skipped)
+    self.intact = OverwriteWithGradient(variables.intact)
+    self.bias: Optional[nnx.Param]
+    if use_bias:
+      self.bias = nnx.Param(
+        bias_init(rngs.params(), (out_features,), param_dtype),
+        **bias_metadata,
+      )
+    else:
+      self.bias = nnx.data(None)
+    self.in_features = in_features
+    self.out_features = out_features
+    self.use_bias = use_bias
+    self.dtype = dtype
+    self.param_dtype = param_dtype
+    self.precision = precision
+    self.optimizer = optimizer
+    self.implementation = implementation
+    self.layer_id = layer_id
+    self.input_partitioning = input_partitioning
+    self.output_partitioning = output_partitioning
+    self.data_parallel = data_parallel
+    #: The kernel's (names, rules, mesh), one layer's (a stack made with
+    #: nnx.vmap adds a layer axis to the variables' own metadata), or None.
+    self.kernel_sharding = (
+      (
+        tuple(sharding["out_sharding"]),
+        _hashable(sharding.get("sharding_rules")),
+        sharding.get("mesh"),
+      )
+      if sharding.get("out_sharding")
+      else None
+    )
+    #: The layer's key in :mod:`forge_jax.layer_context` (unique per layer).
+    self.layer_key = ("fj.nnx.Linear", next(_LAYER_KEYS))
+
+  def __call__(self, inputs: jax.Array) -> jax.Array:
+    variables = ForgeVariables(
+      _value(self.kernel),
+      _values(self.opt_state),
+      _value(self.count),
+      _value(self.skipped),
+      _value(self.intact),
+    )
+    bias = _value(self.bias) if self.bias is not None else None
+    context = layer_context.stacked_layer()
+    stacked = (
+      context if context is not None and context.index is not None else None
+    )
+    self._check_variables(variables, stacked)
+    self._check_single_use(variables.kernel)
+    layer_context.record(self.layer_key, layer_context.FORWARD, self.optimizer)
+    spec = FusedDenseSpec(
+      optimizer=self.optimizer,
+      implementation=self.implementation,
+      precision=self.precision,
+      dtype=self.dtype,
+      layer_id=self._layer_id(),
+      path=self.layer_key,
+    )
+    layer_index = None if stacked is None else stacked.index
+    layout = self._layout(inputs)
+    if layout is None:
+      return forge_dense(inputs, variables, bias, spec, layer_index)
+    return forge_dense(
+      inputs,
+      variables,
+      bias,
+      spec,
+      layer_index,
+      layout,
+      where=f"fj.nnx.Linear({self.in_features}, {self.out_features})",
+    )
+
+  def _layer_id(self) -> int:
+    if self.optimizer.weight_rounding != "stochastic":
+      return 0  # unused: keep the spec (and its jit cache key) as before
+    if self.layer_id is None:
+      raise ValueError(
+        f"fj.nnx.Linear({self.in_features}, {self.out_features}) rounds "
+        "stochastically but has no layer_id to seed the rounding: create "
+        "fj.nnx.Optimizer(model, ...) before the first step (it numbers "
+        "the layers by their path in the model), or pass layer_id=."
+      )
+    return int(self.layer_id) & 0xFFFFFFFF
+
+  def _check_variables(self, variables, stacked):
+    """Shapes and dtypes as the constructor made them (a cast or another
+    optimizer's state would receive the new weights through the change)."""
+    expected = jax.eval_shape(
+      functools.partial(init_variables, self.optimizer),
+      jax.ShapeDtypeStruct(
+        (self.in_features, self.out_features), self.param_dtype
+      ),
+    )
+    if stacked is not None:
+      expected = jax.tree.map(
+        lambda v: jax.ShapeDtypeStruct((stacked.length,) + v.shape, v.dtype),
+        expected,
+      )
+    describe = lambda tree: jax.tree.map(
+      lambda x: (jnp.shape(x), jnp.result_type(x)), tree
+    )
+    actual, wanted = describe(variables), describe(expected)
+    if (
+      jax.tree.structure(actual) == jax.tree.structure(wanted)
+      and actual == wanted
+    ):
+      return
+    where = f"fj.nnx.Linear({self.in_features}, {self.out_features})"
+    if stacked is not None:
+      raise TypeError(
+        f"{where}: its variables are {actual} but {wanted} was expected: "
+        f"fj.nnx.scan hands every layer its variables stacked over the "
+        f"{stacked.length} layers, so the block must use them as they come "
+        "(no nnx.scan, nnx.vmap or fj.nnx.scan over the layer inside it)."
+      )
+    raise TypeError(
+      f"{where}: its variables are {actual} but {wanted} was expected for "
+      f"param_dtype={self.param_dtype} and {self.optimizer!r}. Call a "
+      "stack of layers made with nnx.vmap through fj.nnx.scan (or "
+      "nnx.scan); otherwise pass the variables as the constructor made "
+      "them (no cast, no other optimizer's state)."
+    )
+
+  def _check_single_use(self, kernel):
+    # The cotangent of a kernel used twice would be the sum of two updated
+    # kernels. A traced kernel is one trace's: the same tracer again is a
+    # second call in the same forward pass.
+    if not isinstance(kernel, jax.core.Tracer):
+      return  # eager and not differentiated: nothing to update
+    previous = _KERNELS_IN_USE.get(self.layer_key)
+    if previous is not None and previous() is kernel:
+      raise ValueError(
+        f"fj.nnx.Linear({self.in_features}, {self.out_features}) was "
+        "called twice in one traced forward pass. FORGE updates the kernel "
+        "inside each call's backward, so a shared kernel would receive two "
+        "updates summed together. Use one fj.nnx.Linear per use, or "
+        "nnx.Linear for shared weights."
+      )
+    _KERNELS_IN_USE[self.layer_key] = weakref.ref(kernel)
+
+  def _layout(self, inputs) -> Optional[parallel.ShardedLayout]:
+    """The per-shard layout, or None for the single-device op."""
+    if (
+      self.kernel_sharding is None
+      and self.input_partitioning is None
+      and self.output_partitioning is None
+    ):
+      return None
+    names, rules, mesh = self.kernel_sharding or ((None, None), None, None)
+    if mesh is None:
+      mesh = jax.sharding.get_abstract_mesh()
+      if mesh.empty:
+        return None  # no mesh: inert annotations
+    resolve = lambda names: spmd.get_pspec(P(*names), rules)
+    x_spec, y_spec = (
+      None if names is None else resolve(tuple(names))
+      for names in (self.input_partitioning, self.output_partitioning)
+    )
+    if x_spec is None and parallel.is_explicit(mesh):
+      # Explicit axes: the input's type says how it is sharded.
+      x_spec = getattr(jax.typeof(inputs).sharding, "spec", None)
+    return parallel.plan_layout(
+      mesh,
+      jnp.ndim(inputs),
+      resolve(names),
+      x_spec,
+      y_spec,
+      self.data_parallel,
+      where=f"fj.nnx.Linear({self.in_features}, {self.out_features})",
+    )
+
+
+def _hashable(rules):
+  """Logical axis rules as nested tuples (a static attribute is hashed)."""
+  if rules is None:
+    return None
+  return tuple(
+    (name, tuple(axes) if isinstance(axes, list) else axes)
+    for name, axes in rules
+  )
+
+
+def forge_layers(model) -> list[tuple[tuple, Linear]]:
+  """``(path, layer)`` of every :class:`Linear` in ``model``."""
+  return [
+    (tuple(path), module)
+    for path, module in nnx.iter_modules(model)
+    if isinstance(module, Linear)
+  ]
+
+
+def _name(path) -> str:
+  return "/".join(map(str, path))
+
+
+def _at(state, path):
+  for key in path:
+    state = state[key]
+  return state
+
+
+def install(model, grads) -> dict[str, jax.Array]:
+  """Writes FORGE's new variables from ``grads`` into ``model``.
+
+  ``grads`` is what ``nnx.grad`` returned for ``model`` with
+  :class:`OverwriteWithGradient` in its filter (:data:`TRAINABLE`). A layer
+  whose backward was traced in this step takes its gradients as they are
+  (the update stays in place); any other layer only where FORGE wrote them
+  (``intact``): a layer the loss did not reach keeps its variables bit for
+  bit.
+
+  Returns:
+    ``{layer path: 1.0 or 0.0}`` (float32; ``[L]`` for a stack of layers):
+    whether the step's loss reached the layer.
+  """
+  layers = forge_layers(model)
+  written = nnx.state(grads, OverwriteWithGradient)
+  reached = {}
+  for path, layer in layers:
+    try:
+      layer_grads = nnx.to_pure_dict(_at(written, path))
+    except (KeyError, IndexError, TypeError):
+      layer_grads = None
+    if not layer_grads:
+      raise ValueError(
+        f"grads has no gradients for the fj.nnx.Linear at {_name(path)!r}, "
+        "so FORGE's layers would train nothing: differentiate with respect "
+        "to FORGE's variables too, fj.nnx.grad(loss_fn) (or nnx.grad with "
+        "argnums=nnx.DiffState(0, fj.nnx.TRAINABLE)), not nnx.Param alone."
+      )
+    state = nnx.state(layer, OverwriteWithGradient)
+    new, reached[_name(path)] = install_layer(
+      nnx.to_pure_dict(state),
+      layer_grads,
+      layer_context.last_event(layer.layer_key) == layer_context.BACKWARD,
+    )
+    nnx.replace_by_pure_dict(state, new)
+    nnx.update(layer, state)
+  return reached
+
+
+def _with_forge(argnums):
+  """``argnums`` of ``nnx.grad`` with FORGE's variables in every filter."""
+  if isinstance(argnums, int):
+    return nnx.DiffState(argnums, TRAINABLE)
+  if isinstance(argnums, nnx.DiffState):
+    return nnx.DiffState(
+      argnums.argnum, nnx.Any(argnums.filter, OverwriteWithGradient)
+    )
+  return tuple(_with_forge(a) for a in argnums)
+
+
+def grad(f: Optional[Callable] = None, *, argnums=0, **kwargs):
+  """``nnx.grad`` (same arguments) that also differentiates FORGE's
+  variables: each argnum's filter (``nnx.Param`` by default) gets
+  :class:`OverwriteWithGradient` added."""
+  if f is None:
+    return functools.partial(grad, argnums=argnums, **kwargs)
+  return nnx.grad(f, argnums=_with_forge(argnums), **kwargs)
+
+
+def value_and_grad(f: Optional[Callable] = None, *, argnums=0, **kwargs):
+  """``nnx.value_and_grad`` that also differentiates FORGE's variables (see
+  :func:`grad`)."""
+  if f is None:
+    return functools.partial(value_and_grad, argnums=argnums, **kwargs)
+  return nnx.value_and_grad(f, argnums=_with_forge(argnums), **kwargs)
+
+
+class Optimizer(nnx.Optimizer):
+  """``nnx.Optimizer`` (same arguments) that installs FORGE's variables.
+
+  ``update(model, grads)`` first writes the new kernels and states of the
+  model's :class:`Linear` layers (:func:`install`), then steps the
+  variables ``wrt`` selects with ``tx``, as ``nnx.Optimizer`` does. Pass the
+  layers' optimizer as ``tx`` (``opt.to_optax()``); transformations that
+  cannot be right beside FORGE's layers (``optax.MultiSteps``,
+  ``clip_by_global_norm``, another rule than the layers') are refused.
+
+  Attributes:
+    reached: one float32 variable per layer (``[L]`` for a stack): whether
+      the last step's loss reached it; :meth:`unreached_layers` names the
+      others.
+    layer_paths: the layers' paths in the model, in the order of
+      ``reached``.
+  """
+
+  def __init__(self, model, tx, *, wrt, **kwargs):
+    check_transformation(tx)
+    owned = nnx.state(model, nnx.All(wrt, OverwriteWithGradient))
+    if jax.tree.leaves(owned):
+      raise ValueError(
+        f"wrt={wrt!r} selects FORGE's variables (fj.nnx.Overwrite"
+        "WithGradient), which FORGE's backward pass updates: tx would "
+        "keep a second optimizer state for them. Use wrt=nnx.Param."
+      )
+    super().__init__(model, tx, wrt=wrt, **kwargs)
+    layers = forge_layers(model)
+    check_optimizers(tx, {layer.optimizer for _, layer in layers})
+    for path, layer in layers:
+      if layer.layer_id is None:
+        layer.layer_id = quantization.layer_id_from_path(path)
+    self.layer_paths = tuple(_name(path) for path, _ in layers)
+    self.reached = nnx.data(
+      [
+        nnx.OptState(jnp.ones(jnp.shape(_value(layer.intact)), jnp.float32))
+        for _, layer in layers
+      ]
+    )
+
+  def update(self, model, grads, /, **kwargs):
+    """Installs FORGE's variables, then steps the others with ``tx``."""
+    reached = install(model, grads)
+    for name, flags in zip(self.layer_paths, self.reached):
+      flags[...] = reached[name]
+    return super().update(model, grads, **kwargs)
+
+  def unreached_layers(self) -> list[str]:
+    """Paths of the layers the last step's loss did not reach (host side;
+    stacked layers are named ``path[i]``)."""
+    names = []
+    for name, flags in zip(self.layer_paths, self.reached):
+      flags = np.asarray(jax.device_get(_value(flags)))
+      if flags.ndim == 0:
+        names += [name] if flags == 0 else []
+      else:
+        names += [f"{name}[{i}]" for i in np.flatnonzero(flags == 0)]
+    return names
+
+
+def wiped_layers(model) -> list[str]:
+  """Paths of :class:`Linear` layers whose variables were overwritten with
+  zeros (``intact`` 0: installed without :func:`install`, e.g. by
+  ``nnx.update(model, grads)`` after a step the layer's output did not
+  reach); their next step makes the kernel NaN. Stacked layers are named
+  ``path[i]``."""
+  names = []
+  for path, layer in forge_layers(model):
+    flags = np.asarray(jax.device_get(_value(layer.intact)))
+    if flags.ndim == 0:
+      names += [_name(path)] if flags == 0 else []
+    else:
+      names += [
+        f"{_name(path)}[{i}]" for i in np.flatnonzero(flags.reshape(-1) == 0)
+      ]
+  return names
+
+
+_STATEFUL_BLOCK = (
+  "fj.nnx.scan's block changed its variables (dropout's rng counts, batch "
+  "statistics, ...): fj.nnx.scan runs stateless blocks; use nnx.scan for "
+  "this one."
+)
+
+
+def _inexact(path, variable) -> bool:
+  del path
+  return all(
+    jnp.issubdtype(jnp.result_type(leaf), jnp.inexact)
+    for leaf in jax.tree.leaves(variable)
+  )
+
+
+def scan(
+  f: Optional[Callable] = None,
+  *,
+  in_axes: Any = (nnx.Carry, 0),
+  out_axes: Any = nnx.Carry,
+  unroll: int = 1,
+) -> Callable:
+  """``nnx.scan`` over stacked layers, FORGE's variables updated in place.
+
+  Replace ``nnx.scan`` with ``fj.nnx.scan`` over a stack of layers made with
+  ``nnx.vmap`` (every variable on a leading layer axis)::
+
+    @fj.nnx.scan(in_axes=(nnx.Carry, 0, None), out_axes=nnx.Carry)
+    def forward(x, block, cos):
+      return block(x, cos)
+
+    x = forward(x, self.blocks, cos)
+
+  ``f(carry, layer, *args)`` returns the new carry; every argument after the
+  layer is broadcast to all layers (``in_axes`` None) and its gradient is
+  summed over them. The backward pass runs the layers from the last to the
+  first; each :class:`Linear` steps its entry of the whole stacks, so no
+  layer's kernel or state is copied (``fj.scan``'s backward,
+  :func:`forge_jax.scan.scan_stacks`). Wrap the block call in
+  ``nnx.remat`` to save only what its policy saves per layer.
+
+  Raises:
+    ValueError: for ``in_axes`` or ``out_axes`` other than the above.
+    NotImplementedError: for a block that changes its variables (dropout's
+      rng counts, batch statistics): use ``nnx.scan`` for those.
+  """
+  if f is None:
+    return functools.partial(
+      scan, in_axes=in_axes, out_axes=out_axes, unroll=unroll
+    )
+  in_axes = tuple(in_axes) if isinstance(in_axes, (tuple, list)) else in_axes
+  if (
+    not isinstance(in_axes, tuple)
+    or len(in_axes) < 2
+    or in_axes[0] is not nnx.Carry
+    or in_axes[1] != 0
+    or any(axis is not None for axis in in_axes[2:])
+    or out_axes is not nnx.Carry
+  ):
+    raise ValueError(
+      f"fj.nnx.scan(in_axes={in_axes!r}, out_axes={out_axes!r}): scans "
+      "f(carry, layers, *args) with in_axes=(nnx.Carry, 0, None, ...) "
+      "(the layers stacked on axis 0, the other arguments broadcast) and "
+      "out_axes=nnx.Carry. Use nnx.scan for per-layer inputs or outputs."
+    )
+
+  @functools.wraps(f)
+  def scanned(carry, layers, *args):
+    if len(args) != len(in_axes) - 2:
+      raise ValueError(
+        f"fj.nnx.scan: {2 + len(args)} arguments for in_axes={in_axes!r}"
+      )
+    context = layer_context.stacked_layer()
+    if context is not None and context.index is not None:
+      raise NotImplementedError(
+        "fj.nnx.scan inside the block of another fj.nnx.scan: the outer "
+        "backward hands its layers' variables over as whole stacks"
+      )
+    graphdef, forge, others, fixed = nnx.split(
+      layers, OverwriteWithGradient, _inexact, ...
+    )
+    lengths = {jnp.shape(leaf)[0] for leaf in jax.tree.leaves(layers)}
+    if len(lengths) != 1:
+      raise ValueError(
+        "fj.nnx.scan: the layers' variables must share one leading layer "
+        f"axis (nnx.vmap's stack); their leading sizes are {lengths}"
+      )
+    (length,) = lengths
+
+    def layer_fn(layer_others, forge, x, layer_fixed, args):
+      layer = nnx.merge(graphdef, forge, layer_others, layer_fixed)
+      try:
+        out = f(x, layer, *args)
+      except flax_errors.TraceContextError as error:
+        raise NotImplementedError(_STATEFUL_BLOCK) from error
+      before = jax.tree.leaves((forge, layer_others, layer_fixed))
+      after = jax.tree.leaves(
+        nnx.split(layer, OverwriteWithGradient, _inexact, ...)[1:]
+      )
+      if len(before) != len(after) or any(
+        a is not b for a, b in zip(after, before)
+      ):
+        raise NotImplementedError(_STATEFUL_BLOCK)
+      return out
+
+    return scan_stacks(
+      layer_fn, length, carry, forge, others, fixed, args, unroll=unroll
+    )
+
+  return scanned
+
+
+__all__ = [
+  "TRAINABLE",
+  "Linear",
+  "Optimizer",
+  "OverwriteWithGradient",
+  "forge_layers",
+  "grad",
+  "install",
+  "scan",
+  "value_and_grad",
+  "wiped_layers",
+]

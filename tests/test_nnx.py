@@ -1,0 +1,904 @@
+"""``fj.nnx``: FORGE for Flax NNX against ``nnx.Linear`` + ``nnx.Optimizer``.
+
+The NNX training loop with its one change (differentiate with respect to
+``fj.nnx.TRAINABLE``, update with ``fj.nnx.Optimizer``) trains as
+``nnx.Linear`` + the optax alias, on every optimizer row of the table; the
+NNX layer calls the fused op of ``fj.ForgeDense`` (bit-identical steps, int8
+states and stochastic rounding included); ``fj.nnx.scan`` steps stacked
+layers in place; the safety checks of the Linen layer hold; tensor
+parallelism; orbax checkpoints resume bit for bit; an NNX Llama-style model
+follows the Linen one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import forge_jax as fj
+from examples.lm import llama
+from examples.lm import train as train_lib
+
+from conftest import (
+  assert_bitwise_equal,
+  assert_rel_close,
+  make_batch,
+  make_batches,
+  poison,
+)
+from fused_dense_test_base import (
+  BF16_STATE_RTOL,
+  CLASSES,
+  FEATURES,
+  OPTAX_CASES,
+  RTOL,
+  STEPS,
+)
+
+OPT = fj.adamw(1e-2, weight_decay=0.1)
+WRT = nnx.DiffState(0, fj.nnx.TRAINABLE)
+
+
+class MLP(nnx.Module):
+  """``fc1 -> gelu -> fc2 -> ...`` of ``fj.nnx.Linear`` or ``nnx.Linear``."""
+
+  def __init__(self, features, rngs, optimizer=None, **kwargs):
+    linear = nnx.Linear
+    if optimizer is not None:
+      linear = lambda *a, **k: fj.nnx.Linear(*a, optimizer=optimizer, **k)
+    self.layers = nnx.List(
+      [
+        linear(i, o, rngs=rngs, **kwargs)
+        for i, o in zip(features[:-1], features[1:])
+      ]
+    )
+
+  def __call__(self, x):
+    *hidden, last = self.layers
+    for layer in hidden:
+      x = nnx.gelu(layer(x))
+    return last(x)
+
+
+def cross_entropy(model, x, y):
+  return optax.softmax_cross_entropy_with_integer_labels(model(x), y).mean()
+
+
+def forge_step(loss_fn=cross_entropy):
+  """The NNX train step with FORGE's one change: the DiffState."""
+
+  @nnx.jit
+  def step(model, optimizer, *batch):
+    loss, grads = nnx.value_and_grad(loss_fn, argnums=WRT)(model, *batch)
+    optimizer.update(model, grads)
+    return loss
+
+  return step
+
+
+def reference_step(loss_fn=cross_entropy):
+  @nnx.jit
+  def step(model, optimizer, *batch):
+    loss, grads = nnx.value_and_grad(loss_fn)(model, *batch)
+    optimizer.update(model, grads)
+    return loss
+
+  return step
+
+
+def kernels_and_biases(model):
+  """``{(layer, 'kernel' | 'bias'): array}`` of every linear layer."""
+  out = {}
+  for path, module in nnx.iter_modules(model):
+    if isinstance(module, (nnx.Linear, fj.nnx.Linear)):
+      out[path, "kernel"] = np.asarray(module.kernel[...])
+      if module.bias is not None:
+        out[path, "bias"] = np.asarray(module.bias[...])
+  return out
+
+
+def forge_values(model):
+  return jax.tree.map(
+    np.asarray, nnx.to_pure_dict(nnx.state(model, fj.nnx.OverwriteWithGradient))
+  )
+
+
+# ---------------------------------------------------------------------------
+# The optimizer table against nnx.Linear + nnx.Optimizer(optax alias).
+
+TABLE = [
+  pytest.param(case, id=case.id, marks=() if case.core else pytest.mark.slow)
+  for case in OPTAX_CASES
+]
+
+
+@pytest.mark.parametrize("case", TABLE)
+def test_matches_nnx_linear_and_optax(case, seed):
+  """Every optimizer row: kernels, biases and losses of every step follow
+  ``nnx.Linear`` + ``nnx.Optimizer(optax.<name>)`` to 1e-6 (fp32)."""
+  opt = getattr(fj, case.name)(**case.kwargs)
+  features = (case.shape[-1],) + FEATURES
+  model = MLP(features, nnx.Rngs(seed), opt, implementation="xla")
+  ref = MLP(features, nnx.Rngs(seed))
+  initial = kernels_and_biases(model)
+  for key, value in kernels_and_biases(ref).items():
+    np.testing.assert_array_equal(initial[key], value)  # same init
+  optimizer = fj.nnx.Optimizer(model, opt.to_optax(), wrt=nnx.Param)
+  ref_optimizer = nnx.Optimizer(
+    ref, getattr(optax, case.name)(**case.kwargs), wrt=nnx.Param
+  )
+  bf16 = jnp.bfloat16 in (
+    case.kwargs.get("mu_dtype"),
+    case.kwargs.get("accumulator_dtype"),
+  )
+  rtol = BF16_STATE_RTOL if bf16 else RTOL
+  step, ref_step = forge_step(), reference_step()
+  for i, batch in enumerate(make_batches(seed, STEPS, case.shape, CLASSES)):
+    loss = step(model, optimizer, *batch)
+    ref_loss = ref_step(ref, ref_optimizer, *batch)
+    np.testing.assert_allclose(loss, ref_loss, rtol=rtol)
+    ours, theirs = kernels_and_biases(model), kernels_and_biases(ref)
+    for key in theirs:
+      assert_rel_close(ours[key], theirs[key], rtol, f"step {i} {key}")
+  assert all(
+    np.abs(kernels_and_biases(model)[k] - v).max() > 0
+    for k, v in initial.items()
+    if k[1] == "kernel"
+  )
+  assert int(optimizer.step[...]) == STEPS
+
+
+# ---------------------------------------------------------------------------
+# The same fused op as fj.ForgeDense: every backend, int8 states, SR.
+
+
+class LinenMLP(nn.Module):
+  features: tuple
+  optimizer: fj.ForgeOptimizer
+  implementation: str = "xla"
+
+  @nn.compact
+  def __call__(self, x):
+    for i, f in enumerate(self.features):
+      x = fj.ForgeDense(
+        f,
+        optimizer=self.optimizer,
+        implementation=self.implementation,
+        param_dtype=x.dtype,
+        name=f"layers_{i}",
+      )(x)
+      if i < len(self.features) - 1:
+        x = nn.gelu(x)
+    return x
+
+
+def _linen_loss(variables, apply_fn, x, y):
+  return optax.softmax_cross_entropy_with_integer_labels(
+    apply_fn(variables, x).astype(jnp.float32), y
+  ).mean()
+
+
+def _copy_linen_into_nnx(variables, model):
+  """The Linen model's kernels and biases, in the NNX model of the same
+  layer names (``layers_i`` -> ``layers[i]``)."""
+  for i, layer in enumerate(model.layers):
+    linen = variables[fj.FORGE_COLLECTION][f"layers_{i}"]
+    layer.kernel[...] = linen["kernel"]
+    layer.bias[...] = variables["params"][f"layers_{i}"]["bias"]
+
+
+OPS = [
+  pytest.param(
+    "xla",
+    fj.adamw(1e-2, weight_decay=0.1),
+    12,
+    id="xla-adamw",
+    marks=pytest.mark.slow,
+  ),
+  pytest.param(
+    "xla",
+    fj.adamw(1e-2, state_dtype="int8", weight_rounding="stochastic"),
+    128,
+    id="xla-int8-sr",
+  ),
+  pytest.param(
+    "triton",
+    fj.lion(1e-3, state_dtype="int8", weight_rounding="stochastic"),
+    128,
+    id="triton-int8-sr",
+  ),
+  pytest.param(
+    "mosaic",
+    fj.adamw(1e-2, weight_rounding="stochastic"),
+    128,
+    id="mosaic-sr",
+    marks=pytest.mark.slow,
+  ),
+]
+
+
+@pytest.mark.parametrize("implementation,opt,width", OPS)
+def test_steps_bit_for_bit_as_forge_dense(implementation, opt, width, seed):
+  """The NNX layer is the Linen layer's fused op: the same steps bit for
+  bit (bf16 kernels for stochastic rounding, seeded with the Linen layers'
+  ids), on every backend."""
+  dtype = jnp.bfloat16 if opt.weight_rounding == "stochastic" else jnp.float32
+  features = (width, width)  # the Mosaic kernel: K and N multiples of 128
+  x, y = make_batch(seed, (64, width), CLASSES)
+  x = x.astype(dtype)
+  linen = LinenMLP(features, opt, implementation)
+  variables = linen.init(jax.random.key(seed), x)
+  state = fj.TrainState.create(
+    apply_fn=linen.apply, params=variables, tx=opt.to_optax()
+  )
+  model = MLP(
+    (width,) + features,
+    nnx.Rngs(seed),
+    opt,
+    implementation=implementation,
+    param_dtype=dtype,
+  )
+  _copy_linen_into_nnx(variables, model)
+  for i, layer in enumerate(model.layers):  # the Linen layers' rounding ids
+    layer.layer_id = fj.quantization.layer_id_from_path((f"layers_{i}",))
+  optimizer = fj.nnx.Optimizer(model, opt.to_optax(), wrt=nnx.Param)
+
+  @jax.jit
+  def linen_step(state, x, y):
+    loss, grads = jax.value_and_grad(_linen_loss)(
+      state.params, state.apply_fn, x, y
+    )
+    return state.apply_gradients(grads=grads), loss
+
+  loss_fn = lambda m, x, y: optax.softmax_cross_entropy_with_integer_labels(
+    m(x).astype(jnp.float32), y
+  ).mean()
+  step = forge_step(loss_fn)
+  for _ in range(2):
+    state, linen_loss = linen_step(state, x, y)
+    loss = step(model, optimizer, x, y)
+    assert_bitwise_equal(loss, linen_loss, "loss")
+  ours = forge_values(model)
+  for i in range(len(features)):
+    theirs = state.params[fj.FORGE_COLLECTION][f"layers_{i}"]
+    for name in ("kernel", "opt_state", "count", "skipped", "intact"):
+      for a, b in zip(
+        jax.tree.leaves(ours["layers"][i][name]),
+        jax.tree.leaves(theirs[name]),
+      ):
+        assert_bitwise_equal(a, b, f"layers_{i}/{name}")
+
+
+# ---------------------------------------------------------------------------
+# Safety, as for the Linen layer.
+
+
+def _mlp(seed, features=(6, 8, 4), **kwargs):
+  model = MLP(features, nnx.Rngs(seed), OPT, implementation="xla", **kwargs)
+  return model, make_batch(seed, (5, features[0]), features[-1])
+
+
+class Branches(nnx.Module):
+  """A head per task; the loss reaches only the one it is given."""
+
+  def __init__(self, rngs):
+    self.body = fj.nnx.Linear(6, 8, optimizer=OPT, rngs=rngs)
+    self.heads = nnx.List(
+      [fj.nnx.Linear(8, 4, optimizer=OPT, rngs=rngs) for _ in range(2)]
+    )
+
+  def __call__(self, x, task):
+    return self.heads[task](nnx.gelu(self.body(x)))
+
+
+def test_unreached_layer_keeps_its_variables_bit_for_bit(seed):
+  model = Branches(nnx.Rngs(seed))
+  optimizer = fj.nnx.Optimizer(model, OPT.to_optax(), wrt=nnx.Param)
+  x, y = make_batch(seed, (5, 6), 4)
+  step = forge_step(lambda m, x, y: cross_entropy(lambda x: m(x, 0), x, y))
+  step(model, optimizer, x, y)
+  before = forge_values(model)
+  step(model, optimizer, x, y)  # traced once: head 1 is never reached
+  after = forge_values(model)
+  for a, b in zip(
+    jax.tree.leaves(after["heads"][1]), jax.tree.leaves(before["heads"][1])
+  ):
+    assert_bitwise_equal(a, b, "heads[1]")
+  assert float(after["heads"][1]["count"]) == 0.0
+  assert float(after["heads"][0]["count"]) == 2.0
+  assert optimizer.unreached_layers() == ["heads/1"]
+  assert fj.nnx.wiped_layers(model) == []
+
+  # nnx.update(model, grads) instead of the optimizer wipes the layer, and
+  # its next step turns the loss NaN.
+  @nnx.jit
+  def overwrite(model):
+    grads = nnx.grad(
+      lambda m: cross_entropy(lambda x: m(x, 0), x, y), argnums=WRT
+    )(model)
+    nnx.update(model, nnx.state(grads, fj.nnx.OverwriteWithGradient))
+
+  overwrite(model)
+  assert fj.nnx.wiped_layers(model) == ["heads/1"]
+  other_step = forge_step(
+    lambda m, x, y: cross_entropy(lambda x: m(x, 1), x, y)
+  )
+  assert np.isfinite(other_step(model, optimizer, x, y))
+  assert np.isnan(other_step(model, optimizer, x, y))
+
+
+class Twice(nnx.Module):
+  def __init__(self, rngs):
+    self.fc = fj.nnx.Linear(4, 4, optimizer=OPT, rngs=rngs)
+
+  def __call__(self, x):
+    return self.fc(self.fc(x))
+
+
+def test_called_twice_in_one_forward_raises(seed):
+  model = Twice(nnx.Rngs(seed))
+  x = jnp.ones((2, 4))
+  np.asarray(model(model.fc(x)))  # eager, not differentiated: fine
+  with pytest.raises(ValueError, match="called twice"):
+    nnx.grad(lambda m: m(x).sum(), argnums=WRT)(model)
+  with pytest.raises(ValueError, match="called twice"):
+    nnx.jit(lambda m: nnx.grad(lambda m: m(x).sum(), argnums=WRT)(m))(model)
+
+
+def test_grad_of_params_only_raises(seed):
+  model, (x, y) = _mlp(seed)
+  with pytest.raises(ValueError, match="fj.nnx.TRAINABLE"):
+    nnx.grad(cross_entropy)(model, x, y)
+
+
+def test_misuse_raises(seed):
+  model, (x, y) = _mlp(seed)
+  with pytest.raises(ValueError, match="selects FORGE's variables"):
+    fj.nnx.Optimizer(model, OPT.to_optax(), wrt=nnx.Variable)
+  with pytest.raises(ValueError, match="not the optimizer"):
+    fj.nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+  with pytest.raises(ValueError, match="MultiSteps"):
+    fj.nnx.Optimizer(model, optax.MultiSteps(OPT.to_optax(), 2), wrt=nnx.Param)
+  with pytest.raises(TypeError, match="elementwise|forge_jax"):
+    fj.nnx.Linear(2, 3, optimizer=optax.adam(1e-3), rngs=nnx.Rngs(0))
+  optimizer = fj.nnx.Optimizer(model, OPT.to_optax(), wrt=nnx.Param)
+  # Partial gradients that do not reach the FORGE layers: no install.
+  grads = nnx.grad(
+    lambda m: sum(jnp.sum(layer.bias[...]) for layer in m.layers)
+  )(model)
+  with pytest.raises(ValueError, match="fj.nnx.TRAINABLE"):
+    optimizer.update(model, grads)
+  # A cast kernel would receive the update through the cast.
+  kernel = model.layers[0].kernel
+  kernel.set_value(kernel.get_value().astype(jnp.bfloat16))
+  with pytest.raises(TypeError, match="was expected"):
+    model(x)
+
+
+def test_stochastic_rounding_needs_a_layer_id(seed):
+  opt = fj.adamw(1e-2, weight_rounding="stochastic")
+  model = MLP((6, 4), nnx.Rngs(seed), opt, param_dtype=jnp.bfloat16)
+  x = jnp.ones((2, 6), jnp.bfloat16)
+  with pytest.raises(ValueError, match="layer_id"):
+    model(x)
+  fj.nnx.Optimizer(model, opt.to_optax(), wrt=nnx.Param)  # numbers them
+  assert model.layers[0].layer_id == fj.quantization.layer_id_from_path(
+    ("layers", 0)
+  )
+  model(x)
+
+
+def test_nonfinite_step_is_skipped_and_counted(seed):
+  """NaN in one input: every layer skips the step whole (kernel and state
+  bit for bit, count not advanced, skipped = kernel size)."""
+  model, (x, y) = _mlp(seed)
+  # fj.nnx.Optimizer refuses apply_if_finite (a whole-gradient rule); it
+  # keeps the biases finite here, and fj.nnx.install FORGE's variables.
+  optimizer = nnx.Optimizer(
+    model,
+    optax.apply_if_finite(OPT.to_optax(), max_consecutive_errors=3),
+    wrt=nnx.Param,
+  )
+
+  @nnx.jit
+  def step(model, optimizer, x, y):
+    loss, grads = nnx.value_and_grad(cross_entropy, argnums=WRT)(model, x, y)
+    fj.nnx.install(model, grads)
+    optimizer.update(model, grads)
+    return loss
+
+  step(model, optimizer, x, y)
+  before = forge_values(model)
+  assert np.isnan(step(model, optimizer, poison(x, np.s_[1, 2]), y))
+  after = forge_values(model)
+  for i, layer in enumerate(before["layers"].values()):
+    new = after["layers"][i]
+    for a, b in zip(
+      jax.tree.leaves((new["kernel"], new["opt_state"])),
+      jax.tree.leaves((layer["kernel"], layer["opt_state"])),
+    ):
+      assert_bitwise_equal(a, b, f"layers[{i}]")
+    assert float(new["count"]) == 1.0
+    assert float(new["skipped"]) == layer["kernel"].size
+  step(model, optimizer, x, y)
+  assert float(model.layers[0].count[...]) == 2.0
+  assert float(model.layers[0].skipped[...]) == 0.0
+
+
+# ---------------------------------------------------------------------------
+# fj.nnx.scan over stacked layers.
+
+
+class Block(nnx.Module):
+  def __init__(self, dim, hidden, rngs, optimizer=None, **kwargs):
+    linear = nnx.Linear
+    if optimizer is not None:
+      linear = lambda *a, **k: fj.nnx.Linear(*a, optimizer=optimizer, **k)
+    self.up = linear(dim, hidden, rngs=rngs, **kwargs)
+    self.down = linear(hidden, dim, rngs=rngs, **kwargs)
+    self.scale = nnx.Param(jnp.ones((dim,)))
+
+  def __call__(self, x, shift):
+    return x + self.down(nnx.gelu(self.up(x * self.scale[...] + shift)))
+
+
+class Stack(nnx.Module):
+  """Layers made with nnx.vmap, scanned as in the Flax NNX examples."""
+
+  def __init__(
+    self, layers, dim, hidden, rngs, scan=nnx.scan, remat=True, **kwargs
+  ):
+    @nnx.split_rngs(splits=layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def make(rngs):
+      return Block(dim, hidden, rngs, **kwargs)
+
+    self.blocks = make(rngs)
+    self.shift = nnx.Param(jnp.zeros((dim,)))
+    self.head = nnx.Linear(dim, CLASSES, rngs=rngs)
+    self.scan, self.remat = scan, remat
+
+  def __call__(self, x):
+    call = lambda block, x, shift: block(x, shift)
+    if self.remat:
+      call = nnx.remat(call)
+
+    @self.scan(in_axes=(nnx.Carry, 0, None), out_axes=nnx.Carry)
+    def forward(x, block, shift):
+      return call(block, x, shift)
+
+    return self.head(forward(x, self.blocks, self.shift[...]))
+
+
+def _stack_values(model):
+  return {
+    name: np.asarray(getattr(model.blocks, name).kernel[...])
+    for name in ("up", "down")
+  } | {
+    "scale": np.asarray(model.blocks.scale[...]),
+    "shift": np.asarray(model.shift[...]),
+  }
+
+
+@pytest.mark.parametrize(
+  "remat",
+  [True, pytest.param(False, marks=pytest.mark.slow)],
+  ids=["remat", "no-remat"],
+)
+def test_scan_trains_like_nnx_scan_and_optax(remat, seed):
+  """fj.nnx.scan over fj.nnx.Linear follows nnx.scan over nnx.Linear +
+  the optax alias (the broadcast argument gets its summed gradient)."""
+  model = Stack(3, 8, 16, nnx.Rngs(seed), fj.nnx.scan, remat, optimizer=OPT)
+  ref = Stack(3, 8, 16, nnx.Rngs(seed), nnx.scan, remat)
+  optimizer = fj.nnx.Optimizer(model, OPT.to_optax(), wrt=nnx.Param)
+  ref_optimizer = nnx.Optimizer(
+    ref, optax.adamw(1e-2, weight_decay=0.1), wrt=nnx.Param
+  )
+  step, ref_step = forge_step(), reference_step()
+  for x, y in make_batches(seed, 4, (10, 8), CLASSES):
+    np.testing.assert_allclose(
+      step(model, optimizer, x, y), ref_step(ref, ref_optimizer, x, y), 1e-6
+    )
+  ours, theirs = _stack_values(model), _stack_values(ref)
+  for name in theirs:
+    assert_rel_close(ours[name], theirs[name], RTOL, name)
+  np.testing.assert_array_equal(model.blocks.up.count[...], [4.0] * 3)
+  assert optimizer.unreached_layers() == []
+
+
+def test_scan_steps_as_nnx_scan_bit_for_bit(seed):
+  """int8 states and stochastic rounding: fj.nnx.scan's in-place stacked
+  steps (each layer by its index) are nnx.scan's sliced steps, bit for
+  bit."""
+  opt = fj.adamw(1e-2, state_dtype="int8", weight_rounding="stochastic")
+  kwargs = dict(optimizer=opt, param_dtype=jnp.bfloat16, implementation="xla")
+  models = [
+    Stack(2, 16, 64, nnx.Rngs(seed), scan, True, **kwargs)
+    for scan in (fj.nnx.scan, nnx.scan)
+  ]
+  optimizers = [
+    fj.nnx.Optimizer(m, opt.to_optax(), wrt=nnx.Param) for m in models
+  ]
+  step = forge_step()
+  for x, y in make_batches(seed, 2, (8, 16), CLASSES):
+    losses = [step(m, o, x, y) for m, o in zip(models, optimizers)]
+    assert_bitwise_equal(losses[0], losses[1], "loss")
+  for a, b in zip(*(jax.tree.leaves(forge_values(m)) for m in models)):
+    assert_bitwise_equal(a, b, "FORGE's variables")
+
+
+def test_scan_refuses_what_it_cannot_honor(seed):
+  with pytest.raises(ValueError, match="in_axes"):
+    fj.nnx.scan(lambda x, b: b(x), in_axes=(nnx.Carry, 1))
+  with pytest.raises(ValueError, match="out_axes"):
+    fj.nnx.scan(lambda x, b: b(x), out_axes=(nnx.Carry, 0))
+
+  class Noisy(nnx.Module):
+    def __init__(self, rngs):
+      self.fc = fj.nnx.Linear(4, 4, optimizer=OPT, rngs=rngs)
+      self.dropout = nnx.Dropout(0.5, rngs=rngs)
+
+    def __call__(self, x):
+      return self.dropout(self.fc(x))
+
+  @nnx.split_rngs(splits=2)
+  @nnx.vmap(in_axes=(0,), out_axes=0)
+  def make(rngs):
+    return Noisy(rngs)
+
+  stack = make(nnx.Rngs(seed, dropout=seed))
+  forward = fj.nnx.scan(lambda x, block: block(x))
+  with pytest.raises(NotImplementedError, match="changed its variables"):
+    nnx.grad(lambda s: forward(jnp.ones((2, 4)), s).sum(), argnums=WRT)(stack)
+
+
+def _compiled(model, optimizer, x, y):
+  """The donated, jitted train step of ``(model, optimizer)``, compiled."""
+  graphdef, state = nnx.split((model, optimizer))
+  forge = model.blocks.up.__class__ is fj.nnx.Linear
+  wrt = WRT if forge else 0
+
+  def step(state, x, y):
+    model, optimizer = nnx.merge(graphdef, state)
+    grads = nnx.grad(cross_entropy, argnums=wrt)(model, x, y)
+    optimizer.update(model, grads)
+    return nnx.state((model, optimizer))
+
+  return jax.jit(step, donate_argnums=0).lower(state, x, y).compile()
+
+
+def _nbytes(tree) -> int:
+  return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+
+def test_scan_temp_memory_grows_with_activations_not_layers(seed):
+  """Doubling the depth: nnx.scan + optax holds every layer's stacked
+  gradient (temp grows by the added kernel bytes); fj.nnx.scan steps the
+  stacks in place (temp grows by the activations only, a small fraction
+  of the kernels here), and aliases every donated FORGE variable."""
+  dim, hidden, batch = 128, 512, (16, 128)
+  rows = {}
+  for layers in (2, 4):
+    for forge in (True, False):
+      kwargs = dict(optimizer=OPT, implementation="xla") if forge else {}
+      scan = fj.nnx.scan if forge else nnx.scan
+      model = Stack(layers, dim, hidden, nnx.Rngs(seed), scan, **kwargs)
+      optimizer = (fj.nnx.Optimizer if forge else nnx.Optimizer)(
+        model, OPT.to_optax(), wrt=nnx.Param
+      )
+      x, y = make_batch(seed, batch, CLASSES)
+      memory = _compiled(model, optimizer, x, y).memory_analysis()
+      kernels = _nbytes(
+        [model.blocks.up.kernel[...], model.blocks.down.kernel[...]]
+      )
+      rows[layers, forge] = (memory, kernels, forge_values(model))
+  kernel_growth = rows[4, True][1] - rows[2, True][1]
+  growth = {
+    forge: rows[4, forge][0].temp_size_in_bytes
+    - rows[2, forge][0].temp_size_in_bytes
+    for forge in (True, False)
+  }
+  assert growth[False] >= 0.9 * kernel_growth, (growth, kernel_growth)
+  assert growth[True] <= 0.1 * kernel_growth, (growth, kernel_growth)
+  for layers in (2, 4):
+    memory, _, forge = rows[layers, True]
+    assert memory.alias_size_in_bytes >= _nbytes(forge)
+
+
+# ---------------------------------------------------------------------------
+# Checkpoints, as NNX users write them.
+
+
+def test_orbax_checkpoint_resumes_bit_for_bit(tmp_path, seed):
+  """``nnx.state((model, optimizer))`` saved with orbax, restored into
+  ``nnx.eval_shape``'s abstract state: the resumed run takes exactly the
+  steps of the uninterrupted one (bf16 + stochastic rounding, int8
+  states: every bit of count, codes and scales came back)."""
+  ocp = pytest.importorskip("orbax.checkpoint")
+  opt = fj.adamw(1e-2, state_dtype="int8", weight_rounding="stochastic")
+
+  def create():
+    model = MLP(
+      (64, 64, CLASSES),
+      nnx.Rngs(seed),
+      opt,
+      implementation="xla",
+      param_dtype=jnp.bfloat16,
+    )
+    return model, fj.nnx.Optimizer(model, opt.to_optax(), wrt=nnx.Param)
+
+  model, optimizer = create()
+  batches = make_batches(seed, 4, (16, 64), CLASSES)
+  step = forge_step()
+  for batch in batches[:2]:
+    step(model, optimizer, *batch)
+  checkpointer = ocp.StandardCheckpointer()
+  checkpointer.save(tmp_path / "step_2", nnx.state((model, optimizer)))
+  checkpointer.wait_until_finished()
+  for batch in batches[2:]:
+    step(model, optimizer, *batch)
+
+  graphdef, abstract = nnx.split(nnx.eval_shape(create))
+  restored = checkpointer.restore(tmp_path / "step_2", abstract)
+  resumed_model, resumed_optimizer = nnx.merge(graphdef, restored)
+  assert float(resumed_model.layers[0].count[...]) == 2.0
+  for batch in batches[2:]:
+    step(resumed_model, resumed_optimizer, *batch)
+  expected = nnx.to_pure_dict(nnx.state((model, optimizer)))
+  actual = nnx.to_pure_dict(nnx.state((resumed_model, resumed_optimizer)))
+  assert jax.tree.structure(actual) == jax.tree.structure(expected)
+  for a, b in zip(jax.tree.leaves(actual), jax.tree.leaves(expected)):
+    assert_bitwise_equal(a, b, "resumed state")
+
+
+def test_readme_nnx_section_runs_and_trains():
+  """The README's Flax NNX example (after its quickstart, whose imports
+  and optimizer it uses) trains as written."""
+  readme = os.path.join(os.path.dirname(os.path.dirname(__file__)), "README.md")
+  with open(readme) as f:
+    text = f.read()
+  blocks = [
+    re.search(r"```python\n(.*?)```", text[text.index(title) :], re.S).group(1)
+    for title in ("## Quickstart", "## Flax NNX")
+  ]
+  scope = {}
+  for block in blocks:
+    exec(compile(block, "README", "exec"), scope)  # pylint: disable=exec-used
+  model, optimizer = scope["model"], scope["optimizer"]
+  x = jax.random.normal(jax.random.key(0), (8, 784))
+  y = jax.random.normal(jax.random.key(1), (8, 10))
+  losses = [float(scope["nnx_step"](model, optimizer, x, y)) for _ in range(3)]
+  assert losses[-1] < losses[0]
+  assert float(model.fc1.count[...]) == 3.0
+
+
+# ---------------------------------------------------------------------------
+# An NNX Llama-style model against the Linen one (examples/lm/llama.py).
+
+
+class RMSNorm(nnx.Module):
+  def __init__(self, dim, eps):
+    self.scale = nnx.Param(jnp.ones((dim,)))
+    self.eps = eps
+
+  def __call__(self, x):
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(
+      jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps
+    )
+    return (x32 * self.scale[...].astype(jnp.float32)).astype(x.dtype)
+
+
+class LlamaBlock(nnx.Module):
+  """llama.Block in NNX: the same projections, names and operations."""
+
+  def __init__(self, c: llama.LlamaConfig, rngs):
+    def dense(i, o):
+      return fj.nnx.Linear(
+        i,
+        o,
+        optimizer=c.forge_optimizer,
+        implementation=c.implementation,
+        use_bias=False,
+        rngs=rngs,
+      )
+
+    self.c = c
+    self.attn_norm = RMSNorm(c.dim, c.norm_eps)
+    self.mlp_norm = RMSNorm(c.dim, c.norm_eps)
+    heads, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    self.q_proj, self.k_proj = dense(c.dim, heads), dense(c.dim, kv)
+    self.v_proj, self.o_proj = dense(c.dim, kv), dense(heads, c.dim)
+    self.gate_proj = dense(c.dim, c.ffn_dim)
+    self.up_proj = dense(c.dim, c.ffn_dim)
+    self.down_proj = dense(c.ffn_dim, c.dim)
+
+  def __call__(self, x, cos, sin):
+    c = self.c
+    b, t, _ = x.shape
+    h = self.attn_norm(x)
+    q = self.q_proj(h).reshape(b, t, c.num_heads, c.head_dim)
+    k = self.k_proj(h).reshape(b, t, c.num_kv_heads, c.head_dim)
+    v = self.v_proj(h).reshape(b, t, c.num_kv_heads, c.head_dim)
+    q, k = llama.apply_rope(q, cos, sin), llama.apply_rope(k, cos, sin)
+    out = jax.nn.dot_product_attention(q, k, v.astype(q.dtype), is_causal=True)
+    x = x + self.o_proj(out.reshape(b, t, c.num_heads * c.head_dim))
+    h = self.mlp_norm(x)
+    return x + self.down_proj(nnx.silu(self.gate_proj(h)) * self.up_proj(h))
+
+
+class NNXLlama(nnx.Module):
+  def __init__(self, c: llama.LlamaConfig, rngs):
+    self.c = c
+    self.embed = nnx.Embed(
+      c.vocab_size,
+      c.dim,
+      embedding_init=nnx.initializers.normal(stddev=0.02),
+      rngs=rngs,
+    )
+    if c.scan_layers:
+
+      @nnx.split_rngs(splits=c.num_layers)
+      @nnx.vmap(in_axes=(0,), out_axes=0)
+      def make(rngs):
+        return LlamaBlock(c, rngs)
+
+      self.layers = make(rngs)
+    else:
+      self.layers = nnx.List([LlamaBlock(c, rngs) for _ in range(c.num_layers)])
+    self.norm = RMSNorm(c.dim, c.norm_eps)
+    self.lm_head = fj.nnx.Linear(
+      c.dim,
+      c.vocab_size,
+      optimizer=c.forge_optimizer,
+      implementation=c.implementation,
+      use_bias=False,
+      rngs=rngs,
+    )
+
+  def __call__(self, tokens):
+    x = self.embed(tokens)
+    cos, sin = llama.rope_tables(self.c, tokens.shape[-1])
+    if self.c.scan_layers:
+
+      @fj.nnx.scan(in_axes=(nnx.Carry, 0, None, None))
+      def forward(x, block, cos, sin):
+        return nnx.remat(lambda b, x: b(x, cos, sin))(block, x)
+
+      x = forward(x, self.layers, cos, sin)
+    else:
+      for block in self.layers:
+        x = block(x, cos, sin)
+    return self.lm_head(self.norm(x)).astype(jnp.float32)
+
+
+def _load_linen(model: NNXLlama, variables):
+  """The Linen model's weights into the NNX one (the same names)."""
+  params, forge = variables["params"], variables[fj.FORGE_COLLECTION]
+  scanned = model.c.scan_layers
+  model.embed.embedding[...] = params["embed"]["embedding"]
+  model.norm.scale[...] = params["norm"]["scale"]
+  model.lm_head.kernel[...] = forge["lm_head"]["kernel"]
+  blocks = [model.layers] if scanned else list(model.layers)
+  for i, block in enumerate(blocks):
+    name = "layers" if scanned else f"layers_{i}"
+    for norm in ("attn_norm", "mlp_norm"):
+      getattr(block, norm).scale[...] = params[name][norm]["scale"]
+    for part, projections in (
+      ("attn", ("q_proj", "k_proj", "v_proj", "o_proj")),
+      ("mlp", ("gate_proj", "up_proj", "down_proj")),
+    ):
+      for projection in projections:
+        getattr(block, projection).kernel[...] = forge[name][part][projection][
+          "kernel"
+        ]
+
+
+@pytest.mark.parametrize(
+  "scan_layers",
+  [False, pytest.param(True, marks=pytest.mark.slow)],
+  ids=["unrolled", "scanned"],
+)
+def test_llama_matches_the_linen_model(scan_layers, seed):
+  """Same weights, same batches: the NNX Llama-style model (fj.nnx.Linear,
+  fj.nnx.Optimizer) takes the Linen model's (ForgeDense, fj.TrainState)
+  losses and kernels, step by step."""
+  config = dataclasses.replace(
+    llama.CONFIGS["tiny"],
+    forge_optimizer=OPT,
+    implementation="xla",
+    scan_layers=scan_layers,
+    remat=scan_layers,
+  )
+  tokens = jax.random.randint(jax.random.key(seed), (4, 3, 17), 0, 256)
+  linen_model = llama.Llama(config)
+  state = train_lib.create_train_state(
+    linen_model, OPT.to_optax(), jax.random.key(seed), tokens[0]
+  )
+  model = NNXLlama(config, nnx.Rngs(seed))
+  _load_linen(model, state.params)
+  optimizer = fj.nnx.Optimizer(model, OPT.to_optax(), wrt=nnx.Param)
+  linen_step = train_lib.make_train_step(donate=False)
+
+  def loss_fn(model, batch):
+    return train_lib.cross_entropy(model(batch[:, :-1]), batch[:, 1:])
+
+  step = forge_step(loss_fn)
+  for batch in tokens:
+    state, linen_loss = linen_step(state, batch)
+    np.testing.assert_allclose(step(model, optimizer, batch), linen_loss, 1e-6)
+  theirs = llama.kernels(state.params)
+  ours = model.lm_head.kernel[...]
+  assert_rel_close(ours, theirs["lm_head"], RTOL, "lm_head")
+  name = "layers" if scan_layers else "layers_0"
+  block = model.layers if scan_layers else model.layers[0]
+  assert_rel_close(
+    block.down_proj.kernel[...], theirs[f"{name}/mlp/down_proj"], RTOL, "down"
+  )
+
+
+# ---------------------------------------------------------------------------
+# Tensor parallelism through nnx.with_partitioning.
+
+
+INT8 = fj.adamw(1e-2, state_dtype="int8")
+
+
+class Megatron(nnx.Module):
+  """Column-parallel up, row-parallel down (partitioned or not), int8
+  states."""
+
+  def __init__(self, rngs, partitioned):
+    init = nnx.initializers.lecun_normal()
+    shard = lambda names: (
+      nnx.with_partitioning(init, names) if partitioned else init
+    )
+    self.up = fj.nnx.Linear(
+      8, 256, optimizer=INT8, kernel_init=shard((None, "model")), rngs=rngs
+    )
+    self.down = fj.nnx.Linear(
+      256, 4, optimizer=INT8, kernel_init=shard(("model", None)), rngs=rngs
+    )
+
+  def __call__(self, x):
+    return self.down(nnx.gelu(self.up(x)))
+
+
+def test_tensor_parallel_matches_one_device(seed):
+  """``nnx.with_partitioning`` kernels train per shard as on one device;
+  every optimizer state leaf is sharded like its kernel (int8 block scales
+  included), and so are the updated ones."""
+  mesh = fj.parallel.make_mesh(model=2)
+  with jax.set_mesh(mesh):
+    model = Megatron(nnx.Rngs(seed), partitioned=True)
+    optimizer = fj.nnx.Optimizer(model, INT8.to_optax(), wrt=nnx.Param)
+  ref = Megatron(nnx.Rngs(seed), partitioned=False)
+  ref_optimizer = fj.nnx.Optimizer(ref, INT8.to_optax(), wrt=nnx.Param)
+  step = forge_step()
+  for x, y in make_batches(seed, 2, (6, 8), 4):
+    with jax.set_mesh(mesh):
+      loss = step(model, optimizer, x, y)
+    np.testing.assert_allclose(loss, step(ref, ref_optimizer, x, y), 1e-6)
+  for name, spec in (("up", P(None, "model")), ("down", P("model", None))):
+    layer = getattr(model, name)
+    leaves = jax.tree.leaves(
+      nnx.to_pure_dict(nnx.state(layer, fj.nnx.OverwriteWithGradient))
+    )
+    for leaf in leaves:
+      if leaf.ndim == 2:  # the kernel, the int8 codes and block scales
+        assert leaf.sharding.is_equivalent_to(NamedSharding(mesh, spec), 2)
+    assert_rel_close(
+      layer.kernel[...], getattr(ref, name).kernel[...], RTOL, name
+    )
+    assert sum(leaf.ndim == 2 for leaf in leaves) == 5
