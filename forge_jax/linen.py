@@ -158,10 +158,8 @@ class _ForgeLinear(nn.Module):
       layer_id=self._layer_id(),
       path=path,
     )
-    layers = () if stacked is None else (stacked.length,)
-    # A reshape of the contiguous kernel (no copy); the updated [K, N]
-    # kernel, its cotangent, reshapes back to the stored shape.
-    variables = variables._replace(kernel=jnp.reshape(kernel, layers + view))
+    # The kernel as stored: the op views it as [K, N] (a reshape, no copy)
+    # and returns the updated kernel in the stored shape.
     layout = self._layout(inputs, view_meta, input_names, output_names)
     if layout is None:
       return forge_dense(inputs, variables, bias, spec, layer_index)
@@ -480,7 +478,11 @@ class ForgeDenseGeneral(_ForgeLinear):
     k, n = math.prod(contracted), math.prod(features)
 
     def init_kernel(rng):
+      # As nn.DenseGeneral: initialized as [K, N], then reshaped; a box's
+      # names are the stored shape's, so no constraint on the [K, N] value.
       kernel = self.kernel_init(rng, (k, n), self.param_dtype)
+      if isinstance(kernel, nn.Partitioned):
+        return kernel.replace_boxed(jnp.reshape(kernel.value, kernel_shape))
       if isinstance(kernel, meta.AxisMetadata):
         return meta.replace_boxed(
           kernel, jnp.reshape(kernel.unbox(), kernel_shape)
