@@ -492,14 +492,14 @@ class ForgeDenseGeneral(_ForgeLinear):
     def make_bias():
       if not self.use_bias:
         return None
-      bias = self.param(
-        "bias",
-        lambda rng, shape, dtype: jnp.reshape(
-          self.bias_init(rng, (n,), dtype), shape
-        ),
-        features,
-        self.param_dtype,
-      )
+
+      def init_bias(rng, shape, dtype):
+        bias = self.bias_init(rng, (n,), dtype)  # as nn.DenseGeneral
+        if isinstance(bias, nn.Partitioned):
+          return bias.replace_boxed(jnp.reshape(bias.value, shape))
+        return jnp.reshape(bias, shape)
+
+      bias = self.param("bias", init_bias, features, self.param_dtype)
       return jnp.reshape(bias, (n,))
 
     x = (
@@ -508,8 +508,9 @@ class ForgeDenseGeneral(_ForgeLinear):
       else inputs
     )
     x = jnp.reshape(x, free_shape + (k,))
-    resolve = self._names_resolver()
     input_names, output_names = None, None
+    if (self.input_partitioning, self.output_partitioning) != (None, None):
+      resolve = self._names_resolver()
     if self.input_partitioning is not None:
       input_names = merge_partitioning(
         tuple(self.input_partitioning),

@@ -448,6 +448,7 @@ class Heads(nn.Module):
     h = fj.ForgeDenseGeneral(
       (8, 4),
       kernel_init=nn.with_partitioning(init, names_in),
+      output_partitioning=(None, None) + names_in[1:],
       optimizer=self.optimizer,
       implementation="xla",
       name="to_heads",
@@ -456,6 +457,7 @@ class Heads(nn.Module):
       x.shape[-1],
       axis=(-2, -1),
       kernel_init=nn.with_partitioning(init, names_out),
+      input_partitioning=(None, None) + names_out[:2],
       optimizer=self.optimizer,
       implementation="xla",
       name="from_heads",
