@@ -1,4 +1,5 @@
-"""``ForgeDense``: a drop-in for ``flax.linen.Dense`` that trains itself."""
+"""``ForgeDense`` and ``ForgeDenseGeneral``: drop-ins for ``flax.linen.Dense``
+and ``flax.linen.DenseGeneral`` that train themselves."""
 
 from __future__ import annotations
 
@@ -107,7 +108,7 @@ class _ForgeLinear(nn.Module):
     if not isinstance(self.optimizer, ForgeOptimizer):
       raise TypeError(not_elementwise_message(self.optimizer))
     self._check_collection()
-    view = kernel_view_shape(kernel_shape, in_rank)
+    view = _kernel_view_shape(kernel_shape, in_rank)
     view_meta = self._view_metadata(init_kernel, kernel_shape, in_rank)
     kernel = self.variable(
       FORGE_COLLECTION,
@@ -201,7 +202,7 @@ class _ForgeLinear(nn.Module):
     if not isinstance(boxed, nn.Partitioned):
       return None
     groups = (tuple(range(in_rank)), tuple(range(in_rank, len(kernel_shape))))
-    names = merge_partitioning(
+    names = _merge_partitioning(
       boxed.names,
       groups,
       _resolver(boxed),
@@ -512,7 +513,7 @@ class ForgeDenseGeneral(_ForgeLinear):
     if (self.input_partitioning, self.output_partitioning) != (None, None):
       resolve = self._names_resolver()
     if self.input_partitioning is not None:
-      input_names = merge_partitioning(
+      input_names = _merge_partitioning(
         tuple(self.input_partitioning),
         tuple((d,) for d in free) + (axis,),
         resolve,
@@ -520,7 +521,7 @@ class ForgeDenseGeneral(_ForgeLinear):
       )
     if self.output_partitioning is not None:
       lead = len(free)
-      output_names = merge_partitioning(
+      output_names = _merge_partitioning(
         tuple(self.output_partitioning),
         tuple((d,) for d in range(lead))
         + (tuple(range(lead, lead + len(features))),),
@@ -563,7 +564,7 @@ class ForgeDenseGeneral(_ForgeLinear):
     return _resolver(boxed if isinstance(boxed, nn.Partitioned) else None)
 
 
-def kernel_view_shape(kernel_shape, in_rank: int) -> tuple:
+def _kernel_view_shape(kernel_shape, in_rank: int) -> tuple:
   """``(K, N)``: the fused op's view of a kernel whose first ``in_rank``
   dimensions are contracted."""
   return (
@@ -583,7 +584,7 @@ def _resolver(box):
   return lambda names: P(*names)
 
 
-def merge_partitioning(names, groups, resolve, what: str) -> tuple:
+def _merge_partitioning(names, groups, resolve, what: str) -> tuple:
   """One name per group of dimensions (``groups``: tuples of dimension
   indices), for an array whose groups are merged by a reshape.
 
