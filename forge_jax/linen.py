@@ -1,16 +1,21 @@
-"""``ForgeDense``: a drop-in for ``flax.linen.Dense`` that trains itself."""
+"""``ForgeDense`` and ``ForgeDenseGeneral``: drop-ins for ``flax.linen.Dense``
+and ``flax.linen.DenseGeneral`` that train themselves."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import math
 import re
 import warnings
+from collections.abc import Iterable, Sequence
 from typing import Any, Optional
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax.core import meta
 from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
 from jax.sharding import PartitionSpec as P
 
@@ -53,7 +58,7 @@ def _stacking_transform(scope) -> Optional[str]:
   return None
 
 
-def _warn_stacked(path, transform: str):
+def _warn_stacked(path, transform: str, layer: str):
   fix = (
     "fj.scan(...) with the same arguments instead of nn.scan(...)"
     if transform == "scan"
@@ -61,18 +66,263 @@ def _warn_stacked(path, transform: str):
     f"nn.{transform}"
   )
   warnings.warn(
-    f"ForgeDense {'/'.join(path)!r} runs inside nn.{transform}: it trains "
+    f"{layer} {'/'.join(path)!r} runs inside nn.{transform}: it trains "
     f"correctly, but the transpose of nn.{transform} keeps the updated "
     "kernels and optimizer states of all layers beside the old ones until "
     "the step ends, which costs more memory than optax. Write "
     f"{fix} to update the stacks in place. (Silence with "
     "warnings.filterwarnings('ignore', category=fj.ForgeMemoryWarning).)",
     ForgeMemoryWarning,
-    stacklevel=4,
+    stacklevel=5,
   )
 
 
-class ForgeDense(nn.Module):
+class _ForgeLinear(nn.Module):
+  """What ForgeDense and ForgeDenseGeneral share: the FORGE variables of one
+  kernel, their checks, and the fused op on the kernel's ``[K, N]`` view.
+
+  A subclass's ``__call__`` brings its input to ``[..., K]`` and calls
+  :meth:`_fused` with the kernel's stored shape (the first ``in_rank``
+  dimensions make ``K``, the others ``N``); it has the fields ``optimizer``,
+  ``param_dtype``, ``precision``, ``dtype``, ``implementation``,
+  ``layer_id``, ``mesh`` and ``data_parallel``.
+  """
+
+  def _fused(
+    self,
+    inputs: jax.Array,
+    kernel_shape: tuple,
+    in_rank: int,
+    init_kernel,
+    make_bias,
+    input_names: Optional[tuple] = None,
+    output_names: Optional[tuple] = None,
+  ) -> jax.Array:
+    """``inputs [..., K] @ kernel view [K, N] + bias [N]``, FORGE-trained.
+
+    ``init_kernel(rng)`` makes the kernel in ``kernel_shape`` (boxed with
+    one partitioning name per dimension, or plain); ``make_bias()`` creates
+    the bias parameter as ``[N]`` (or returns None). ``input_names`` and
+    ``output_names`` partition ``[..., K]`` and ``[..., N]``.
+    """
+    if not isinstance(self.optimizer, ForgeOptimizer):
+      raise TypeError(not_elementwise_message(self.optimizer))
+    self._check_collection()
+    view = _kernel_view_shape(kernel_shape, in_rank)
+    view_meta = self._view_metadata(init_kernel, kernel_shape, in_rank)
+    kernel = self.variable(
+      FORGE_COLLECTION,
+      "kernel",
+      lambda: init_kernel(self.make_rng("params")),
+    ).value
+    # Stored on the [K, N] view: the int8 block scales are [K, N / 64].
+    opt_state = self.variable(
+      FORGE_COLLECTION,
+      "opt_state",
+      lambda: self._init_state(jnp.reshape(kernel, view), view_meta),
+    ).value
+    count, skipped, intact = (
+      self.variable(
+        FORGE_COLLECTION, name, jnp.full, (), value, jnp.float32
+      ).value
+      for name, value in (("count", 0.0), ("skipped", 0.0), ("intact", 1.0))
+    )
+    bias = make_bias()
+    variables = ForgeVariables(kernel, opt_state, count, skipped, intact)
+    context = layer_context.stacked_layer()
+    stacked = (
+      context if context is not None and context.index is not None else None
+    )
+    expected = jax.eval_shape(
+      functools.partial(init_variables, self.optimizer),
+      jax.ShapeDtypeStruct(view, self.param_dtype),
+    )
+    expected = expected._replace(
+      kernel=jax.ShapeDtypeStruct(kernel_shape, self.param_dtype)
+    )
+    self._check_variables(
+      variables, _stacked_shapes(expected, stacked), stacked
+    )
+    layer_index = None if stacked is None else stacked.index
+    self._check_single_use(kernel)
+    path = (context.path if context is not None else ()) + tuple(self.path)
+    if not self.is_initializing():
+      transform = _stacking_transform(self.scope) if context is None else None
+      if transform is not None:
+        _warn_stacked(path, transform, type(self).__name__)
+      layer_context.record(path, layer_context.FORWARD, self.optimizer)
+    spec = FusedDenseSpec(
+      optimizer=self.optimizer,
+      implementation=self.implementation,
+      precision=self.precision,
+      dtype=self.dtype,
+      layer_id=self._layer_id(),
+      path=path,
+    )
+    # The kernel as stored: the op views it as [K, N] (a reshape, no copy)
+    # and returns the updated kernel in the stored shape.
+    layout = self._layout(inputs, view_meta, input_names, output_names)
+    if layout is None:
+      return forge_dense(inputs, variables, bias, spec, layer_index)
+    return forge_dense(
+      inputs,
+      variables,
+      bias,
+      spec,
+      layer_index,
+      layout,
+      where=self._where(),
+    )
+
+  def _where(self) -> str:
+    return f"{type(self).__name__} {'/'.join(self.path)!r}"
+
+  def _check_collection(self):
+    """FORGE's collection must come with the variables: flax's own error
+    (``ScopeCollectionNotFound``) points the wrong way."""
+    if (
+      self.is_initializing()
+      or self.has_variable(FORGE_COLLECTION, "kernel")
+      or self.is_mutable_collection(FORGE_COLLECTION)
+    ):
+      return
+    raise ValueError(
+      f"{self._where()} has no variables in the "
+      f"{FORGE_COLLECTION!r} collection, where FORGE keeps its kernel and "
+      "optimizer state. Keep the whole variables dict that init returns: "
+      "fj.TrainState.create(apply_fn=model.apply, params=variables, tx=...) "
+      "(not variables['params']), and apply the model with all of it, "
+      "model.apply(state.params, ...)."
+    )
+
+  def _view_metadata(self, init_kernel, kernel_shape, in_rank):
+    """The partitioning box ``init_kernel`` wraps the kernel in, its names
+    merged onto the ``[K, N]`` view; None for a plain kernel."""
+    boxed = jax.eval_shape(lambda: init_kernel(jax.random.key(0)))
+    if not isinstance(boxed, nn.Partitioned):
+      return None
+    groups = (tuple(range(in_rank)), tuple(range(in_rank, len(kernel_shape))))
+    names = _merge_partitioning(
+      boxed.names,
+      groups,
+      _resolver(boxed),
+      f"{self._where()}: the kernel {tuple(kernel_shape)}",
+    )
+    return boxed.replace(names=names)
+
+  def _init_state(self, kernel, kernel_meta):
+    """The optimizer state; with the kernel's partitioning box on every leaf
+    that follows the kernel (kernel-shaped, int8 block scales), so that it is
+    sharded exactly like the kernel."""
+    state = self.optimizer.init(kernel)
+    if kernel_meta is None:
+      return state
+    follows = lambda leaf: parallel.follows_kernel(
+      jnp.shape(leaf), jnp.shape(kernel)
+    )
+    return jax.tree.map(
+      lambda leaf: kernel_meta.replace_boxed(leaf) if follows(leaf) else leaf,
+      state,
+    )
+
+  def _layout(
+    self, inputs, kernel_meta, input_names, output_names
+  ) -> Optional[parallel.ShardedLayout]:
+    """The per-shard layout, or None for the single-device op."""
+    if (
+      kernel_meta is None
+      and self.mesh is None
+      and input_names is None
+      and output_names is None
+    ):
+      return None
+    mesh = (
+      self.mesh if self.mesh is not None else getattr(kernel_meta, "mesh", None)
+    )
+    if mesh is None:
+      context = jax.sharding.get_abstract_mesh()
+      if context.empty:
+        return None  # no mesh: inert annotations, as for nn.Dense
+      mesh = context
+    resolve = _resolver(kernel_meta)
+    kernel_spec = (
+      resolve(kernel_meta.names) if kernel_meta is not None else P(None, None)
+    )
+    x_spec, y_spec = (
+      None if names is None else resolve(tuple(names))
+      for names in (input_names, output_names)
+    )
+    if x_spec is None and parallel.is_explicit(mesh):
+      # Explicit axes: the input's type says how it is sharded.
+      x_spec = getattr(jax.typeof(inputs).sharding, "spec", None)
+    return parallel.plan_layout(
+      mesh,
+      jnp.ndim(inputs),
+      kernel_spec,
+      x_spec,
+      y_spec,
+      self.data_parallel,
+      where=self._where(),
+    )
+
+  def _layer_id(self) -> int:
+    if self.optimizer.weight_rounding != "stochastic":
+      return 0  # unused: keep the spec (and its jit cache key) as before
+    if self.layer_id is not None:
+      return int(self.layer_id) & 0xFFFFFFFF
+    return quantization.layer_id_from_path(self.path)
+
+  def _check_variables(
+    self,
+    variables: ForgeVariables,
+    expected: ForgeVariables,
+    stacked: Optional[layer_context.StackedLayer],
+  ):
+    """Shapes and dtypes as init made them: a transformed copy would receive
+    the new weights through the transformation's transpose."""
+    actual = jax.tree.map(
+      lambda x: (jnp.shape(x), jnp.result_type(x)), variables
+    )
+    wanted = jax.tree.map(
+      lambda x: (jnp.shape(x), jnp.result_type(x)), expected
+    )
+    if (
+      jax.tree.structure(actual) != jax.tree.structure(wanted)
+      or actual != wanted
+    ):
+      if stacked is not None:
+        raise TypeError(
+          f"{self._where()}: its variables are {actual} but "
+          f"{wanted} was expected: fj.scan's backward hands every "
+          f"ForgeDense of the block its variables stacked over the "
+          f"{stacked.length} layers, so the block must use them as they "
+          "come (no nn.scan, nn.vmap or fj.scan over ForgeDense inside "
+          "it)."
+        )
+      raise TypeError(
+        f"{self._where()}: its variables are {actual} but "
+        f"{wanted} was expected for param_dtype={self.param_dtype} and "
+        f"{self.optimizer!r}. The variables were changed before apply (a "
+        "cast, or another optimizer's state): FORGE writes the updated "
+        "weights back through whatever produced them, so pass them as "
+        "init created them."
+      )
+
+  def _check_single_use(self, kernel):
+    # The cotangent of a kernel used twice would be the sum of two updated
+    # kernels. Module instances live for one trace, and so does the tracer.
+    previous = getattr(self, "_forge_kernel_in_use", None)
+    if previous is not None and previous is kernel:
+      raise ValueError(
+        f"{self._where()} was called twice in one forward pass. "
+        "FORGE updates the kernel inside each call's backward, so a shared "
+        f"kernel would receive two updates summed together. Use one "
+        f"{type(self).__name__} per use, or flax's layer for shared weights."
+      )
+    object.__setattr__(self, "_forge_kernel_in_use", kernel)
+
+
+class ForgeDense(_ForgeLinear):
   """A linear layer whose backward pass applies the optimizer step in place.
 
   Use it where you would use ``nn.Dense``: the fields are the same, plus
@@ -144,216 +394,226 @@ class ForgeDense(nn.Module):
 
   @nn.compact
   def __call__(self, inputs: jax.Array) -> jax.Array:
-    if not isinstance(self.optimizer, ForgeOptimizer):
-      raise TypeError(not_elementwise_message(self.optimizer))
-    self._check_collection()
-    in_features = jnp.shape(inputs)[-1]
-    kernel_shape = (in_features, self.features)
-    kernel_meta = self._kernel_metadata(kernel_shape)
-    kernel = self.variable(
-      FORGE_COLLECTION,
-      "kernel",
-      lambda: self.kernel_init(
-        self.make_rng("params"), kernel_shape, self.param_dtype
-      ),
-    ).value
-    opt_state = self.variable(
-      FORGE_COLLECTION, "opt_state", self._init_state, kernel, kernel_meta
-    ).value
-    count, skipped, intact = (
-      self.variable(
-        FORGE_COLLECTION, name, jnp.full, (), value, jnp.float32
-      ).value
-      for name, value in (("count", 0.0), ("skipped", 0.0), ("intact", 1.0))
-    )
-    bias = (
-      self.param("bias", self.bias_init, (self.features,), self.param_dtype)
-      if self.use_bias
-      else None
-    )
-    variables = ForgeVariables(kernel, opt_state, count, skipped, intact)
-    context = layer_context.stacked_layer()
-    stacked = (
-      context if context is not None and context.index is not None else None
-    )
-    self._check_variables(
-      variables,
-      _stacked_shapes(
-        jax.eval_shape(
-          functools.partial(init_variables, self.optimizer),
-          jax.ShapeDtypeStruct(kernel_shape, self.param_dtype),
-        ),
-        stacked,
-      ),
-      stacked,
-    )
-    layer_index = None if stacked is None else stacked.index
-    self._check_single_use(kernel)
-    path = (context.path if context is not None else ()) + tuple(self.path)
-    if not self.is_initializing():
-      transform = _stacking_transform(self.scope) if context is None else None
-      if transform is not None:
-        _warn_stacked(path, transform)
-      layer_context.record(path, layer_context.FORWARD, self.optimizer)
-    spec = FusedDenseSpec(
-      optimizer=self.optimizer,
-      implementation=self.implementation,
-      precision=self.precision,
-      dtype=self.dtype,
-      layer_id=self._layer_id(),
-      path=path,
-    )
-    layout = self._layout(inputs, kernel_meta)
-    if layout is None:
-      return forge_dense(inputs, variables, bias, spec, layer_index)
-    return forge_dense(
+    kernel_shape = (jnp.shape(inputs)[-1], self.features)
+    return self._fused(
       inputs,
-      variables,
-      bias,
-      spec,
-      layer_index,
-      layout,
-      where=f"ForgeDense {self.path!r}",
+      kernel_shape,
+      1,
+      lambda rng: self.kernel_init(rng, kernel_shape, self.param_dtype),
+      lambda: (
+        self.param("bias", self.bias_init, (self.features,), self.param_dtype)
+        if self.use_bias
+        else None
+      ),
+      self.input_partitioning,
+      self.output_partitioning,
     )
 
-  def _check_collection(self):
-    """FORGE's collection must come with the variables: flax's own error
-    (``ScopeCollectionNotFound``) points the wrong way."""
-    if (
-      self.is_initializing()
-      or self.has_variable(FORGE_COLLECTION, "kernel")
-      or self.is_mutable_collection(FORGE_COLLECTION)
-    ):
-      return
-    raise ValueError(
-      f"ForgeDense {'/'.join(self.path)!r} has no variables in the "
-      f"{FORGE_COLLECTION!r} collection, where FORGE keeps its kernel and "
-      "optimizer state. Keep the whole variables dict that init returns: "
-      "fj.TrainState.create(apply_fn=model.apply, params=variables, tx=...) "
-      "(not variables['params']), and apply the model with all of it, "
-      "model.apply(state.params, ...)."
-    )
 
-  def _kernel_metadata(self, kernel_shape):
-    """The partitioning box ``kernel_init`` wraps the kernel in, or None."""
-    boxed = jax.eval_shape(
-      lambda: self.kernel_init(
-        jax.random.key(0), kernel_shape, self.param_dtype
-      )
-    )
-    return boxed if isinstance(boxed, nn.Partitioned) else None
+class ForgeDenseGeneral(_ForgeLinear):
+  """``nn.DenseGeneral`` whose backward pass applies the optimizer step.
 
-  def _init_state(self, kernel, kernel_meta):
-    """The optimizer state; with the kernel's partitioning box on every leaf
-    that follows the kernel (kernel-shaped, int8 block scales), so that it is
-    sharded exactly like the kernel."""
-    state = self.optimizer.init(kernel)
-    if kernel_meta is None:
-      return state
-    follows = lambda leaf: parallel.follows_kernel(
-      jnp.shape(leaf), jnp.shape(kernel)
-    )
-    return jax.tree.map(
-      lambda leaf: kernel_meta.replace_boxed(leaf) if follows(leaf) else leaf,
-      state,
-    )
+  The fields are ``nn.DenseGeneral``'s (same order), plus the keyword-only
+  ``optimizer`` and ForgeDense's ``implementation``, ``layer_id``, ``mesh``,
+  ``input_partitioning``, ``output_partitioning`` and ``data_parallel``. The
+  kernel keeps ``nn.DenseGeneral``'s shape ``[*contracted dims, *features]``
+  (and is initialized as it is, from ``kernel_init`` on the flattened
+  shape), at ``_overwrite_with_gradient/<module>/kernel``; the bias stays at
+  ``params/<module>/bias``, shaped ``features``.
 
-  def _layout(self, inputs, kernel_meta) -> Optional[parallel.ShardedLayout]:
-    """The per-shard layout, or None for the single-device op."""
-    if (
-      kernel_meta is None
-      and self.mesh is None
-      and self.input_partitioning is None
-      and self.output_partitioning is None
-    ):
-      return None
-    mesh = (
-      self.mesh if self.mesh is not None else getattr(kernel_meta, "mesh", None)
-    )
-    if mesh is None:
-      context = jax.sharding.get_abstract_mesh()
-      if context.empty:
-        return None  # no mesh: inert annotations, as for nn.Dense
-      mesh = context
-    if isinstance(kernel_meta, nn.LogicallyPartitioned):
-      resolve = lambda names: nn.logical_to_mesh_axes(names, kernel_meta.rules)
-    else:
-      resolve = lambda names: P(*names)
-    kernel_spec = (
-      resolve(kernel_meta.names) if kernel_meta is not None else P(None, None)
-    )
-    x_spec, y_spec = (
-      None if names is None else resolve(tuple(names))
-      for names in (self.input_partitioning, self.output_partitioning)
-    )
-    if x_spec is None and parallel.is_explicit(mesh):
-      # Explicit axes: the input's type says how it is sharded.
-      x_spec = getattr(jax.typeof(inputs).sharding, "spec", None)
-    return parallel.plan_layout(
-      mesh,
-      jnp.ndim(inputs),
-      kernel_spec,
-      x_spec,
-      y_spec,
-      self.data_parallel,
-      where=f"ForgeDense {self.path!r}",
-    )
+  The fused op sees the kernel as ``[K, N]`` (K the product of the
+  contracted dimensions, N of the features), a reshape without a copy, and
+  the input as ``[..., K]`` (the contracted axes moved last, in order, and
+  merged). The optimizer state is stored on that view: kernel-shaped leaves
+  are ``[K, N]``, int8 block scales ``[K, ceil(N / 64)]``.
 
-  def _layer_id(self) -> int:
-    if self.optimizer.weight_rounding != "stochastic":
-      return 0  # unused: keep the spec (and its jit cache key) as before
-    if self.layer_id is not None:
-      return int(self.layer_id) & 0xFFFFFFFF
-    return quantization.layer_id_from_path(self.path)
+  Partitioning names one mesh (or logical) axis per dimension of the
+  stored kernel, input and output, as for ``nn.DenseGeneral``; the merged
+  dimensions of the view take the name of their outermost dimension, and
+  the inner ones must not be sharded (``(None, 'model', None)`` for a
+  query kernel ``[embed, heads, head_dim]`` shards the heads, and with them
+  contiguous blocks of N). The state gets the view's names.
 
-  def _check_variables(
-    self,
-    variables: ForgeVariables,
-    expected: ForgeVariables,
-    stacked: Optional[layer_context.StackedLayer],
-  ):
-    """Shapes and dtypes as init made them: a transformed copy would receive
-    the new weights through the transformation's transpose."""
-    actual = jax.tree.map(
-      lambda x: (jnp.shape(x), jnp.result_type(x)), variables
-    )
-    wanted = jax.tree.map(
-      lambda x: (jnp.shape(x), jnp.result_type(x)), expected
-    )
-    if (
-      jax.tree.structure(actual) != jax.tree.structure(wanted)
-      or actual != wanted
-    ):
-      if stacked is not None:
-        raise TypeError(
-          f"ForgeDense {self.path!r}: its variables are {actual} but "
-          f"{wanted} was expected: fj.scan's backward hands every "
-          f"ForgeDense of the block its variables stacked over the "
-          f"{stacked.length} layers, so the block must use them as they "
-          "come (no nn.scan, nn.vmap or fj.scan over ForgeDense inside "
-          "it)."
+  Attributes:
+    features: int or tuple of output features.
+    axis: int or tuple of the input axes contracted.
+    batch_dims: must be empty: a kernel per batch entry is a batched
+      matmul, not the one GEMM whose backward FORGE fuses.
+    use_bias, dtype, param_dtype, kernel_init, bias_init, precision: as for
+      ``nn.DenseGeneral``.
+    dot_general, dot_general_cls: must be None (FORGE computes the product
+      itself).
+    optimizer, implementation, layer_id, mesh, input_partitioning,
+      output_partitioning, data_parallel: as for :class:`ForgeDense`.
+  """
+
+  features: int | Sequence[int]
+  axis: int | Sequence[int] = -1
+  batch_dims: Sequence[int] = ()
+  use_bias: bool = True
+  dtype: Optional[Any] = None
+  param_dtype: Any = jnp.float32
+  kernel_init: Any = nn.initializers.lecun_normal()
+  bias_init: Any = nn.initializers.zeros_init()
+  precision: Any = None
+  dot_general: Any = None
+  dot_general_cls: Any = None
+  optimizer: ForgeOptimizer = dataclasses.field(kw_only=True)
+  implementation: str = "auto"
+  layer_id: Optional[int] = None
+  mesh: Optional[Any] = None
+  input_partitioning: Optional[tuple] = None
+  output_partitioning: Optional[tuple] = None
+  data_parallel: str = "error"
+
+  @nn.compact
+  def __call__(self, inputs: jax.Array) -> jax.Array:
+    self._check_fields()
+    features = _as_tuple(self.features)
+    ndim = jnp.ndim(inputs)
+    axis = tuple(sorted(a % ndim for a in _as_tuple(self.axis)))
+    free = tuple(d for d in range(ndim) if d not in axis)
+    contracted = tuple(jnp.shape(inputs)[a] for a in axis)
+    free_shape = tuple(jnp.shape(inputs)[d] for d in free)
+    kernel_shape = contracted + features
+    k, n = math.prod(contracted), math.prod(features)
+
+    def init_kernel(rng):
+      # As nn.DenseGeneral: initialized as [K, N], then reshaped; a box's
+      # names are the stored shape's, so no constraint on the [K, N] value.
+      kernel = self.kernel_init(rng, (k, n), self.param_dtype)
+      if isinstance(kernel, nn.Partitioned):
+        return kernel.replace_boxed(jnp.reshape(kernel.value, kernel_shape))
+      if isinstance(kernel, meta.AxisMetadata):
+        return meta.replace_boxed(
+          kernel, jnp.reshape(kernel.unbox(), kernel_shape)
         )
-      raise TypeError(
-        f"ForgeDense {self.path!r}: its variables are {actual} but "
-        f"{wanted} was expected for param_dtype={self.param_dtype} and "
-        f"{self.optimizer!r}. The variables were changed before apply (a "
-        "cast, or another optimizer's state): FORGE writes the updated "
-        "weights back through whatever produced them, so pass them as "
-        "init created them."
-      )
+      return jnp.reshape(kernel, kernel_shape)
 
-  def _check_single_use(self, kernel):
-    # The cotangent of a kernel used twice would be the sum of two updated
-    # kernels. Module instances live for one trace, and so does the tracer.
-    previous = getattr(self, "_forge_kernel_in_use", None)
-    if previous is not None and previous is kernel:
-      raise ValueError(
-        f"ForgeDense {self.path!r} was called twice in one forward pass. "
-        "FORGE updates the kernel inside each call's backward, so a shared "
-        "kernel would receive two updates summed together. Use one "
-        "ForgeDense per use, or nn.Dense for shared weights."
+    def make_bias():
+      if not self.use_bias:
+        return None
+
+      def init_bias(rng, shape, dtype):
+        bias = self.bias_init(rng, (n,), dtype)  # as nn.DenseGeneral
+        if isinstance(bias, nn.Partitioned):
+          return bias.replace_boxed(jnp.reshape(bias.value, shape))
+        return jnp.reshape(bias, shape)
+
+      bias = self.param("bias", init_bias, features, self.param_dtype)
+      return jnp.reshape(bias, (n,))
+
+    x = (
+      jnp.transpose(inputs, free + axis)
+      if free + axis != tuple(range(ndim))
+      else inputs
+    )
+    x = jnp.reshape(x, free_shape + (k,))
+    input_names, output_names = None, None
+    if (self.input_partitioning, self.output_partitioning) != (None, None):
+      resolve = self._names_resolver()
+    if self.input_partitioning is not None:
+      input_names = _merge_partitioning(
+        tuple(self.input_partitioning),
+        tuple((d,) for d in free) + (axis,),
+        resolve,
+        f"{self._where()}: the input {jnp.shape(inputs)}",
       )
-    object.__setattr__(self, "_forge_kernel_in_use", kernel)
+    if self.output_partitioning is not None:
+      lead = len(free)
+      output_names = _merge_partitioning(
+        tuple(self.output_partitioning),
+        tuple((d,) for d in range(lead))
+        + (tuple(range(lead, lead + len(features))),),
+        resolve,
+        f"{self._where()}: the output",
+      )
+    y = self._fused(
+      x,
+      kernel_shape,
+      len(axis),
+      init_kernel,
+      make_bias,
+      input_names,
+      output_names,
+    )
+    return jnp.reshape(y, free_shape + features)
+
+  def _check_fields(self):
+    if _as_tuple(self.batch_dims):
+      raise ValueError(
+        f"{self._where()}: batch_dims={self.batch_dims!r} is not "
+        "supported: a kernel per batch entry is a batched matmul, not the "
+        "one [K, N] GEMM whose backward FORGE fuses. Use nn.DenseGeneral "
+        "for this layer."
+      )
+    for name in ("dot_general", "dot_general_cls"):
+      if getattr(self, name) is not None:
+        raise ValueError(
+          f"{self._where()}: a custom {name} is not supported: FORGE "
+          "computes the product and its weight gradient itself (the fused "
+          "op's dot_general, or a Pallas kernel). Leave it None, or use "
+          "nn.DenseGeneral for this layer."
+        )
+
+  def _names_resolver(self):
+    """How input and output names resolve: like the kernel's box's."""
+    boxed = jax.eval_shape(
+      lambda: self.kernel_init(jax.random.key(0), (1, 1), self.param_dtype)
+    )
+    return _resolver(boxed if isinstance(boxed, nn.Partitioned) else None)
+
+
+def _kernel_view_shape(kernel_shape, in_rank: int) -> tuple:
+  """``(K, N)``: the fused op's view of a kernel whose first ``in_rank``
+  dimensions are contracted."""
+  return (
+    math.prod(kernel_shape[:in_rank]),
+    math.prod(kernel_shape[in_rank:]),
+  )
+
+
+def _as_tuple(value) -> tuple:
+  return tuple(value) if isinstance(value, Iterable) else (value,)
+
+
+def _resolver(box):
+  """Names -> a mesh PartitionSpec, as ``box`` resolves them."""
+  if isinstance(box, nn.LogicallyPartitioned):
+    return lambda names: nn.logical_to_mesh_axes(names, box.rules)
+  return lambda names: P(*names)
+
+
+def _merge_partitioning(names, groups, resolve, what: str) -> tuple:
+  """One name per group of dimensions (``groups``: tuples of dimension
+  indices), for an array whose groups are merged by a reshape.
+
+  A merged dimension is sharded in contiguous blocks exactly when only its
+  group's outermost dimension is sharded; it takes that dimension's name.
+  Raises otherwise.
+  """
+  names = tuple(names)
+  if len(names) != sum(len(g) for g in groups):
+    raise ValueError(
+      f"{what} has {sum(len(g) for g in groups)} dimensions but its "
+      f"partitioning {names} names {len(names)}"
+    )
+  mesh_axes = tuple(resolve(names))
+  mesh_axes += (None,) * (len(names) - len(mesh_axes))
+  merged = []
+  for group in groups:
+    inner = [d for d in group[1:] if mesh_axes[d] not in (None, ())]
+    if inner:
+      raise ValueError(
+        f"{what}: partitioning {names} shards dimension {inner[0]} "
+        f"({mesh_axes[inner[0]]!r}), an inner dimension of the dimensions "
+        f"{group} that FORGE merges into one. Only the outermost dimension "
+        "of a merged group can be sharded (e.g. the heads of a "
+        "[embed, heads, head_dim] kernel), so that the merged dimension is "
+        "sharded in contiguous blocks."
+      )
+    merged.append(names[group[0]])
+  return tuple(merged)
 
 
 def _stacked_shapes(variables, stacked: Optional[layer_context.StackedLayer]):

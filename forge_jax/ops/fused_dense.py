@@ -30,6 +30,7 @@ from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax.linen import dtypes as flax_dtypes
 from jax import lax
 from jax.custom_derivatives import SymbolicZero
@@ -46,7 +47,9 @@ class ForgeVariables(NamedTuple):
   """What FORGE stores for one dense layer (outside ``params``).
 
   Attributes:
-    kernel: the weight, ``[in_features, features]``.
+    kernel: the weight, ``[in_features, features]``; or stored in
+      ``nn.DenseGeneral``'s shape (contracted dimensions, then features),
+      which the op views as ``[K, N]`` with ``K`` the input's last dimension.
     opt_state: the optimizer's per-element state (kernel-shaped arrays).
     count: float32 scalar, the number of steps applied to this layer (exact up
       to 2**24 steps; float because jax.grad only differentiates float leaves).
@@ -167,7 +170,9 @@ def forge_dense(
   Args:
     x: ``[..., in_features]`` inputs.
     variables: the layer's :class:`ForgeVariables`; with a ``layer_index``,
-      stacks of them (every leaf on a leading layer axis).
+      stacks of them (every leaf on a leading layer axis). The optimizer
+      state is on the kernel's ``[K, N]`` view; the updated kernel comes
+      back in the kernel's stored shape.
     bias: ``[features]`` or None. Its gradient is an ordinary gradient.
     spec: static configuration (optimizer, implementation, precision, dtype).
     layer_index: None, or an int32 scalar: the layer of the stacks to use
@@ -185,15 +190,38 @@ def forge_dense(
     sharded like the kernel on every leaf that follows the kernel
     (:func:`forge_jax.parallel.follows_kernel`), the scalars replicated.
   """
-  _validate(x, variables, bias, spec, layer_index)
   stacked = layer_index is not None
+  viewed = _viewed(variables, jnp.shape(x)[-1:], stacked)
+  _validate(x, viewed, bias, spec, layer_index)
   if layout is None:
-    parallel.check_unpartitioned(x, variables, where)
+    parallel.check_unpartitioned(x, viewed, where)
     layout = parallel.unsharded_layout(jnp.ndim(x))
   else:
-    parallel.check_layout(x, variables, layout, where, stacked)
-    x, variables, bias = parallel.to_layout(x, variables, bias, layout, stacked)
+    parallel.check_layout(x, viewed, layout, where, stacked)
+    if parallel.is_explicit(layout.mesh):
+      x, variables, bias = parallel.to_layout(x, viewed, bias, layout, stacked)
+  # The variables as they are stored: the custom_vjp's residuals are the
+  # very arrays given (fj.scan's backward recognizes its stacks by them).
   return _forge_dense(spec, layout, x, variables, bias, layer_index)
+
+
+def _viewed(variables: ForgeVariables, k: tuple, stacked: bool):
+  """The variables with the kernel on its ``[K, N]`` view (``k``: ``(K,)``,
+  the input's last dimension). A kernel stored in ``nn.DenseGeneral``'s
+  shape, contracted dimensions first, is that view reshaped (no copy)."""
+  kernel = variables.kernel
+  lead = jnp.shape(kernel)[:1] if stacked else ()
+  if jnp.ndim(kernel) == len(lead) + 2 or not k[0]:
+    return variables
+  size = int(np.prod(jnp.shape(kernel)[len(lead) :]))
+  if size % k[0]:
+    raise ValueError(
+      f"kernel.shape={jnp.shape(kernel)} has no [K, N] view for inputs "
+      f"with K={k[0]} features"
+    )
+  return variables._replace(
+    kernel=jnp.reshape(kernel, lead + (k[0], size // k[0]))
+  )
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
@@ -339,6 +367,7 @@ def _on_every_shard(flag, axes):
 
 
 def _forward(spec, layout, x, variables, bias, layer_index):
+  variables = _viewed(variables, jnp.shape(x)[-1:], layer_index is not None)
   forward = functools.partial(_local_forward, spec, layout)
   if layout.mesh is not None:
     x_s, v_s, b_s, i_s = parallel.operand_specs(
@@ -440,6 +469,8 @@ def _axis_offset(axes, local_size):
 
 def _forge_dense_bwd(spec, layout, residuals, dy):
   x, variables, bias, layer_index = residuals
+  stored_shape = jnp.shape(variables.kernel)
+  variables = _viewed(variables, jnp.shape(x)[-1:], layer_index is not None)
   if spec.path:
     layer_context.record(spec.path, layer_context.BACKWARD)
   if isinstance(dy, SymbolicZero):
@@ -453,6 +484,9 @@ def _forge_dense_bwd(spec, layout, residuals, dy):
       backward, layout, (x_s, v_s, b_s, i_s, layout.y_spec()), (x_s, v_s, b_s)
     )
   dx, new_variables, dbias = backward(x, variables, bias, layer_index, dy)
+  new_variables = new_variables._replace(
+    kernel=jnp.reshape(new_variables.kernel, stored_shape)
+  )
   return dx, new_variables, dbias, None
 
 

@@ -1,0 +1,184 @@
+"""Pretrained weights in and out of FORGE models.
+
+A FORGE model is the flax model with ``nn.Dense`` -> ``fj.ForgeDense``,
+``nn.DenseGeneral`` -> ``fj.ForgeDenseGeneral``,
+``nn.MultiHeadDotProductAttention`` -> ``fj.MultiHeadDotProductAttention``
+and ``nn.scan`` -> ``fj.scan``. Its variables are flax's, with two
+differences: each FORGE kernel sits at ``_overwrite_with_gradient/<path>/
+kernel`` (beside its optimizer state) instead of ``params/<path>/kernel``,
+and auto-named layers are named after their class (``ForgeDense_0`` where
+flax says ``Dense_0``). Kernels keep flax's shapes, and scanned layers
+flax's stacked layout, so :func:`from_dense` and :func:`to_dense` only move
+leaves between paths.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Callable, Optional
+
+import flax.linen as nn
+import jax
+from flax import traverse_util
+from flax.core import unfreeze
+
+from forge_jax.linen import FORGE_COLLECTION
+
+#: The leaves of one FORGE layer in its collection; all but ``kernel`` are
+#: FORGE's own (optimizer state, step count, flags).
+_LAYER_LEAVES = ("kernel", "opt_state", "count", "skipped", "intact")
+
+#: Auto-names of FORGE's layers -> the names flax gives the layers they
+#: replace (``fj.scan`` names its class ``ForgeScan<Block>``, nn.scan
+#: ``Scan<Block>``).
+_AUTO_NAMES = (
+  (re.compile(r"^ForgeDense_(\d+)$"), r"Dense_\1"),
+  (re.compile(r"^ForgeDenseGeneral_(\d+)$"), r"DenseGeneral_\1"),
+  (re.compile(r"^ForgeScan(\w+_\d+)$"), r"Scan\1"),
+)
+
+
+def dense_path(path: tuple) -> tuple:
+  """The module path in the flax model of the module at ``path`` in the
+  FORGE model (auto-names translated, explicit names kept)."""
+  renamed = []
+  for name in path:
+    for pattern, replacement in _AUTO_NAMES:
+      name = pattern.sub(replacement, name)
+    renamed.append(name)
+  return tuple(renamed)
+
+
+def from_dense(
+  dense_variables,
+  forge_model: nn.Module,
+  *init_args,
+  rngs: Any = None,
+  rename: Optional[Callable[[tuple], tuple]] = None,
+  **init_kwargs,
+):
+  """FORGE variables for ``forge_model`` holding ``dense_variables``' weights.
+
+  ``dense_variables`` are the variables of the same architecture built with
+  flax's layers (unrolled, or stacked by ``nn.scan`` where the FORGE model
+  uses ``fj.scan``). ``forge_model.init(rngs, *init_args, **init_kwargs)``
+  says what the FORGE model holds, traced under ``jax.jit`` (its random
+  kernels are never computed): every kernel and parameter is taken from
+  ``dense_variables``, and each FORGE layer gets a fresh optimizer state,
+  count and flags, with the optimizer and dtypes its layer says.
+
+  Args:
+    dense_variables: the flax model's variables (``{'params': ...}``, and
+      any other collections the FORGE model has).
+    forge_model: the FORGE model.
+    *init_args: the arguments of ``forge_model.init`` after the rngs (e.g.
+      a batch of tokens; only its shape and dtype matter).
+    rngs: ``init``'s rngs; default ``jax.random.key(0)``.
+    rename: maps a module path of the FORGE model (a tuple of names) to
+      the flax model's; default :func:`dense_path`.
+    **init_kwargs: further keyword arguments of ``forge_model.init``.
+
+  Returns:
+    The FORGE variables: the dense leaves bit for bit (cast where the FORGE
+    model's dtype differs), the optimizer states as ``init`` makes them.
+
+  Raises:
+    ValueError: a leaf of the FORGE model has no counterpart in
+      ``dense_variables``, or a shape differs, or ``dense_variables`` holds
+      leaves the FORGE model has no place for.
+  """
+  rename = dense_path if rename is None else rename
+  rngs = jax.random.key(0) if rngs is None else rngs
+
+  def convert(dense_variables):
+    fresh = forge_model.init(rngs, *init_args, **init_kwargs)
+    return _fill(fresh, dense_variables, rename)
+
+  return jax.jit(convert)(dense_variables)
+
+
+def to_dense(
+  forge_variables, rename: Optional[Callable[[tuple], tuple]] = None
+):
+  """The flax model's variables from a FORGE model's (inverse of
+  :func:`from_dense` on the weights).
+
+  Every FORGE kernel goes to ``params/<path>/kernel``, its optimizer state
+  and counters are dropped, and auto-named paths take flax's names
+  (``rename``, default :func:`dense_path`). The arrays are the FORGE
+  variables' own.
+  """
+  rename = dense_path if rename is None else rename
+  flat = traverse_util.flatten_dict(unfreeze(forge_variables))
+  out = {}
+  for key, leaf in flat.items():
+    collection, *path, name = key
+    if collection == FORGE_COLLECTION:
+      if name == "kernel":
+        out[("params",) + rename(tuple(path)) + ("kernel",)] = leaf
+      elif name not in _LAYER_LEAVES:
+        raise ValueError(
+          f"{'/'.join(map(str, key))} is not a leaf of a FORGE layer "
+          f"({', '.join(_LAYER_LEAVES)})"
+        )
+      continue
+    out[(collection,) + rename(tuple(path)) + (name,)] = leaf
+  return traverse_util.unflatten_dict(out)
+
+
+def _fill(fresh, dense_variables, rename):
+  """``fresh`` (the FORGE model's init) with the dense leaves in place."""
+  dense = traverse_util.flatten_dict(unfreeze(dense_variables))
+  flat = traverse_util.flatten_dict(unfreeze(fresh), keep_empty_nodes=True)
+  used, missing, out = set(), [], {}
+  for key, leaf in flat.items():
+    if leaf is traverse_util.empty_node:
+      out[key] = leaf
+      continue
+    collection, *path, name = key
+    if collection == FORGE_COLLECTION and name != "kernel":
+      out[key] = leaf  # FORGE's own: fresh
+      continue
+    source = (
+      ("params" if collection == FORGE_COLLECTION else collection,)
+      + tuple(rename(tuple(path)))
+      + (name,)
+    )
+    if source not in dense:
+      missing.append(f"{'/'.join(map(str, key))} (from {'/'.join(source)})")
+      continue
+    used.add(source)
+    out[key] = _put(leaf, dense[source], key, source)
+  unused = sorted("/".join(map(str, k)) for k in dense if k not in used)
+  if missing or unused:
+    raise ValueError(
+      "the dense variables do not match the FORGE model: "
+      + (f"no dense leaf for {', '.join(missing)}; " if missing else "")
+      + (
+        f"dense leaves without a place: {', '.join(unused)}; " if unused else ""
+      )
+      + "each FORGE layer must replace the flax layer of the same path "
+      "(auto-names ForgeDense_i, ForgeDenseGeneral_i, ForgeScan<Block>_i "
+      "stand for Dense_i, DenseGeneral_i, Scan<Block>_i); name the layers, "
+      "or pass rename=."
+    )
+  return traverse_util.unflatten_dict(out)
+
+
+def _put(fresh_leaf, dense_leaf, key, source):
+  """``dense_leaf``'s value in ``fresh_leaf``'s place, dtype and box."""
+  value = _unboxed(dense_leaf)
+  target = _unboxed(fresh_leaf)
+  if value.shape != target.shape:
+    raise ValueError(
+      f"{'/'.join(map(str, key))} has shape {target.shape} in the FORGE "
+      f"model but {'/'.join(source)} has {value.shape}"
+    )
+  value = value.astype(target.dtype)
+  if isinstance(fresh_leaf, nn.Partitioned):
+    return fresh_leaf.replace_boxed(value)
+  return value
+
+
+def _unboxed(leaf):
+  return leaf.value if isinstance(leaf, nn.Partitioned) else leaf

@@ -1,0 +1,184 @@
+"""``fj.from_dense`` / ``fj.to_dense``: pretrained weights in and out.
+
+* The package's Llama (examples/lm/llama.py) built with nn.Dense loads into
+  the FORGE Llama, unrolled and scanned, and gives the same logits.
+* Round trips are bit for bit; the optimizer state is fresh, with the FORGE
+  model's optimizer and dtypes.
+* Auto-named layers (``Dense_0`` -> ``ForgeDense_0``, ``ScanBlock_0`` ->
+  ``ForgeScanBlock_0``) map by name; mismatches raise and name the leaves.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import forge_jax as fj
+from examples.lm.llama import Llama, LlamaConfig
+
+from conftest import COLL, assert_bitwise_equal, assert_same_bits
+
+LLAMA = LlamaConfig(
+  vocab_size=64,
+  dim=16,
+  num_layers=2,
+  num_heads=2,
+  num_kv_heads=1,
+  head_dim=8,
+  ffn_dim=32,
+  max_len=32,
+  implementation="xla",
+)
+
+
+@pytest.mark.parametrize("scan_layers", [False, True], ids=["unrolled", "scan"])
+def test_llama_from_nn_dense_gives_the_same_logits(scan_layers, seed):
+  """The nn.Dense Llama's variables in the FORGE Llama: the same logits,
+  bit for bit, and back out unchanged."""
+  opt = fj.adamw(1e-3, weight_decay=0.1)
+  dense_model = Llama(
+    LlamaConfig(**{**vars(LLAMA), "scan_layers": scan_layers})
+  )
+  forge_model = Llama(
+    LlamaConfig(
+      **{**vars(LLAMA), "scan_layers": scan_layers, "forge_optimizer": opt}
+    )
+  )
+  tokens = jax.random.randint(jax.random.key(seed), (2, 8), 0, 64)
+  dense_vars = jax.jit(dense_model.init)(jax.random.key(seed), tokens)
+  forge_vars = fj.from_dense(dense_vars, forge_model, tokens)
+  q_proj = (
+    forge_vars[COLL]["layers"]["attn"]["q_proj"]
+    if scan_layers
+    else forge_vars[COLL]["layers_1"]["attn"]["q_proj"]
+  )
+  layers = (LLAMA.num_layers,) if scan_layers else ()
+  assert q_proj["kernel"].shape == layers + (16, 16)
+  assert float(jnp.sum(q_proj["count"])) == 0.0
+  assert not jax.tree.leaves(forge_vars["params"].get("lm_head", {}))
+  apply = jax.jit(lambda model, v: model.apply(v, tokens), static_argnums=0)
+  assert_bitwise_equal(
+    apply(forge_model, forge_vars), apply(dense_model, dense_vars), "logits"
+  )
+  assert_same_bits(fj.to_dense(forge_vars), dense_vars, "round trip")
+
+
+class Block(nn.Module):
+  """Auto-named layers of every kind, for nn.scan or fj.scan."""
+
+  optimizer: fj.ForgeOptimizer | None = None
+
+  @nn.compact
+  def __call__(self, x, _):
+    forge = self.optimizer is not None
+    kw = dict(optimizer=self.optimizer, implementation="xla") if forge else {}
+    attention = (
+      fj.MultiHeadDotProductAttention
+      if forge
+      else nn.MultiHeadDotProductAttention
+    )
+    x = x + attention(num_heads=2, **kw)(nn.LayerNorm()(x))
+    h = (fj.ForgeDense if forge else nn.Dense)(12, **kw)(x)
+    h = (fj.ForgeDenseGeneral if forge else nn.DenseGeneral)((2, 3), **kw)(h)
+    dense_general = fj.ForgeDenseGeneral if forge else nn.DenseGeneral
+    return x + dense_general(x.shape[-1], axis=(-2, -1), **kw)(h), None
+
+
+class Model(nn.Module):
+  optimizer: fj.ForgeOptimizer | None = None
+  scan: bool = False
+
+  @nn.compact
+  def __call__(self, x):
+    forge = self.optimizer is not None
+    if self.scan:
+      stack = (fj.scan if forge else nn.scan)(
+        Block,
+        variable_axes={True: 0},
+        split_rngs={"params": True},
+        in_axes=(nn.broadcast,),
+        length=2,
+      )
+      x, _ = stack(self.optimizer)(x, None)
+    else:
+      for _ in range(2):
+        x, _ = Block(self.optimizer)(x, None)
+    dense = (
+      fj.ForgeDense(4, optimizer=self.optimizer, use_bias=False)
+      if forge
+      else nn.Dense(4, use_bias=False)
+    )
+    return dense(x)
+
+
+@pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scan"])
+def test_auto_names_round_trip_bit_for_bit(scan, seed):
+  opt = fj.lion(1e-3)
+  x = jax.random.normal(jax.random.key(seed), (2, 3, 8))
+  dense_model, forge_model = Model(scan=scan), Model(opt, scan=scan)
+  dense_vars = jax.jit(dense_model.init)(jax.random.key(seed), x)
+  forge_vars = fj.from_dense(dense_vars, forge_model, x)
+  forge = forge_vars[COLL]
+  block = forge["ForgeScanBlock_0"] if scan else forge["Block_1"]
+  assert set(block) == {
+    "MultiHeadDotProductAttention_0",
+    "ForgeDense_0",
+    "ForgeDenseGeneral_0",
+    "ForgeDenseGeneral_1",
+  }
+  assert set(forge) >= {"ForgeDense_0"}
+  assert_same_bits(fj.to_dense(forge_vars), dense_vars, "round trip")
+  # And back in: the same FORGE weights, the state fresh.
+  again = fj.from_dense(fj.to_dense(forge_vars), forge_model, x)
+  assert_same_bits(again, forge_vars, "from_dense(to_dense(...))")
+  apply = jax.jit(lambda model, v: model.apply(v, x), static_argnums=0)
+  np.testing.assert_allclose(
+    apply(forge_model, forge_vars), apply(dense_model, dense_vars), 1e-6
+  )
+
+
+def test_fresh_state_in_the_forge_model_s_dtypes():
+  """The FORGE model's optimizer and dtypes: bf16 kernels (cast from the
+  dense float32 ones), int8 states as init makes them."""
+  opt = fj.adamw(1e-3, state_dtype="int8", weight_rounding="stochastic")
+  x = jnp.ones((2, 8))
+  dense_vars = jax.jit(nn.Dense(128).init)(jax.random.key(0), x)
+  forge_model = fj.ForgeDense(128, optimizer=opt, param_dtype=jnp.bfloat16)
+  forge_vars = fj.from_dense(dense_vars, forge_model, x)
+  layer = forge_vars[COLL]
+  assert layer["kernel"].dtype == jnp.bfloat16
+  assert_bitwise_equal(
+    layer["kernel"],
+    dense_vars["params"]["kernel"].astype(jnp.bfloat16),
+    "kernel",
+  )
+  assert_same_bits(
+    layer["opt_state"],
+    jax.jit(forge_model.init)(jax.random.key(1), x)[COLL]["opt_state"],
+    "fresh state",
+  )
+
+
+def test_mismatches_name_the_leaves():
+  x = jnp.ones((2, 3, 8))
+  dense_vars = jax.jit(Model().init)(jax.random.key(0), x)
+  with pytest.raises(ValueError, match="no dense leaf for .*Block_1"):
+    fj.from_dense(
+      {
+        "params": {
+          k: v for k, v in dense_vars["params"].items() if k != "Block_1"
+        }
+      },
+      Model(fj.adam(1e-3)),
+      x,
+    )
+  extra = {"params": {**dense_vars["params"], "Extra_0": {"w": jnp.ones(3)}}}
+  with pytest.raises(ValueError, match="without a place: params/Extra_0/w"):
+    fj.from_dense(extra, Model(fj.adam(1e-3)), x)
+  wrong = jax.tree.map(lambda a: a, dense_vars)
+  wrong["params"]["Dense_0"]["kernel"] = jnp.ones((8, 5))
+  with pytest.raises(ValueError, match="shape"):
+    fj.from_dense(wrong, Model(fj.adam(1e-3)), x)
