@@ -111,10 +111,13 @@ class ForgeDense(nn.Module):
       the input's after the gather, features like the kernel's; a token
       dimension that adds the kernel's in_features axis receives a
       reduce-scatter instead of an all-reduce (sequence parallelism).
-    data_parallel: 'error' (default) refuses tokens sharded over a mesh axis
-      that does not shard the kernel; 'psum' all-reduces ``dW`` over such
-      axes inside the backward pass (materializes ``dW``). See
-      :mod:`forge_jax.parallel`.
+    data_parallel: 'auto' (default): a mesh axis that shards the input's
+      tokens and the kernel is FSDP (the kernel gathered just in time, its
+      gradient reduce-scattered, the shard updated); an axis that shards the
+      tokens but not the kernel raises ``parallel.DataParallelError``.
+      'psum' all-reduces ``dW`` over such axes instead (materializes
+      ``dW``); 'error' refuses any token axis outside sequence parallelism.
+      See :mod:`forge_jax.parallel`.
 
   Partitioning works as for ``nn.Dense``:
   ``kernel_init=nn.with_partitioning(init, (None, 'model'))`` (or
@@ -140,7 +143,7 @@ class ForgeDense(nn.Module):
   mesh: Optional[Any] = None
   input_partitioning: Optional[tuple] = None
   output_partitioning: Optional[tuple] = None
-  data_parallel: str = "error"
+  data_parallel: str = "auto"
 
   @nn.compact
   def __call__(self, inputs: jax.Array) -> jax.Array:
