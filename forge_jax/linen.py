@@ -300,6 +300,7 @@ class ForgeDense(nn.Module):
       y_spec,
       self.data_parallel,
       where=f"ForgeDense {self.path!r}",
+      refuse_undeclared_input=not self.is_initializing(),
     )
 
   def _layer_id(self) -> int:

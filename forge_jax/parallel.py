@@ -290,6 +290,7 @@ def plan_layout(
   y_spec=None,
   data_parallel: str = "auto",
   where: str = "ForgeDense",
+  refuse_undeclared_input: bool = True,
 ) -> ShardedLayout:
   """The :class:`ShardedLayout` of a dense layer, validated.
 
@@ -323,6 +324,8 @@ def plan_layout(
       'error' (any axis that shards the tokens outside sequence parallelism
       raises).
     where: the layer's name for error messages.
+    refuse_undeclared_input: False skips the check of an undeclared input
+      (init, whose forward only shapes the variables).
   """
   if data_parallel not in DATA_PARALLEL_MODES:
     raise ValueError(
@@ -406,15 +409,13 @@ def plan_layout(
   gathered_axes = weight_gather[0] + weight_gather[1]
   data_axes = _drop(token_axes, k_axes + n_axes)
   fsdp_axes = tuple(a for a in token_axes if a in gathered_axes)
-  if data_parallel == "error" and (data_axes or fsdp_axes):
-    raise DataParallelError(
-      _data_parallel_message(
-        where, data_axes or fsdp_axes, sizes, kernel_spec, strict=True
-      )
-    )
-  if data_axes and data_parallel == "auto":
+  if data_axes and data_parallel != "psum":
     raise DataParallelError(
       _data_parallel_message(where, data_axes, sizes, kernel_spec)
+    )
+  if fsdp_axes and data_parallel == "error":
+    raise DataParallelError(
+      _data_parallel_message(where, fsdp_axes, sizes, kernel_spec, strict=True)
     )
   for dim, gathered in enumerate(weight_gather):
     kinds = {a in token_axes for a in live(gathered)}
@@ -469,7 +470,7 @@ def plan_layout(
         f"{where}: the output's features must be sharded like the kernel's "
         f"features ({_entry(n_tp)}), not {_entry(y[-1])}"
       )
-  if not declared_x:
+  if not declared_x and refuse_undeclared_input:
     unused = [
       a for a in mesh.axis_names if sizes[a] > 1 and a not in k_axes + n_axes
     ]
