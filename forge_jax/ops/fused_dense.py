@@ -309,12 +309,19 @@ def stepped(
 # layout this is the unsharded op, run on the global arrays directly.
 
 
+def _live(axes) -> tuple:
+  """``axes`` without those of size 1: a collective over them is the
+  identity, and is not emitted (a data axis of size 1 costs nothing)."""
+  return tuple(a for a in axes if lax.axis_size(a) > 1)
+
+
 def _psum(value, axes):
+  axes = _live(axes)
   return lax.psum(value, axes) if axes else value
 
 
 def _all_gather(value, where):
-  if where is None:
+  if where is None or not _live(where[1]):
     return value
   dim, axes = where
   return lax.all_gather(value, axes, axis=dim, tiled=True)
@@ -322,7 +329,7 @@ def _all_gather(value, where):
 
 def _reduce(value, axes, scatter):
   """Sum partials over ``axes``; reduce-scatter the ``scatter`` part."""
-  if scatter is None:
+  if scatter is None or not _live(scatter[1]):
     return _psum(value, axes)
   dim, scattered = scatter
   value = _psum(value, tuple(a for a in axes if a not in scattered))
@@ -332,6 +339,7 @@ def _reduce(value, axes, scatter):
 def _on_every_shard(flag, axes):
   """Whether the boolean scalar ``flag`` holds on every shard over ``axes``
   (pmin of a value over axes it does not vary on is the value itself)."""
+  axes = _live(axes)
   if not axes:
     return flag
   return lax.pmin(flag.astype(jnp.int32), axes) > 0
@@ -349,10 +357,20 @@ def _forward(spec, layout, x, variables, bias, layer_index):
   return forward(x, variables.kernel, bias, layer_index)
 
 
-def _gather_kernel(kernel, layout):
+def _gather_kernel(kernel, layout, after):
   """This shard's kernel all-gathered over the layout's FSDP axes: the
-  tensor-parallel shard the layer computes with (one layer's, just in
-  time; the identity without FSDP)."""
+  tensor-parallel shard the layer computes with; the identity without FSDP.
+
+  Just in time: the gather reads the shard through a select on a predicate
+  that depends on ``after`` (the layer's input in the forward, dY in the
+  backward) and that XLA cannot fold, so it neither schedules every layer's
+  gather at the start of the step nor merges a layer's forward and
+  backward gathers into one buffer kept alive in between. One layer's
+  kernel is whole only while its forward or its backward runs.
+  """
+  if not any(layout.live_weight_gather):
+    return kernel
+  kernel = jnp.where(order_after(after), kernel, jnp.zeros_like(kernel))
   for dim, axes in enumerate(layout.live_weight_gather):
     if axes:
       kernel = lax.all_gather(kernel, axes, axis=dim, tiled=True)
@@ -364,20 +382,14 @@ def _local_forward(spec, layout, x, kernel, bias, layer_index):
   reduce = functools.partial(
     _reduce, axes=layout.k_axes, scatter=layout.scatter
   )
-  kernel = _gather_kernel(stacks.layer_entry(kernel, layer_index), layout)
+  kernel = _gather_kernel(stacks.layer_entry(kernel, layer_index), layout, x)
   return _dense(x, kernel, bias, spec, reduce)
 
 
 def _local_backward(spec, layout, x, variables, bias, layer_index, dy):
-  kernel = stacks.layer_entry(variables.kernel, layer_index)
-  if any(layout.live_weight_gather):
-    # Gathered again once dY is there, not kept from the forward: one
-    # layer's kernel is whole only while its forward or its backward runs.
-    # A select on a predicate XLA cannot fold (true_after dY) keeps it from
-    # merging the two identical gathers, which optimization barriers do not
-    # on every backend.
-    kernel = jnp.where(order_after(dy), kernel, jnp.zeros_like(kernel))
-  kernel = _gather_kernel(kernel, layout)
+  kernel = _gather_kernel(
+    stacks.layer_entry(variables.kernel, layer_index), layout, dy
+  )
   x = _all_gather(x, layout.gather)  # the tokens the forward used
   dy = _all_gather(dy, layout.scatter)  # transpose of the reduce-scatter
   # dx and dbias exactly as autodiff of flax.linen.Dense, with the old
