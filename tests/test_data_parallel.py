@@ -222,7 +222,7 @@ def _train(
     compiled = step.lower(state, batches[0]).compile()
     losses = []
     for batch in batches:
-      state, value = compiled(state, batch)
+      state, value = step(state, batch)
       losses.append(float(value))
   return Run(
     _host(state.params), losses, compiled.as_text(), compiled.memory_analysis()
