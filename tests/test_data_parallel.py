@@ -35,7 +35,7 @@ from examples.lm.llama import Llama, LlamaConfig, kernels
 from examples.lm.train import loss_fn
 from forge_jax import parallel
 
-from fused_dense_test_base import OPTAX_CASES
+from fused_dense_test_base import BF16_STATE_RTOL, OPTAX_CASES
 
 NUM_DEVICES = 8  # conftest.py sets them before JAX initializes
 COLL = fj.FORGE_COLLECTION
@@ -242,10 +242,10 @@ def _regression_batches(shape=(8, 4, 16), features=16, steps=STEPS):
   return out
 
 
-def _assert_matches_optax(forge: Run, baseline: Run, what: str):
+def _assert_matches_optax(forge: Run, baseline: Run, what: str, rtol=RTOL):
   fk, bk = kernels(forge.params), kernels(baseline.params)
   assert sorted(fk) == sorted(bk) and fk
-  _assert_trees_close(fk, bk, what=f"{what}: kernels vs nn.Dense + optax")
+  _assert_trees_close(fk, bk, rtol, what=f"{what}: kernels vs nn.Dense + optax")
   biases = lambda run: {
     k: v for k, v in jax.tree_util.tree_leaves_with_path(run.params["params"])
   }
@@ -254,8 +254,8 @@ def _assert_matches_optax(forge: Run, baseline: Run, what: str):
   bb = {k: v for k, v in bb.items() if not k[-1].key == "kernel"}
   assert fb.keys() == bb.keys()
   for k in fb:
-    assert _rel(fb[k], bb[k]) <= RTOL, (what, k)
-  np.testing.assert_allclose(forge.losses, baseline.losses, rtol=RTOL)
+    assert _rel(fb[k], bb[k]) <= rtol, (what, k)
+  np.testing.assert_allclose(forge.losses, baseline.losses, rtol=rtol)
 
 
 def _assert_fsdp_shardings(params, mesh):
@@ -303,7 +303,8 @@ def _optimizer_rows(core: bool):
 @pytest.mark.parametrize("case", _optimizer_rows(core=True))
 def test_fsdp_optimizer_table(case):
   """Every optimizer of the table (the core rows by default, all with
-  --run-slow) at DP=4 equals one device and nn.Dense + optax."""
+  --run-slow) at DP=4 equals one device (1e-5) and nn.Dense + optax (1e-5;
+  rows with bfloat16 states to the bf16 rounding one device has too)."""
   opt = getattr(fj, case.name)(**case.kwargs)
   mesh = _mesh(4)
   batches = _regression_batches()
@@ -312,7 +313,15 @@ def test_fsdp_optimizer_table(case):
   single = _train(FSDPNet(optimizer=opt), batches, tx)
   _assert_trees_close(forge.params, single.params, what=case.id)
   baseline = _train(FSDPNet(optimizer=opt, forge=False), batches, tx, mesh)
-  _assert_matches_optax(forge, baseline, case.id)
+  # With bfloat16 states optax rounds decay * state in bf16, FORGE in
+  # float32 (as on one device: fused_dense_test_base.test_matches_optax).
+  bf16_state = jnp.bfloat16 in (
+    case.kwargs.get("mu_dtype"),
+    case.kwargs.get("accumulator_dtype"),
+  )
+  _assert_matches_optax(
+    forge, baseline, case.id, BF16_STATE_RTOL if bf16_state else RTOL
+  )
 
 
 # ---------------------------------------------------------------------------
@@ -352,8 +361,13 @@ def _lm_config(forge: bool, tp: int = 0, sp: bool = False, **overrides):
   )
   if tp:
     kw.update(tensor_axis="model", sequence_parallel=sp)
-  base = dataclasses.asdict(dataclasses.replace(LM, **kw, **overrides))
-  return FSDPLlamaConfig(**base)
+  return _fsdp_config(dataclasses.replace(LM, **kw, **overrides))
+
+
+def _fsdp_config(config: LlamaConfig) -> FSDPLlamaConfig:
+  return FSDPLlamaConfig(
+    **{f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+  )
 
 
 def _lm_batches(batch: int):
