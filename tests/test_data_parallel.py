@@ -693,6 +693,34 @@ def test_undeclared_input_on_an_auto_mesh_is_refused():
 
 
 @needs_devices
+def test_hybrid_sharding_is_exact():
+  """FSDP over 'data' and data_parallel='psum' over 'replica' (the batch
+  over both): each dW block all-reduced over the replicas, then
+  reduce-scattered over 'data'; equals one device."""
+  mesh = parallel.make_mesh(model=4, data=2, axis_names=("replica", "data"))
+  net = _fsdp_dense(OPT, 16, ("data", None), jnp.float32).clone(
+    input_partitioning=(("replica", "data"), None, None),
+    data_parallel="psum",
+  )
+  x = jax.random.normal(jax.random.key(1), (8, 4, 16))
+  loss = lambda v, x: jnp.sum(net.apply(v, x) ** 2)
+  step = lambda v, x: {**v, COLL: jax.grad(loss)(v, x)[COLL]}
+  variables = parallel.init_sharded(net.init, mesh, jax.random.key(0), x)
+  with jax.set_mesh(mesh):
+    xs = jax.device_put(x, NamedSharding(mesh, P(("replica", "data"))))
+    got = variables
+    for _ in range(STEPS):
+      got = jax.jit(step)(got, xs)
+  want = parallel.strip_boxes(net.init(jax.random.key(0), x))
+  for _ in range(STEPS):
+    want = jax.jit(step)(want, x)
+  _assert_trees_close(_host(got[COLL]), _host(want[COLL]))
+  assert got[COLL]["opt_state"].nu.sharding.is_equivalent_to(
+    NamedSharding(mesh, P("data", None)), 2
+  )
+
+
+@needs_devices
 def test_data_parallel_error_mode_refuses_fsdp():
   mesh = _mesh(2)
   net = _fsdp_dense(OPT, 16, ("data", None), jnp.float32).clone(
