@@ -1,4 +1,4 @@
-"""Tensor and sequence parallelism for FORGE, with ``jax.shard_map``.
+"""Tensor, sequence and data parallelism for FORGE, with ``jax.shard_map``.
 
 FORGE stays exact under tensor parallelism (TP) because every shard's weight
 gradient is complete at backward time:
@@ -9,6 +9,14 @@ gradient is complete at backward time:
   sharded on the sequence over the TP axis; they are all-gathered before a
   column-parallel layer and reduce-scattered after a row-parallel one, so
   the local ``dW`` still sees every token.
+
+Data parallelism is FSDP: a mesh axis that shards the input's tokens (the
+batch) and the kernel too (MaxText's layout: the kernel's embedding
+dimension). The kernel and every state leaf that follows it stay sharded
+over the axis; the layer all-gathers its kernel just in time in the forward
+and again in the backward, forms ``dW`` of its local tokens in blocks,
+reduce-scatters each block over the axis onto its own shard, and applies
+the elementwise update to that shard. No state is ever gathered.
 
 The fused op cannot be left to XLA's partitioner (the Pallas kernel is
 opaque to it, and a partitioner that gathers a weight defeats the point), so
@@ -22,19 +30,24 @@ where             forward                     backward
 x tokens on an    all-gather x (SP)           reduce-scatter dx
 axis of N
 kernel K sharded  psum y, or reduce-scatter   all-gather dy if y was
-                  y onto a token axis (SP)    reduce-scattered
+(TP)              y onto a token axis (SP)    reduce-scattered
 kernel N sharded  (y stays N-sharded)         psum dx (or reduce-scatter,
-                                              above)
-every shard       --                          dW from local, complete
-                                              tokens; the optimizer update
-                                              of the local kernel and state
+(TP)                                          above)
+kernel and        all-gather the kernel       all-gather the kernel; dW of
+tokens on an      over the axis               the local tokens
+axis (FSDP)                                   reduce-scattered over it, in
+                                              blocks
+every shard       --                          the optimizer update of the
+                                              local kernel and state
 ================  ==========================  ===============================
 
-Each shard updates its own kernel and state shards with the backend of the
-one-device op, on local shapes. Stochastic rounding hashes every element's
-global ``(row, column)`` (the shard passes its offset), so a shard draws the
-bits one device would. int8 block states are sharded with the kernel, their
-scales ``[K, ceil(N / 64)]`` too; column shards must hold whole blocks of 64
+Each shard updates its own kernel and state shards on local shapes: with
+the backend of the one-device op where its ``dW`` is complete (TP), with the
+rule every backend applies (``apply_update``) after the reduce-scatter
+(FSDP). Stochastic rounding hashes every element's global ``(row, column)``
+(the shard passes its offset), so a shard draws the bits one device would.
+int8 block states are sharded with the kernel, their scales
+``[K, ceil(N / 64)]`` too; column shards must hold whole blocks of 64
 (:func:`check_block_split`), so each shard's scales are exactly its blocks.
 
 The whole layer is the one-device op's ``jax.custom_vjp``
@@ -46,18 +59,18 @@ the updated kernel shards come back with exactly the kernel's sharding. This
 module plans and checks layouts and places the operands; it holds no part
 of the op's forward or backward.
 
-**Data parallelism is refused by default.** FORGE applies the update inside
-the backward pass, from the gradient of the tokens the shard sees. If tokens
-are sharded over a mesh axis that does not shard the kernel (the batch over
-``'data'`` with a replicated kernel), every replica would apply a different,
-partial update; under a user's ``shard_map`` the replicas' new kernels would
-even be summed. :class:`DataParallelError` is raised at trace time instead.
-``data_parallel='psum'`` opts in to a correct but unfused alternative: the
-backward forms ``dW`` for the local tokens in float32, all-reduces it over the
-data axes, and applies the update from the reduced gradient. That costs what
-plain data parallelism costs (a float32 ``dW`` buffer per layer shard and an
-all-reduce of it); the FORGE memory saving is lost for that layer, the
-update is still fused into the backward pass.
+**Data parallelism over a replicated kernel is refused.** FORGE applies the
+update inside the backward pass, from the gradient of the tokens the shard
+sees. If tokens are sharded over a mesh axis that does not shard the kernel,
+every replica would apply a different, partial update; under a user's
+``shard_map`` the replicas' new kernels would even be summed.
+:class:`DataParallelError` is raised at trace time instead, and so it is
+where the layer cannot know how its input is sharded (Auto mesh axes and
+no declared input partitioning). ``data_parallel='psum'`` opts in to a
+correct but unfused alternative: the backward all-reduces ``dW`` over such
+axes before the update, at the cost of plain data parallelism (a float32
+``dW`` per layer shard, W and its states whole on every replica); with FSDP
+over another axis that is hybrid sharding.
 """
 
 from __future__ import annotations
