@@ -47,6 +47,7 @@ needs_devices = pytest.mark.skipif(
 OPT = fj.adamw(learning_rate=1e-2, weight_decay=0.1)
 STEPS = 3
 RTOL = 1e-5
+SLOW = pytest.mark.slow  # run with --run-slow (CI runs the rest)
 
 
 @pytest.mark.skipif(
@@ -275,11 +276,21 @@ def _assert_fsdp_shardings(params, mesh):
 # ---------------------------------------------------------------------------
 # Exactness: FSDP (x TP) against one device and nn.Dense + optax.
 
-DP_TP = [(2, 1), (4, 1), (8, 1), (2, 2), (4, 2)]
+# DP = 2 and 4 run by default in the Llama tests below; the rest is slow.
+DP_TP = [
+  pytest.param(dp, tp, id=f"dp{dp}-tp{tp}", marks=() if fast else SLOW)
+  for dp, tp, fast in [
+    (2, 1, False),
+    (4, 1, False),
+    (8, 1, True),
+    (2, 2, False),
+    (4, 2, True),
+  ]
+]
 
 
 @needs_devices
-@pytest.mark.parametrize("dp,tp", DP_TP, ids=[f"dp{d}-tp{t}" for d, t in DP_TP])
+@pytest.mark.parametrize("dp,tp", DP_TP)
 def test_fsdp_matches_one_device_and_optax(dp, tp):
   mesh = _mesh(dp, tp)
   batches = _regression_batches()
@@ -297,17 +308,26 @@ def test_fsdp_matches_one_device_and_optax(dp, tp):
   assert len([g for g in gathered if g[1] in kernel_shapes]) == 4, gathered
 
 
-def _optimizer_rows(core: bool):
+#: The table's core rows of these optimizers run by default, every row with
+#: --run-slow.
+DEFAULT_OPTIMIZERS = ("adamw", "lion", "rmsprop")
+
+
+def _optimizer_rows():
   return [
-    pytest.param(c, id=c.id, marks=() if c.core == core else pytest.mark.slow)
+    pytest.param(
+      c,
+      id=c.id,
+      marks=() if c.core and c.name in DEFAULT_OPTIMIZERS else SLOW,
+    )
     for c in OPTAX_CASES
   ]
 
 
 @needs_devices
-@pytest.mark.parametrize("case", _optimizer_rows(core=True))
+@pytest.mark.parametrize("case", _optimizer_rows())
 def test_fsdp_optimizer_table(case):
-  """Every optimizer of the table (the core rows by default, all with
+  """Every optimizer of the table (three core rows by default, all with
   --run-slow) at DP=4 equals one device (1e-5) and nn.Dense + optax (1e-5;
   rows with bfloat16 states to the bf16 rounding one device has too)."""
   opt = getattr(fj, case.name)(**case.kwargs)
@@ -401,14 +421,15 @@ def _lm_run(config, mesh=None, batch=8):
   )
 
 
-LM_MESHES = [(2, 0, False), (4, 0, False), (2, 2, True)]
-
-
 @needs_devices
 @pytest.mark.parametrize(
   "dp,tp,sp",
-  LM_MESHES + [pytest.param(8, 0, False, marks=pytest.mark.slow)],
-  ids=["dp2", "dp4", "dp2-tp2-sp", "dp8"],
+  [
+    pytest.param(2, 2, True, id="dp2-tp2-sp"),
+    pytest.param(2, 0, False, id="dp2", marks=SLOW),
+    pytest.param(4, 0, False, id="dp4", marks=SLOW),
+    pytest.param(8, 0, False, id="dp8", marks=SLOW),
+  ],
 )
 def test_fsdp_llama_matches_one_device_and_optax(dp, tp, sp):
   mesh = _mesh(dp, max(tp, 1))
@@ -423,7 +444,10 @@ def test_fsdp_llama_matches_one_device_and_optax(dp, tp, sp):
 
 
 @needs_devices
-@pytest.mark.parametrize("dp,tp", [(4, 1), (2, 2)], ids=["dp4", "dp2-tp2"])
+@pytest.mark.parametrize(
+  "dp,tp",
+  [pytest.param(4, 1, id="dp4"), pytest.param(2, 2, id="dp2-tp2", marks=SLOW)],
+)
 def test_fsdp_scanned_llama(dp, tp):
   """fj.scan's stacked, in-place backward under FSDP: one layer's kernel is
   gathered at a time (never the [L, K, N] stack), and the model equals one
@@ -491,7 +515,9 @@ LOWP = [
   (SR_OPT, (None, "data"), 32, 48, 4),
   (INT8_OPT, ("data", None), 32, 256, 4),  # column blocks of 64
   (INT8_OPT, (None, "data"), 32, 256, 4),  # N / dp = 64: one block a shard
-  (INT8_OPT, ("data", None), 16, 96, 8),  # a partial block, no blocking
+  pytest.param(  # a partial block, no blocking
+    INT8_OPT, ("data", None), 16, 96, 8, marks=SLOW
+  ),
 ]
 
 
@@ -801,7 +827,7 @@ def test_fsdp_under_explicit_axes_from_the_input_types():
 
 
 @needs_devices
-@pytest.mark.slow
+@SLOW
 def test_triton_kernel_layers_around_fsdp():
   """implementation='triton' (interpret mode): FSDP layers apply the XLA
   rule after the reduce-scatter; the result equals the 'xla' run."""
