@@ -263,6 +263,7 @@ class _ForgeLinear(nn.Module):
       y_spec,
       self.data_parallel,
       where=self._where(),
+      refuse_undeclared_input=not self.is_initializing(),
     )
 
   def _layer_id(self) -> int:
@@ -361,10 +362,13 @@ class ForgeDense(_ForgeLinear):
       the input's after the gather, features like the kernel's; a token
       dimension that adds the kernel's in_features axis receives a
       reduce-scatter instead of an all-reduce (sequence parallelism).
-    data_parallel: 'error' (default) refuses tokens sharded over a mesh axis
-      that does not shard the kernel; 'psum' all-reduces ``dW`` over such
-      axes inside the backward pass (materializes ``dW``). See
-      :mod:`forge_jax.parallel`.
+    data_parallel: 'auto' (default): a mesh axis that shards the input's
+      tokens and the kernel is FSDP (the kernel gathered just in time, its
+      gradient reduce-scattered, the shard updated); an axis that shards the
+      tokens but not the kernel raises ``parallel.DataParallelError``.
+      'psum' all-reduces ``dW`` over such axes instead (materializes
+      ``dW``); 'error' refuses any token axis outside sequence parallelism.
+      See :mod:`forge_jax.parallel`.
 
   Partitioning works as for ``nn.Dense``:
   ``kernel_init=nn.with_partitioning(init, (None, 'model'))`` (or
@@ -390,7 +394,7 @@ class ForgeDense(_ForgeLinear):
   mesh: Optional[Any] = None
   input_partitioning: Optional[tuple] = None
   output_partitioning: Optional[tuple] = None
-  data_parallel: str = "error"
+  data_parallel: str = "auto"
 
   @nn.compact
   def __call__(self, inputs: jax.Array) -> jax.Array:
@@ -464,7 +468,7 @@ class ForgeDenseGeneral(_ForgeLinear):
   mesh: Optional[Any] = None
   input_partitioning: Optional[tuple] = None
   output_partitioning: Optional[tuple] = None
-  data_parallel: str = "error"
+  data_parallel: str = "auto"
 
   @nn.compact
   def __call__(self, inputs: jax.Array) -> jax.Array:

@@ -141,7 +141,7 @@ class Linear(nnx.Module):
     layer_id: Optional[int] = None,
     input_partitioning: Optional[tuple] = None,
     output_partitioning: Optional[tuple] = None,
-    data_parallel: str = "error",
+    data_parallel: str = "auto",
     kernel_metadata: Mapping[str, Any] = MappingProxyType({}),
     bias_metadata: Mapping[str, Any] = MappingProxyType({}),
   ):

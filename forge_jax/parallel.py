@@ -1,4 +1,4 @@
-"""Tensor and sequence parallelism for FORGE, with ``jax.shard_map``.
+"""Tensor, sequence and data parallelism for FORGE, with ``jax.shard_map``.
 
 FORGE stays exact under tensor parallelism (TP) because every shard's weight
 gradient is complete at backward time:
@@ -9,6 +9,14 @@ gradient is complete at backward time:
   sharded on the sequence over the TP axis; they are all-gathered before a
   column-parallel layer and reduce-scattered after a row-parallel one, so
   the local ``dW`` still sees every token.
+
+Data parallelism is FSDP: a mesh axis that shards the input's tokens (the
+batch) and the kernel too (MaxText's layout: the kernel's embedding
+dimension). The kernel and every state leaf that follows it stay sharded
+over the axis; the layer all-gathers its kernel just in time in the forward
+and again in the backward, forms ``dW`` of its local tokens in blocks,
+reduce-scatters each block over the axis onto its own shard, and applies
+the elementwise update to that shard. No state is ever gathered.
 
 The fused op cannot be left to XLA's partitioner (the Pallas kernel is
 opaque to it, and a partitioner that gathers a weight defeats the point), so
@@ -22,19 +30,24 @@ where             forward                     backward
 x tokens on an    all-gather x (SP)           reduce-scatter dx
 axis of N
 kernel K sharded  psum y, or reduce-scatter   all-gather dy if y was
-                  y onto a token axis (SP)    reduce-scattered
+(TP)              y onto a token axis (SP)    reduce-scattered
 kernel N sharded  (y stays N-sharded)         psum dx (or reduce-scatter,
-                                              above)
-every shard       --                          dW from local, complete
-                                              tokens; the optimizer update
-                                              of the local kernel and state
+(TP)                                          above)
+kernel and        all-gather the kernel       all-gather the kernel; dW of
+tokens on an      over the axis               the local tokens
+axis (FSDP)                                   reduce-scattered over it, in
+                                              blocks
+every shard       --                          the optimizer update of the
+                                              local kernel and state
 ================  ==========================  ===============================
 
-Each shard updates its own kernel and state shards with the backend of the
-one-device op, on local shapes. Stochastic rounding hashes every element's
-global ``(row, column)`` (the shard passes its offset), so a shard draws the
-bits one device would. int8 block states are sharded with the kernel, their
-scales ``[K, ceil(N / 64)]`` too; column shards must hold whole blocks of 64
+Each shard updates its own kernel and state shards on local shapes: with
+the backend of the one-device op where its ``dW`` is complete (TP), with the
+rule every backend applies (``apply_update``) after the reduce-scatter
+(FSDP). Stochastic rounding hashes every element's global ``(row, column)``
+(the shard passes its offset), so a shard draws the bits one device would.
+int8 block states are sharded with the kernel, their scales
+``[K, ceil(N / 64)]`` too; column shards must hold whole blocks of 64
 (:func:`check_block_split`), so each shard's scales are exactly its blocks.
 
 The whole layer is the one-device op's ``jax.custom_vjp``
@@ -46,24 +59,25 @@ the updated kernel shards come back with exactly the kernel's sharding. This
 module plans and checks layouts and places the operands; it holds no part
 of the op's forward or backward.
 
-**Data parallelism is refused by default.** FORGE applies the update inside
-the backward pass, from the gradient of the tokens the shard sees. If tokens
-are sharded over a mesh axis that does not shard the kernel (the batch over
-``'data'`` with a replicated kernel), every replica would apply a different,
-partial update; under a user's ``shard_map`` the replicas' new kernels would
-even be summed. :class:`DataParallelError` is raised at trace time instead.
-``data_parallel='psum'`` opts in to a correct but unfused alternative: the
-backward forms ``dW`` for the local tokens in float32, all-reduces it over the
-data axes, and applies the update from the reduced gradient. That costs what
-plain data parallelism costs (a float32 ``dW`` buffer per layer shard and an
-all-reduce of it); the FORGE memory saving is lost for that layer, the
-update is still fused into the backward pass.
+**Data parallelism over a replicated kernel is refused.** FORGE applies the
+update inside the backward pass, from the gradient of the tokens the shard
+sees. If tokens are sharded over a mesh axis that does not shard the kernel,
+every replica would apply a different, partial update; under a user's
+``shard_map`` the replicas' new kernels would even be summed.
+:class:`DataParallelError` is raised at trace time instead, and so it is
+where the layer cannot know how its input is sharded (Auto mesh axes and
+no declared input partitioning). ``data_parallel='psum'`` opts in to a
+correct but unfused alternative: the backward all-reduces ``dW`` over such
+axes before the update, at the cost of plain data parallelism (a float32
+``dW`` per layer shard, W and its states whole on every replica); with FSDP
+over another axis that is hybrid sharding.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from typing import Any, Optional, Sequence
 
 import flax.linen as nn
@@ -76,13 +90,19 @@ from jax.sharding import PartitionSpec as P
 
 from forge_jax import quantization
 
-DATA_PARALLEL_MODES = ("error", "psum")
+DATA_PARALLEL_MODES = ("auto", "psum", "error")
 
 Axes = tuple  # a tuple of mesh axis names (empty: not sharded)
 
 
 class DataParallelError(ValueError):
-  """Tokens are sharded over a mesh axis that does not shard the kernel."""
+  """A layer's tokens are (or may be) sharded over a mesh axis in a way that
+  FORGE cannot train exactly without gathering a kernel or state."""
+
+
+class ShardingWarning(UserWarning):
+  """A layout is exact but gathers a kernel for no data parallelism (warned
+  once per layer and axes)."""
 
 
 def make_mesh(
@@ -164,7 +184,8 @@ class ShardedLayout:
     mesh: the ``Mesh`` (or ``AbstractMesh``) the op runs on; None: one
       device.
     x: mesh axes of every dimension of the input ``[..., K]``.
-    kernel: mesh axes of the kernel's ``(K, N)`` dimensions.
+    kernel: mesh axes of the kernel's ``(K, N)`` dimensions: how the
+      kernel and every state leaf that follows it are stored.
     y: mesh axes of every dimension of the output ``[..., N]``.
     gather: ``(dim, axes)``: input token dimension all-gathered over axes of
       the kernel's N (sequence parallelism into a column-parallel layer), or
@@ -173,8 +194,14 @@ class ShardedLayout:
       over the kernel's K axes are reduce-scattered onto (sequence
       parallelism out of a row-parallel layer), or None.
     data_axes: mesh axes (of size > 1) that shard the tokens but not the
-      kernel: data parallelism.
-    data_parallel: 'error' or 'psum' (see the module docstring).
+      kernel: data parallelism over a replicated kernel ('psum').
+    data_parallel: 'auto', 'psum' or 'error' (see the module docstring).
+    weight_gather: per kernel dimension ``(K, N)``, the trailing axes of
+      ``kernel`` that the layer all-gathers the kernel over just in time
+      (FSDP when they shard the tokens, see :attr:`token_axes`); its
+      weight gradient is reduce-scattered back over them.
+    token_axes: mesh axes (of size > 1) that shard the tokens the layer
+      computes on (after the gather): ``dW`` and ``dbias`` sum over them.
   """
 
   mesh: Any
@@ -184,15 +211,63 @@ class ShardedLayout:
   gather: Optional[tuple] = None
   scatter: Optional[tuple] = None
   data_axes: Axes = ()
-  data_parallel: str = "error"
+  data_parallel: str = "auto"
+  weight_gather: tuple = ((), ())
+  token_axes: Axes = ()
 
   @property
   def k_axes(self) -> Axes:
-    return self.kernel[0]
+    """The tensor-parallel axes of the kernel's K (the input's features)."""
+    return _drop(self.kernel[0], self.weight_gather[0])
 
   @property
   def n_axes(self) -> Axes:
-    return self.kernel[1]
+    """The tensor-parallel axes of the kernel's N (the output's features)."""
+    return _drop(self.kernel[1], self.weight_gather[1])
+
+  @property
+  def kernel_axes(self) -> Axes:
+    """Every axis the stored kernel is sharded over."""
+    return self.kernel[0] + self.kernel[1]
+
+  @property
+  def live_weight_gather(self) -> tuple:
+    """:attr:`weight_gather` without axes of size 1 (no collective)."""
+    sizes = _mesh_sizes(self.mesh) if self.mesh is not None else {}
+    return tuple(
+      tuple(a for a in axes if sizes[a] > 1) for axes in self.weight_gather
+    )
+
+  @property
+  def reduces_weight_gradient(self) -> bool:
+    """Whether ``dW`` needs a collective before the update (FSDP or
+    'psum'): the update then follows a reduce-scatter, unfused."""
+    return bool(self.data_axes or any(self.live_weight_gather))
+
+  def gradient_blocks(self, shape, quantized: bool) -> tuple:
+    """``(dimension, count)``: the local kernel dimension (0: rows, 1:
+    columns) whose weight gradient an FSDP layer forms in ``count`` blocks.
+
+    A kernel gathered over one dimension is stepped in blocks of the
+    other, as many as the devices its gradient is reduce-scattered over, so
+    a block's transient ``dW`` is the size of this shard's ``dW`` (fewer
+    blocks where the extent does not divide; column blocks of int8 states
+    hold whole blocks of 64). ``(None, 1)``: one piece (no FSDP, or both
+    dimensions gathered).
+    """
+    gathered = self.live_weight_gather
+    if bool(gathered[0]) == bool(gathered[1]):
+      return None, 1
+    blocked = 0 if gathered[1] else 1
+    sizes = _mesh_sizes(self.mesh)
+    devices = math.prod(sizes[a] for a in gathered[1 - blocked])
+    for count in range(devices, 1, -1):
+      size, rest = divmod(shape[blocked], count)
+      if rest == 0 and not (
+        quantized and blocked == 1 and size % quantization.BLOCK_SIZE
+      ):
+        return blocked, count
+    return None, 1
 
   @property
   def mesh_axes(self) -> Axes:
@@ -209,6 +284,10 @@ class ShardedLayout:
     return _spec((self.n_axes,))
 
 
+def _drop(axes: Axes, dropped: Axes) -> Axes:
+  return tuple(a for a in axes if a not in dropped)
+
+
 def unsharded_layout(x_ndim: int) -> ShardedLayout:
   """The layout of the one-device op: no mesh, no dimension sharded."""
   return ShardedLayout(
@@ -222,23 +301,44 @@ def plan_layout(
   kernel_spec,
   x_spec=None,
   y_spec=None,
-  data_parallel: str = "error",
+  data_parallel: str = "auto",
   where: str = "ForgeDense",
+  refuse_undeclared_input: bool = True,
 ) -> ShardedLayout:
   """The :class:`ShardedLayout` of a dense layer, validated.
+
+  Every mesh axis of the kernel's partitioning is one of:
+
+  * tensor-parallel on K: the input's features are sharded over it too;
+  * tensor-parallel on N: the output's features are sharded over it (the
+    default for an axis of N);
+  * gathered just in time: an axis of K that does not shard the input's
+    features, or an axis of N that a declared output partitioning leaves
+    out of the output's features. Where it also shards the input's tokens,
+    that is FSDP (the weight gradient is reduce-scattered over it); where it
+    does not, every device computes on all tokens and the gathered kernel
+    is only a memory layout (exact; :class:`ShardingWarning`, once).
 
   Args:
     mesh: a ``jax.sharding.Mesh`` or ``AbstractMesh``.
     x_ndim: rank of the input.
     kernel_spec: the kernel's PartitionSpec (or tuple of 2 entries).
     x_spec: the input's PartitionSpec (one entry per dimension); None: the
-      tokens are not sharded and the features are sharded like the kernel's K.
+      tokens are not sharded and the features are sharded like the kernel's
+      K. Undeclared on a mesh with an axis of size > 1 that the kernel does
+      not use, it raises :class:`DataParallelError` (under Auto axes the
+      input's sharding is not known at trace time).
     y_spec: the output's PartitionSpec; None: derived (tokens as the input's
       after any gather, features like the kernel's N, partial sums over the
       kernel's K all-reduced).
-    data_parallel: 'error' (raise :class:`DataParallelError` when tokens are
-      sharded over an axis that does not shard the kernel) or 'psum'.
+    data_parallel: 'auto' (FSDP over axes that shard the tokens and the
+      kernel; :class:`DataParallelError` for an axis that shards the tokens
+      but not the kernel), 'psum' (such an axis all-reduces ``dW``) or
+      'error' (any axis that shards the tokens outside sequence parallelism
+      raises).
     where: the layer's name for error messages.
+    refuse_undeclared_input: False skips the check of an undeclared input
+      (init, whose forward only shapes the variables).
   """
   if data_parallel not in DATA_PARALLEL_MODES:
     raise ValueError(
@@ -253,35 +353,57 @@ def plan_layout(
       "have 2 entries (in_features, features)"
     )
   k_axes, n_axes = kernel
+  declared_x = x_spec is not None
   if x_spec is None:
     x = ((),) * (x_ndim - 1) + (k_axes,)
   else:
     x = _entries(x_spec, x_ndim, where, "input")
-  for axes in x + kernel:
+  declared_y = (
+    None if y_spec is None else _entries(y_spec, x_ndim, where, "output")
+  )
+  for axes in x + kernel + (declared_y or ()):
     for a in axes:
       if a not in sizes:
         raise ValueError(
           f"{where}: mesh axis {a!r} is not in the mesh {tuple(sizes)}"
         )
-  if x[-1] != k_axes:
-    raise ValueError(
-      f"{where}: the input's features are sharded over {_entry(x[-1])} but "
-      f"the kernel's in_features over {_entry(k_axes)}; they must match (a "
-      "row-parallel layer takes its input sharded on the features like its "
-      "kernel; a column-parallel one takes it unsharded on the features)"
-    )
   if set(k_axes) & set(n_axes):
     raise ValueError(
       f"{where}: kernel partitioning {kernel_spec} uses an axis twice"
     )
 
-  # Token dimensions: gathered over N axes, or data-parallel.
+  # Kernel axes gathered just in time: on K, those the input's features are
+  # not sharded over; on N, those a declared output's features are not.
+  weight_gather = (
+    tuple(a for a in k_axes if a not in x[-1]),
+    ()
+    if declared_y is None
+    else tuple(a for a in n_axes if a not in declared_y[-1]),
+  )
+  for dim, (axes, gathered) in enumerate(zip(kernel, weight_gather)):
+    if gathered and axes[len(axes) - len(gathered) :] != gathered:
+      raise ValueError(
+        f"{where}: the kernel's dimension {dim} is sharded over {axes}; the "
+        f"axes it is gathered over {gathered} (the ones that do not shard "
+        f"the {'input' if dim == 0 else 'output'}'s features) must come last"
+      )
+  k_tp = _drop(k_axes, weight_gather[0])
+  n_tp = _drop(n_axes, weight_gather[1])
+  if x[-1] != k_tp:
+    raise ValueError(
+      f"{where}: the input's features are sharded over {_entry(x[-1])} but "
+      f"the kernel's in_features over {_entry(k_tp)}; they must match (a "
+      "row-parallel layer takes its input sharded on the features like its "
+      "kernel; a column-parallel one takes it unsharded on the features)"
+    )
+
+  # Token dimensions: gathered over tensor-parallel N axes (sequence
+  # parallelism), or data-parallel.
   gather = None
-  data_axes = []
   tokens = []
   for dim, axes in enumerate(x[:-1]):
-    on_n = tuple(a for a in axes if a in n_axes)
-    rest = tuple(a for a in axes if a not in n_axes)
+    on_n = tuple(a for a in axes if a in n_tp)
+    rest = _drop(axes, on_n)
     if on_n:
       if axes[len(axes) - len(on_n) :] != on_n:
         raise ValueError(
@@ -291,25 +413,53 @@ def plan_layout(
       if gather is not None:
         raise ValueError(
           f"{where}: only one input dimension can be sharded "
-          f"over the kernel's feature axes {n_axes}"
+          f"over the kernel's feature axes {n_tp}"
         )
       gather = (dim, on_n)
-    data_axes.extend(a for a in rest if sizes[a] > 1)
     tokens.append(rest)
-  data_axes = tuple(dict.fromkeys(data_axes))
-  if data_axes and data_parallel == "error":
+  live = lambda axes: tuple(a for a in axes if sizes[a] > 1)
+  token_axes = tuple(dict.fromkeys(live(sum(tokens, ()))))
+  gathered_axes = weight_gather[0] + weight_gather[1]
+  data_axes = _drop(token_axes, k_axes + n_axes)
+  fsdp_axes = tuple(a for a in token_axes if a in gathered_axes)
+  if data_axes and data_parallel != "psum":
     raise DataParallelError(
       _data_parallel_message(where, data_axes, sizes, kernel_spec)
+    )
+  if fsdp_axes and data_parallel == "error":
+    raise DataParallelError(
+      _data_parallel_message(where, fsdp_axes, sizes, kernel_spec, strict=True)
+    )
+  for dim, gathered in enumerate(weight_gather):
+    kinds = {a in token_axes for a in live(gathered)}
+    if len(kinds) > 1:
+      raise ValueError(
+        f"{where}: the kernel's dimension {dim} is gathered over "
+        f"{live(gathered)}, of which only some shard the input's tokens "
+        f"({_drop(live(gathered), token_axes)} do not): its gradient "
+        "cannot be reduce-scattered over them together"
+      )
+  idle = _drop(live(gathered_axes), token_axes)
+  if idle:
+    _warn_once(
+      (where, idle),
+      f"{where}: the kernel is sharded over mesh axis "
+      f"{', '.join(map(repr, idle))}, which shards neither the input's "
+      "tokens nor a feature dimension: the layer gathers the kernel over it "
+      "just in time and every device computes on all tokens and forms the "
+      "whole weight gradient. Exact, but it gathers a kernel for no data "
+      "parallelism: shard the batch over the axis too (FSDP) or leave the "
+      "kernel unsharded over it.",
     )
 
   # The output: tokens as gathered, features like the kernel's N, partial
   # sums over K all-reduced or reduce-scattered onto one token dimension.
-  default_y = tuple(tokens) + (n_axes,)
+  default_y = tuple(tokens) + (n_tp,)
   scatter = None
-  if y_spec is None:
+  if declared_y is None:
     y = default_y
   else:
-    y = _entries(y_spec, x_ndim, where, "output")
+    y = declared_y
     for dim, (want, have) in enumerate(zip(y[:-1], default_y[:-1])):
       if want == have:
         continue
@@ -318,21 +468,27 @@ def plan_layout(
         want[: len(have)] == have
         and extra
         and scatter is None
-        and set(extra) <= set(k_axes)
+        and set(extra) <= set(k_tp)
       ):
         scatter = (dim, extra)
         continue
       raise ValueError(
         f"{where}: output dimension {dim} cannot be sharded over "
         f"{_entry(want)}: it is {_entry(have)} after the layer, and only "
-        f"the kernel's in_features axes {_entry(k_axes)} can be added to "
+        f"the kernel's in_features axes {_entry(k_tp)} can be added to "
         "one token dimension (a reduce-scatter, sequence parallelism)"
       )
-    if y[-1] != n_axes:
+    if y[-1] != n_tp:
       raise ValueError(
         f"{where}: the output's features must be sharded like the kernel's "
-        f"features ({_entry(n_axes)}), not {_entry(y[-1])}"
+        f"features ({_entry(n_tp)}), not {_entry(y[-1])}"
       )
+  if not declared_x and refuse_undeclared_input:
+    unused = [
+      a for a in mesh.axis_names if sizes[a] > 1 and a not in k_axes + n_axes
+    ]
+    if unused:
+      raise DataParallelError(_undeclared_input_message(where, unused, sizes))
   return ShardedLayout(
     mesh=mesh,
     x=x,
@@ -342,25 +498,70 @@ def plan_layout(
     scatter=scatter,
     data_axes=data_axes,
     data_parallel=data_parallel,
+    weight_gather=weight_gather,
+    token_axes=token_axes,
   )
 
 
-def _data_parallel_message(where, data_axes, sizes, kernel_spec) -> str:
-  names = ", ".join(f"{a!r} (size {sizes[a]})" for a in data_axes)
+_WARNED: set = set()
+
+
+def _warn_once(key, message: str):
+  if key in _WARNED:
+    return
+  _WARNED.add(key)
+  warnings.warn(message, ShardingWarning, stacklevel=3)
+
+
+def _names(axes, sizes) -> str:
+  return ", ".join(f"{a!r} (size {sizes[a]})" for a in axes)
+
+
+def _data_parallel_message(
+  where, data_axes, sizes, kernel_spec, strict=False
+) -> str:
+  if strict:
+    return (
+      f"{where}: the input's tokens are sharded over mesh axis "
+      f"{_names(data_axes, sizes)} and data_parallel='error' refuses data "
+      "parallelism. Use data_parallel='auto' for FSDP (the kernel and its "
+      "states sharded over the axis, gathered just in time, the weight "
+      "gradient reduce-scattered), or keep the batch replicated over it."
+    )
   return (
-    f"{where}: the input's tokens are sharded over mesh axis {names}, over "
-    f"which the kernel (partitioning {tuple(kernel_spec)}) is replicated. "
-    "That is data parallelism, which FORGE does not support as published: "
-    "the update is applied inside the backward pass, from the gradient of "
-    "the tokens a shard sees, so each replica would apply a different "
-    "partial update (or, under shard_map, the replicas' new weights would "
-    "be summed). Do one of: shard the batch only over axes that also shard "
-    "the kernel (tensor / sequence parallelism); keep the batch replicated "
-    "over that axis (a mesh axis of size 1, or no batch axis in the input "
-    "partitioning); train this layer with nn.Dense + optax; or opt in with "
+    f"{where}: the input's tokens are sharded over mesh axis "
+    f"{_names(data_axes, sizes)}, over which the kernel (partitioning "
+    f"{tuple(kernel_spec)}) is replicated. That is data parallelism over a "
+    "replicated kernel, which FORGE cannot fuse: the update is applied "
+    "inside the backward pass, from the gradient of the tokens a shard "
+    "sees, so each replica would apply a different partial update (or, "
+    "under shard_map, the replicas' new weights would be summed). Do one "
+    "of: shard the kernel over that axis too (FSDP, e.g. "
+    f"nn.with_partitioning(init, ({data_axes[0]!r}, None)): the layer "
+    "gathers it just in time and reduce-scatters its gradient); shard the "
+    "batch only over axes that shard the kernel as tensor / sequence "
+    "parallelism; keep the batch replicated over that axis (a mesh axis of "
+    "size 1, or no batch axis in the input partitioning); train this layer "
+    "with nn.Dense + optax; or opt in with "
     "ForgeDense(data_parallel='psum'), which all-reduces dW over the data "
     "axes inside the backward pass before the update (it materializes a "
-    "float32 dW per shard: the cost of ordinary data parallelism)."
+    "float32 dW per shard and keeps W, m and v whole on every replica: the "
+    "cost of ordinary data parallelism)."
+  )
+
+
+def _undeclared_input_message(where, unused, sizes) -> str:
+  first = unused[0]
+  return (
+    f"{where}: mesh axis {_names(unused, sizes)} shards neither the kernel "
+    "nor, as far as the layer knows, its input: input_partitioning is not "
+    "declared, and under Auto mesh axes an input's sharding is not known at "
+    f"trace time. If the batch is sharded over {first!r}, the layer would "
+    "gather it and every device would compute on the whole batch. Declare "
+    "input_partitioning: the batch over it with the kernel sharded over it "
+    f"too for FSDP (input_partitioning=({first!r}, None, None), "
+    f"kernel_init=nn.with_partitioning(init, ({first!r}, None))), or None "
+    "on every dimension if the input is replicated over it."
   )
 
 
@@ -416,9 +617,11 @@ def check_block_split(where, variables, n_axes: Axes, sizes):
       f"{where}: features={n} split over {shards} devices gives "
       f"{n // shards} columns per shard, which must be a multiple of the "
       f"int8 block size {block} (int8 optimizer states share one scale per "
-      f"{block} columns of a row, and a block cannot straddle shards). "
-      f"Make features a multiple of {block * shards}, shard this layer on "
-      "its in_features (row-parallel), or use state_dtype='bfloat16'."
+      f"{block} columns of a row, and a block cannot straddle shards; the "
+      f"kernel's features are sharded over mesh axes {n_axes}). Make "
+      f"features a multiple of {block * shards}, shard this layer on its "
+      "in_features instead (row-parallel, or FSDP over in_features), or use "
+      "state_dtype='bfloat16'."
     )
 
 
@@ -462,7 +665,7 @@ def check_layout(
   _check_divisible(
     where, "kernel", jnp.shape(variables.kernel)[-2:], layout.kernel, sizes
   )
-  check_block_split(where, variables, layout.n_axes, sizes)
+  check_block_split(where, variables, layout.kernel[1], sizes)
   # Raises on leaves that cannot be sharded like the kernel.
   variables_specs(variables, layout.kernel_spec(), stacked=stacked)
 
@@ -582,6 +785,24 @@ def check_unpartitioned(x: jax.Array, variables, where: str = "forge_dense"):
       "(kernel_init=nn.with_partitioning(...), see forge_jax.parallel); for "
       "data parallelism, nn.Dense + optax, or "
       "ForgeDense(data_parallel='psum')."
+    )
+  auto = [
+    a
+    for a, t in zip(mesh.axis_names, mesh.axis_types)
+    if t == AxisType.Auto and sizes[a] > 1 and a not in mesh.manual_axes
+  ]
+  if auto:
+    raise DataParallelError(
+      f"{where}: called without a partitioning under jax.set_mesh with Auto "
+      f"mesh axis {_names(auto, sizes)}. Under Auto axes the input's "
+      "sharding is not known at trace time: if the batch is sharded over "
+      "the axis, the layer's kernel would be replicated on every device "
+      "(data parallelism FORGE cannot fuse) and the fused kernel's "
+      "operands gathered. Give the layer its partitioning: "
+      "kernel_init=nn.with_partitioning(init, (...)) and "
+      "input_partitioning (the batch over the axis with the kernel sharded "
+      "over it too is FSDP), or input_partitioning=(None, ...) if the "
+      "input is replicated over the axis."
     )
   explicit = [
     a

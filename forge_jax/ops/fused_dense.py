@@ -35,7 +35,7 @@ from flax.linen import dtypes as flax_dtypes
 from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
-from forge_jax import layer_context, parallel
+from forge_jax import layer_context, parallel, quantization
 from forge_jax.ops import backends, stacks
 from forge_jax.ops.update import true_after
 from forge_jax.optimizers import ForgeOptimizer, not_elementwise_message
@@ -338,12 +338,19 @@ def stepped(
 # layout this is the unsharded op, run on the global arrays directly.
 
 
+def _live(axes) -> tuple:
+  """``axes`` without those of size 1: a collective over them is the
+  identity, and is not emitted (a data axis of size 1 costs nothing)."""
+  return tuple(a for a in axes if lax.axis_size(a) > 1)
+
+
 def _psum(value, axes):
+  axes = _live(axes)
   return lax.psum(value, axes) if axes else value
 
 
 def _all_gather(value, where):
-  if where is None:
+  if where is None or not _live(where[1]):
     return value
   dim, axes = where
   return lax.all_gather(value, axes, axis=dim, tiled=True)
@@ -351,7 +358,7 @@ def _all_gather(value, where):
 
 def _reduce(value, axes, scatter):
   """Sum partials over ``axes``; reduce-scatter the ``scatter`` part."""
-  if scatter is None:
+  if scatter is None or not _live(scatter[1]):
     return _psum(value, axes)
   dim, scattered = scatter
   value = _psum(value, tuple(a for a in axes if a not in scattered))
@@ -361,6 +368,7 @@ def _reduce(value, axes, scatter):
 def _on_every_shard(flag, axes):
   """Whether the boolean scalar ``flag`` holds on every shard over ``axes``
   (pmin of a value over axes it does not vary on is the value itself)."""
+  axes = _live(axes)
   if not axes:
     return flag
   return lax.pmin(flag.astype(jnp.int32), axes) > 0
@@ -379,16 +387,39 @@ def _forward(spec, layout, x, variables, bias, layer_index):
   return forward(x, variables.kernel, bias, layer_index)
 
 
+def _gather_kernel(kernel, layout, after):
+  """This shard's kernel all-gathered over the layout's FSDP axes: the
+  tensor-parallel shard the layer computes with; the identity without FSDP.
+
+  Just in time: the gather reads the shard through a select on a predicate
+  that depends on ``after`` (the layer's input in the forward, dY in the
+  backward) and that XLA cannot fold, so it neither schedules every layer's
+  gather at the start of the step nor merges a layer's forward and
+  backward gathers into one buffer kept alive in between. One layer's
+  kernel is whole only while its forward or its backward runs.
+  """
+  if not any(layout.live_weight_gather):
+    return kernel
+  kernel = jnp.where(order_after(after), kernel, jnp.zeros_like(kernel))
+  for dim, axes in enumerate(layout.live_weight_gather):
+    if axes:
+      kernel = lax.all_gather(kernel, axes, axis=dim, tiled=True)
+  return kernel
+
+
 def _local_forward(spec, layout, x, kernel, bias, layer_index):
   x = _all_gather(x, layout.gather)
   reduce = functools.partial(
     _reduce, axes=layout.k_axes, scatter=layout.scatter
   )
-  return _dense(x, stacks.layer_entry(kernel, layer_index), bias, spec, reduce)
+  kernel = _gather_kernel(stacks.layer_entry(kernel, layer_index), layout, x)
+  return _dense(x, kernel, bias, spec, reduce)
 
 
 def _local_backward(spec, layout, x, variables, bias, layer_index, dy):
-  kernel = stacks.layer_entry(variables.kernel, layer_index)
+  kernel = _gather_kernel(
+    stacks.layer_entry(variables.kernel, layer_index), layout, dy
+  )
   x = _all_gather(x, layout.gather)  # the tokens the forward used
   dy = _all_gather(dy, layout.scatter)  # transpose of the reduce-scatter
   # dx and dbias exactly as autodiff of flax.linen.Dense, with the old
@@ -398,7 +429,7 @@ def _local_backward(spec, layout, x, variables, bias, layer_index, dy):
   dx, dbias = dense_vjp(dy)
   dx = _reduce(dx, layout.n_axes, layout.gather)
   if dbias is not None:
-    dbias = _psum(dbias, layout.data_axes)
+    dbias = _psum(dbias, layout.token_axes)
 
   after_dx = order_after(dx)
   # One decision for the whole layer: skip it when any shard's dY is not
@@ -408,15 +439,14 @@ def _local_backward(spec, layout, x, variables, bias, layer_index, dy):
   scalars = step_scalars(spec, variables, layer_index)
   x_c, _, _ = flax_dtypes.promote_dtype(x, kernel, None, dtype=spec.dtype)
   step = layer_step(variables, layer_index)
-  offset = _shard_offset(layout, kernel.shape)
-  if layout.data_axes:  # data_parallel == 'psum'
-    grad = backends.weight_gradient(x_c, dy, spec.precision)
-    grad = lax.psum(grad, layout.data_axes)
-    new_kernel, new_state, skipped = backends.apply_gradient(
+  offset = _shard_offset(layout, variables.kernel.shape[-2:])
+  if layout.reduces_weight_gradient:  # FSDP, or data_parallel='psum'
+    new_kernel, new_state, skipped = _reduced_update(
       spec,
-      grad,
-      variables.kernel,
-      variables.opt_state,
+      layout,
+      x_c,
+      dy,
+      variables,
       scalars,
       apply,
       step=step,
@@ -440,7 +470,7 @@ def _local_backward(spec, layout, x, variables, bias, layer_index, dy):
       offset=offset,
       layer_index=layer_index,
     )
-  skipped = _psum(skipped, layout.k_axes + layout.n_axes)
+  skipped = _psum(skipped, layout.kernel_axes)
   return (
     dx,
     stepped(variables, new_kernel, new_state, skipped, apply, layer_index),
@@ -448,11 +478,129 @@ def _local_backward(spec, layout, x, variables, bias, layer_index, dy):
   )
 
 
+def _reduced_update(
+  spec, layout, x, dy, variables, scalars, apply, *, step, offset, layer_index
+):
+  """The update of this shard from ``dW`` summed over the token axes.
+
+  ``dW = xᵀ·dY`` of the local tokens is all-reduced over the 'psum' data
+  axes and reduce-scattered over the FSDP axes onto this shard's rows or
+  columns, then the elementwise rule (the XLA backend's, the one every
+  backend applies) updates the shard in place. A kernel gathered over one
+  dimension is stepped in blocks of the other (``layout.gradient_blocks``), so
+  the transient float32 ``dW`` before its reduce-scatter is one block, the
+  size of this shard's ``dW``, not the gathered layer's.
+  """
+  shape = variables.kernel.shape[-2:]
+  gathered = layout.live_weight_gather
+  blocked, count = layout.gradient_blocks(
+    shape, quantization.has_quantized(variables.opt_state)
+  )
+
+  def gradient(start=0, size=None):
+    """This shard's ``dW`` of its local rows (blocked 0) or columns
+    (blocked 1) ``start .. start + size``."""
+    xs, dys = x, dy
+    if blocked == 0:
+      xs = lax.dynamic_slice_in_dim(x, start, size, axis=x.ndim - 1)
+    elif blocked == 1:
+      dys = lax.dynamic_slice_in_dim(dy, start, size, axis=dy.ndim - 1)
+    grad = _psum(
+      backends.weight_gradient(xs, dys, spec.precision), layout.data_axes
+    )
+    for dim, axes in enumerate(gathered):
+      grad = _to_shard(grad, axes, dim, shape[dim], layout.token_axes)
+    return grad
+
+  if count == 1:
+    return backends.apply_gradient(
+      spec,
+      gradient(),
+      variables.kernel,
+      variables.opt_state,
+      scalars,
+      apply,
+      step=step,
+      offset=offset,
+      layer_index=layer_index,
+    )
+  size = shape[blocked] // count
+  treedef = jax.tree.structure(variables.opt_state)
+  scale_leaves = quantization.scale_leaf_mask(variables.opt_state)
+
+  def window(is_scale, start):
+    """A block's ``(start, size)`` in a leaf: int8 scales of column blocks
+    count one per 64 columns (blocks hold whole ones)."""
+    if is_scale and blocked == 1:
+      return start // quantization.BLOCK_SIZE, size // quantization.BLOCK_SIZE
+    return start, size
+
+  def take(leaf, at):
+    entry = stacks.layer_entry(leaf, layer_index)
+    return lax.dynamic_slice_in_dim(entry, *at, axis=blocked)
+
+  def put(leaf, block, at):
+    return _with_block(leaf, block, blocked, at[0], layer_index)
+
+  def body(i, carry):
+    kernel, state, skipped = carry
+    start = i * size
+    windows = [window(is_scale, start) for is_scale in scale_leaves]
+    state_leaves = jax.tree.leaves(state)
+    block_offset = list(offset)
+    block_offset[blocked] = block_offset[blocked] + start
+    new_kernel, new_state, block_skipped = backends.apply_gradient(
+      spec,
+      gradient(start, size),
+      take(kernel, (start, size)),
+      treedef.unflatten(map(take, state_leaves, windows)),
+      scalars,
+      apply,
+      step=step,
+      offset=tuple(block_offset),
+    )
+    kernel = put(kernel, new_kernel, (start, size))
+    state = treedef.unflatten(
+      map(put, state_leaves, jax.tree.leaves(new_state), windows)
+    )
+    return kernel, state, skipped + block_skipped
+
+  return lax.fori_loop(
+    0,
+    count,
+    body,
+    (variables.kernel, variables.opt_state, jnp.zeros((), jnp.int32)),
+  )
+
+
+def _to_shard(grad, axes, dim, local, token_axes):
+  """``grad``'s part on this shard along ``dim`` (gathered over ``axes``):
+  reduce-scattered where the axes shard the tokens (FSDP), sliced where
+  every device saw all tokens (it holds the whole sum already)."""
+  if not axes:
+    return grad
+  if axes[0] in token_axes:
+    return lax.psum_scatter(grad, axes, scatter_dimension=dim, tiled=True)
+  return lax.dynamic_slice_in_dim(
+    grad, lax.axis_index(axes) * local, local, axis=dim
+  )
+
+
+def _with_block(stack, block, dim, start, layer_index):
+  """``stack`` with ``block`` written at ``start`` of the layer's local
+  dimension ``dim`` (the layer's entry with a ``layer_index``)."""
+  if layer_index is None:
+    return lax.dynamic_update_slice_in_dim(stack, block, start, axis=dim)
+  at = [layer_index, 0, 0]
+  at[1 + dim] = start
+  return lax.dynamic_update_slice(stack, block[None], at)
+
+
 def _shard_offset(layout, local_shape) -> Optional[tuple]:
   """The global ``(row, column)`` of this shard's kernel element ``(0, 0)``
   (stochastic rounding hashes global indices: the bits of one device);
   None for a kernel that is not sharded."""
-  if not layout.k_axes and not layout.n_axes:
+  if not layout.kernel_axes:
     return None
   return tuple(
     _axis_offset(axes, size) for axes, size in zip(layout.kernel, local_shape)
