@@ -4,6 +4,7 @@ The optimizer step of each linear layer runs inside the backward pass's
 weight-gradient GEMM, so weight gradients are never stored.
 """
 
+from forge_jax.clipping import global_norm
 from forge_jax.linen import (
   FORGE_COLLECTION,
   ForgeDense,

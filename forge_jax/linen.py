@@ -160,18 +160,25 @@ class ForgeDense(nn.Module):
     opt_state = self.variable(
       FORGE_COLLECTION, "opt_state", self._init_state, kernel, kernel_meta
     ).value
-    count, skipped, intact = (
+    count, skipped, intact, grad_sq_norm = (
       self.variable(
         FORGE_COLLECTION, name, jnp.full, (), value, jnp.float32
       ).value
-      for name, value in (("count", 0.0), ("skipped", 0.0), ("intact", 1.0))
+      for name, value in (
+        ("count", 0.0),
+        ("skipped", 0.0),
+        ("intact", 1.0),
+        ("grad_sq_norm", 0.0),
+      )
     )
     bias = (
       self.param("bias", self.bias_init, (self.features,), self.param_dtype)
       if self.use_bias
       else None
     )
-    variables = ForgeVariables(kernel, opt_state, count, skipped, intact)
+    variables = ForgeVariables(
+      kernel, opt_state, count, skipped, intact, grad_sq_norm
+    )
     context = layer_context.stacked_layer()
     stacked = (
       context if context is not None and context.index is not None else None

@@ -57,6 +57,12 @@ class ForgeVariables(NamedTuple):
       overwrite-with-gradient step writes as zeros; ``intact`` becomes 0.0,
       and the layer's next backward pass writes a NaN kernel (so the loss
       turns NaN) instead of silently training on from zeros.
+    grad_sq_norm: float32 scalar, the sum of the squared elements of the
+      weight gradient of the last backward pass (the gradient the update
+      consumed, whose loss cotangent :mod:`forge_jax.clipping` may have
+      scaled), accumulated by the kernels from the float32 tiles they hold:
+      this layer's part of the global gradient norm (:func:`fj.global_norm
+      <forge_jax.clipping.global_norm>`).
   """
 
   kernel: jax.Array
@@ -64,6 +70,7 @@ class ForgeVariables(NamedTuple):
   count: jax.Array
   skipped: jax.Array
   intact: jax.Array
+  grad_sq_norm: jax.Array
 
 
 def init_variables(
@@ -76,6 +83,7 @@ def init_variables(
     count=scalar(0),
     skipped=scalar(0),
     intact=scalar(1),
+    grad_sq_norm=scalar(0),
   )
 
 
@@ -281,13 +289,15 @@ def stepped(
   new_kernel,
   new_state,
   skipped,
+  grad_sq_norm,
   apply,
   layer_index=None,
 ) -> ForgeVariables:
   """The layer's variables after a step (``count`` advances if applied).
 
   With a ``layer_index``, ``new_kernel`` and ``new_state`` are the stacks
-  and only the layer's ``count`` and ``skipped`` entries change.
+  and only the layer's ``count``, ``skipped`` and ``grad_sq_norm`` entries
+  change.
   """
   count = stacks.layer_entry(variables.count, layer_index)
   return ForgeVariables(
@@ -300,6 +310,21 @@ def stepped(
       variables.skipped, skipped.astype(jnp.float32), layer_index
     ),
     intact=variables.intact,
+    grad_sq_norm=stacks.with_layer_entry(
+      variables.grad_sq_norm, grad_sq_norm.astype(jnp.float32), layer_index
+    ),
+  )
+
+
+def measured(
+  variables: ForgeVariables, grad_sq_norm, layer_index=None
+) -> ForgeVariables:
+  """``variables`` unchanged but for the layer's ``grad_sq_norm`` (entry):
+  what a norm-only backward pass returns."""
+  return variables._replace(
+    grad_sq_norm=stacks.with_layer_entry(
+      variables.grad_sq_norm, grad_sq_norm.astype(jnp.float32), layer_index
+    )
   )
 
 
@@ -370,19 +395,27 @@ def _local_backward(spec, layout, x, variables, bias, layer_index, dy):
   if dbias is not None:
     dbias = _psum(dbias, layout.data_axes)
 
+  x_c, _, _ = flax_dtypes.promote_dtype(x, kernel, None, dtype=spec.dtype)
+  if layer_context.gradient_pass() == layer_context.NORM_ONLY:
+    # The first backward pass of exact clipping: the norm of dW, no update.
+    grad_sq_norm = backends.weight_gradient_sq_norm(
+      x_c, dy, spec.precision, layout.data_axes
+    )
+    grad_sq_norm = _psum(grad_sq_norm, layout.k_axes + layout.n_axes)
+    return dx, measured(variables, grad_sq_norm, layer_index), dbias
+
   after_dx = order_after(dx)
   # One decision for the whole layer: skip it when any shard's dY is not
   # finite.
   finite = _on_every_shard(jnp.all(jnp.isfinite(dy)), layout.mesh_axes)
   apply = jnp.logical_and(finite, after_dx)
   scalars = step_scalars(spec, variables, layer_index)
-  x_c, _, _ = flax_dtypes.promote_dtype(x, kernel, None, dtype=spec.dtype)
   step = layer_step(variables, layer_index)
   offset = _shard_offset(layout, kernel.shape)
   if layout.data_axes:  # data_parallel == 'psum'
     grad = backends.weight_gradient(x_c, dy, spec.precision)
     grad = lax.psum(grad, layout.data_axes)
-    new_kernel, new_state, skipped = backends.apply_gradient(
+    new_kernel, new_state, skipped, grad_sq_norm = backends.apply_gradient(
       spec,
       grad,
       variables.kernel,
@@ -398,7 +431,7 @@ def _local_backward(spec, layout, x, variables, bias, layer_index, dy):
     backend = backends.select(
       spec.implementation, x_c, dy, variables.kernel, spec.optimizer
     )
-    new_kernel, new_state, skipped = backend(
+    new_kernel, new_state, skipped, grad_sq_norm = backend(
       spec,
       x_c,
       dy,
@@ -410,10 +443,20 @@ def _local_backward(spec, layout, x, variables, bias, layer_index, dy):
       offset=offset,
       layer_index=layer_index,
     )
-  skipped = _psum(skipped, layout.k_axes + layout.n_axes)
+  kernel_axes = layout.k_axes + layout.n_axes
+  skipped = _psum(skipped, kernel_axes)
+  grad_sq_norm = _psum(grad_sq_norm, kernel_axes)
   return (
     dx,
-    stepped(variables, new_kernel, new_state, skipped, apply, layer_index),
+    stepped(
+      variables,
+      new_kernel,
+      new_state,
+      skipped,
+      grad_sq_norm,
+      apply,
+      layer_index,
+    ),
     dbias,
   )
 
