@@ -163,9 +163,7 @@ def value_and_grad(
     raise ValueError("clip='delayed' needs the previous step's previous_norm")
 
   def value_and_grad_fn(variables, *args, **kwargs):
-    out = jax.vjp(
-      lambda v: fun(v, *args, **kwargs), variables, has_aux=has_aux
-    )
+    out = jax.vjp(lambda v: fun(v, *args, **kwargs), variables, has_aux=has_aux)
     value, pullback = out[:2]
     _check_scalar(value)
     seed = lambda scale: jnp.asarray(scale, jnp.result_type(value))

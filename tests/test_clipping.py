@@ -57,9 +57,7 @@ def _first_row_per_optimizer():
     default = case.name not in seen
     seen.add(case.name)
     rows.append(
-      pytest.param(
-        case, id=case.id, marks=() if default else pytest.mark.slow
-      )
+      pytest.param(case, id=case.id, marks=() if default else pytest.mark.slow)
     )
   return rows
 
@@ -70,9 +68,7 @@ def _loss(apply_fn, batch):
 
 def _reference_norms(model, variables, tx, batches):
   """optax.global_norm of the nn.Dense model's gradient at every step."""
-  state = FlaxTrainState.create(
-    apply_fn=model.apply, params=variables, tx=tx
-  )
+  state = FlaxTrainState.create(apply_fn=model.apply, params=variables, tx=tx)
   norms = []
   for batch in batches:
     grads = jax.grad(_loss(model.apply, batch))(state.params)
@@ -116,9 +112,7 @@ def _clipped_runs(name, kwargs, shape, features, max_norm, seed, clip="exact"):
 
   @jax.jit
   def ref_step(state, batch):
-    loss, grads = jax.value_and_grad(_loss(state.apply_fn, batch))(
-      state.params
-    )
+    loss, grads = jax.value_and_grad(_loss(state.apply_fn, batch))(state.params)
     return state.apply_gradients(grads=grads), loss, optax.tree.norm(grads)
 
   runs = []
@@ -166,9 +160,7 @@ def test_exact_clipping_matches_optax_chain(case, active, seed):
     np.testing.assert_allclose(float(forge.grad_norm), ref_norm, rtol=1e-6)
 
 
-@pytest.mark.parametrize(
-  "tokens", [4, 64], ids=["gram", "weight-gradient"]
-)
+@pytest.mark.parametrize("tokens", [4, 64], ids=["gram", "weight-gradient"])
 def test_exact_clipping_of_a_wide_layer(tokens, seed):
   """A 12 -> 128 layer: with few tokens the norm-only pass sums
   ``(x x^T) * (dy dy^T)`` (no dW), with many it sums dW's squares."""
@@ -305,8 +297,8 @@ def test_exact_clipping_through_fj_scan(seed):
   key = jax.random.key(seed)
   x = jax.random.normal(key, (TOKENS, WIDTH))
   target = jax.random.normal(jax.random.fold_in(key, 1), (TOKENS, WIDTH))
-  loss_fn = lambda model: lambda v: jnp.mean(
-    jnp.square(model.apply(v, x) - target)
+  loss_fn = lambda model: (
+    lambda v: jnp.mean(jnp.square(model.apply(v, x) - target))
   )
   forge_model, ref_model = Stack(True), Stack(False)
   forge_vars, ref_vars = forge_model.init(key, x), ref_model.init(key, x)
@@ -423,7 +415,9 @@ def test_triton_kernel_sums_the_squares_of_the_reference(stacked, seed):
   if stacked:
     kernel = jnp.stack([kernel, kernel + 1.0])
     kwargs["layer_index"] = jnp.int32(1)
-  actual = _grad_sq_norm(triton_kernel.triton_update, opt, x, dy, kernel, **kwargs)
+  actual = _grad_sq_norm(
+    triton_kernel.triton_update, opt, x, dy, kernel, **kwargs
+  )
   np.testing.assert_allclose(actual, expected, rtol=1e-6)
 
 
