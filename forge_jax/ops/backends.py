@@ -116,6 +116,11 @@ def apply_gradient(
   layer's entries are stepped and written back with
   ``dynamic_update_slice``, which XLA fuses with the update and runs in place.
   """
+  # Summed before the update reads dW (the barrier orders it): summed
+  # later, the reduction would hold dW alive beside the next layer's.
+  grad, grad_sq_norm = lax.optimization_barrier(
+    (grad, jnp.sum(jnp.square(grad.astype(jnp.float32))))
+  )
   new_kernel, new_state, updated = apply_update(
     spec.optimizer,
     grad,
@@ -134,7 +139,7 @@ def apply_gradient(
     stacks.with_layer_entry(kernel, new_kernel, layer_index),
     stacks.with_layer_entries(opt_state, new_state, layer_index),
     jnp.sum(jnp.logical_not(updated), dtype=jnp.int32),
-    jnp.sum(jnp.square(grad.astype(jnp.float32))),
+    grad_sq_norm,
   )
 
 
