@@ -101,7 +101,7 @@ def fused_step(optimizer, config, interpret=None):
   def step(w, state, count, x, dy):
     scalars = optimizer.scalars(count)
     apply = jnp.all(jnp.isfinite(dy))
-    new_w, new_state, skipped = update(
+    new_w, new_state, skipped, _ = update(
       spec, x, dy, w, state, scalars, apply, config=config, interpret=interpret
     )
     return new_w, new_state, skipped
@@ -115,7 +115,7 @@ def reference_step(optimizer):
   def step(w, state, count, x, dy):
     scalars = optimizer.scalars(count)
     apply = jnp.all(jnp.isfinite(dy))
-    return backends.xla_update(spec, x, dy, w, state, scalars, apply)
+    return backends.xla_update(spec, x, dy, w, state, scalars, apply)[:3]
 
   return jax.jit(step)
 

@@ -6,6 +6,12 @@ mark), so run it once per variant:
   python benchmarks/model_memory.py --config llama-3.1-8b --variant optax --out optax.json
   python benchmarks/model_memory.py --config llama-3.1-8b --variant forge --out forge.json
 
+``--clip`` trains with global-norm clipping to ``--max-grad-norm``: FORGE
+through ``fj.TrainState(max_grad_norm=..., clip='exact' | 'delayed')`` and
+``state.value_and_grad``, optax with ``optax.clip_by_global_norm`` first in
+``tx`` (``'exact'``); ``--clip none`` is FORGE's ``fj.TrainState`` without
+clipping (it still reports the global norm).
+
 ``--profile`` adds the device time of each kernel of two more steps.
 ``--breakdown`` compiles the step with an XLA dump of that compile only (a
 temporary directory) and stores its largest temp allocations, and the temp
@@ -30,6 +36,7 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 import forge_jax as fj
 from examples.lm import llama
@@ -94,8 +101,17 @@ def main():
     help="JSON of MosaicConfig fields: the Mosaic kernel's "
     "only default config for this run",
   )
+  parser.add_argument(
+    "--clip",
+    default=None,
+    choices=[None, "none", "exact", "delayed"],
+    help="global-norm clipping (default: the plain train step)",
+  )
+  parser.add_argument("--max-grad-norm", type=float, default=1.0)
   parser.add_argument("--out", required=True)
   args = parser.parse_args()
+  if args.variant == "optax" and args.clip == "delayed":
+    parser.error("--clip delayed is FORGE's; optax clips exactly")
   with contextlib.ExitStack() as stack:
     if args.mosaic_config:
       # pylint: disable=import-outside-toplevel
@@ -108,6 +124,40 @@ def main():
         mosaic_patched("ranked_configs", lambda *_: (forced,))
       )
     measure(args)
+
+
+def _state_and_step(args, model, optimizer, key, batch):
+  """The train state and the jitted, donated step for ``args.clip``."""
+  tx = optimizer.to_optax()
+  if args.clip is None or (args.variant == "optax" and args.clip == "none"):
+    state = jax.jit(
+      lambda key: train_lib.create_train_state(model, tx, key, batch)
+    )(key)
+    return state, train_lib.make_train_step()
+  if args.variant == "optax":
+    tx = optax.chain(optax.clip_by_global_norm(args.max_grad_norm), tx)
+    state = jax.jit(
+      lambda key: train_lib.create_train_state(model, tx, key, batch)
+    )(key)
+    return state, train_lib.make_train_step()
+  max_norm = None if args.clip == "none" else args.max_grad_norm
+  state = jax.jit(
+    lambda key: fj.TrainState.create(
+      apply_fn=model.apply,
+      params=model.init(key, batch[:, :-1]),
+      tx=tx,
+      max_grad_norm=max_norm,
+      clip="exact" if args.clip == "none" else args.clip,
+    )
+  )(key)
+
+  def step(state, batch):
+    loss, grads = state.value_and_grad(train_lib.loss_fn)(
+      state.params, state.apply_fn, batch
+    )
+    return state.apply_gradients(grads=grads), loss
+
+  return state, jax.jit(step, donate_argnums=0)
 
 
 def measure(args):
@@ -138,12 +188,7 @@ def measure(args):
   batch = jax.random.randint(
     key, (args.batch, args.seq + 1), 0, config.vocab_size, dtype=jnp.int32
   )
-  state = jax.jit(
-    lambda key: train_lib.create_train_state(
-      model, optimizer.to_optax(), key, batch
-    )
-  )(key)
-  step = train_lib.make_train_step()
+  state, step = _state_and_step(args, model, optimizer, key, batch)
   device = jax.local_devices()[0]
   breakdown = None
   if args.breakdown:
@@ -196,6 +241,11 @@ def measure(args):
     "step_ms_all": [1e3 * t for t in times],
     "final_loss": loss,
     "loss_finite": bool(np.isfinite(loss)),
+    "clip": args.clip,
+    "max_grad_norm": args.max_grad_norm if args.clip else None,
+    "final_grad_norm": (
+      float(state.grad_norm) if hasattr(state, "grad_norm") else None
+    ),
   }
   if breakdown is not None:
     result["breakdown"] = breakdown
@@ -205,7 +255,8 @@ def measure(args):
     json.dump(result, f, indent=1)
   gib = lambda b: (b or 0) / 2**30
   print(
-    f"{args.variant} {args.config} L={config.num_layers} B={args.batch} "
+    f"{args.variant} clip={args.clip} {args.config} L={config.num_layers} "
+    f"B={args.batch} "
     f"T={args.seq}: peak {gib(result['peak_bytes_in_use']):.2f} GiB, "
     f"temp {gib(analysis.temp_size_in_bytes):.2f} GiB, step "
     f"{result['step_ms_median']:.1f} ms, loss {loss:.3f}",

@@ -10,6 +10,10 @@ Suites, by what they measure:
   schedules  the Mosaic kernel's schedules at the MLP shape, bf16 storage
   step       peak memory and step time of the whole train step, FORGE and
              optax, one fresh process per configuration (one GPU)
+  clipping   global-norm clipping: the step of FORGE without clipping, exact
+             and delayed, and of optax without and with clip_by_global_norm,
+             one fresh process each; then the demo LM's loss curves, exact
+             against delayed (one GPU)
   memory     compiled temp memory of the train step as the model grows (CPU)
   capacity   the largest micro-batch under a memory cap, TP = 2 with SP
   tp         TP = 2 against one device: exactness, per-GPU peak, step time
@@ -174,6 +178,61 @@ def step_steps(a, out):
             timeout=a.timeout,
           )
         )
+  return steps
+
+
+def clipping_steps(a, out):
+  """model_memory.py per clipping configuration (``--max-grad-norm``; named
+  ``clipping_step_*``, apart from the step suite's tables), then
+  clipping_curves.py (its plot beside its JSON)."""
+  short = {"llama-3.1-8b": "8b", "qwen3-14b": "qwen14b"}.get(a.config, a.config)
+  steps = []
+  configurations = [
+    ("forge", "none"),
+    ("forge", "exact"),
+    ("forge", "delayed"),
+    ("optax", "none"),
+    ("optax", "exact"),
+  ]
+  for variant, clip in configurations:
+    for batch in a.batch or (1,):
+      for seq in a.seq or (512,):
+        name = f"clipping_step_{short}_{variant}-{clip}_B{batch}_T{seq}"
+        args = [
+          "--config",
+          a.config,
+          "--variant",
+          variant,
+          "--batch",
+          batch,
+          "--seq",
+          seq,
+          "--implementation",
+          a.implementation,
+          "--clip",
+          clip,
+          "--max-grad-norm",
+          a.max_grad_norm,
+        ]
+        steps.append(
+          Step(
+            _python("model_memory.py", *args, "--out", out(name)),
+            timeout=a.timeout,
+          )
+        )
+  curves = out("clipping_curves")
+  steps.append(
+    Step(
+      _python(
+        "clipping_curves.py",
+        "--out",
+        curves,
+        "--plot",
+        curves[: -len(".json")] + ".png",
+      ),
+      timeout=max(a.timeout, 3600),
+    )
+  )
   return steps
 
 
@@ -356,12 +415,19 @@ def gpu_tests_steps(a, out):
 
 
 #: Seconds a command of each suite may run, unless --timeout says otherwise.
-TIMEOUTS = {"kernel": 300, "schedules": 300, "step": 200, "counters": 400}
+TIMEOUTS = {
+  "kernel": 300,
+  "schedules": 300,
+  "step": 200,
+  "clipping": 300,
+  "counters": 400,
+}
 
 SUITES = {
   "kernel": kernel_steps,
   "schedules": schedules_steps,
   "step": step_steps,
+  "clipping": clipping_steps,
   "memory": memory_steps,
   "capacity": capacity_steps,
   "tp": tp_steps,
@@ -415,7 +481,7 @@ def parse_args(argv=None):
     type=int,
     default=None,
     help="seconds a command may run (default: 300 for kernel "
-    "and schedules, 200 for step, 400 for counters, else 600)",
+    "and schedules, 200 for step, 300 for clipping, 400 for counters, else 600)",
   )
   p.add_argument(
     "--dry-run",
@@ -469,6 +535,8 @@ def parse_args(argv=None):
   g.add_argument("--implementation", default="auto")
   g.add_argument("--profile", action="store_true")
   g.add_argument("--breakdown", action="store_true")
+  g = p.add_argument_group("clipping (and step's --config, --batch, --seq)")
+  g.add_argument("--max-grad-norm", type=float, default=1.0)
   g = p.add_argument_group("counters, gpu-tests")
   g.add_argument(
     "--probes",

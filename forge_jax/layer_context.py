@@ -1,6 +1,6 @@
 """What a traced ForgeDense learns from around it, and what it leaves behind.
 
-Two trace-time channels between the parts of the package:
+Three trace-time channels between the parts of the package:
 
 * :func:`stacked_layer`: while :func:`forge_jax.scan` traces its block, the
   ForgeDense layers inside it receive their whole variable stacks and step
@@ -12,6 +12,11 @@ Two trace-time channels between the parts of the package:
   whose backward ran last without reading the old ones (so updates stay in
   place), and checks the others at run time (a layer the loss did not reach
   gets zero cotangents and keeps its variables).
+* :func:`gradient_pass` / :func:`running`: which backward pass of
+  :mod:`forge_jax.clipping`'s gradient functions is being traced (a
+  norm-only pass computes each layer's ``grad_sq_norm`` and updates
+  nothing); :func:`last_pass` says under which pass a layer's backward was
+  traced last.
 """
 
 from __future__ import annotations
@@ -20,8 +25,15 @@ import contextlib
 import contextvars
 from typing import Any, NamedTuple, Optional
 
+from jax.experimental.xla_metadata import set_xla_metadata
+
 FORWARD = "forward"
 BACKWARD = "backward"
+
+#: The backward passes of :mod:`forge_jax.clipping`: the norm of every
+#: weight gradient and no update, then the update with a scaled seed.
+NORM_ONLY = "norm_only"
+SCALED = "scaled"
 
 
 class StackedLayer(NamedTuple):
@@ -53,16 +65,50 @@ def stacking(index, length: int, path: tuple):
     _STACKED_LAYER.reset(token)
 
 
+_GRADIENT_PASS: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar(
+  "forge_gradient_pass", default=None
+)
+
+
+def gradient_pass() -> Optional[str]:
+  """The pass being traced (:data:`NORM_ONLY`, :data:`SCALED`), or None."""
+  return _GRADIENT_PASS.get()
+
+
+@contextlib.contextmanager
+def running(gradient_pass_name: str):
+  """Traces the calls inside as backward pass ``gradient_pass_name``.
+
+  JAX caches the transposes of ``scan``, ``while``, ``cond``, ``remat`` and
+  ``jit`` bodies by their linearized jaxpr and its trace context, so a
+  second call of one ``jax.vjp`` pullback would reuse the first call's
+  trace of every ForgeDense backward inside such a body. The pass's name
+  also goes into the XLA metadata, which is part of the trace context:
+  each pass gets its own traces (and its ops say which pass they belong
+  to).
+  """
+  token = _GRADIENT_PASS.set(gradient_pass_name)
+  try:
+    with set_xla_metadata(forge_gradient_pass=gradient_pass_name):
+      yield
+  finally:
+    _GRADIENT_PASS.reset(token)
+
+
 _EVENTS: dict[tuple, str] = {}
 _OPTIMIZERS: dict[tuple, Any] = {}
+_PASSES: dict[tuple, Optional[str]] = {}
 
 
 def record(path: tuple, event: str, optimizer=None) -> None:
   """Records that ``event`` (:data:`FORWARD` or :data:`BACKWARD`) was traced
-  for the ForgeDense at module ``path`` (a forward names its optimizer)."""
+  for the ForgeDense at module ``path`` (a forward names its optimizer, a
+  backward the :func:`gradient_pass` it was traced in)."""
   _EVENTS[tuple(path)] = event
   if optimizer is not None:
     _OPTIMIZERS[tuple(path)] = optimizer
+  if event == BACKWARD:
+    _PASSES[tuple(path)] = gradient_pass()
 
 
 def last_event(path: tuple) -> Optional[str]:
@@ -73,3 +119,9 @@ def last_event(path: tuple) -> Optional[str]:
 def optimizer(path: tuple):
   """The optimizer of the ForgeDense at ``path`` last traced, or None."""
   return _OPTIMIZERS.get(tuple(path))
+
+
+def last_pass(path: tuple) -> Optional[str]:
+  """The :func:`gradient_pass` the last backward of the ForgeDense at
+  ``path`` was traced in (None: a plain ``jax.grad`` or none traced)."""
+  return _PASSES.get(tuple(path))

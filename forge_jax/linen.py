@@ -121,14 +121,21 @@ class _ForgeLinear(nn.Module):
       "opt_state",
       lambda: self._init_state(jnp.reshape(kernel, view), view_meta),
     ).value
-    count, skipped, intact = (
+    count, skipped, intact, grad_sq_norm = (
       self.variable(
         FORGE_COLLECTION, name, jnp.full, (), value, jnp.float32
       ).value
-      for name, value in (("count", 0.0), ("skipped", 0.0), ("intact", 1.0))
+      for name, value in (
+        ("count", 0.0),
+        ("skipped", 0.0),
+        ("intact", 1.0),
+        ("grad_sq_norm", 0.0),
+      )
     )
     bias = make_bias()
-    variables = ForgeVariables(kernel, opt_state, count, skipped, intact)
+    variables = ForgeVariables(
+      kernel, opt_state, count, skipped, intact, grad_sq_norm
+    )
     context = layer_context.stacked_layer()
     stacked = (
       context if context is not None and context.index is not None else None

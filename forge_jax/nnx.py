@@ -63,7 +63,7 @@ class OverwriteWithGradient(nnx.Variable):
   """A variable whose gradient is its new value.
 
   :class:`Linear` keeps its kernel, optimizer state, ``count``, ``skipped``
-  and ``intact`` in variables of this type. FORGE's backward pass returns
+  ``intact`` and ``grad_sq_norm`` in variables of this type. FORGE's backward pass returns
   their updated values as their gradients; :class:`Optimizer` installs
   them. Not an ``nnx.Param``, so optax never holds state for them.
   """
@@ -99,8 +99,9 @@ class Linear(nnx.Module):
   plus ``optimizer`` (a forge_jax optimizer such as ``fj.adamw(...)``) and
   ``implementation``. The same ``rngs`` give the same initial kernel and bias
   as ``nnx.Linear``. ``kernel`` (``[in_features, out_features]``),
-  ``opt_state`` (a pytree of variables), ``count``, ``skipped`` and
-  ``intact`` are :class:`OverwriteWithGradient` variables; ``bias`` is an
+  ``opt_state`` (a pytree of variables), ``count``, ``skipped``,
+  ``intact`` and ``grad_sq_norm`` are :class:`OverwriteWithGradient`
+  variables; ``bias`` is an
   ``nnx.Param`` trained by your optax transformation.
 
   Args:
@@ -166,6 +167,7 @@ class Linear(nnx.Module):
     self.count = OverwriteWithGradient(variables.count)
     self.skipped = OverwriteWithGradient(variables.skipped)
     self.intact = OverwriteWithGradient(variables.intact)
+    self.grad_sq_norm = OverwriteWithGradient(variables.grad_sq_norm)
     self.bias: Optional[nnx.Param]
     if use_bias:
       self.bias = nnx.Param(
@@ -207,6 +209,7 @@ class Linear(nnx.Module):
       _value(self.count),
       _value(self.skipped),
       _value(self.intact),
+      _value(self.grad_sq_norm),
     )
     bias = _value(self.bias) if self.bias is not None else None
     context = layer_context.stacked_layer()

@@ -990,10 +990,16 @@ def not_elementwise_message(optimizer) -> str:
     )
   whole = sorted(names.intersection(WHOLE_GRADIENT_TRANSFORMATIONS))
   if whole:
+    clip = (
+      " Clip by the global norm with fj.TrainState.create(..., "
+      "max_grad_norm=max_norm) and state.value_and_grad(loss_fn)."
+      if "clip_by_global_norm" in whole
+      else ""
+    )
     return text + (
       f" It holds {', '.join(whole)}, which needs the whole gradient: "
       "FORGE applies the update tile by tile inside the weight-gradient "
-      "GEMM, so only elementwise rules can be fused."
+      "GEMM, so only elementwise rules can be fused." + clip
     )
   twin = optax_twin(optimizer)
   if twin is not None:

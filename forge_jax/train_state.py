@@ -7,21 +7,24 @@ whatever arrives: a layer the loss did not reach gets zero cotangents and
 its kernel and state are overwritten with zeros. :class:`TrainState`
 installs a layer's cotangents only where FORGE wrote them (their ``intact``
 flag), keeps the other layers' variables bit for bit, and records which
-layers the step reached. It also refuses optax transformations that cannot
-be right for FORGE's layers.
+layers the step reached and the step's global gradient norm. It clips by
+the global norm (``max_grad_norm``, :mod:`forge_jax.clipping`), and refuses
+optax transformations that cannot be right for FORGE's layers.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import struct
 from flax.training import train_state
 
-from forge_jax import layer_context
+from forge_jax import clipping, layer_context
+from forge_jax.clipping import forge_layers
 from forge_jax.linen import FORGE_COLLECTION
 from forge_jax.optimizers import (
   WHOLE_GRADIENT_TRANSFORMATIONS,
@@ -40,19 +43,49 @@ class TrainState(train_state.TrainState):
 
   and differentiate the loss with respect to all of ``state.params``.
 
+  Global-norm clipping (``optax.clip_by_global_norm`` cannot be in ``tx``:
+  FORGE's layers update before the global norm exists) is set at creation
+  and takes :meth:`value_and_grad` in place of ``jax.value_and_grad``::
+
+    state = fj.TrainState.create(..., tx=opt.to_optax(), max_grad_norm=1.0)
+    loss, grads = state.value_and_grad(loss_fn)(state.params, batch)
+    state = state.apply_gradients(grads=grads)
+
   Attributes:
     reached: after a step, ``{layer path: 1.0 or 0.0}`` (float32; ``[L]``
       for layers stacked by a scan): whether the step's loss reached the
       ForgeDense layer. A layer it did not reach keeps its kernel, state and
       count as they were. All 1.0 before the first step; None for a model
       without ForgeDense layers.
+    grad_norm: the last step's global gradient norm over all trained
+      parameters, before clipping (float32; 0.0 before the first step).
+    max_grad_norm: None, or the global norm every step's gradient is
+      clipped to, as ``optax.clip_by_global_norm(max_grad_norm)`` first in
+      ``tx`` would.
+    clip: ``'exact'``: clipped by the step's own norm (one forward and two
+      backward passes); ``'delayed'``: by the previous step's norm (one
+      backward pass; the first step is not clipped).
   """
 
   reached: Any = None
+  grad_norm: Any = None
+  max_grad_norm: Optional[float] = struct.field(pytree_node=False, default=None)
+  clip: str = struct.field(pytree_node=False, default="exact")
 
   @classmethod
-  def create(cls, *, apply_fn: Callable, params, tx, **kwargs):
+  def create(
+    cls,
+    *,
+    apply_fn: Callable,
+    params,
+    tx,
+    max_grad_norm: Optional[float] = None,
+    clip: str = "exact",
+    **kwargs,
+  ):
     check_transformation(tx)
+    clipping.check_clipping(max_grad_norm, clip)
+    kwargs.setdefault("grad_norm", jnp.zeros((), jnp.float32))
     if isinstance(params, Mapping) and FORGE_COLLECTION in params:
       # A model whose every parameter is FORGE's has no 'params' collection.
       params = {"params": {}, **params}
@@ -62,17 +95,46 @@ class TrainState(train_state.TrainState):
         "reached",
         {
           "/".join(path): jnp.ones(jnp.shape(layer["intact"]), jnp.float32)
-          for path, layer in _layers(params[FORGE_COLLECTION])
+          for path, layer in forge_layers(params[FORGE_COLLECTION])
         },
       )
-    return super().create(apply_fn=apply_fn, params=params, tx=tx, **kwargs)
+    return super().create(
+      apply_fn=apply_fn,
+      params=params,
+      tx=tx,
+      max_grad_norm=max_grad_norm,
+      clip=clip,
+      **kwargs,
+    )
+
+  def value_and_grad(self, fun: Callable, has_aux: bool = False) -> Callable:
+    """``jax.value_and_grad(fun, has_aux=has_aux)`` for this state's
+    clipping: with ``max_grad_norm``, FORGE's layers step with their
+    gradient clipped (:func:`forge_jax.clipping.value_and_grad`), and
+    :meth:`apply_gradients` clips the other parameters' alike."""
+    return clipping.value_and_grad(
+      fun,
+      has_aux,
+      max_norm=self.max_grad_norm,
+      clip=self.clip,
+      previous_norm=self.grad_norm,
+    )
 
   def apply_gradients(self, *, grads, **kwargs):
+    kwargs.setdefault("grad_norm", clipping.global_norm(grads))
     old = (
       self.params.get(FORGE_COLLECTION)
       if isinstance(self.params, Mapping)
       else None
     )
+    if self.max_grad_norm is not None:
+      check_clipped(old or {})
+      reference = (
+        kwargs["grad_norm"]
+        if self.clip == "exact"
+        else clipping.delayed_norm(self.grad_norm)
+      )
+      grads = clipping.clip_gradients(grads, reference, self.max_grad_norm)
     if not old:
       return super().apply_gradients(grads=grads, **kwargs)
     if FORGE_COLLECTION not in grads:
@@ -100,15 +162,6 @@ class TrainState(train_state.TrainState):
     return names
 
 
-def _layers(collection, path=()):
-  """``(path, layer variables)`` of every ForgeDense in the collection."""
-  if isinstance(collection, Mapping) and "intact" in collection:
-    yield path, collection
-  elif isinstance(collection, Mapping):
-    for key, value in collection.items():
-      yield from _layers(value, path + (key,))
-
-
 def _set(tree: Mapping, path: tuple, value) -> dict:
   if not path:
     return value
@@ -124,7 +177,7 @@ def install(old, cotangents):
   (``intact`` is 0: the loss did not reach it) the old values stay.
   """
   new, reached = cotangents, {}
-  for path, layer in _layers(old):
+  for path, layer in forge_layers(old):
     written = _get(cotangents, path)
     installed, reached["/".join(path)] = install_layer(
       dict(layer),
@@ -176,6 +229,15 @@ def check_transformation(tx):
       "micro-step and the rest every k-th. Use a larger micro-batch "
       "instead: FORGE frees the gradient memory to make room for it."
     )
+  if "clip_by_global_norm" in names:
+    raise ValueError(
+      "tx holds clip_by_global_norm: the ForgeDense layers update inside "
+      "the backward pass, before the global norm exists, and their "
+      "gradients never reach tx. Remove it from tx and clip with "
+      "fj.TrainState.create(..., max_grad_norm=max_norm), taking the "
+      "gradient with state.value_and_grad(loss_fn) in place of "
+      "jax.value_and_grad(loss_fn)."
+    )
   whole = sorted(names.intersection(WHOLE_GRADIENT_TRANSFORMATIONS))
   if whole:
     raise ValueError(
@@ -183,6 +245,24 @@ def check_transformation(tx):
       "ForgeDense layers update inside the backward pass and their "
       "gradients never reach tx, so it would act on the other parameters "
       "only. Remove it from tx."
+    )
+
+
+def check_clipped(collection):
+  """Refuses a clipped step whose ForgeDense backward passes were traced
+  without clipping (by ``jax.value_and_grad``, not
+  :meth:`TrainState.value_and_grad`): their layers stepped unclipped."""
+  unclipped = [
+    "/".join(path)
+    for path, _ in forge_layers(collection)
+    if layer_context.last_event(path) == layer_context.BACKWARD
+    and layer_context.last_pass(path) != layer_context.SCALED
+  ]
+  if unclipped:
+    raise ValueError(
+      f"max_grad_norm is set, but the ForgeDense layers {unclipped} "
+      "stepped with unclipped gradients: take the gradient with "
+      "state.value_and_grad(loss_fn), not jax.value_and_grad(loss_fn)."
     )
 
 
@@ -216,7 +296,7 @@ def check_layer_optimizers(tx, collection):
   """Refuses a ``tx`` that is not the optimizer of the ForgeDense layers
   traced last (the parameters it trains would follow another rule)."""
   optimizers = {
-    layer_context.optimizer(path) for path, _ in _layers(collection)
+    layer_context.optimizer(path) for path, _ in forge_layers(collection)
   }
   check_optimizers(tx, optimizers)
 

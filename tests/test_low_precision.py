@@ -121,7 +121,7 @@ def _sgd_steps(rounding, steps, k=64, n=64, delta=1e-3, seed=0):
   kernel = jnp.ones((k, n), BF16)
   step = jax.jit(functools.partial(backends.xla_update, spec))
   for i in range(steps):
-    kernel, _, _ = step(
+    kernel, *_ = step(
       x,
       dy,
       kernel,

@@ -487,7 +487,10 @@ def run_lowp_steps(opt, seed, config, counts=(4, 5), offset=None):
     actual = run_mosaic(
       opt, x, dy, w, state, count, config, step=step, offset=offset, layer_id=9
     )
-    assert_same_bits(actual, expected, f"count={count}")
+    # Kernel, state and skipped count bit for bit; the gradient's sum of
+    # squares follows each backend's summation order.
+    assert_same_bits(actual[:3], expected[:3], f"count={count}")
+    np.testing.assert_allclose(actual[3], expected[3], rtol=1e-5)
     assert (bits(expected[0]) != bits(w)).mean() > 0.3
     w, state = jax.tree.map(jnp.asarray, expected[:2])
   return w, state
@@ -689,7 +692,8 @@ def test_mosaic_nonfinite_gradients_keep_int8_blocks_bit_for_bit(seed):
   expected = run_reference_at(opt, x, dy, w, state, 2, step)
   actual = run_mosaic(opt, x, dy, w, state, 2, config, step=step)
   assert int(actual[2]) == int(expected[2]) == N
-  assert_same_bits(actual, expected, "NaN row")
+  assert_same_bits(actual[:3], expected[:3], "NaN row")
+  assert np.isnan(actual[3]) and np.isnan(expected[3])  # a NaN in dW
   old = host_copy((w, state))
   assert_bitwise_equal(actual[0][17], old[0][17], "weights of the NaN row")
   quantized_leaves = lambda state: jax.tree.leaves(

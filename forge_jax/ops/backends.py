@@ -2,9 +2,10 @@
 
 A backend is a function
 ``(spec, x, dy, kernel, opt_state, scalars, apply, *, step=None, offset=None,
-layer_index=None) -> (kernel, opt_state, skipped)``
-that forms ``dW = x.T @ dy`` (contracting every axis but the last) and applies
-the optimizer rule. ``offset`` is the global ``(row, column)`` of the
+layer_index=None) -> (kernel, opt_state, skipped, grad_sq_norm)``
+that forms ``dW = x.T @ dy`` (contracting every axis but the last), applies
+the optimizer rule, and sums the squares of the float32 ``dW`` elements
+(``grad_sq_norm``, the layer's part of the global gradient norm). ``offset`` is the global ``(row, column)`` of the
 kernel's element ``(0, 0)`` when ``kernel`` is one shard of a larger kernel
 (None: the whole kernel): stochastic rounding hashes global indices, so a
 shard draws the bits the whole kernel would. With a ``layer_index`` (an int32
@@ -15,6 +16,8 @@ specification, and the default where no GPU kernel applies.
 """
 
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
@@ -34,6 +37,32 @@ def weight_gradient(x, dy, precision=None):
     precision=precision,
     preferred_element_type=jnp.float32,
   )
+
+
+def weight_gradient_sq_norm(x, dy, precision=None, data_axes=()):
+  """``sum((x.T @ dy) ** 2)`` in float32, without an update.
+
+  With few tokens ``T`` it never forms ``dW``: ``||x.T dy||_F^2 = sum((x
+  x.T) * (dy dy.T))`` costs ``2 T^2 (K + N)`` flops and two ``T x T``
+  float32 temporaries, against the ``2 T K N`` flops and ``K x N`` float32
+  temporary of ``dW``; the cheaper of the two runs. With ``data_axes``
+  (data parallelism by psum) the shards' partial ``dW`` are summed first.
+  """
+  k, n = x.shape[-1], dy.shape[-1]
+  tokens = math.prod(x.shape[:-1])
+  if data_axes or tokens * (k + n) >= k * n:
+    grad = weight_gradient(x, dy, precision)
+    if data_axes:
+      grad = lax.psum(grad, data_axes)
+    return jnp.sum(jnp.square(grad))
+  gram = lambda a: lax.dot_general(
+    a,
+    a,
+    (((1,), (1,)), ((), ())),
+    precision=precision,
+    preferred_element_type=jnp.float32,
+  )
+  return jnp.sum(gram(x.reshape(tokens, k)) * gram(dy.reshape(tokens, n)))
 
 
 def xla_update(
@@ -81,12 +110,17 @@ def apply_gradient(
   layer_index=None,
 ):
   """The elementwise rule on a whole float32 ``grad``, updating in place:
-  ``(new_kernel, new_state, skipped)``.
+  ``(new_kernel, new_state, skipped, grad_sq_norm)``.
 
   With a ``layer_index``, ``kernel`` and ``opt_state`` are stacks: the
   layer's entries are stepped and written back with
   ``dynamic_update_slice``, which XLA fuses with the update and runs in place.
   """
+  # Summed before the update reads dW (the barrier orders it): summed
+  # later, the reduction would hold dW alive beside the next layer's.
+  grad, grad_sq_norm = lax.optimization_barrier(
+    (grad, jnp.sum(jnp.square(grad.astype(jnp.float32))))
+  )
   new_kernel, new_state, updated = apply_update(
     spec.optimizer,
     grad,
@@ -105,6 +139,7 @@ def apply_gradient(
     stacks.with_layer_entry(kernel, new_kernel, layer_index),
     stacks.with_layer_entries(opt_state, new_state, layer_index),
     jnp.sum(jnp.logical_not(updated), dtype=jnp.int32),
+    grad_sq_norm,
   )
 
 

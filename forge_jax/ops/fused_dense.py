@@ -60,6 +60,12 @@ class ForgeVariables(NamedTuple):
       overwrite-with-gradient step writes as zeros; ``intact`` becomes 0.0,
       and the layer's next backward pass writes a NaN kernel (so the loss
       turns NaN) instead of silently training on from zeros.
+    grad_sq_norm: float32 scalar, the sum of the squared elements of the
+      weight gradient of the last backward pass (the gradient the update
+      consumed, whose loss cotangent :mod:`forge_jax.clipping` may have
+      scaled), accumulated by the kernels from the float32 tiles they hold:
+      this layer's part of the global gradient norm (:func:`fj.global_norm
+      <forge_jax.clipping.global_norm>`).
   """
 
   kernel: jax.Array
@@ -67,6 +73,7 @@ class ForgeVariables(NamedTuple):
   count: jax.Array
   skipped: jax.Array
   intact: jax.Array
+  grad_sq_norm: jax.Array
 
 
 def init_variables(
@@ -79,6 +86,7 @@ def init_variables(
     count=scalar(0),
     skipped=scalar(0),
     intact=scalar(1),
+    grad_sq_norm=scalar(0),
   )
 
 
@@ -310,13 +318,15 @@ def stepped(
   new_kernel,
   new_state,
   skipped,
+  grad_sq_norm,
   apply,
   layer_index=None,
 ) -> ForgeVariables:
   """The layer's variables after a step (``count`` advances if applied).
 
   With a ``layer_index``, ``new_kernel`` and ``new_state`` are the stacks
-  and only the layer's ``count`` and ``skipped`` entries change.
+  and only the layer's ``count``, ``skipped`` and ``grad_sq_norm`` entries
+  change.
   """
   count = stacks.layer_entry(variables.count, layer_index)
   return ForgeVariables(
@@ -329,6 +339,21 @@ def stepped(
       variables.skipped, skipped.astype(jnp.float32), layer_index
     ),
     intact=variables.intact,
+    grad_sq_norm=stacks.with_layer_entry(
+      variables.grad_sq_norm, grad_sq_norm.astype(jnp.float32), layer_index
+    ),
+  )
+
+
+def measured(
+  variables: ForgeVariables, grad_sq_norm, layer_index=None
+) -> ForgeVariables:
+  """``variables`` unchanged but for the layer's ``grad_sq_norm`` (entry):
+  what a norm-only backward pass returns."""
+  return variables._replace(
+    grad_sq_norm=stacks.with_layer_entry(
+      variables.grad_sq_norm, grad_sq_norm.astype(jnp.float32), layer_index
+    )
   )
 
 
@@ -431,17 +456,28 @@ def _local_backward(spec, layout, x, variables, bias, layer_index, dy):
   if dbias is not None:
     dbias = _psum(dbias, layout.token_axes)
 
+  x_c, _, _ = flax_dtypes.promote_dtype(x, kernel, None, dtype=spec.dtype)
+  local_shape = variables.kernel.shape[-2:]
+  if layer_context.gradient_pass() == layer_context.NORM_ONLY:
+    # The first backward pass of exact clipping: the norm of dW, no update.
+    if layout.reduces_weight_gradient:  # this shard's dW, summed over tokens
+      grad = _reduced_gradient(spec, layout, x_c, dy, local_shape)
+      grad_sq_norm = jnp.sum(jnp.square(grad))
+    else:
+      grad_sq_norm = backends.weight_gradient_sq_norm(x_c, dy, spec.precision)
+    grad_sq_norm = _psum(grad_sq_norm, layout.kernel_axes)
+    return dx, measured(variables, grad_sq_norm, layer_index), dbias
+
   after_dx = order_after(dx)
   # One decision for the whole layer: skip it when any shard's dY is not
   # finite.
   finite = _on_every_shard(jnp.all(jnp.isfinite(dy)), layout.mesh_axes)
   apply = jnp.logical_and(finite, after_dx)
   scalars = step_scalars(spec, variables, layer_index)
-  x_c, _, _ = flax_dtypes.promote_dtype(x, kernel, None, dtype=spec.dtype)
   step = layer_step(variables, layer_index)
-  offset = _shard_offset(layout, variables.kernel.shape[-2:])
+  offset = _shard_offset(layout, local_shape)
   if layout.reduces_weight_gradient:  # FSDP, or data_parallel='psum'
-    new_kernel, new_state, skipped = _reduced_update(
+    new_kernel, new_state, skipped, grad_sq_norm = _reduced_update(
       spec,
       layout,
       x_c,
@@ -458,7 +494,7 @@ def _local_backward(spec, layout, x, variables, bias, layer_index, dy):
     backend = backends.select(
       spec.implementation, x_c, dy, variables.kernel, spec.optimizer
     )
-    new_kernel, new_state, skipped = backend(
+    new_kernel, new_state, skipped, grad_sq_norm = backend(
       spec,
       x_c,
       dy,
@@ -471,11 +507,39 @@ def _local_backward(spec, layout, x, variables, bias, layer_index, dy):
       layer_index=layer_index,
     )
   skipped = _psum(skipped, layout.kernel_axes)
+  grad_sq_norm = _psum(grad_sq_norm, layout.kernel_axes)
   return (
     dx,
-    stepped(variables, new_kernel, new_state, skipped, apply, layer_index),
+    stepped(
+      variables,
+      new_kernel,
+      new_state,
+      skipped,
+      grad_sq_norm,
+      apply,
+      layer_index,
+    ),
     dbias,
   )
+
+
+def _reduced_gradient(
+  spec, layout, x, dy, shape, blocked=None, start=0, size=None
+):
+  """This shard's ``dW`` (local ``shape``), summed over the token axes: the
+  local tokens' ``x.T @ dy`` all-reduced over the 'psum' data axes and
+  reduce-scattered over the FSDP axes; with ``blocked`` (0: rows, 1:
+  columns), only the local rows or columns ``start .. start + size``."""
+  if blocked == 0:
+    x = lax.dynamic_slice_in_dim(x, start, size, axis=x.ndim - 1)
+  elif blocked == 1:
+    dy = lax.dynamic_slice_in_dim(dy, start, size, axis=dy.ndim - 1)
+  grad = _psum(
+    backends.weight_gradient(x, dy, spec.precision), layout.data_axes
+  )
+  for dim, axes in enumerate(layout.live_weight_gather):
+    grad = _to_shard(grad, axes, dim, shape[dim], layout.token_axes)
+  return grad
 
 
 def _reduced_update(
@@ -492,25 +556,12 @@ def _reduced_update(
   size of this shard's ``dW``, not the gathered layer's.
   """
   shape = variables.kernel.shape[-2:]
-  gathered = layout.live_weight_gather
   blocked, count = layout.gradient_blocks(
     shape, quantization.has_quantized(variables.opt_state)
   )
-
-  def gradient(start=0, size=None):
-    """This shard's ``dW`` of its local rows (blocked 0) or columns
-    (blocked 1) ``start .. start + size``."""
-    xs, dys = x, dy
-    if blocked == 0:
-      xs = lax.dynamic_slice_in_dim(x, start, size, axis=x.ndim - 1)
-    elif blocked == 1:
-      dys = lax.dynamic_slice_in_dim(dy, start, size, axis=dy.ndim - 1)
-    grad = _psum(
-      backends.weight_gradient(xs, dys, spec.precision), layout.data_axes
-    )
-    for dim, axes in enumerate(gathered):
-      grad = _to_shard(grad, axes, dim, shape[dim], layout.token_axes)
-    return grad
+  gradient = functools.partial(
+    _reduced_gradient, spec, layout, x, dy, shape, blocked
+  )
 
   if count == 1:
     return backends.apply_gradient(
@@ -543,13 +594,13 @@ def _reduced_update(
     return _with_block(leaf, block, blocked, at[0], layer_index)
 
   def body(i, carry):
-    kernel, state, skipped = carry
+    kernel, state, skipped, grad_sq_norm = carry
     start = i * size
     windows = [window(is_scale, start) for is_scale in scale_leaves]
     state_leaves = jax.tree.leaves(state)
     block_offset = list(offset)
     block_offset[blocked] = block_offset[blocked] + start
-    new_kernel, new_state, block_skipped = backends.apply_gradient(
+    new_kernel, new_state, block_skipped, block_norm = backends.apply_gradient(
       spec,
       gradient(start, size),
       take(kernel, (start, size)),
@@ -563,13 +614,14 @@ def _reduced_update(
     state = treedef.unflatten(
       map(put, state_leaves, jax.tree.leaves(new_state), windows)
     )
-    return kernel, state, skipped + block_skipped
+    return kernel, state, skipped + block_skipped, grad_sq_norm + block_norm
 
+  zero = lambda dtype: jnp.zeros((), dtype)
   return lax.fori_loop(
     0,
     count,
     body,
-    (variables.kernel, variables.opt_state, jnp.zeros((), jnp.int32)),
+    (variables.kernel, variables.opt_state, zero(jnp.int32), zero(jnp.float32)),
   )
 
 

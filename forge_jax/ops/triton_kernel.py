@@ -6,7 +6,9 @@ float32 accumulator, loads the kernel and state tiles, applies the optimizer
 rule (:func:`forge_jax.ops.update.apply_update`, the function the XLA
 reference applies to the whole array), and stores the new kernel and state
 tiles over the old ones (``input_output_aliases``). ``dW`` never reaches
-device memory. Edges (any K, N, T) are masked.
+device memory. Each program also writes its tile's count of skipped
+elements and sum of squared ``dW`` elements (one entry each per program,
+summed by XLA: no atomics). Edges (any K, N, T) are masked.
 
 Off-GPU the same kernel runs in Pallas interpret mode, which is how the tests
 check it on CPU.
@@ -204,7 +206,7 @@ def _fused_kernel(
   state_refs = refs[:num_state]
   w_out_ref = refs[num_state]
   state_out_refs = refs[num_state + 1 : 2 * num_state + 1]
-  skipped_ref = refs[2 * num_state + 1]
+  skipped_ref, grad_sq_ref = refs[2 * num_state + 1 :]
   bk, bn, bt = config.block_k, config.block_n, config.block_t
   pid_k, pid_n = _tile_indices(
     pl.program_id(0), pl.cdiv(k, bk), pl.cdiv(n, bn), config.group_k
@@ -252,6 +254,7 @@ def _fused_kernel(
   block = quantization.BLOCK_SIZE
   num_blocks = pl.cdiv(n, block)
   skipped = jnp.zeros((), jnp.int32)
+  grad_sq = jnp.zeros((), jnp.float32)
   for c, grad_chunk in enumerate(
     jnp.split(grad, config.epilogue_split, axis=1)
   ):
@@ -304,7 +307,10 @@ def _fused_kernel(
         plgpu.store(tile(ref), value, mask=mask)
     # Masked-out elements loaded as 0 have a finite gradient: never counted.
     skipped += jnp.sum(jnp.where(mask & ~updated, 1, 0).astype(jnp.int32))
+    # Masked-out elements are 0 in the accumulator.
+    grad_sq += jnp.sum(grad_chunk * grad_chunk)
   skipped_ref[pl.program_id(0)] = skipped
+  grad_sq_ref[pl.program_id(0)] = grad_sq
 
 
 def _tile_indices(pid, num_k, num_n, group_k):
@@ -379,6 +385,7 @@ def triton_update(
     [jax.ShapeDtypeStruct(kernel.shape, kernel.dtype)]
     + [jax.ShapeDtypeStruct(s.shape, s.dtype) for s in state_leaves]
     + [jax.ShapeDtypeStruct(grid, jnp.int32)]
+    + [jax.ShapeDtypeStruct(grid, jnp.float32)]
   )
   # Inputs: scalars, x, dy, kernel, *state. Kernel and state update in place.
   aliases = {3 + i: i for i in range(1 + len(state_leaves))}
@@ -394,7 +401,7 @@ def triton_update(
     name="forge_fused_dense_update",
   )(scalar_vector, x2, dy2, kernel, *state_leaves)
   new_kernel = outputs[0]
-  new_state = jax.tree.unflatten(state_treedef, outputs[1:-1])
+  new_state = jax.tree.unflatten(state_treedef, outputs[1:-2])
   if quantized:
     new_state = quantization.codes_as_container(new_state)
-  return new_kernel, new_state, jnp.sum(outputs[-1])
+  return new_kernel, new_state, jnp.sum(outputs[-2]), jnp.sum(outputs[-1])

@@ -98,18 +98,24 @@ class Epilogue:
 
   def apply(self, grad, values, k0, n0):
     """The rule on the sub-tile at ``(k0, n0)``, of ``grad``'s shape: the
-    new values and each row's count of skipped (non-finite) elements (a
-    vector, summed within warps only: see :func:`skipped_rows_shape`)."""
+    new values, each row's count of skipped (non-finite) elements and each
+    row's sum of squared ``grad`` elements (vectors, summed within warps
+    only: see :func:`skipped_rows_shape`)."""
     new_values, updated = self.rule(
       grad, values, self._indices(k0, n0, grad.shape)
     )
-    return new_values, jnp.sum(jnp.where(updated, 0.0, 1.0), axis=1)
+    return (
+      new_values,
+      jnp.sum(jnp.where(updated, 0.0, 1.0), axis=1),
+      jnp.sum(grad * grad, axis=1),
+    )
 
   def update(self, buffer, k0, n0, grad, release=None):
     """Waits for ``buffer``'s loads, applies the rule with ``grad`` and
     stores the new values (asynchronously). ``release()``, if given, runs
     once the TMA stores have read the buffer, which may then be refilled.
-    Returns each row's skipped count (:meth:`apply`)."""
+    Returns each row's skipped count and sum of squared ``grad`` elements
+    (:meth:`apply`)."""
     for leaf in range(len(self.tma_gmem)):
       plgpu.barrier_wait(self._barrier(buffer, leaf))
     smem_values = iter(smem[buffer] for smem in self.smem)
@@ -117,7 +123,7 @@ class Epilogue:
       self._read_scales(gmem, k0, n0) if scale else next(smem_values)
       for gmem, scale in zip(self.storage_gmem, self.is_scale)
     ]
-    new_values, skipped = self.apply(grad, values, k0, n0)
+    new_values, skipped, grad_sq = self.apply(grad, values, k0, n0)
     if any(self.is_scale):
       # Every thread's reads of the block scales are done before any writes
       # them (the kernel runs without Mosaic GPU's automatic barriers).
@@ -136,4 +142,4 @@ class Epilogue:
     if release is not None:
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
       release()
-    return skipped
+    return skipped, grad_sq

@@ -42,7 +42,7 @@ def inline_schedule(pipeline: Pipeline):
   )
   tk, tn, ek, en = pipeline.tk, pipeline.tn, pipeline.ek, pipeline.en
   slots, part_subtiles = pipeline.slots, pipeline.part_subtiles
-  skipped_gmem = pipeline.skipped_gmem
+  skipped_gmem, grad_sq_gmem = pipeline.skipped_gmem, pipeline.grad_sq_gmem
   stages, wgs = config.max_concurrent_steps, config.compute_wgs
   compute_registers = compute_warpgroup_registers(config)
   prefetch_step = min(config.prefetch_step, num_steps - 1)
@@ -57,8 +57,10 @@ def inline_schedule(pipeline: Pipeline):
     """Updates the part at ``(k0, n0)`` with its accumulated ``acc``,
     sub-tile by sub-tile through warpgroup ``wg``'s buffers, whose first
     loads were issued under the main loop; each buffer, once released,
-    takes the sub-tile ``slots`` on. Returns the per-row skipped counts."""
+    takes the sub-tile ``slots`` on. Returns the per-row skipped counts and
+    sums of squared ``dW`` elements."""
     skipped = jnp.zeros((ek,), jnp.float32)
+    grad_sq = jnp.zeros((ek,), jnp.float32)
     for index, (di, dj) in enumerate(part_subtiles):
       following = index + slots
       release = (
@@ -68,14 +70,16 @@ def inline_schedule(pipeline: Pipeline):
         if following < len(part_subtiles)
         else None
       )
-      skipped += ep.update(
+      sub_skipped, sub_grad_sq = ep.update(
         wg * slots + index % slots,
         k0 + di,
         n0 + dj,
         acc[di : di + ek, dj : dj + en],
         release,
       )
-    return skipped
+      skipped += sub_skipped
+      grad_sq += sub_grad_sq
+    return skipped, grad_sq
 
   @functools.partial(
     pl.run_scoped,
@@ -128,4 +132,6 @@ def inline_schedule(pipeline: Pipeline):
             wg,
             prefetch,
           )
-          skipped_gmem[wgs * linear + wg] = update_part(ep, wg, k0, n0, acc)
+          skipped, grad_sq = update_part(ep, wg, k0, n0, acc)
+          skipped_gmem[wgs * linear + wg] = skipped
+          grad_sq_gmem[wgs * linear + wg] = grad_sq

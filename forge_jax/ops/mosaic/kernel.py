@@ -12,8 +12,9 @@ in ``epilogue_k x epilogue_n`` sub-tiles: TMA loads of the kernel and state
 sub-tiles, the optimizer rule in registers
 (:func:`forge_jax.ops.update.apply_update`, the function the XLA reference
 applies to the whole array), and TMA stores of the new values over the old
-ones. ``dW`` never reaches device memory. The schedule
-(:class:`~forge_jax.ops.mosaic.config.MosaicConfig`) says which warpgroup
+ones. ``dW`` never reaches device memory; its per-row sums of squares are
+written out beside the skipped counts (:func:`skipped_rows_shape`). The
+schedule (:class:`~forge_jax.ops.mosaic.config.MosaicConfig`) says which warpgroup
 runs what: :mod:`forge_jax.ops.mosaic.inline` or
 :mod:`forge_jax.ops.mosaic.pingpong`; the default config is the first of
 :func:`~forge_jax.ops.mosaic.config.ranked_configs` that fits.
@@ -163,7 +164,9 @@ def skipped_rows_shape(config: MosaicConfig, num_tiles: int) -> tuple:
   The kernel sums no count across warps: Mosaic GPU's cross-warp reduction
   uses one shared-memory scratch at the same offset for every warpgroup, so
   two warpgroups reducing at once (the compute warpgroups of either
-  schedule) could read each other's partial sums."""
+  schedule) could read each other's partial sums. The sums of squared
+  ``dW`` elements (the layer's part of the gradient norm) come in the same
+  shape."""
   return (config.parts_per_tile * num_tiles, config.epilogue_k)
 
 
@@ -174,6 +177,7 @@ def _fused_kernel(
   storage_gmem,
   storage_out,
   skipped_gmem,
+  grad_sq_gmem,
   *,
   optimizer,
   state_treedef,
@@ -194,6 +198,7 @@ def _fused_kernel(
     storage_gmem,
     storage_out,
     skipped_gmem,
+    grad_sq_gmem,
     optimizer=optimizer,
     state_treedef=state_treedef,
     scalars_treedef=scalars_treedef,
@@ -245,7 +250,7 @@ def mosaic_update(
   if interpret and layer_index is not None:
     # Interpret mode writes separate outputs, not the stacks in place: step
     # the layer's entries and put them back (same values).
-    new_kernel, new_state, skipped = mosaic_update(
+    new_kernel, new_state, skipped, grad_sq_norm = mosaic_update(
       spec,
       x,
       dy,
@@ -262,6 +267,7 @@ def mosaic_update(
       stacks.with_layer_entry(kernel, new_kernel, layer_index),
       stacks.with_layer_entries(opt_state, new_state, layer_index),
       skipped,
+      grad_sq_norm,
     )
   config = config or default_config(x, kernel, optimizer)
   check_supported(x, dy, kernel, optimizer, config)
@@ -324,10 +330,10 @@ def mosaic_update(
       x_operand, interpret_params = x2, None
     outputs = plgpu.kernel(
       lambda s, x, dy, *refs: kernel_fn(
-        s, x, dy, refs[:num], refs[num : 2 * num], refs[-1]
+        s, x, dy, refs[:num], refs[num : 2 * num], refs[-2], refs[-1]
       ),
       out_type=[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in storage]
-      + [skipped_type],
+      + [skipped_type, skipped_type],
       grid=mesh.grid,
       grid_names=mesh.grid_names,
       num_threads=threads,
@@ -336,25 +342,32 @@ def mosaic_update(
       interpret=interpret_params,
       kernel_name=name,
     )(scalar_vector, x_operand, dy2, *storage)
-    new_storage, skipped = outputs[:-1], outputs[-1]
+    new_storage, skipped, grad_sq = outputs[:-2], outputs[-2], outputs[-1]
   else:
     # Stacked: the whole stacks go in as refs, aliased in and out, and the
     # layer's entries are updated in place at its index (a TMA coordinate).
     # pl.kernel, not plgpu.kernel, whose batching wrapper rejects refs.
     refs = [jax.new_ref(a) for a in storage]
-    skipped_ref = jax.new_ref(jnp.zeros(skipped_type.shape, jnp.float32))
+    skipped_ref, grad_sq_ref = (
+      jax.new_ref(jnp.zeros(skipped_type.shape, jnp.float32)) for _ in range(2)
+    )
     pl.kernel(
       lambda s, x, dy, *refs: kernel_fn(
-        s, x, dy, refs[:-1], refs[:-1], refs[-1]
+        s, x, dy, refs[:-2], refs[:-2], refs[-2], refs[-1]
       ),
       out_type=(),
       mesh=mesh,
       compiler_params=compiler_params,
       name=name,
-    )(scalar_vector, x2, dy2, *refs, skipped_ref)
+    )(scalar_vector, x2, dy2, *refs, skipped_ref, grad_sq_ref)
     new_storage = [r[...] for r in refs]
-    skipped = skipped_ref[...]
+    skipped, grad_sq = skipped_ref[...], grad_sq_ref[...]
   new_state = quantization.codes_as_container(
     jax.tree.unflatten(state_treedef, new_storage[1:])
   )
-  return new_storage[0], new_state, jnp.sum(skipped.astype(jnp.int32))
+  return (
+    new_storage[0],
+    new_state,
+    jnp.sum(skipped.astype(jnp.int32)),
+    jnp.sum(grad_sq),
+  )

@@ -48,7 +48,7 @@ def pingpong_schedule(pipeline: Pipeline):
   )
   tk, tn, ek, en = pipeline.tk, pipeline.tn, pipeline.ek, pipeline.en
   slots, part_subtiles = pipeline.slots, pipeline.part_subtiles
-  skipped_gmem = pipeline.skipped_gmem
+  skipped_gmem, grad_sq_gmem = pipeline.skipped_gmem, pipeline.grad_sq_gmem
   stages, wgs = config.max_concurrent_steps, config.compute_wgs
   memory_wg, loader_wg = wgs, wgs + 1
   compute_registers = compute_warpgroup_registers(config)
@@ -142,13 +142,17 @@ def pingpong_schedule(pipeline: Pipeline):
               0,
             )
             skipped = jnp.zeros((ek,), jnp.float32)
+            grad_sq = jnp.zeros((ek,), jnp.float32)
             for index, (di, dj) in enumerate(part_subtiles):
               buf, _ = buffer(loop_info.local_index, index)
-              skipped += ep.update(
+              sub_skipped, sub_grad_sq = ep.update(
                 buf,
                 k0 + di,
                 n0 + dj,
                 acc[di : di + ek, dj : dj + en],
                 functools.partial(plgpu.barrier_arrive, buffer_free.at[buf]),
               )
+              skipped += sub_skipped
+              grad_sq += sub_grad_sq
             skipped_gmem[linear] = skipped
+            grad_sq_gmem[linear] = grad_sq

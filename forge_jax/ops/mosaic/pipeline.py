@@ -46,7 +46,9 @@ class Pipeline:
   the refs are ``[L, K, N]`` stacks, stepped at its layer index).
   ``skipped_gmem[parts_per_tile * tile + part]`` takes the per-row skipped
   counts of each tile's updating warpgroups
-  (:func:`forge_jax.ops.mosaic.kernel.skipped_rows_shape`).
+  (:func:`forge_jax.ops.mosaic.kernel.skipped_rows_shape`), and
+  ``grad_sq_gmem`` at the same index their per-row sums of squared ``dW``
+  elements.
   """
 
   def __init__(
@@ -57,6 +59,7 @@ class Pipeline:
     storage_gmem,
     storage_out,
     skipped_gmem,
+    grad_sq_gmem,
     *,
     optimizer,
     state_treedef,
@@ -69,7 +72,7 @@ class Pipeline:
   ):
     self.scalars_gmem, self.x_gmem, self.dy_gmem = scalars_gmem, x_gmem, dy_gmem
     self.storage_gmem, self.storage_out = storage_gmem, storage_out
-    self.skipped_gmem = skipped_gmem
+    self.skipped_gmem, self.grad_sq_gmem = skipped_gmem, grad_sq_gmem
     self.optimizer, self.layer_id = optimizer, layer_id
     self.state_treedef, self.scalars_treedef = state_treedef, scalars_treedef
     self.config, self.interpret = config, interpret

@@ -1,0 +1,231 @@
+"""The global gradient norm and global-norm clipping, with FORGE's layers.
+
+A ForgeDense updates its kernel inside the backward pass, before the
+gradients of the layers below it exist: the global norm is unknown when the
+first update happens, so ``optax.clip_by_global_norm`` in ``tx`` cannot
+clip them. The backward pass is linear in the loss's cotangent, though:
+run with a seed ``s`` instead of 1.0, it makes every gradient (each FORGE
+layer's ``dW`` inside its kernel, and every other gradient) ``s`` times as
+large. Clipping is a seed:
+
+* ``'exact'``: one forward pass (``jax.vjp``) and two backward passes. The
+  first is norm-only: each ForgeDense sums the squares of its ``dW`` and
+  updates nothing (:data:`forge_jax.layer_context.NORM_ONLY`). The second
+  runs with the seed ``min(1, max_norm / ||g||)`` and updates. Equal to
+  ``optax.chain(optax.clip_by_global_norm(max_norm), tx)``.
+* ``'delayed'``: one backward pass, seeded with ``min(1, max_norm /
+  ||g_prev||)`` from the previous step's global norm (no clipping before
+  the first step), so a step is clipped by the norm of the step before.
+
+Every backward pass leaves each layer's sum of squared ``dW`` elements in
+its ``grad_sq_norm`` (the kernels accumulate it from the float32 tiles they
+hold), so :func:`global_norm` is exact for every step, clipped or not.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping, Optional
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from forge_jax import layer_context
+from forge_jax.linen import FORGE_COLLECTION
+
+CLIP_MODES = ("exact", "delayed")
+
+
+def forge_layers(collection, path=()):
+  """``(path, layer variables)`` of every ForgeDense in FORGE's collection."""
+  if isinstance(collection, Mapping) and "intact" in collection:
+    yield path, collection
+  elif isinstance(collection, Mapping):
+    for key, value in collection.items():
+      yield from forge_layers(value, path + (key,))
+
+
+def _map_layers(fn, collection, *others):
+  """FORGE's collection with ``fn(layer, *other layers)`` for each layer."""
+  if isinstance(collection, Mapping) and "intact" in collection:
+    return fn(collection, *others)
+  if isinstance(collection, Mapping):
+    return {
+      key: _map_layers(fn, value, *(o[key] for o in others))
+      for key, value in collection.items()
+    }
+  return collection
+
+
+def _split(grads):
+  """``(FORGE's collection, the other gradients)`` of ``grads``."""
+  if isinstance(grads, Mapping) and FORGE_COLLECTION in grads:
+    return grads[FORGE_COLLECTION], {
+      k: v for k, v in grads.items() if k != FORGE_COLLECTION
+    }
+  return {}, grads
+
+
+def _gradient_leaves(tree):
+  return [
+    leaf
+    for leaf in jax.tree.leaves(tree)
+    if jnp.issubdtype(jnp.result_type(leaf), jnp.inexact)
+  ]
+
+
+def global_norm(grads) -> jax.Array:
+  """The global norm of the gradient that ``grads`` stand for.
+
+  ``grads`` is what ``jax.grad(loss)(variables)`` returns for a model with
+  ForgeDense layers (or :func:`value_and_grad`'s grads): each layer's
+  ``grad_sq_norm`` in FORGE's collection is its part, every other leaf is a
+  gradient. ``optax.global_norm`` of all the gradients, ``dW`` included,
+  without a ``dW`` stored; float32.
+  """
+  forge, others = _split(grads)
+  total = jnp.zeros((), jnp.float32)
+  for _, layer in forge_layers(forge):
+    total += jnp.sum(layer["grad_sq_norm"].astype(jnp.float32))
+  for leaf in _gradient_leaves(others):
+    total += jnp.sum(jnp.square(leaf.astype(jnp.float32)))
+  return jnp.sqrt(total)
+
+
+def clip_scale(norm, max_norm) -> jax.Array:
+  """``min(1, max_norm / norm)``: 1.0 exactly below ``max_norm`` (as
+  ``optax.clip_by_global_norm`` leaves such gradients untouched)."""
+  return jnp.where(norm < max_norm, 1.0, max_norm / norm).astype(jnp.float32)
+
+
+def clip_gradients(grads, norm, max_norm):
+  """``optax.clip_by_global_norm(max_norm)``'s step, with the global norm
+  ``norm``, on every gradient outside FORGE's collection (whose layers were
+  clipped in their backward pass by :func:`value_and_grad`)."""
+  forge, others = _split(grads)
+  trigger = norm < max_norm
+
+  def clip(t):
+    if not jnp.issubdtype(jnp.result_type(t), jnp.inexact):
+      return t
+    return lax.select(trigger, t, (t / norm.astype(t.dtype)) * max_norm)
+
+  others = jax.tree.map(clip, others)
+  if not forge:
+    return others
+  return {**others, FORGE_COLLECTION: forge}
+
+
+def delayed_norm(previous_norm) -> jax.Array:
+  """The norm that clips a ``'delayed'`` step: the previous step's, or 0
+  (no clipping) where it is not finite (before the first step, or after a
+  step whose gradient was not finite)."""
+  previous_norm = jnp.asarray(previous_norm, jnp.float32)
+  return jnp.where(jnp.isfinite(previous_norm), previous_norm, 0.0)
+
+
+def check_clipping(max_norm, clip):
+  if max_norm is not None and not max_norm > 0:
+    raise ValueError(f"max_norm={max_norm!r} must be positive (or None)")
+  if clip not in CLIP_MODES:
+    raise ValueError(f"clip={clip!r} must be one of {CLIP_MODES}")
+
+
+def value_and_grad(
+  fun: Callable,
+  has_aux: bool = False,
+  *,
+  max_norm: Optional[float] = None,
+  clip: str = "exact",
+  previous_norm: Any = None,
+) -> Callable:
+  """``jax.value_and_grad(fun, has_aux=has_aux)``, clipping FORGE's layers.
+
+  ``fun(variables, *args, **kwargs)`` is differentiated with respect to
+  ``variables`` (all of them, FORGE's collection included). With a
+  ``max_norm``, every ForgeDense steps with its weight gradient clipped by
+  the global norm: ``clip='exact'`` by this step's (two backward passes),
+  ``clip='delayed'`` by ``previous_norm``, the previous step's (one
+  backward pass; see the module docstring).
+
+  Returns:
+    A function returning ``(value, grads)`` (``((value, aux), grads)`` with
+    ``has_aux``). FORGE's collection in ``grads`` holds the layers' new
+    variables, each ``grad_sq_norm`` that of the unclipped ``dW``; every
+    other leaf is the *unclipped* gradient, so :func:`global_norm` of
+    ``grads`` is this step's global norm. Clip the other leaves with
+    :func:`clip_gradients` (by that norm; ``'delayed'``: by
+    :func:`delayed_norm` of ``previous_norm``) before the optimizer:
+    :meth:`forge_jax.TrainState.apply_gradients` does.
+  """
+  check_clipping(max_norm, clip)
+  if max_norm is not None and clip == "delayed" and previous_norm is None:
+    raise ValueError("clip='delayed' needs the previous step's previous_norm")
+
+  def value_and_grad_fn(variables, *args, **kwargs):
+    out = jax.vjp(lambda v: fun(v, *args, **kwargs), variables, has_aux=has_aux)
+    value, pullback = out[:2]
+    _check_scalar(value)
+    seed = lambda scale: jnp.asarray(scale, jnp.result_type(value))
+    if max_norm is None:
+      (grads,) = pullback(seed(1.0))
+    elif clip == "exact":
+      with layer_context.running(layer_context.NORM_ONLY):
+        (measured,) = pullback(seed(1.0))
+      scale = clip_scale(global_norm(measured), max_norm)
+      with layer_context.running(layer_context.SCALED):
+        (stepped,) = pullback(seed(scale))
+      grads = _with_forge(measured, _forge_norms(stepped, measured))
+    else:
+      scale = clip_scale(delayed_norm(previous_norm), max_norm)
+      with layer_context.running(layer_context.SCALED):
+        (stepped,) = pullback(seed(scale))
+      grads = _unscaled(stepped, scale)
+    return ((value, out[2]) if has_aux else value), grads
+
+  return value_and_grad_fn
+
+
+def _check_scalar(value):
+  if jnp.shape(value) != () or not jnp.issubdtype(
+    jnp.result_type(value), jnp.floating
+  ):
+    raise TypeError(
+      "value_and_grad needs a function returning a real scalar, got "
+      f"shape {jnp.shape(value)} dtype {jnp.result_type(value)}"
+    )
+
+
+def _with_forge(grads, forge):
+  if not forge:
+    return grads
+  return {**grads, FORGE_COLLECTION: forge}
+
+
+def _forge_norms(stepped, measured):
+  """FORGE's collection of ``stepped``, each layer's ``grad_sq_norm`` taken
+  from ``measured`` (the norm-only pass: the unclipped ``dW``'s)."""
+  return _map_layers(
+    lambda new, norm: {**new, "grad_sq_norm": norm["grad_sq_norm"]},
+    _split(stepped)[0],
+    _split(measured)[0],
+  )
+
+
+def _unscaled(grads, scale):
+  """The gradients of a backward pass seeded with ``scale``, unscaled: the
+  other leaves divided by it, each ``grad_sq_norm`` by its square."""
+  forge, others = _split(grads)
+  others = jax.tree.map(
+    lambda t: (
+      t / scale.astype(t.dtype)
+      if jnp.issubdtype(jnp.result_type(t), jnp.inexact)
+      else t
+    ),
+    others,
+  )
+  forge = _map_layers(
+    lambda layer: {**layer, "grad_sq_norm": layer["grad_sq_norm"] / scale**2},
+    forge,
+  )
+  return _with_forge(others, forge)

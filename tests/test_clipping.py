@@ -1,0 +1,560 @@
+"""The global gradient norm and global-norm clipping (forge_jax.clipping).
+
+* ``'exact'`` clipping through ``fj.TrainState(max_grad_norm=c)`` steps as
+  ``optax.chain(optax.clip_by_global_norm(c), <alias>)`` over all
+  parameters (ForgeDense kernels and the optax-owned biases), within 1e-6
+  in float32, for the optimizer table's rows with clipping active and
+  inactive, and for an fj.scan model.
+* The reported norm (``state.grad_norm``, ``fj.global_norm``) is
+  ``optax.global_norm`` of the reference gradient, every step.
+* ``'delayed'`` scales step t's gradient by ``min(1, c / ||g_{t-1}||)``.
+* The Pallas kernels (interpret mode) sum the same squares as the XLA
+  reference; the compiled exact step runs the forward pass once.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax.training.train_state import TrainState as FlaxTrainState
+
+import forge_jax as fj
+from forge_jax import parallel
+from forge_jax.ops import backends, mosaic, triton_kernel
+from forge_jax.ops.fused_dense import FusedDenseSpec
+
+from conftest import (
+  COLL,
+  MLP,
+  assert_rel_close,
+  cross_entropy,
+  make_batches,
+)
+from fused_dense_test_base import (
+  BF16_STATE_RTOL,
+  CLASSES,
+  FEATURES,
+  OPTAX_CASES,
+  RTOL,
+  compare_states,
+)
+
+STEPS = 3
+
+
+def _first_row_per_optimizer():
+  """The table's rows: the first of each optimizer by default, the others
+  with --run-slow."""
+  seen, rows = set(), []
+  for case in OPTAX_CASES:
+    default = case.name not in seen
+    seen.add(case.name)
+    rows.append(
+      pytest.param(case, id=case.id, marks=() if default else pytest.mark.slow)
+    )
+  return rows
+
+
+def _loss(apply_fn, batch):
+  return lambda variables: cross_entropy(apply_fn, variables, batch)
+
+
+def _reference_norms(model, variables, tx, batches):
+  """optax.global_norm of the nn.Dense model's gradient at every step."""
+  state = FlaxTrainState.create(apply_fn=model.apply, params=variables, tx=tx)
+  norms = []
+  for batch in batches:
+    grads = jax.grad(_loss(model.apply, batch))(state.params)
+    norms.append(float(optax.tree.norm(grads)))
+    state = state.apply_gradients(grads=grads)
+  return norms
+
+
+def _clipped_runs(name, kwargs, shape, features, max_norm, seed, clip="exact"):
+  """FORGE (fj.TrainState, ``max_grad_norm``) and nn.Dense + optax.chain(
+  clip_by_global_norm, alias) from one initialization: the states and the
+  reference's gradient norms after every step."""
+  opt = getattr(fj, name)(**kwargs)
+  forge_model = MLP(features, optimizer=opt)
+  ref_model = MLP(features)
+  batches = make_batches(seed + 1, STEPS, shape, features[-1])
+  key = jax.random.key(seed)
+  forge_vars = forge_model.init(key, batches[0][0])
+  ref_vars = ref_model.init(key, batches[0][0])
+  forge = fj.TrainState.create(
+    apply_fn=forge_model.apply,
+    params=forge_vars,
+    tx=opt.to_optax(),
+    max_grad_norm=max_norm,
+    clip=clip,
+  )
+  ref = FlaxTrainState.create(
+    apply_fn=ref_model.apply,
+    params=ref_vars,
+    tx=optax.chain(
+      optax.clip_by_global_norm(max_norm), getattr(optax, name)(**kwargs)
+    ),
+  )
+
+  @jax.jit
+  def forge_step(state, batch):
+    loss, grads = state.value_and_grad(_loss(state.apply_fn, batch))(
+      state.params
+    )
+    return state.apply_gradients(grads=grads), loss
+
+  @jax.jit
+  def ref_step(state, batch):
+    loss, grads = jax.value_and_grad(_loss(state.apply_fn, batch))(state.params)
+    return state.apply_gradients(grads=grads), loss, optax.tree.norm(grads)
+
+  runs = []
+  for batch in batches:
+    forge, forge_loss = forge_step(forge, batch)
+    ref, ref_loss, ref_norm = ref_step(ref, batch)
+    runs.append(
+      (
+        jax.device_get(forge),
+        jax.device_get(ref),
+        float(forge_loss),
+        float(ref_loss),
+        float(ref_norm),
+      )
+    )
+  return runs
+
+
+def _initial_norm(name, kwargs, shape, features, seed):
+  model = MLP(features)
+  batch = make_batches(seed + 1, 1, shape, features[-1])[0]
+  variables = model.init(jax.random.key(seed), batch[0])
+  return float(optax.tree.norm(jax.grad(_loss(model.apply, batch))(variables)))
+
+
+@pytest.mark.parametrize("active", [True, False], ids=["active", "inactive"])
+@pytest.mark.parametrize("case", _first_row_per_optimizer())
+def test_exact_clipping_matches_optax_chain(case, active, seed):
+  """Every step, kernels, biases and moments within 1e-6 of optax.chain(
+  clip_by_global_norm(c), alias); the reported norm is optax's."""
+  initial = _initial_norm(case.name, case.kwargs, case.shape, FEATURES, seed)
+  max_norm = initial * (0.5 if active else 100.0)
+  runs = _clipped_runs(
+    case.name, case.kwargs, case.shape, FEATURES, max_norm, seed
+  )
+  bf16_state = jnp.bfloat16 in (
+    case.kwargs.get("mu_dtype"),
+    case.kwargs.get("accumulator_dtype"),
+  )
+  rtol = BF16_STATE_RTOL if bf16_state else RTOL
+  for step, (forge, ref, forge_loss, ref_loss, ref_norm) in enumerate(runs):
+    assert (ref_norm > max_norm) == active, (step, ref_norm, max_norm)
+    compare_states(step, forge, ref, rtol)
+    np.testing.assert_allclose(forge_loss, ref_loss, rtol=rtol)
+    np.testing.assert_allclose(float(forge.grad_norm), ref_norm, rtol=rtol)
+
+
+@pytest.mark.parametrize("tokens", [4, 64], ids=["gram", "weight-gradient"])
+def test_exact_clipping_of_a_wide_layer(tokens, seed):
+  """A 12 -> 128 layer: with few tokens the norm-only pass sums
+  ``(x x^T) * (dy dy^T)`` (no dW), with many it sums dW's squares."""
+  kwargs = dict(learning_rate=1e-2, weight_decay=0.1)
+  features = (128, 10)
+  shape = (tokens, 12)
+  max_norm = 0.5 * _initial_norm("adamw", kwargs, shape, features, seed)
+  runs = _clipped_runs("adamw", kwargs, shape, features, max_norm, seed)
+  for step, (forge, ref, _, _, ref_norm) in enumerate(runs):
+    assert ref_norm > max_norm
+    compare_states(step, forge, ref)
+    np.testing.assert_allclose(float(forge.grad_norm), ref_norm, rtol=1e-6)
+
+
+@pytest.mark.parametrize("tokens,k,n", [(5, 64, 48), (300, 16, 8)])
+def test_norm_only_pass_sums_the_weight_gradient_squares(tokens, k, n, seed):
+  keys = jax.random.split(jax.random.key(seed))
+  x = jax.random.normal(keys[0], (tokens, k))
+  dy = jax.random.normal(keys[1], (tokens, n))
+  expected = np.sum(np.square(np.asarray(x, np.float64).T @ np.asarray(dy)))
+  actual = backends.weight_gradient_sq_norm(x, dy)
+  np.testing.assert_allclose(float(actual), expected, rtol=1e-6)
+
+
+def test_reported_norm_without_clipping(seed):
+  """jax.value_and_grad + fj.TrainState: state.grad_norm and
+  fj.global_norm(grads) are optax.global_norm of the reference gradient."""
+  opt = fj.adam(1e-2)
+  forge_model, ref_model = MLP(FEATURES, optimizer=opt), MLP(FEATURES)
+  batches = make_batches(seed + 1, STEPS, (10, 12), CLASSES)
+  key = jax.random.key(seed)
+  forge = fj.TrainState.create(
+    apply_fn=forge_model.apply,
+    params=forge_model.init(key, batches[0][0]),
+    tx=opt.to_optax(),
+  )
+  ref_norms = _reference_norms(
+    ref_model, ref_model.init(key, batches[0][0]), optax.adam(1e-2), batches
+  )
+  assert float(forge.grad_norm) == 0.0
+
+  @jax.jit
+  def step(state, batch):
+    grads = jax.grad(_loss(state.apply_fn, batch))(state.params)
+    return state.apply_gradients(grads=grads), fj.global_norm(grads)
+
+  for batch, ref_norm in zip(batches, ref_norms):
+    forge, norm = step(forge, batch)
+    np.testing.assert_allclose(float(norm), ref_norm, rtol=1e-6)
+    assert float(forge.grad_norm) == float(norm)
+
+
+def test_delayed_clipping_scales_by_the_previous_norm(seed):
+  """Step t's gradient is scaled by min(1, c / ||g_{t-1}||) (step 1: 1),
+  checked against the reference gradient scaled so, then the optimizer."""
+  name, kwargs = "sgd", dict(learning_rate=0.5, momentum=0.9)
+  shape = (10, 12)
+  max_norm = 0.5 * _initial_norm(name, kwargs, shape, FEATURES, seed)
+  runs = _clipped_runs(
+    name, kwargs, shape, FEATURES, max_norm, seed, clip="delayed"
+  )
+  # The reference: nn.Dense + sgd, each gradient scaled by the delayed factor.
+  opt = getattr(fj, name)(**kwargs)
+  model = MLP(FEATURES)
+  batches = make_batches(seed + 1, STEPS, shape, FEATURES[-1])
+  ref = FlaxTrainState.create(
+    apply_fn=model.apply,
+    params=model.init(jax.random.key(seed), batches[0][0]),
+    tx=opt.to_optax(),
+  )
+  previous = 0.0
+  for step, batch in enumerate(batches):
+    grads = jax.grad(_loss(model.apply, batch))(ref.params)
+    norm = float(optax.tree.norm(grads))
+    scale = 1.0 if previous < max_norm else max_norm / previous
+    if step > 0:
+      assert scale < 1.0, "the test must clip by the previous norm"
+    ref = ref.apply_gradients(grads=jax.tree.map(lambda g: g * scale, grads))
+    forge = runs[step][0]
+    np.testing.assert_allclose(float(forge.grad_norm), norm, rtol=1e-5)
+    for layer in ref.params["params"]:
+      assert_rel_close(
+        forge.params[COLL][layer]["kernel"],
+        ref.params["params"][layer]["kernel"],
+        1e-5,
+        f"step {step + 1} {layer} kernel",
+      )
+      assert_rel_close(
+        forge.params["params"][layer]["bias"],
+        ref.params["params"][layer]["bias"],
+        1e-5,
+        f"step {step + 1} {layer} bias",
+      )
+    previous = norm
+
+
+WIDTH, LAYERS, TOKENS = 16, 3, 8
+
+
+class Block(nn.Module):
+  forge: bool = True
+
+  @nn.compact
+  def __call__(self, x, _):
+    dense = lambda name: (
+      fj.ForgeDense(WIDTH, optimizer=fj.adamw(1e-2), name=name)
+      if self.forge
+      else nn.Dense(WIDTH, name=name)
+    )
+    norm = self.param("norm", nn.initializers.ones_init(), (WIDTH,))
+    return x + dense("fc2")(jnp.tanh(dense("fc1")(x * norm))), None
+
+
+class Stack(nn.Module):
+  forge: bool = True
+
+  @nn.compact
+  def __call__(self, x):
+    scan = fj.scan if self.forge else nn.scan
+    layers = scan(
+      nn.remat(Block, prevent_cse=False),
+      variable_axes={True: 0},
+      split_rngs={"params": True},
+      in_axes=(nn.broadcast,),
+      length=LAYERS,
+    )
+    x, _ = layers(self.forge, name="layers")(x, None)
+    return x
+
+
+def test_exact_clipping_through_fj_scan(seed):
+  """fj.scan of remat blocks (kernels, biases and norm scales): the stacks
+  step as nn.scan + optax.chain(clip_by_global_norm, adamw)."""
+  key = jax.random.key(seed)
+  x = jax.random.normal(key, (TOKENS, WIDTH))
+  target = jax.random.normal(jax.random.fold_in(key, 1), (TOKENS, WIDTH))
+  loss_fn = lambda model: (
+    lambda v: jnp.mean(jnp.square(model.apply(v, x) - target))
+  )
+  forge_model, ref_model = Stack(True), Stack(False)
+  forge_vars, ref_vars = forge_model.init(key, x), ref_model.init(key, x)
+  norm0 = float(optax.tree.norm(jax.grad(loss_fn(ref_model))(ref_vars)))
+  max_norm = 0.5 * norm0
+  forge = fj.TrainState.create(
+    apply_fn=forge_model.apply,
+    params=forge_vars,
+    tx=fj.adamw(1e-2).to_optax(),
+    max_grad_norm=max_norm,
+  )
+  ref = FlaxTrainState.create(
+    apply_fn=ref_model.apply,
+    params=ref_vars,
+    tx=optax.chain(optax.clip_by_global_norm(max_norm), optax.adamw(1e-2)),
+  )
+
+  @jax.jit
+  def forge_step(state):
+    _, grads = state.value_and_grad(loss_fn(forge_model))(state.params)
+    return state.apply_gradients(grads=grads)
+
+  @jax.jit
+  def ref_step(state):
+    grads = jax.grad(loss_fn(ref_model))(state.params)
+    return state.apply_gradients(grads=grads), optax.tree.norm(grads)
+
+  for step in range(STEPS):
+    forge = forge_step(forge)
+    ref, ref_norm = ref_step(ref)
+    assert float(ref_norm) > max_norm
+    np.testing.assert_allclose(float(forge.grad_norm), ref_norm, rtol=1e-6)
+    forge_layers = forge.params[COLL]["layers"]
+    ref_layers = ref.params["params"]["layers"]
+    for name in ("fc1", "fc2"):
+      assert_rel_close(
+        forge_layers[name]["kernel"],
+        ref_layers[name]["kernel"],
+        RTOL,
+        f"step {step + 1} {name} kernel",
+      )
+      assert_rel_close(
+        forge.params["params"]["layers"][name]["bias"],
+        ref_layers[name]["bias"],
+        RTOL,
+        f"step {step + 1} {name} bias",
+      )
+      np.testing.assert_array_equal(forge_layers[name]["count"], step + 1)
+    assert_rel_close(
+      forge.params["params"]["layers"]["norm"],
+      ref_layers["norm"],
+      RTOL,
+      f"step {step + 1} norm",
+    )
+
+
+class TensorParallel(nn.Module):
+  """A column-parallel then a row-parallel layer over the 'model' axis."""
+
+  @nn.compact
+  def __call__(self, x):
+    init = nn.initializers.lecun_normal()
+    opt = fj.adamw(1e-2)
+    h = fj.ForgeDense(
+      32, optimizer=opt, kernel_init=nn.with_partitioning(init, (None, "model"))
+    )(x)
+    return fj.ForgeDense(
+      8, optimizer=opt, kernel_init=nn.with_partitioning(init, ("model", None))
+    )(jnp.tanh(h))
+
+
+@pytest.mark.parametrize("clip", ["exact", "delayed"])
+def test_clipping_under_tensor_parallelism(clip, seed):
+  """The shards' sums of squares are all-reduced: two shards step and
+  report the norm as one device does."""
+  if len(jax.devices()) < 2:
+    pytest.skip("needs 2 devices")
+  model = TensorParallel()
+  key = jax.random.key(seed)
+  x = jax.random.normal(key, (TOKENS, WIDTH))
+  target = jax.random.normal(jax.random.fold_in(key, 1), (TOKENS, 8))
+  mesh = parallel.make_mesh(model=2)
+  variables = parallel.strip_boxes(model.init(key, x))
+  sharded = parallel.init_sharded(model.init, mesh, key, x)
+
+  def run(variables):
+    state = fj.TrainState.create(
+      apply_fn=model.apply,
+      params=variables,
+      tx=fj.adamw(1e-2).to_optax(),
+      max_grad_norm=0.1,
+      clip=clip,
+    )
+
+    @jax.jit
+    def step(state):
+      loss = lambda v: jnp.mean(jnp.square(state.apply_fn(v, x) - target))
+      _, grads = state.value_and_grad(loss)(state.params)
+      return state.apply_gradients(grads=grads)
+
+    norms = []
+    for _ in range(STEPS):
+      state = step(state)
+      norms.append(float(state.grad_norm))
+    return jax.device_get(state.params), norms
+
+  one, one_norms = run(variables)
+  with jax.set_mesh(mesh):
+    two, two_norms = run(sharded)
+  assert min(one_norms) > 0.1
+  np.testing.assert_allclose(two_norms, one_norms, rtol=1e-5)
+  for (path, a), b in zip(
+    jax.tree_util.tree_flatten_with_path(two)[0], jax.tree.leaves(one)
+  ):
+    assert_rel_close(a, b, 1e-5, jax.tree_util.keystr(path))
+
+
+def test_exact_step_runs_the_forward_once(seed):
+  """The compiled exact step has one forward pass (its sine), and two
+  backward passes (their cosines)."""
+
+  class Sine(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      x = jnp.sin(fj.ForgeDense(8, optimizer=fj.sgd(0.1))(x))
+      return fj.ForgeDense(4, optimizer=fj.sgd(0.1))(x)
+
+  x = jax.random.normal(jax.random.key(seed), (6, 5))
+  model = Sine()
+  state = fj.TrainState.create(
+    apply_fn=model.apply,
+    params=model.init(jax.random.key(seed), x),
+    tx=fj.sgd(0.1).to_optax(),
+    max_grad_norm=0.01,
+  )
+
+  def step(state):
+    _, grads = state.value_and_grad(
+      lambda v: jnp.sum(jnp.square(state.apply_fn(v, x)))
+    )(state.params)
+    return state.apply_gradients(grads=grads)
+
+  hlo = jax.jit(step).lower(state).compile().as_text()
+  assert len(re.findall(r"= f32\[[\d,]*\]\{?[\d,]*\}? sine\(", hlo)) == 1
+  assert len(re.findall(r" cosine\(", hlo)) == 2
+
+
+def _backend_inputs(seed, tokens, k, n, dtype):
+  keys = jax.random.split(jax.random.key(seed), 3)
+  x = jax.random.normal(keys[0], (tokens, k)).astype(dtype)
+  dy = jax.random.normal(keys[1], (tokens, n)).astype(dtype)
+  kernel = jax.random.normal(keys[2], (k, n)) * 0.1
+  return x, dy, kernel
+
+
+def _grad_sq_norm(update, opt, x, dy, kernel, **kwargs):
+  spec = FusedDenseSpec(optimizer=opt)
+  out = jax.jit(functools.partial(update, spec, **kwargs))(
+    x, dy, kernel, opt.init(kernel), opt.scalars(jnp.int32(0)), jnp.bool_(True)
+  )
+  return float(out[3])
+
+
+@pytest.mark.parametrize("stacked", [False, True], ids=["layer", "stacked"])
+def test_triton_kernel_sums_the_squares_of_the_reference(stacked, seed):
+  """Per-tile partial sums over masked edges (K = 40, N = 24 in 16 x 16
+  tiles): the XLA reference's sum."""
+  opt = fj.adamw(1e-2)
+  x, dy, kernel = _backend_inputs(seed, 37, 40, 24, jnp.float32)
+  expected = _grad_sq_norm(backends.xla_update, opt, x, dy, kernel)
+  config = triton_kernel.TritonConfig(
+    block_k=16, block_n=16, block_t=16, group_k=2, epilogue_split=1
+  )
+  kwargs = dict(config=config, interpret=True)
+  if stacked:
+    kernel = jnp.stack([kernel, kernel + 1.0])
+    kwargs["layer_index"] = jnp.int32(1)
+  actual = _grad_sq_norm(
+    triton_kernel.triton_update, opt, x, dy, kernel, **kwargs
+  )
+  np.testing.assert_allclose(actual, expected, rtol=1e-6)
+
+
+MOSAIC_SMALL = dict(
+  tile_k=64, tile_n=64, tile_t=64, max_concurrent_steps=2, epilogue_k=64
+)
+
+
+@pytest.mark.parametrize(
+  "schedule",
+  ["inline", pytest.param("pingpong", marks=pytest.mark.slow)],
+)
+def test_mosaic_kernel_sums_the_squares_of_the_reference(schedule, seed):
+  """Per-row sums of each warpgroup's parts (K = 128, N = 256, 128 tokens
+  of bfloat16): the XLA reference's sum."""
+  opt = fj.adamw(1e-2)
+  x, dy, kernel = _backend_inputs(seed, 128, 128, 256, jnp.bfloat16)
+  expected = _grad_sq_norm(backends.xla_update, opt, x, dy, kernel)
+  config = mosaic.MosaicConfig(
+    **MOSAIC_SMALL, epilogue_n=32, epilogue_slots=2, schedule=schedule
+  )
+  actual = _grad_sq_norm(
+    mosaic.mosaic_update, opt, x, dy, kernel, config=config, interpret=True
+  )
+  np.testing.assert_allclose(actual, expected, rtol=1e-5)
+
+
+def test_clipping_errors_say_what_to_do(seed):
+  opt = fj.adamw(1e-2)
+  model = MLP(FEATURES, optimizer=opt)
+  x, y = make_batches(seed, 1, (4, 12), CLASSES)[0]
+  variables = model.init(jax.random.key(seed), x)
+  with pytest.raises(ValueError, match="max_grad_norm=max_norm"):
+    fj.TrainState.create(
+      apply_fn=model.apply,
+      params=variables,
+      tx=optax.chain(optax.clip_by_global_norm(1.0), opt.to_optax()),
+    )
+  with pytest.raises(TypeError, match="max_grad_norm=max_norm"):
+    fj.ForgeDense(
+      4, optimizer=optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(1.0))
+    ).init(jax.random.key(0), x)
+  for bad in (dict(max_grad_norm=0.0), dict(max_grad_norm=1.0, clip="late")):
+    with pytest.raises(ValueError, match="must be"):
+      fj.TrainState.create(
+        apply_fn=model.apply, params=variables, tx=opt.to_optax(), **bad
+      )
+  state = fj.TrainState.create(
+    apply_fn=model.apply, params=variables, tx=opt.to_optax(), max_grad_norm=1
+  )
+  # Gradients from jax.value_and_grad stepped the layers unclipped.
+  grads = jax.grad(_loss(model.apply, (x, y)))(state.params)
+  with pytest.raises(ValueError, match=r"state\.value_and_grad"):
+    state.apply_gradients(grads=grads)
+
+
+def test_readme_clipping_variant_trains():
+  """The README Quickstart's clipping variant runs as written and clips."""
+  readme = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md"
+  )
+  with open(readme) as f:
+    text = f.read()
+  quickstart = text[text.index("## Quickstart") :]
+  blocks = re.findall(r"```python\n(.*?)```", quickstart, re.S)[:2]
+  assert "max_grad_norm" in blocks[1]
+  scope = {}
+  for i, code in enumerate(blocks):
+    exec(compile(code, f"README quickstart {i}", "exec"), scope)  # pylint: disable=exec-used
+  state, batch = scope["state"], scope["batch"]
+  losses = []
+  for _ in range(3):
+    state, loss = scope["train_step"](state, batch)
+    losses.append(float(loss))
+    assert float(state.grad_norm) > 0
+  assert losses[-1] < losses[0]
+  layer = state.params[COLL]["ForgeDense_0"]
+  assert float(layer["count"]) == 3.0
