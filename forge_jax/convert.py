@@ -23,10 +23,11 @@ from flax import traverse_util
 from flax.core import unfreeze
 
 from forge_jax.linen import FORGE_COLLECTION
+from forge_jax.ops.fused_dense import ForgeVariables
 
 #: The leaves of one FORGE layer in its collection; all but ``kernel`` are
 #: FORGE's own (optimizer state, step count, flags).
-_LAYER_LEAVES = ("kernel", "opt_state", "count", "skipped", "intact")
+_LAYER_LEAVES = ForgeVariables._fields
 
 #: Auto-names of FORGE's layers -> the names flax gives the layers they
 #: replace (``fj.scan`` names its class ``ForgeScan<Block>``, nn.scan

@@ -272,7 +272,7 @@ def test_steps_bit_for_bit_as_forge_dense(implementation, opt, width, seed):
   ours = forge_values(model)
   for i in range(len(features)):
     theirs = state.params[fj.FORGE_COLLECTION][f"layers_{i}"]
-    for name in ("kernel", "opt_state", "count", "skipped", "intact"):
+    for name in fj.ForgeVariables._fields:
       for a, b in zip(
         jax.tree.leaves(ours["layers"][i][name]),
         jax.tree.leaves(theirs[name]),

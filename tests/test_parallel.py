@@ -312,7 +312,7 @@ def _check_forge_shardings(run: Run):
         leaf,
         kernel,
       )
-    for name in ("count", "skipped", "intact"):
+    for name in ("count", "skipped", "intact", "grad_sq_norm"):
       assert layer[name].is_fully_replicated, (layer_path, name)
 
 
@@ -465,7 +465,7 @@ def test_partition_specs_of_states_are_the_kernels(optimizer):
       layer["opt_state"], is_leaf=lambda s: isinstance(s, P)
     ):
       assert leaf == kernel_spec, (name, layer["opt_state"])
-    for scalar in ("count", "skipped", "intact"):
+    for scalar in ("count", "skipped", "intact", "grad_sq_norm"):
       assert layer[scalar] == P(), (name, scalar)
   variables = parallel.init_sharded(Net().init, mesh, jax.random.key(0), x)
   for name, kernel_spec in (
@@ -615,7 +615,7 @@ def _assert_state_sharded_like_kernel(layer, mesh, kernel_spec):
   want = NamedSharding(mesh, kernel_spec)
   for leaf in jax.tree.leaves((layer["kernel"], layer["opt_state"])):
     assert leaf.sharding.is_equivalent_to(want, 2), (leaf.shape, leaf.sharding)
-  for name in ("count", "skipped", "intact"):
+  for name in ("count", "skipped", "intact", "grad_sq_norm"):
     assert layer[name].sharding.is_fully_replicated, name
 
 
