@@ -167,7 +167,13 @@ def test_trains_as_flax_s(seed):
   for (path, a), b in zip(
     jax.tree_util.tree_flatten_with_path(ours)[0], jax.tree.leaves(theirs)
   ):
-    assert_rel_close(a, b, 1e-6, jax.tree_util.keystr(path))
+    name = jax.tree_util.keystr(path)
+    if name == "['params']['key']['bias']":
+      # Its gradient is rounding noise: both stay at the zeros they started
+      # from, to the noise's size (whose bits depend on the matmuls' order).
+      assert np.abs(a).max() <= 1e-6 and np.abs(b).max() <= 1e-6, name
+      continue
+    assert_rel_close(a, b, 1e-6, name)
 
 
 # ---------------------------------------------------------------------------
