@@ -996,6 +996,51 @@ def fidelity_section(run) -> str:
 
 
 # ---------------------------------------------------------------------------
+# Global-norm clipping (model_memory.py --clip, run.py clipping).
+
+CLIP_LABELS = {
+  ("forge", "none"): "FORGE, no clipping (the norm reported)",
+  ("forge", "exact"): "FORGE, `clip='exact'`",
+  ("forge", "delayed"): "FORGE, `clip='delayed'`",
+  ("optax", "none"): "optax, no clipping",
+  ("optax", "exact"): "optax, `clip_by_global_norm` in `tx`",
+}
+
+
+def clipping_section(runs) -> str:
+  key = lambda r: (r["config"], r["batch"], r["seq"], r["variant"], r["clip"])
+  latest = newest(runs, key)
+  rows = []
+  for (config, batch, seq, variant, clip), run in sorted(
+    latest.items(), key=lambda kv: (kv[0][:3], kv[0][3], kv[0][4] != "none")
+  ):
+    base = latest.get((config, batch, seq, variant, "none"))
+    ratio = run["step_ms_median"] / base["step_ms_median"] if base else None
+    rows.append(
+      [
+        f"{config}, {batch} x {seq}",
+        CLIP_LABELS.get((variant, clip), f"{variant} {clip}"),
+        f"{run['peak_bytes_in_use'] / 2**30:.2f}",
+        f"{run['step_ms_median']:.1f}",
+        f"{ratio:.3f}" if ratio else "",
+      ]
+    )
+  return section(
+    "Global-norm clipping (one GPU)",
+    "The package's Llama-style model, bf16 weights and states, AdamW, scan "
+    "+ remat, `--max-grad-norm 1.0`; one fresh process per row (peak "
+    "memory is `memory_stats()['peak_bytes_in_use']`), step time the "
+    "median of the timed steps. The ratio is each row's step time over "
+    "its variant's row without clipping.",
+    table(
+      ["shape", "step", "peak GiB", "step ms", "step / no clipping"], rows
+    ),
+    "python benchmarks/run.py clipping",
+    list(latest.values()),
+  )
+
+
+# ---------------------------------------------------------------------------
 # The main job, the page and the README.
 
 
@@ -1069,6 +1114,7 @@ SECTIONS = (
   ("tp_*.json", tp_section, True),
   ("fidelity_*.json", fidelity_section, True),
   ("main_job_*/summary_*.json", main_job_section, True),
+  ("clipping_step_*.json", clipping_section, False),
 )
 
 
