@@ -50,16 +50,24 @@ from fused_dense_test_base import (
 STEPS = 3
 
 
-def _first_row_per_optimizer():
-  """The table's rows: the first of each optimizer by default, the others
-  with --run-slow."""
+def _table_rows():
+  """``(case, active)`` pairs of the table: clipping active on the first row
+  of each optimizer and inactive on the table's first row by default, every
+  pair with --run-slow."""
   seen, rows = set(), []
-  for case in OPTAX_CASES:
-    default = case.name not in seen
+  for i, case in enumerate(OPTAX_CASES):
+    first = case.name not in seen
     seen.add(case.name)
-    rows.append(
-      pytest.param(case, id=case.id, marks=() if default else pytest.mark.slow)
-    )
+    for active in (True, False):
+      default = first and (active or i == 0)
+      rows.append(
+        pytest.param(
+          case,
+          active,
+          id=f"{case.id}-{'active' if active else 'inactive'}",
+          marks=() if default else pytest.mark.slow,
+        )
+      )
   return rows
 
 
@@ -139,8 +147,7 @@ def _initial_norm(name, kwargs, shape, features, seed):
   return float(optax.tree.norm(jax.grad(_loss(model.apply, batch))(variables)))
 
 
-@pytest.mark.parametrize("active", [True, False], ids=["active", "inactive"])
-@pytest.mark.parametrize("case", _first_row_per_optimizer())
+@pytest.mark.parametrize("case,active", _table_rows())
 def test_exact_clipping_matches_optax_chain(case, active, seed):
   """Every step, kernels, biases and moments within 1e-6 of optax.chain(
   clip_by_global_norm(c), alias); the reported norm is optax's."""

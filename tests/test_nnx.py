@@ -117,8 +117,17 @@ def forge_values(model):
 # ---------------------------------------------------------------------------
 # The optimizer table against nnx.Linear + nnx.Optimizer(optax alias).
 
+#: Core rows of these optimizers run by default (the Linen table runs every
+#: optimizer through the same fused op), every row with --run-slow.
+DEFAULT_OPTIMIZERS = ("adamw", "lion", "rmsprop")
 TABLE = [
-  pytest.param(case, id=case.id, marks=() if case.core else pytest.mark.slow)
+  pytest.param(
+    case,
+    id=case.id,
+    marks=()
+    if case.core and case.name in DEFAULT_OPTIMIZERS
+    else pytest.mark.slow,
+  )
   for case in OPTAX_CASES
 ]
 
