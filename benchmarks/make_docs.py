@@ -1040,6 +1040,72 @@ def clipping_section(runs) -> str:
   )
 
 
+CURVE_LABELS = {
+  "forge": "FORGE, no clipping",
+  "forge-exact": "FORGE, `clip='exact'`",
+  "forge-delayed": "FORGE, `clip='delayed'`",
+  "optax-clip": "nn.Dense + optax, `clip_by_global_norm`",
+}
+
+
+def _mean_abs_diff(a, b) -> float:
+  return sum(abs(x - y) for x, y in zip(a, b)) / len(a)
+
+
+def clipping_curves_section(run) -> str:
+  reference = run["runs"].get("optax-clip", {}).get("losses")
+  rows = []
+  for name, r in run["runs"].items():
+    losses, norms = r["losses"], r["grad_norms"]
+    clipped = sum(n > run["max_grad_norm"] for n in norms) / len(norms)
+    rows.append(
+      [
+        CURVE_LABELS.get(name, name),
+        f"{_mean_abs_diff(losses, reference):.2g}" if reference else "",
+        f"{sum(losses[-10:]) / len(losses[-10:]):.4f}",
+        f"{clipped:.0%}",
+      ]
+    )
+  return section(
+    "Clipping convergence (demo LM)",
+    f"The '{run['config']}' byte-level model, {run['steps']} steps of "
+    f"{run['batch_size']} x {run['seq_len']} bytes, AdamW {run['lr']:g} "
+    f"with warmup and cosine decay, clipping at {run['max_grad_norm']:g}; "
+    "every run from one initialization on the same batches. `'delayed'` "
+    "scales step t by the norm of step t - 1.\n\n"
+    f"![clipping curves]({PLOT_LINK}clipping_curves.png)",
+    table(
+      [
+        "run",
+        "mean \\|loss − optax + clipping\\|",
+        "final train loss (last 10)",
+        "steps with norm > max",
+      ],
+      rows,
+    ),
+    "python benchmarks/clipping_curves.py --steps 400 --out "
+    "benchmarks/results/clipping_curves_cpu_<commit>.json",
+    [run],
+  )
+
+
+def clipping_curves_plot(plt, runs):
+  if not runs:
+    return
+  run = max(runs, key=lambda r: meta(r)["date"])
+  fig, ax = plt.subplots(figsize=(7, 4))
+  for name, r in run["runs"].items():
+    ax.plot(r["losses"], label=CURVE_LABELS.get(name, name).replace("`", ""))
+  ax.set_xlabel("step")
+  ax.set_ylabel("train loss")
+  ax.set_title(
+    f"Global-norm clipping at {run['max_grad_norm']:g}, "
+    f"'{run['config']}' demo LM ({meta(run)['device']})"
+  )
+  ax.legend()
+  _save(fig, "clipping_curves.png")
+
+
 # ---------------------------------------------------------------------------
 # The main job, the page and the README.
 
@@ -1084,7 +1150,8 @@ def main_job_section(run) -> str:
 
 
 def draw_plots(results: str = RESULTS):
-  """benchmarks/plots/model_memory.png and kernel_speed.png (matplotlib)."""
+  """benchmarks/plots/model_memory.png, kernel_speed.png and
+  clipping_curves.png (matplotlib)."""
   import matplotlib  # pylint: disable=import-outside-toplevel
 
   matplotlib.use("Agg")
@@ -1092,6 +1159,7 @@ def draw_plots(results: str = RESULTS):
 
   step_plot(plt, load("model_memory_*.json", results))
   kernel_plot(plt, load("kernel_*.json", results))
+  clipping_curves_plot(plt, load("clipping_curves_*.json", results))
 
 
 def _save(fig, name):
@@ -1115,6 +1183,7 @@ SECTIONS = (
   ("fidelity_*.json", fidelity_section, True),
   ("main_job_*/summary_*.json", main_job_section, True),
   ("clipping_step_*.json", clipping_section, False),
+  ("clipping_curves_*.json", clipping_curves_section, True),
 )
 
 

@@ -77,12 +77,14 @@ class LlamaConfig:
       are column-parallel, o/down row-parallel; attention heads are split
       over the axis (``num_kv_heads`` must be a multiple of its size).
     batch_axis: mesh axis the batch is sharded over, or None. For FORGE an
-      axis of size > 1 is data parallelism: refused unless
+      axis of size > 1 over replicated kernels is refused unless
       ``forge_data_parallel='psum'`` (see :mod:`forge_jax.parallel`).
     sequence_parallel: shard the sequence over ``tensor_axis`` outside the
       tensor-parallel regions (norms, residual stream).
     mesh: the device mesh; None: the one set with ``jax.set_mesh``.
-    forge_data_parallel: ForgeDense's ``data_parallel`` ('error' or 'psum').
+    forge_data_parallel: ForgeDense's ``data_parallel`` ('error', 'auto' or
+      'psum'). FSDP ('auto') also needs the kernels sharded over
+      ``batch_axis``, which :meth:`axis_rules` does not do.
 
   With ``tensor_axis`` set, every kernel carries logical partitioning
   metadata (``nn.with_logical_partitioning``) resolved by
