@@ -842,3 +842,53 @@ def test_triton_kernel_layers_around_fsdp():
     for impl in ("xla", "triton")
   }
   _assert_trees_close(runs["triton"].params, runs["xla"].params, rtol=1e-6)
+
+
+@needs_devices
+@pytest.mark.parametrize("clip", ["exact", "delayed"])
+def test_fsdp_clipping_and_norm_equal_one_device(clip):
+  """Under FSDP (DP = 4 x TP = 2) each layer's norm is summed from its
+  reduce-scattered shards (in the norm-only pass and in the blocked update):
+  the reported global norm and the clipped steps equal one device's."""
+  batches = _regression_batches()
+
+  def run(mesh):
+    model = FSDPNet()
+    x0 = batches[0][0]
+    variables = parallel.strip_boxes(jax.jit(model.init)(jax.random.key(0), x0))
+    if mesh is not None:
+      with jax.set_mesh(mesh):
+        abstract = jax.eval_shape(model.init, jax.random.key(0), x0)
+      specs = parallel.partition_specs(abstract)
+      variables = jax.tree.map(
+        lambda v, s: jax.device_put(v, NamedSharding(mesh, s)), variables, specs
+      )
+    state = fj.TrainState.create(
+      apply_fn=model.apply,
+      params=variables,
+      tx=OPT.to_optax(),
+      max_grad_norm=0.5,
+      clip=clip,
+    )
+
+    @jax.jit
+    def step(state, batch):
+      loss = lambda v: _mse(v, state.apply_fn, batch)
+      _, grads = state.value_and_grad(loss)(state.params)
+      return state.apply_gradients(grads=grads)
+
+    norms = []
+    for batch in batches:
+      if mesh is not None:
+        batch = jax.device_put(batch, NamedSharding(mesh, P("data")))
+      state = step(state, batch)
+      norms.append(float(state.grad_norm))
+    return _host(state.params), norms
+
+  single, single_norms = run(None)
+  mesh = _mesh(4, 2)
+  with jax.set_mesh(mesh):
+    sharded, sharded_norms = run(mesh)
+  assert min(single_norms) > 0.5  # clipping acts on every step
+  np.testing.assert_allclose(sharded_norms, single_norms, rtol=RTOL)
+  _assert_trees_close(sharded, single, what=f"FSDP clip={clip}")
