@@ -425,7 +425,8 @@ def _lm_run(config, mesh=None, batch=8):
 @pytest.mark.parametrize(
   "dp,tp,sp",
   [
-    pytest.param(2, 2, True, id="dp2-tp2-sp"),
+    # The default run covers DP x TP on FSDPNet and the Llama scanned.
+    pytest.param(2, 2, True, id="dp2-tp2-sp", marks=SLOW),
     pytest.param(2, 0, False, id="dp2", marks=SLOW),
     pytest.param(4, 0, False, id="dp4", marks=SLOW),
     pytest.param(8, 0, False, id="dp8", marks=SLOW),
