@@ -893,3 +893,45 @@ def test_fsdp_clipping_and_norm_equal_one_device(clip):
   assert min(single_norms) > 0.5  # clipping acts on every step
   np.testing.assert_allclose(sharded_norms, single_norms, rtol=RTOL)
   _assert_trees_close(sharded, single, what=f"FSDP clip={clip}")
+
+
+class DenseGeneralNet(nn.Module):
+  """Attention-shaped ForgeDenseGeneral projections under FSDP x TP: the
+  query ``[embed, heads, head_dim]`` with embed over 'data' and heads over
+  'model', the output ``[heads, head_dim, embed]`` the other way round."""
+
+  @nn.compact
+  def __call__(self, x):
+    dense = lambda features, names, **kw: fj.ForgeDenseGeneral(
+      features,
+      optimizer=OPT,
+      implementation="xla",
+      kernel_init=nn.with_partitioning(INIT, names),
+      **kw,
+    )
+    h = dense(
+      (4, 8),
+      ("data", "model", None),
+      input_partitioning=("data", None, None),
+      output_partitioning=("data", None, "model", None),
+      name="query",
+    )(x)
+    return dense(
+      16,
+      ("model", None, "data"),
+      axis=(-2, -1),
+      input_partitioning=("data", None, "model", None),
+      output_partitioning=("data", None, None),
+      name="out",
+    )(jnp.tanh(h))
+
+
+@needs_devices
+def test_fsdp_dense_general_matches_one_device():
+  batches = _regression_batches()
+  forge = _train(DenseGeneralNet(), batches, OPT.to_optax(), _mesh(4, 2))
+  single = _train(DenseGeneralNet(), batches, OPT.to_optax())
+  _assert_trees_close(forge.params, single.params, what="DenseGeneral FSDP")
+  # The kernels stay sharded over 'data' (FSDP).
+  for name in ("query", "out"):
+    assert "data" in str(forge.shardings[COLL][name]["kernel"].spec), name
