@@ -461,8 +461,9 @@ def _local_backward(spec, layout, x, variables, bias, layer_index, dy):
   if layer_context.gradient_pass() == layer_context.NORM_ONLY:
     # The first backward pass of exact clipping: the norm of dW, no update.
     if layout.reduces_weight_gradient:  # this shard's dW, summed over tokens
-      grad = _reduced_gradient(spec, layout, x_c, dy, local_shape)
-      grad_sq_norm = jnp.sum(jnp.square(grad))
+      grad_sq_norm = _reduced_sq_norm(
+        spec, layout, x_c, dy, local_shape, variables.opt_state
+      )
     else:
       grad_sq_norm = backends.weight_gradient_sq_norm(x_c, dy, spec.precision)
     grad_sq_norm = _psum(grad_sq_norm, layout.kernel_axes)
@@ -542,10 +543,33 @@ def _reduced_gradient(
   return grad
 
 
+def _reduced_sq_norm(spec, layout, x, dy, shape, opt_state):
+  """The sum of squares of this shard's ``dW`` (summed over the token
+  axes), formed in the blocks :func:`_reduced_update` steps in, so the
+  transient ``dW`` is one block."""
+  blocked, count = layout.gradient_blocks(
+    shape, quantization.has_quantized(opt_state)
+  )
+  if count == 1:
+    grad = _reduced_gradient(spec, layout, x, dy, shape)
+    return jnp.sum(jnp.square(grad))
+  size = shape[blocked] // count
+  block_norm = lambda i, total: (
+    total
+    + jnp.sum(
+      jnp.square(
+        _reduced_gradient(spec, layout, x, dy, shape, blocked, i * size, size)
+      )
+    )
+  )
+  return lax.fori_loop(0, count, block_norm, jnp.zeros((), jnp.float32))
+
+
 def _reduced_update(
   spec, layout, x, dy, variables, scalars, apply, *, step, offset, layer_index
 ):
-  """The update of this shard from ``dW`` summed over the token axes.
+  """The update of this shard from ``dW`` summed over the token axes:
+  ``(kernel, state, skipped, grad_sq_norm)``.
 
   ``dW = xᵀ·dY`` of the local tokens is all-reduced over the 'psum' data
   axes and reduce-scattered over the FSDP axes onto this shard's rows or
