@@ -220,6 +220,7 @@ def _trained_qk(variant, **options):
   return losses, _host(state.params)
 
 
+@pytest.mark.slow  # the scanned, remat'd model without qk-norm runs by default
 def test_scan_remat_qk_norm_forge_matches_baseline():
   final = {}
   for name in ("forge", "baseline"):

@@ -884,6 +884,7 @@ class Megatron(nnx.Module):
     return self.down(nnx.gelu(self.up(x)))
 
 
+@pytest.mark.slow  # the fused op's tensor parallelism runs by default (Linen)
 @pytest.mark.skipif(jax.device_count() < 2, reason="needs 2 devices")
 def test_tensor_parallel_matches_one_device(seed):
   """``nnx.with_partitioning`` kernels train per shard as on one device;
