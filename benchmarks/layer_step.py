@@ -1,0 +1,194 @@
+"""One layer's whole train step: FORGE's backends against nn.Dense + optax.
+
+The step a user with an unrolled model pays per layer: RMSNorm, then a
+bias-free dense layer of the Llama-3.1-8B shapes, a sum-of-squares loss,
+``jax.value_and_grad`` and the TrainState update, jitted with the state
+donated. Variants, timed side by side in one process per case (device
+time, medians):
+
+* ``optax``: ``nn.Dense`` + the optax alias of the same AdamW;
+* ``xla``, ``triton``, ``mosaic``: ``fj.ForgeDense`` with that
+  implementation, ``fj.TrainState``;
+* the result names the backend ``'auto'`` takes for each case.
+
+Each case's ``speedup`` is optax's time over each variant's (> 1: faster
+than optax).
+
+  python benchmarks/layer_step.py --out benchmarks/results/layer_step.json
+  python benchmarks/layer_step.py --cpu --tokens 16 --shapes 64x32 \\
+      --out /tmp/layer_step.json          # smoke test, interpret mode
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from timing import device_time_ms, metadata  # noqa: E402
+
+import forge_jax as fj  # noqa: E402
+from forge_jax.ops import backends  # noqa: E402
+
+SHAPES = ("4096x4096", "4096x1024", "4096x14336", "14336x4096", "4096x128256")
+STORAGE = {"fp32": (jnp.float32, None), "bf16": (jnp.bfloat16, jnp.bfloat16)}
+
+
+class Layer(nn.Module):
+  """RMSNorm, then the dense layer: optax's or FORGE's."""
+
+  features: int
+  param_dtype: object
+  optimizer: object = None  # FORGE's; None: nn.Dense
+  implementation: str = "auto"
+
+  @nn.compact
+  def __call__(self, x):
+    x = nn.RMSNorm(dtype=jnp.bfloat16, param_dtype=self.param_dtype)(x)
+    if self.optimizer is None:
+      dense = nn.Dense(
+        self.features,
+        use_bias=False,
+        dtype=jnp.bfloat16,
+        param_dtype=self.param_dtype,
+      )
+    else:
+      dense = fj.ForgeDense(
+        self.features,
+        self.optimizer,
+        use_bias=False,
+        dtype=jnp.bfloat16,
+        param_dtype=self.param_dtype,
+        implementation=self.implementation,
+      )
+    return dense(x)
+
+
+def _loss(apply_fn, params, x):
+  y = apply_fn(params, x).astype(jnp.float32)
+  return 0.5 * jnp.mean(jnp.square(y))
+
+
+def make_runner(variant, tokens, k, n, storage):
+  """A no-argument function running one donated train step per call."""
+  param_dtype, state_dtype = STORAGE[storage]
+  opt = fj.adamw(1e-4, weight_decay=0.1, state_dtype=state_dtype)
+  forge = variant != "optax"
+  model = Layer(
+    n,
+    param_dtype,
+    optimizer=opt if forge else None,
+    implementation=variant if forge else "auto",
+  )
+  x = jax.random.normal(jax.random.key(0), (tokens, k), jnp.bfloat16)
+  variables = jax.jit(model.init)(jax.random.key(1), x)
+  if forge:
+    state = fj.TrainState.create(
+      apply_fn=model.apply, params=variables, tx=opt.to_optax()
+    )
+  else:
+    tx = optax.adamw(1e-4, weight_decay=0.1, mu_dtype=state_dtype)
+    state = fj.TrainState.create(apply_fn=model.apply, params=variables, tx=tx)
+
+  def step(state, x):
+    loss, grads = jax.value_and_grad(lambda p: _loss(state.apply_fn, p, x))(
+      state.params
+    )
+    return state.apply_gradients(grads=grads), loss
+
+  step = jax.jit(step, donate_argnums=0)
+  carry = {"state": state}
+
+  def run():
+    carry["state"], loss = step(carry["state"], x)
+    return loss
+
+  return run
+
+
+def auto_choice(tokens, k, n, storage):
+  """The backend ``implementation='auto'`` takes for this case."""
+  param_dtype, state_dtype = STORAGE[storage]
+  opt = fj.adamw(1e-4, state_dtype=state_dtype)
+  x = jax.ShapeDtypeStruct((tokens, k), jnp.bfloat16)
+  dy = jax.ShapeDtypeStruct((tokens, n), jnp.bfloat16)
+  kernel = jax.ShapeDtypeStruct((k, n), param_dtype)
+  update = backends.select("auto", x, dy, kernel, opt)
+  return update.__module__.rsplit(".", 1)[-1] + "." + update.__name__
+
+
+def _args(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument(
+    "--tokens", type=int, nargs="+", default=[512, 2048, 8192]
+  )
+  parser.add_argument("--shapes", nargs="+", default=list(SHAPES))
+  parser.add_argument("--storage", nargs="+", default=["fp32", "bf16"])
+  parser.add_argument(
+    "--variants", nargs="+", default=["optax", "xla", "triton", "mosaic"]
+  )
+  parser.add_argument("--calls", type=int, default=10)
+  parser.add_argument("--repeats", type=int, default=3)
+  parser.add_argument("--time-budget-s", type=float, default=0)
+  parser.add_argument("--cpu", action="store_true")
+  parser.add_argument("--out", required=True)
+  return parser.parse_args(argv)
+
+
+def main(argv=None):
+  args = _args(argv)
+  if args.cpu:
+    jax.config.update("jax_platforms", "cpu")
+  started = time.perf_counter()
+  result = {"meta": metadata(), "config": vars(args), "cases": []}
+  for storage in args.storage:
+    for tokens in args.tokens:
+      for shape in args.shapes:
+        if (
+          args.time_budget_s
+          and time.perf_counter() - started > args.time_budget_s
+        ):
+          result["stopped_early"] = True
+          break
+        k, n = (int(d) for d in shape.split("x"))
+        case = {
+          "storage": storage,
+          "tokens": tokens,
+          "k": k,
+          "n": n,
+          "auto": auto_choice(tokens, k, n, storage),
+          "ms": {},
+        }
+        for variant in args.variants:
+          try:
+            timing = device_time_ms(
+              make_runner(variant, tokens, k, n, storage),
+              calls=args.calls,
+              repeats=args.repeats,
+            )
+            case["ms"][variant] = timing["ms"]
+          except Exception as e:  # a backend that cannot run the case
+            case.setdefault("errors", {})[variant] = f"{type(e).__name__}: {e}"[
+              :300
+            ]
+        if "optax" in case["ms"]:
+          case["speedup"] = {
+            v: case["ms"]["optax"] / ms for v, ms in case["ms"].items()
+          }
+        result["cases"].append(case)
+        print(json.dumps(case), flush=True)
+        with open(args.out, "w") as f:
+          json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+  main()
