@@ -34,7 +34,7 @@ import optax
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from timing import device_time_ms, metadata  # noqa: E402
+from timing import device_time_ms, kernel_profile, metadata  # noqa: E402
 
 import forge_jax as fj  # noqa: E402
 from forge_jax.ops import backends  # noqa: E402
@@ -139,6 +139,11 @@ def _args(argv=None):
   parser.add_argument("--calls", type=int, default=10)
   parser.add_argument("--repeats", type=int, default=3)
   parser.add_argument("--time-budget-s", type=float, default=0)
+  parser.add_argument(
+    "--profile",
+    action="store_true",
+    help="also store each variant's kernels' device time under 'profile'",
+  )
   parser.add_argument("--cpu", action="store_true")
   parser.add_argument("--out", required=True)
   return parser.parse_args(argv)
@@ -170,12 +175,11 @@ def main(argv=None):
         }
         for variant in args.variants:
           try:
-            timing = device_time_ms(
-              make_runner(variant, tokens, k, n, storage),
-              calls=args.calls,
-              repeats=args.repeats,
-            )
+            run = make_runner(variant, tokens, k, n, storage)
+            timing = device_time_ms(run, calls=args.calls, repeats=args.repeats)
             case["ms"][variant] = timing["ms"]
+            if args.profile:
+              case.setdefault("profile", {})[variant] = kernel_profile(run)
           except Exception as e:  # a backend that cannot run the case
             case.setdefault("errors", {})[variant] = f"{type(e).__name__}: {e}"[
               :300

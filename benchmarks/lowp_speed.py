@@ -60,6 +60,12 @@ def _args(argv=None):
   parser.add_argument(
     "--backends", nargs="+", default=["mosaic", "triton", "xla"]
   )
+  parser.add_argument(
+    "--mosaic-configs",
+    nargs="*",
+    default=[],
+    help="JSON MosaicConfig fields; each a 'mosaic[<json>]/<storage>' row",
+  )
   parser.add_argument("--time-budget-s", type=float, default=0)
   parser.add_argument("--out", required=True)
   return parser.parse_args(argv)
@@ -104,6 +110,25 @@ def main(argv=None):
               run = fused_runner(optimizer, config, w, x, dy)
             case["ms"][name] = device_time_ms(run, calls=10, repeats=3)["ms"]
           except Exception as e:  # a backend that cannot run the case
+            case.setdefault("errors", {})[name] = f"{type(e).__name__}: {e}"[
+              :300
+            ]
+        for fields in args.mosaic_configs:
+          name = f"mosaic[{fields}]/{storage}"
+          try:
+            config = mosaic.MosaicConfig(**json.loads(fields))
+            run = fused_runner(optimizer, config, w, x, dy)
+            case["ms"][name] = device_time_ms(run, calls=10, repeats=3)["ms"]
+            fused = fused_runner(optimizer, config, w, x, dy)()
+            reference = reference_runner(optimizer, w, x, dy)()
+            case.setdefault("max_abs_diff_to_xla", {})[name] = float(
+              jnp.max(
+                jnp.abs(
+                  fused.astype(jnp.float32) - reference.astype(jnp.float32)
+                )
+              )
+            )
+          except Exception as e:  # a config that cannot run the case
             case.setdefault("errors", {})[name] = f"{type(e).__name__}: {e}"[
               :300
             ]

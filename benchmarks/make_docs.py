@@ -953,6 +953,123 @@ def tp_section(run) -> str:
   )
 
 
+def fsdp_section(run) -> str:
+  p, f = run["plain"], run["fsdp"]
+  rows = [
+    [
+      name,
+      f"{r['max_peak_bytes_in_use'] / GIB:.2f}",
+      f"{r['compiled_temp_bytes'] / GIB:.2f}",
+      f"{r['step_ms_median']:.1f}",
+      ", ".join(f"{k} {v}" for k, v in r["collectives"].items()),
+      f"{r['final_loss']:.5f}",
+    ]
+    for name, r in (("FORGE, no mesh", p), (f"FORGE, FSDP data = {f['dp']}", f))
+  ]
+  return section(
+    "FSDP code path on one GPU",
+    f"{p['config']}, {p['num_layers']} layers "
+    f"{'(fj.scan)' if p['scan_layers'] else '(unrolled)'}, B = {p['batch']}, "
+    f"T = {p['seq']}, bf16 weights and AdamW states, remat: the FSDP path "
+    "with a data axis of one device against no mesh, each in its own "
+    "process. FSDP / plain: peak "
+    f"{run['peak_ratio_fsdp_over_plain']:.4f}, compiled temp "
+    f"{run['temp_ratio_fsdp_over_plain']:.4f}, step time "
+    f"{run['time_ratio_fsdp_over_plain']:.4f}. The final losses (bf16 "
+    "model, 5 steps) agree to "
+    f"{abs(p['final_loss'] - f['final_loss']) / abs(p['final_loss']):.1e} "
+    "relative; exactness against one device is the float32 tests' "
+    "(8 simulated devices).",
+    table(
+      [
+        "variant",
+        "peak (GiB)",
+        "compiled temp (GiB)",
+        "step ms",
+        "collectives",
+        "final loss",
+      ],
+      rows,
+    ),
+    "python benchmarks/fsdp_bench.py --scan --config llama-3.1-8b "
+    "--layers 8 --batch 1 --seq 4096 --out benchmarks/results/fsdp_dp1.json",
+    [run],
+  )
+
+
+def layer_step_section(run) -> str:
+  variants = run["config"]["variants"]
+  forge = [v for v in variants if v != "optax"]
+  rows = [
+    [
+      c["storage"],
+      c["tokens"],
+      f"{c['k']} x {c['n']}",
+      f"{c['ms']['optax']:.3f}",
+      *(
+        f"{c['speedup'][v]:.2f}" if v in c.get("speedup", {}) else "-"
+        for v in forge
+      ),
+      c["auto"].split(".")[-1].replace("_update", ""),
+    ]
+    for c in run["cases"]
+  ]
+  return section(
+    "One layer's whole train step",
+    "RMSNorm and a bias-free dense layer, sum-of-squares loss, jitted "
+    "TrainState step with the state donated, AdamW, bf16 compute: "
+    "`fj.ForgeDense` with each implementation against `nn.Dense` + optax, "
+    "side by side in one process (device time, medians). Each FORGE "
+    "column is optax's time over the backend's (> 1: faster than optax); "
+    "the last column is the backend `'auto'` takes.",
+    table(
+      ["W / m / v", "T", "K x N", "optax ms", *forge, "'auto'"],
+      rows,
+    ),
+    "python benchmarks/layer_step.py --out benchmarks/results/layer_step.json",
+    [run],
+  )
+
+
+def lowp_speed_section(run) -> str:
+  names = []
+  for c in run["cases"]:
+    names += [n for n in c["ms"] if n not in names]
+  rows = [
+    [
+      name,
+      *(
+        f"{c['ms'][name]:.3f}"
+        + (
+          f" ({c['ratio_to_bf16'][name]:.2f}x)"
+          if name in c.get("ratio_to_bf16", {})
+          else ""
+        )
+        if name in c["ms"]
+        else "-"
+        for c in run["cases"]
+      ),
+    ]
+    for name in names
+  ]
+  return section(
+    "Low-precision storage: speed of one fused update",
+    "AdamW, bf16 activations, bf16 weights; states bf16 or int8, weights "
+    "rounded to nearest or stochastically (`-sr`). Device ms of one call "
+    "(medians), in brackets the ratio to the same backend's bf16 time; "
+    "`gemm+optax` is XLA's GEMM and optax's update of bf16 storage.",
+    table(
+      [
+        "backend / storage",
+        *(f"T={c['tokens']}, {c['k']} x {c['n']}" for c in run["cases"]),
+      ],
+      rows,
+    ),
+    "python benchmarks/lowp_speed.py --out benchmarks/results/lowp_speed.json",
+    [run],
+  )
+
+
 FIDELITY_RUNS = {
   "optax_fp32": "optax AdamW, fp32 (reference)",
   "optax_fp32_seed1": "optax AdamW, fp32, another init seed",
@@ -1032,9 +1149,7 @@ def clipping_section(runs) -> str:
     "memory is `memory_stats()['peak_bytes_in_use']`), step time the "
     "median of the timed steps. The ratio is each row's step time over "
     "its variant's row without clipping.",
-    table(
-      ["shape", "step", "peak GiB", "step ms", "step / no clipping"], rows
-    ),
+    table(["shape", "step", "peak GiB", "step ms", "step / no clipping"], rows),
     "python benchmarks/run.py clipping",
     list(latest.values()),
   )
@@ -1184,6 +1299,9 @@ SECTIONS = (
   ("main_job_*/summary_*.json", main_job_section, True),
   ("clipping_step_*.json", clipping_section, False),
   ("clipping_curves_*.json", clipping_curves_section, True),
+  ("fsdp_*.json", fsdp_section, True),
+  ("layer_step_*.json", layer_step_section, True),
+  ("lowp_speed_*.json", lowp_speed_section, True),
 )
 
 
