@@ -405,12 +405,13 @@ def test_default_config_fits_dtypes_and_shape():
   four = fj.rmsprop(1e-3, centered=True, momentum=0.9)
   assert default(2048, 4096, F32) == inline[1]
   assert default(2048, 4096, F32, four) == inline[2]
-  # int8 states keep the inline ranking, one block wide (64 x 64 sub-tiles:
-  # one buffer per warpgroup beside five stages).
+  # int8 states: 64 x 64 parts (a 128-row accumulator spills beside the
+  # quantizer), one block-wide sub-tile each, at every token count.
   int8 = int8_sr(fj.adamw(1e-3))
-  assert default(8192, 4096, BF16, int8) == dataclasses.replace(
-    inline[1], epilogue_n=64
-  )
+  quantized = dataclasses.replace(mosaic.QUANTIZED_CONFIGS[0], epilogue_n=64)
+  assert quantized.tile_k == quantized.tile_n == 64
+  assert default(512, 4096, BF16, int8) == quantized
+  assert default(8192, 4096, BF16, int8) == quantized
   for tokens, n, dtype, opt in (
     (2048, 4096, F32, four),
     (8192, 384, BF16, fj.adamw(1e-3)),
@@ -436,6 +437,7 @@ def test_default_config_fits_dtypes_and_shape():
     mosaic.MosaicConfig(ctas_per_sm=2),
     *mosaic.INLINE_CONFIGS,
     *mosaic.PINGPONG_CONFIGS,
+    *mosaic.QUANTIZED_CONFIGS,
   ],
   ids=repr,
 )

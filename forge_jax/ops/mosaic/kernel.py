@@ -33,8 +33,7 @@ Coverage: 16-bit activations (wgmma's transposed operand), float32 or
 bfloat16 kernels (bfloat16 stochastically rounded too), float32, bfloat16 or
 int8 block-64 states, shapes that divide into whole tiles. Other calls get a
 reason from :func:`unsupported_reason`; 'auto' then uses the Triton-lowering
-kernel, which it also tries first for int8 states (faster on the whole
-step: :func:`forge_jax.ops.backends.select`).
+kernel (:func:`forge_jax.ops.backends.select`).
 
 Low precision (:mod:`forge_jax.quantization`, the reference's functions):
 stochastic rounding hashes each element's global row and column (the tile's
