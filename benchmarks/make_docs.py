@@ -1031,7 +1031,22 @@ def layer_step_section(run) -> str:
   )
 
 
-def lowp_speed_section(run) -> str:
+def lowp_sweep_section(run) -> str:
+  """The Mosaic configs tried for int8 states (``--mosaic-configs``)."""
+  return lowp_speed_section(
+    run,
+    "int8 states: the Mosaic kernel's configs",
+    "python benchmarks/lowp_speed.py --storages int8-sr --mosaic-configs "
+    "'{...}' ... --out benchmarks/results/lowp_sweep.json",
+  )
+
+
+def lowp_speed_section(
+  run,
+  title="Low-precision storage: speed of one fused update",
+  command="python benchmarks/lowp_speed.py --out "
+  "benchmarks/results/lowp_speed.json",
+) -> str:
   names = []
   for c in run["cases"]:
     names += [n for n in c["ms"] if n not in names]
@@ -1053,7 +1068,7 @@ def lowp_speed_section(run) -> str:
     for name in names
   ]
   return section(
-    "Low-precision storage: speed of one fused update",
+    title,
     "AdamW, bf16 activations, bf16 weights; states bf16 or int8, weights "
     "rounded to nearest or stochastically (`-sr`). Device ms of one call "
     "(medians), in brackets the ratio to the same backend's bf16 time; "
@@ -1065,7 +1080,7 @@ def lowp_speed_section(run) -> str:
       ],
       rows,
     ),
-    "python benchmarks/lowp_speed.py --out benchmarks/results/lowp_speed.json",
+    command,
     [run],
   )
 
@@ -1302,6 +1317,7 @@ SECTIONS = (
   ("fsdp_*.json", fsdp_section, True),
   ("layer_step_*.json", layer_step_section, True),
   ("lowp_speed_*.json", lowp_speed_section, True),
+  ("lowp_sweep_*.json", lowp_sweep_section, True),
 )
 
 
