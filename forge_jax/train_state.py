@@ -62,9 +62,13 @@ class TrainState(train_state.TrainState):
     max_grad_norm: None, or the global norm every step's gradient is
       clipped to, as ``optax.clip_by_global_norm(max_grad_norm)`` first in
       ``tx`` would.
-    clip: ``'exact'``: clipped by the step's own norm (one forward and two
-      backward passes); ``'delayed'``: by the previous step's norm (one
-      backward pass; the first step is not clipped).
+    clip: ``'exact'``: clipped by the step's own norm (one forward and one
+      backward pass, each ForgeDense keeping its input and output
+      cotangent, ``tokens * (K + N)`` elements, until the norm is known and
+      it steps; two backward passes where a layer cannot defer its update:
+      under a ``ShardedLayout``, or inside ``nn.scan`` / ``nn.vmap``);
+      ``'delayed'``: by the previous step's norm (one backward pass; the
+      first step is not clipped).
   """
 
   reached: Any = None
@@ -256,7 +260,8 @@ def check_clipped(collection):
     "/".join(path)
     for path, _ in forge_layers(collection)
     if layer_context.last_event(path) == layer_context.BACKWARD
-    and layer_context.last_pass(path) != layer_context.SCALED
+    and layer_context.last_pass(path)
+    not in (layer_context.SCALED, layer_context.DEFERRED)
   ]
   if unclipped:
     raise ValueError(
