@@ -193,10 +193,12 @@ class _ForgeLinear(nn.Module):
       stacked,
       can_defer,
     )
-    if layout is None:
+    if sink is not None:
       return forge_dense(
         inputs, variables, bias, spec, layer_index, factors=sink
       )
+    if layout is None:
+      return forge_dense(inputs, variables, bias, spec, layer_index)
     return forge_dense(
       inputs,
       variables,
