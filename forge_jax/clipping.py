@@ -62,6 +62,23 @@ def forge_layers(collection, path=()):
       yield from forge_layers(value, path + (key,))
 
 
+def layer_at(collection, path: tuple):
+  """The entry of FORGE's collection (or a tree like it) at ``path``."""
+  for key in path:
+    collection = collection[key]
+  return collection
+
+
+def with_layer(collection: Mapping, path: tuple, value) -> dict:
+  """``collection`` with ``value`` at ``path`` (new dicts along the path)."""
+  if not path:
+    return value
+  return {
+    **collection,
+    path[0]: with_layer(collection[path[0]], path[1:], value),
+  }
+
+
 def _map_layers(fn, collection, *others):
   """FORGE's collection with ``fn(layer, *other layers)`` for each layer."""
   if isinstance(collection, Mapping) and "intact" in collection:
@@ -266,29 +283,15 @@ def _deferred_updates(layers, forge, factors, scale):
   every reader of the old kernels, and write them in place.
   """
   for path, layer in layers.items():
-    variables = _get(forge, path)
-    sink = _get(factors, path)
     new = deferred_update(
       layer.spec,
-      ForgeVariables(**variables),
-      Factors(**sink),
+      ForgeVariables(**layer_at(forge, path)),
+      Factors(**layer_at(factors, path)),
       scale,
       layer.length,
     )
-    forge = _set(forge, path, {**variables, **new._asdict()})
+    forge = with_layer(forge, path, new._asdict())
   return forge
-
-
-def _get(tree, path):
-  for key in path:
-    tree = tree[key]
-  return tree
-
-
-def _set(tree, path, value):
-  if not path:
-    return value
-  return {**tree, path[0]: _set(tree[path[0]], path[1:], value)}
 
 
 def _check_scalar(value):

@@ -8,10 +8,11 @@ Four trace-time channels between the parts of the package:
   the scan's module path, which prefixes the layers' own paths).
 * :func:`record` / :func:`record_backward` / :func:`last_event`: each
   ForgeDense records, by module path, that its forward ran, and the fused
-  op's backward that it ran after it. :class:`forge_jax.TrainState` installs the new variables of a layer
-  whose backward ran last without reading the old ones (so updates stay in
-  place), and checks the others at run time (a layer the loss did not reach
-  gets zero cotangents and keeps its variables).
+  op's backward that it ran after it. :class:`forge_jax.TrainState`
+  installs the new variables of a layer whose backward ran last without
+  reading the old ones (so updates stay in place), and checks the others
+  at run time (a layer the loss did not reach gets zero cotangents and
+  keeps its variables).
 * :func:`gradient_pass` / :func:`running`: which backward pass of
   :mod:`forge_jax.clipping`'s gradient functions is being traced (a
   norm-only pass computes each layer's ``grad_sq_norm`` and updates

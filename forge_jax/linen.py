@@ -238,11 +238,11 @@ class _ForgeLinear(nn.Module):
         layer_context.DeferrableLayer(spec, factors, length, can_defer),
       )
       return None
+    # The sink's leaves are named as Factors' fields ('x', 'dy').
     if not can_defer or not self.has_variable(FACTORS_COLLECTION, "x"):
       return None
     return Factors(
-      self.get_variable(FACTORS_COLLECTION, "x"),
-      self.get_variable(FACTORS_COLLECTION, "dy"),
+      *(self.get_variable(FACTORS_COLLECTION, name) for name in Factors._fields)
     )
 
   def _check_collection(self):

@@ -24,7 +24,7 @@ from flax import struct
 from flax.training import train_state
 
 from forge_jax import clipping, layer_context
-from forge_jax.clipping import forge_layers
+from forge_jax.clipping import forge_layers, layer_at, with_layer
 from forge_jax.linen import FORGE_COLLECTION
 from forge_jax.optimizers import (
   WHOLE_GRADIENT_TRANSFORMATIONS,
@@ -166,12 +166,6 @@ class TrainState(train_state.TrainState):
     return names
 
 
-def _set(tree: Mapping, path: tuple, value) -> dict:
-  if not path:
-    return value
-  return {**tree, path[0]: _set(tree[path[0]], path[1:], value)}
-
-
 def install(old, cotangents):
   """FORGE's new variables and ``{path: reached}``.
 
@@ -182,14 +176,14 @@ def install(old, cotangents):
   """
   new, reached = cotangents, {}
   for path, layer in forge_layers(old):
-    written = _get(cotangents, path)
+    written = layer_at(cotangents, path)
     installed, reached["/".join(path)] = install_layer(
       dict(layer),
       written,
       layer_context.last_event(path) == layer_context.BACKWARD,
     )
     if installed is not written:
-      new = _set(new, path, installed)
+      new = with_layer(new, path, installed)
   return new, reached
 
 
@@ -214,12 +208,6 @@ def install_layer(old, written, backward_traced: bool):
     value,
   )
   return jax.tree.map(keep, written, old), reached
-
-
-def _get(tree, path):
-  for key in path:
-    tree = tree[key]
-  return tree
 
 
 def check_transformation(tx):
