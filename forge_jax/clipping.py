@@ -8,11 +8,27 @@ run with a seed ``s`` instead of 1.0, it makes every gradient (each FORGE
 layer's ``dW`` inside its kernel, and every other gradient) ``s`` times as
 large. Clipping is a seed:
 
-* ``'exact'``: one forward pass (``jax.vjp``) and two backward passes. The
-  first is norm-only: each ForgeDense sums the squares of its ``dW`` and
-  updates nothing (:data:`forge_jax.layer_context.NORM_ONLY`). The second
-  runs with the seed ``min(1, max_norm / ||g||)`` and updates. Equal to
-  ``optax.chain(optax.clip_by_global_norm(max_norm), tx)``.
+* ``'exact'``: one forward pass (``jax.vjp``) and, where every ForgeDense
+  can defer its update, one backward pass. In it each ForgeDense computes
+  ``dx`` and ``dbias``, sums the squares of its ``dW`` and updates nothing
+  (:data:`forge_jax.layer_context.DEFERRED`); it hands its factors, the
+  input ``x [tokens, K]`` in the compute dtype and ``dy [tokens, N]``, out
+  of the backward as the cotangent of a sink of zeros in
+  :data:`forge_jax.linen.FACTORS_COLLECTION` (a custom_vjp can hand values
+  out only as the cotangent of an input). With the global norm known, each
+  layer steps from its factors with ``dy`` scaled by ``min(1, max_norm /
+  ||g||)``, by the backend its backward would use (the layers of an
+  ``fj.scan`` one after the other, in place in the stacks). The factors
+  cost ``tokens * (K + N)`` elements per layer until then, far less than
+  the ``K * N`` of a stored ``dW``; the dX GEMMs and the remat'd forwards
+  run once. Before the pass, the loss is traced abstractly to find the
+  layers and the factors' shapes (:func:`forge_jax.layer_context.discovering`).
+  A layer cannot defer under a ``ShardedLayout``, inside ``nn.scan`` or
+  ``nn.vmap``, in Flax NNX, or when ``fun`` does not hand
+  ``FACTORS_COLLECTION`` on to it; then the step runs as two backward
+  passes, the first norm-only (:data:`forge_jax.layer_context.NORM_ONLY`),
+  the second seeded with ``min(1, max_norm / ||g||)``, updating. Either way
+  it equals ``optax.chain(optax.clip_by_global_norm(max_norm), tx)``.
 * ``'delayed'``: one backward pass, seeded with ``min(1, max_norm /
   ||g_prev||)`` from the previous step's global norm (no clipping before
   the first step), so a step is clipped by the norm of the step before.
@@ -31,7 +47,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from forge_jax import layer_context
-from forge_jax.linen import FORGE_COLLECTION
+from forge_jax.linen import FACTORS_COLLECTION, FORGE_COLLECTION
+from forge_jax.ops.fused_dense import Factors, ForgeVariables, deferred_update
 
 CLIP_MODES = ("exact", "delayed")
 
@@ -43,6 +60,23 @@ def forge_layers(collection, path=()):
   elif isinstance(collection, Mapping):
     for key, value in collection.items():
       yield from forge_layers(value, path + (key,))
+
+
+def layer_at(collection, path: tuple):
+  """The entry of FORGE's collection (or a tree like it) at ``path``."""
+  for key in path:
+    collection = collection[key]
+  return collection
+
+
+def with_layer(collection: Mapping, path: tuple, value) -> dict:
+  """``collection`` with ``value`` at ``path`` (new dicts along the path)."""
+  if not path:
+    return value
+  return {
+    **collection,
+    path[0]: with_layer(collection[path[0]], path[1:], value),
+  }
 
 
 def _map_layers(fn, collection, *others):
@@ -144,9 +178,10 @@ def value_and_grad(
   ``fun(variables, *args, **kwargs)`` is differentiated with respect to
   ``variables`` (all of them, FORGE's collection included). With a
   ``max_norm``, every ForgeDense steps with its weight gradient clipped by
-  the global norm: ``clip='exact'`` by this step's (two backward passes),
-  ``clip='delayed'`` by ``previous_norm``, the previous step's (one
-  backward pass; see the module docstring).
+  the global norm: ``clip='exact'`` by this step's (one backward pass and
+  deferred updates, or two backward passes), ``clip='delayed'`` by
+  ``previous_norm``, the previous step's (one backward pass; see the module
+  docstring).
 
   Returns:
     A function returning ``(value, grads)`` (``((value, aux), grads)`` with
@@ -163,19 +198,36 @@ def value_and_grad(
     raise ValueError("clip='delayed' needs the previous step's previous_norm")
 
   def value_and_grad_fn(variables, *args, **kwargs):
-    out = jax.vjp(lambda v: fun(v, *args, **kwargs), variables, has_aux=has_aux)
+    loss = lambda v: fun(v, *args, **kwargs)
+    layers = None
+    if max_norm is not None and clip == "exact":
+      layers = _deferrable_layers(loss, variables, has_aux)
+    if layers:
+      sinks = _factor_sinks(layers)
+      variables = {**variables, FACTORS_COLLECTION: sinks}
+    out = jax.vjp(loss, variables, has_aux=has_aux)
     value, pullback = out[:2]
     _check_scalar(value)
     seed = lambda scale: jnp.asarray(scale, jnp.result_type(value))
     if max_norm is None:
       (grads,) = pullback(seed(1.0))
     elif clip == "exact":
-      with layer_context.running(layer_context.NORM_ONLY):
+      first = (
+        layer_context.NORM_ONLY if layers is None else layer_context.DEFERRED
+      )
+      with layer_context.running(first) as traced:
         (measured,) = pullback(seed(1.0))
+      measured, factors = _split_factors(measured)
       scale = clip_scale(global_norm(measured), max_norm)
-      with layer_context.running(layer_context.SCALED):
-        (stepped,) = pullback(seed(scale))
-      grads = _with_forge(measured, _forge_norms(stepped, measured))
+      if layers is not None and all(
+        name == layer_context.DEFERRED for name in traced
+      ):
+        forge = _deferred_updates(layers, _split(measured)[0], factors, scale)
+      else:
+        with layer_context.running(layer_context.SCALED):
+          (stepped,) = pullback(seed(scale))
+        forge = _forge_norms(_split_factors(stepped)[0], measured)
+      grads = _with_forge(measured, forge)
     else:
       scale = clip_scale(delayed_norm(previous_norm), max_norm)
       with layer_context.running(layer_context.SCALED):
@@ -184,6 +236,62 @@ def value_and_grad(
     return ((value, out[2]) if has_aux else value), grads
 
   return value_and_grad_fn
+
+
+def _deferrable_layers(loss, variables, has_aux):
+  """``{path: DeferrableLayer}`` of the ForgeDense layers ``loss`` runs, if
+  every one can defer its update (``{}`` for a loss without any); else
+  None. Traces ``loss`` abstractly, as ``jax.vjp`` will run it."""
+  if not isinstance(variables, Mapping):
+    return None
+  with layer_context.discovering() as layers:
+    jax.eval_shape(lambda v: jax.vjp(loss, v, has_aux=has_aux)[0], variables)
+  if not all(layer.can_defer for layer in layers.values()):
+    return None
+  return layers
+
+
+def _factor_sinks(layers):
+  """:data:`FACTORS_COLLECTION`: zeros ``{'x', 'dy'}`` at every layer's
+  path."""
+  sinks = {}
+  for path, layer in layers.items():
+    node = sinks
+    for key in path[:-1]:
+      node = node.setdefault(key, {})
+    node[path[-1]] = {
+      name: jnp.zeros(shape.shape, shape.dtype)
+      for name, shape in layer.factors._asdict().items()
+    }
+  return sinks
+
+
+def _split_factors(grads):
+  """``(grads without FACTORS_COLLECTION, its cotangents)``: the layers'
+  factors where they deferred (zeros elsewhere)."""
+  if not isinstance(grads, Mapping) or FACTORS_COLLECTION not in grads:
+    return grads, {}
+  factors = grads[FACTORS_COLLECTION]
+  return {k: v for k, v in grads.items() if k != FACTORS_COLLECTION}, factors
+
+
+def _deferred_updates(layers, forge, factors, scale):
+  """FORGE's collection with every layer stepped from its factors with
+  ``dy`` scaled by ``scale``.
+
+  The updates depend on ``scale``, so on every gradient: they run after
+  every reader of the old kernels, and write them in place.
+  """
+  for path, layer in layers.items():
+    new = deferred_update(
+      layer.spec,
+      ForgeVariables(**layer_at(forge, path)),
+      Factors(**layer_at(factors, path)),
+      scale,
+      layer.length,
+    )
+    forge = with_layer(forge, path, new._asdict())
+  return forge
 
 
 def _check_scalar(value):

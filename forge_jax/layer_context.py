@@ -1,22 +1,29 @@
 """What a traced ForgeDense learns from around it, and what it leaves behind.
 
-Three trace-time channels between the parts of the package:
+Four trace-time channels between the parts of the package:
 
 * :func:`stacked_layer`: while :func:`forge_jax.scan` traces its block, the
   ForgeDense layers inside it receive their whole variable stacks and step
   one layer of them in place (the layer's index, the number of layers, and
   the scan's module path, which prefixes the layers' own paths).
-* :func:`record` / :func:`last_event`: each ForgeDense records, by module
-  path, that its forward ran, and the fused op's backward that it ran after
-  it. :class:`forge_jax.TrainState` installs the new variables of a layer
-  whose backward ran last without reading the old ones (so updates stay in
-  place), and checks the others at run time (a layer the loss did not reach
-  gets zero cotangents and keeps its variables).
+* :func:`record` / :func:`record_backward` / :func:`last_event`: each
+  ForgeDense records, by module path, that its forward ran, and the fused
+  op's backward that it ran after it. :class:`forge_jax.TrainState`
+  installs the new variables of a layer whose backward ran last without
+  reading the old ones (so updates stay in place), and checks the others
+  at run time (a layer the loss did not reach gets zero cotangents and
+  keeps its variables).
 * :func:`gradient_pass` / :func:`running`: which backward pass of
   :mod:`forge_jax.clipping`'s gradient functions is being traced (a
   norm-only pass computes each layer's ``grad_sq_norm`` and updates
-  nothing); :func:`last_pass` says under which pass a layer's backward was
-  traced last.
+  nothing; a deferred pass also hands each layer's factors out);
+  :func:`last_pass` says under which pass a layer's backward was traced
+  last, and :func:`running` lists the passes every backward traced inside
+  it ran as.
+* :func:`discovering` / :func:`declare`: while exact clipping traces the
+  loss abstractly, each ForgeDense declares, by path, the factors its
+  deferred backward would hand out and whether it can defer
+  (:class:`DeferrableLayer`).
 """
 
 from __future__ import annotations
@@ -31,9 +38,11 @@ FORWARD = "forward"
 BACKWARD = "backward"
 
 #: The backward passes of :mod:`forge_jax.clipping`: the norm of every
-#: weight gradient and no update, then the update with a scaled seed.
+#: weight gradient and no update; the update with a scaled seed; and the
+#: norm with the layer's factors handed out, for an update after the pass.
 NORM_ONLY = "norm_only"
 SCALED = "scaled"
+DEFERRED = "deferred"
 
 
 class StackedLayer(NamedTuple):
@@ -77,7 +86,9 @@ def gradient_pass() -> Optional[str]:
 
 @contextlib.contextmanager
 def running(gradient_pass_name: str):
-  """Traces the calls inside as backward pass ``gradient_pass_name``.
+  """Traces the calls inside as backward pass ``gradient_pass_name``;
+  yields a list that receives the pass each fused op's backward traced
+  inside runs as (:func:`record_backward`).
 
   JAX caches the transposes of ``scan``, ``while``, ``cond``, ``remat`` and
   ``jit`` bodies by their linearized jaxpr and its trace context, so a
@@ -87,13 +98,20 @@ def running(gradient_pass_name: str):
   each pass gets its own traces (and its ops say which pass they belong
   to).
   """
+  traced = []
   token = _GRADIENT_PASS.set(gradient_pass_name)
+  traced_token = _TRACED.set(traced)
   try:
     with set_xla_metadata(forge_gradient_pass=gradient_pass_name):
-      yield
+      yield traced
   finally:
+    _TRACED.reset(traced_token)
     _GRADIENT_PASS.reset(token)
 
+
+_TRACED: contextvars.ContextVar[Optional[list]] = contextvars.ContextVar(
+  "forge_traced_backwards", default=None
+)
 
 _EVENTS: dict[tuple, str] = {}
 _OPTIMIZERS: dict[tuple, Any] = {}
@@ -101,14 +119,30 @@ _PASSES: dict[tuple, Optional[str]] = {}
 
 
 def record(path: tuple, event: str, optimizer=None) -> None:
-  """Records that ``event`` (:data:`FORWARD` or :data:`BACKWARD`) was traced
-  for the ForgeDense at module ``path`` (a forward names its optimizer, a
-  backward the :func:`gradient_pass` it was traced in)."""
+  """Records that ``event`` (:data:`FORWARD`) was traced for the ForgeDense
+  at module ``path``, with its optimizer (backwards:
+  :func:`record_backward`)."""
   _EVENTS[tuple(path)] = event
   if optimizer is not None:
     _OPTIMIZERS[tuple(path)] = optimizer
-  if event == BACKWARD:
-    _PASSES[tuple(path)] = gradient_pass()
+
+
+def record_backward(path: tuple, deferred: bool) -> str:
+  """Records that the fused op's backward was traced for the ForgeDense at
+  ``path`` (``()``: an unnamed op, recorded only in :func:`running`'s
+  list), and returns the pass it runs as: the :func:`gradient_pass`, but
+  :data:`NORM_ONLY` for a layer in a :data:`DEFERRED` pass that has no
+  factor sink (``deferred`` False)."""
+  name = gradient_pass()
+  if name == DEFERRED and not deferred:
+    name = NORM_ONLY
+  if path:
+    _EVENTS[tuple(path)] = BACKWARD
+    _PASSES[tuple(path)] = name
+  traced = _TRACED.get()
+  if traced is not None:
+    traced.append(name)
+  return name
 
 
 def last_event(path: tuple) -> Optional[str]:
@@ -122,6 +156,52 @@ def optimizer(path: tuple):
 
 
 def last_pass(path: tuple) -> Optional[str]:
-  """The :func:`gradient_pass` the last backward of the ForgeDense at
-  ``path`` was traced in (None: a plain ``jax.grad`` or none traced)."""
+  """The pass the last backward of the ForgeDense at ``path`` ran as (see
+  :func:`record_backward`; None: a plain ``jax.grad`` or none traced)."""
   return _PASSES.get(tuple(path))
+
+
+class DeferrableLayer(NamedTuple):
+  """What a ForgeDense declares while :func:`discovering`."""
+
+  spec: Any  # its FusedDenseSpec
+  #: ``Factors`` of ShapeDtypeStructs: the compute-dtype input ``[tokens,
+  #: K]`` and the output's cotangent ``[tokens, N]`` (with a leading axis of
+  #: ``length`` for stacked layers).
+  factors: Any
+  length: Optional[int]  # the number of layers of fj.scan's stacks, or None
+  #: False under a ShardedLayout or inside nn.scan / nn.vmap: the layer
+  #: runs norm-only in a deferred pass.
+  can_defer: bool
+
+
+_DISCOVERED: contextvars.ContextVar[Optional[dict]] = contextvars.ContextVar(
+  "forge_discovered_layers", default=None
+)
+
+
+@contextlib.contextmanager
+def discovering():
+  """Yields a dict that every ForgeDense traced inside fills with its
+  :class:`DeferrableLayer`, by path (a path declared twice, as by two
+  models in one loss, cannot defer)."""
+  layers = {}
+  token = _DISCOVERED.set(layers)
+  try:
+    yield layers
+  finally:
+    _DISCOVERED.reset(token)
+
+
+def is_discovering() -> bool:
+  """Whether the layers traced now declare themselves (:func:`declare`)."""
+  return _DISCOVERED.get() is not None
+
+
+def declare(path: tuple, layer: DeferrableLayer) -> None:
+  """Declares the ForgeDense at ``path`` while :func:`discovering`."""
+  layers = _DISCOVERED.get()
+  path = tuple(path)
+  if path in layers:
+    layer = layer._replace(can_defer=False)
+  layers[path] = layer

@@ -21,8 +21,10 @@ from jax.sharding import PartitionSpec as P
 
 from forge_jax import layer_context, parallel, quantization
 from forge_jax.ops.fused_dense import (
+  Factors,
   ForgeVariables,
   FusedDenseSpec,
+  factor_shapes,
   forge_dense,
   init_variables,
 )
@@ -32,6 +34,12 @@ from forge_jax.optimizers import ForgeOptimizer, not_elementwise_message
 #: ``flax.training.train_state.TrainState.apply_gradients`` overwrites it with
 #: its "gradient", which FORGE's backward makes the updated variables.
 FORGE_COLLECTION = OVERWRITE_WITH_GRADIENT
+
+#: The transient collection through which exact clipping's deferred pass
+#: receives each ForgeDense's factors (:mod:`forge_jax.clipping`): per
+#: layer, zeros ``{'x': [tokens, K], 'dy': [tokens, N]}`` whose cotangents
+#: are the factors. Built for one gradient call; never stored in a state.
+FACTORS_COLLECTION = "forge_factors"
 
 
 class ForgeMemoryWarning(UserWarning):
@@ -153,6 +161,7 @@ class _ForgeLinear(nn.Module):
     layer_index = None if stacked is None else stacked.index
     self._check_single_use(kernel)
     path = (context.path if context is not None else ()) + tuple(self.path)
+    transform = None
     if not self.is_initializing():
       transform = _stacking_transform(self.scope) if context is None else None
       if transform is not None:
@@ -169,6 +178,25 @@ class _ForgeLinear(nn.Module):
     # The kernel as stored: the op views it as [K, N] (a reshape, no copy)
     # and returns the updated kernel in the stored shape.
     layout = self._layout(inputs, view_meta, input_names, output_names)
+    # A layer can defer its update out of the backward pass in place in
+    # fj.scan's stacks or on its own, not under a layout (its update runs
+    # per shard) or in a transform that slices its variables.
+    can_defer = layout is None and (
+      stacked is not None or (context is None and transform is None)
+    )
+    sink = self._factor_sink(
+      path,
+      spec,
+      inputs,
+      jax.ShapeDtypeStruct(view, jnp.result_type(kernel)),
+      bias,
+      stacked,
+      can_defer,
+    )
+    if sink is not None:
+      return forge_dense(
+        inputs, variables, bias, spec, layer_index, factors=sink
+      )
     if layout is None:
       return forge_dense(inputs, variables, bias, spec, layer_index)
     return forge_dense(
@@ -183,6 +211,39 @@ class _ForgeLinear(nn.Module):
 
   def _where(self) -> str:
     return f"{type(self).__name__} {'/'.join(self.path)!r}"
+
+  def _factor_sink(
+    self, path, spec, inputs, kernel, bias, stacked, can_defer
+  ) -> Optional[Factors]:
+    """The layer's factor sink from :data:`FACTORS_COLLECTION` (None when
+    there is none, or when the layer cannot defer its update). While
+    exact clipping discovers the layers, declares the layer instead
+    (:func:`forge_jax.layer_context.declare`)."""
+    if self.is_initializing():
+      return None
+    if layer_context.is_discovering():
+      length = None if stacked is None else stacked.length
+      factors = None
+      if can_defer:
+        factors = factor_shapes(inputs, kernel, bias, spec)
+        if length is not None:
+          factors = Factors(
+            *(
+              jax.ShapeDtypeStruct((length,) + f.shape, f.dtype)
+              for f in factors
+            )
+          )
+      layer_context.declare(
+        path,
+        layer_context.DeferrableLayer(spec, factors, length, can_defer),
+      )
+      return None
+    # The sink's leaves are named as Factors' fields ('x', 'dy').
+    if not can_defer or not self.has_variable(FACTORS_COLLECTION, "x"):
+      return None
+    return Factors(
+      *(self.get_variable(FACTORS_COLLECTION, name) for name in Factors._fields)
+    )
 
   def _check_collection(self):
     """FORGE's collection must come with the variables: flax's own error

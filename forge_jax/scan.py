@@ -42,7 +42,11 @@ from flax.core import FrozenDict
 from jax import lax
 
 from forge_jax import layer_context
-from forge_jax.linen import FORGE_COLLECTION, ForgeMemoryWarning
+from forge_jax.linen import (
+  FACTORS_COLLECTION,
+  FORGE_COLLECTION,
+  ForgeMemoryWarning,
+)
 
 
 def scan(
@@ -77,9 +81,10 @@ def scan(
   wrapped in ``nn.remat`` saves, per layer, what its policy saves; an
   unwrapped block saves every residual, as ``nn.scan`` would.
 
-  While a collection other than ``params`` and FORGE's is mutable (a decode
-  cache, ``sow``'s intermediates), the call runs as ``nn.scan`` itself:
-  correct, without the in-place backward.
+  While a collection other than ``params`` and FORGE's (and exact
+  clipping's factor sinks, sliced per layer like every other collection)
+  is mutable (a decode cache, ``sow``'s intermediates), the call runs as
+  ``nn.scan`` itself: correct, without the in-place backward.
 
   Raises:
     ValueError: for an argument of ``nn.scan`` that fj.scan cannot honor
@@ -115,7 +120,7 @@ def scan(
       mutable = [
         c
         for c in self.variables
-        if c not in ("params", FORGE_COLLECTION)
+        if c not in ("params", FORGE_COLLECTION, FACTORS_COLLECTION)
         and self.is_mutable_collection(c)
       ]
       if self.is_initializing() or mutable:

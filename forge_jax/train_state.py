@@ -24,7 +24,7 @@ from flax import struct
 from flax.training import train_state
 
 from forge_jax import clipping, layer_context
-from forge_jax.clipping import forge_layers
+from forge_jax.clipping import forge_layers, layer_at, with_layer
 from forge_jax.linen import FORGE_COLLECTION
 from forge_jax.optimizers import (
   WHOLE_GRADIENT_TRANSFORMATIONS,
@@ -62,9 +62,13 @@ class TrainState(train_state.TrainState):
     max_grad_norm: None, or the global norm every step's gradient is
       clipped to, as ``optax.clip_by_global_norm(max_grad_norm)`` first in
       ``tx`` would.
-    clip: ``'exact'``: clipped by the step's own norm (one forward and two
-      backward passes); ``'delayed'``: by the previous step's norm (one
-      backward pass; the first step is not clipped).
+    clip: ``'exact'``: clipped by the step's own norm (one forward and one
+      backward pass, each ForgeDense keeping its input and output
+      cotangent, ``tokens * (K + N)`` elements, until the norm is known and
+      it steps; two backward passes where a layer cannot defer its update:
+      under a ``ShardedLayout``, or inside ``nn.scan`` / ``nn.vmap``);
+      ``'delayed'``: by the previous step's norm (one backward pass; the
+      first step is not clipped).
   """
 
   reached: Any = None
@@ -162,12 +166,6 @@ class TrainState(train_state.TrainState):
     return names
 
 
-def _set(tree: Mapping, path: tuple, value) -> dict:
-  if not path:
-    return value
-  return {**tree, path[0]: _set(tree[path[0]], path[1:], value)}
-
-
 def install(old, cotangents):
   """FORGE's new variables and ``{path: reached}``.
 
@@ -178,14 +176,14 @@ def install(old, cotangents):
   """
   new, reached = cotangents, {}
   for path, layer in forge_layers(old):
-    written = _get(cotangents, path)
+    written = layer_at(cotangents, path)
     installed, reached["/".join(path)] = install_layer(
       dict(layer),
       written,
       layer_context.last_event(path) == layer_context.BACKWARD,
     )
     if installed is not written:
-      new = _set(new, path, installed)
+      new = with_layer(new, path, installed)
   return new, reached
 
 
@@ -210,12 +208,6 @@ def install_layer(old, written, backward_traced: bool):
     value,
   )
   return jax.tree.map(keep, written, old), reached
-
-
-def _get(tree, path):
-  for key in path:
-    tree = tree[key]
-  return tree
 
 
 def check_transformation(tx):
@@ -256,7 +248,8 @@ def check_clipped(collection):
     "/".join(path)
     for path, _ in forge_layers(collection)
     if layer_context.last_event(path) == layer_context.BACKWARD
-    and layer_context.last_pass(path) != layer_context.SCALED
+    and layer_context.last_pass(path)
+    not in (layer_context.SCALED, layer_context.DEFERRED)
   ]
   if unclipped:
     raise ValueError(

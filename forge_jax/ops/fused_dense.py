@@ -13,6 +13,13 @@ leaf of the variables is a stack over a leading layer axis; the op uses the
 layer's kernel, steps only that layer, and the cotangent is the whole stacks
 with that layer updated, in place (:mod:`forge_jax.ops.stacks`).
 
+Deferred mode (exact clipping, :mod:`forge_jax.clipping`): given a sink of
+:class:`Factors`, a backward traced as the deferred pass steps nothing; it
+returns ``dx``, ``dbias`` and ``dW``'s sum of squares as the norm-only pass
+does, and the layer's factors (its input in the compute dtype and ``dy``)
+as the sink's cotangent. :func:`deferred_update` steps the layer from them
+once the global norm is known.
+
 Sharded mode (tensor / sequence parallelism): given a
 :class:`forge_jax.parallel.ShardedLayout`, the forward and backward rules
 each run per shard in ``jax.shard_map``, with the all-gathers, all-reduces
@@ -26,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any, NamedTuple, Optional
 
 import jax
@@ -88,6 +96,20 @@ def init_variables(
     intact=scalar(1),
     grad_sq_norm=scalar(0),
   )
+
+
+class Factors(NamedTuple):
+  """The two factors of one layer's weight gradient ``dW = x.T @ dy``.
+
+  Attributes:
+    x: the layer's input in the compute dtype, ``[tokens, K]``.
+    dy: the cotangent of its output, ``[tokens, N]``.
+
+  With a leading layer axis for layers stacked by ``fj.scan``.
+  """
+
+  x: jax.Array
+  dy: jax.Array
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,6 +194,7 @@ def forge_dense(
   layer_index: Optional[jax.Array] = None,
   layout: Optional[parallel.ShardedLayout] = None,
   where: str = "forge_dense",
+  factors: Optional[Factors] = None,
 ) -> jax.Array:
   """``x @ kernel + bias``; differentiating it w.r.t. ``variables`` steps them.
 
@@ -190,6 +213,12 @@ def forge_dense(
       ``parallel.plan_layout`` made: the op runs per shard as it says.
       ``x``, ``variables`` and ``bias`` are global arrays either way.
     where: the layer's name for error messages.
+    factors: None, or the layer's sink: :class:`Factors` shaped as
+      :func:`factor_shapes` says (one layer's with a ``layer_index``),
+      whose values are unused. A backward traced as the deferred pass
+      (:data:`forge_jax.layer_context.DEFERRED`) returns the factors as
+      its cotangent and steps nothing; other passes return zeros for it.
+      Not under a ``layout``.
 
   Returns:
     ``[..., features]``, bit for bit what ``flax.linen.Dense`` computes. The
@@ -201,6 +230,8 @@ def forge_dense(
   stacked = layer_index is not None
   viewed = _viewed(variables, jnp.shape(x)[-1:], stacked)
   _validate(x, viewed, bias, spec, layer_index)
+  if factors is not None:
+    _check_factors(x, viewed, bias, spec, layout, factors, where)
   if layout is None:
     parallel.check_unpartitioned(x, viewed, where)
     layout = parallel.unsharded_layout(jnp.ndim(x))
@@ -210,7 +241,46 @@ def forge_dense(
       x, variables, bias = parallel.to_layout(x, viewed, bias, layout, stacked)
   # The variables as they are stored: the custom_vjp's residuals are the
   # very arrays given (fj.scan's backward recognizes its stacks by them).
-  return _forge_dense(spec, layout, x, variables, bias, layer_index)
+  return _forge_dense(
+    spec, layout, factors is not None, x, variables, bias, layer_index, factors
+  )
+
+
+def factor_shapes(x, kernel, bias, spec: FusedDenseSpec) -> Factors:
+  """The shapes and dtypes of a layer's :class:`Factors` (``x`` ``[...,
+  K]``, ``kernel`` the layer's ``[K, N]`` view, ``bias`` ``[N]`` or None;
+  arrays or ShapeDtypeStructs): ``x`` in the compute dtype, ``dy`` in the
+  output's."""
+  compute = jax.eval_shape(
+    lambda x, kernel: flax_dtypes.promote_dtype(x, kernel, dtype=spec.dtype)[0],
+    x,
+    kernel,
+  )
+  y = jax.eval_shape(
+    lambda x, kernel, bias: _dense(x, kernel, bias, spec), x, kernel, bias
+  )
+  tokens = math.prod(jnp.shape(x)[:-1])
+  return Factors(
+    jax.ShapeDtypeStruct((tokens, jnp.shape(x)[-1]), compute.dtype),
+    jax.ShapeDtypeStruct((tokens, y.shape[-1]), y.dtype),
+  )
+
+
+def _check_factors(x, variables, bias, spec, layout, factors, where):
+  if layout is not None:
+    raise ValueError(
+      f"{where}: a factor sink under a ShardedLayout: a sharded layer steps "
+      "inside its backward pass"
+    )
+  kernel = jax.ShapeDtypeStruct(
+    jnp.shape(variables.kernel)[-2:], jnp.result_type(variables.kernel)
+  )
+  expected = factor_shapes(x, kernel, bias, spec)
+  actual = Factors(
+    *(jax.ShapeDtypeStruct(jnp.shape(f), jnp.result_type(f)) for f in factors)
+  )
+  if actual != expected:
+    raise ValueError(f"{where}: factor sink {actual}, expected {expected}")
 
 
 def _viewed(variables: ForgeVariables, k: tuple, stacked: bool):
@@ -232,8 +302,9 @@ def _viewed(variables: ForgeVariables, k: tuple, stacked: bool):
   )
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _forge_dense(spec, layout, x, variables, bias, layer_index):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _forge_dense(spec, layout, defers, x, variables, bias, layer_index, sink):
+  del defers, sink  # the sink only receives the factors as its cotangent
   return _forward(spec, layout, x, variables, bias, layer_index)
 
 
@@ -265,7 +336,10 @@ def primal_values(tree):
   )
 
 
-def _forge_dense_fwd(spec, layout, x, variables, bias, layer_index):
+def _forge_dense_fwd(
+  spec, layout, defers, x, variables, bias, layer_index, sink
+):
+  del defers, sink  # no residual: the backward only knows it has a sink
   check_differentiated(x, variables, bias)
   x, variables, bias, layer_index = primal_values(
     (x, variables, bias, layer_index)
@@ -441,7 +515,9 @@ def _local_forward(spec, layout, x, kernel, bias, layer_index):
   return _dense(x, kernel, bias, spec, reduce)
 
 
-def _local_backward(spec, layout, x, variables, bias, layer_index, dy):
+def _local_backward(
+  spec, layout, gradient_pass, x, variables, bias, layer_index, dy
+):
   kernel = _gather_kernel(
     stacks.layer_entry(variables.kernel, layer_index), layout, dy
   )
@@ -458,8 +534,8 @@ def _local_backward(spec, layout, x, variables, bias, layer_index, dy):
 
   x_c, _, _ = flax_dtypes.promote_dtype(x, kernel, None, dtype=spec.dtype)
   local_shape = variables.kernel.shape[-2:]
-  if layer_context.gradient_pass() == layer_context.NORM_ONLY:
-    # The first backward pass of exact clipping: the norm of dW, no update.
+  if gradient_pass in (layer_context.NORM_ONLY, layer_context.DEFERRED):
+    # Exact clipping's first (or deferred) pass: the norm of dW, no update.
     if layout.reduces_weight_gradient:  # this shard's dW, summed over tokens
       grad_sq_norm = _reduced_sq_norm(
         spec, layout, x_c, dy, local_shape, variables.opt_state
@@ -691,15 +767,14 @@ def _axis_offset(axes, local_size):
   return lax.axis_index(axes) * local_size
 
 
-def _forge_dense_bwd(spec, layout, residuals, dy):
+def _forge_dense_bwd(spec, layout, defers, residuals, dy):
   x, variables, bias, layer_index = residuals
   stored_shape = jnp.shape(variables.kernel)
   variables = _viewed(variables, jnp.shape(x)[-1:], layer_index is not None)
-  if spec.path:
-    layer_context.record(spec.path, layer_context.BACKWARD)
+  gradient_pass = layer_context.record_backward(spec.path, defers)
   if isinstance(dy, SymbolicZero):
     dy = jnp.zeros(dy.shape, dy.dtype)
-  backward = functools.partial(_local_backward, spec, layout)
+  backward = functools.partial(_local_backward, spec, layout, gradient_pass)
   if layout.mesh is not None:
     x_s, v_s, b_s, i_s = parallel.operand_specs(
       layout, variables, bias, layer_index is not None
@@ -711,7 +786,72 @@ def _forge_dense_bwd(spec, layout, residuals, dy):
   new_variables = new_variables._replace(
     kernel=jnp.reshape(new_variables.kernel, stored_shape)
   )
-  return dx, new_variables, dbias, None
+  factors = None  # zeros: the sink's cotangent outside the deferred pass
+  if gradient_pass == layer_context.DEFERRED:
+    x_c = jnp.asarray(
+      x, flax_dtypes.canonicalize_dtype(x, variables.kernel, dtype=spec.dtype)
+    )
+    factors = Factors(
+      jnp.reshape(x_c, (-1, x_c.shape[-1])), jnp.reshape(dy, (-1, dy.shape[-1]))
+    )
+  return dx, new_variables, dbias, None, factors
 
 
 _forge_dense.defvjp(_forge_dense_fwd, _forge_dense_bwd, symbolic_zeros=True)
+
+
+def deferred_update(
+  spec: FusedDenseSpec,
+  variables: ForgeVariables,
+  factors: Factors,
+  scale,
+  length: Optional[int] = None,
+) -> ForgeVariables:
+  """The layer stepped from the :class:`Factors` its deferred backward
+  handed out, with ``dy`` scaled by ``scale`` (a float32 scalar): what its
+  backward would have stepped with the loss's cotangent scaled so, by the
+  same backend. The kernel comes back in its stored shape; each
+  ``grad_sq_norm`` stays the deferred pass's.
+
+  With a ``length``, ``variables`` and ``factors`` are stacks over that many
+  layers (``fj.scan``'s), stepped one layer after the other in place.
+  """
+  stored_shape = jnp.shape(variables.kernel)
+  stacked = length is not None
+  viewed = _viewed(variables, jnp.shape(factors.x)[-1:], stacked)
+
+  def step_layer(layer_index, variables):
+    x = stacks.layer_entry(factors.x, layer_index)
+    dy = stacks.layer_entry(factors.dy, layer_index)
+    dy = (dy.astype(jnp.float32) * scale).astype(dy.dtype)
+    finite = jnp.all(jnp.isfinite(dy))
+    backend = backends.select(
+      spec.implementation, x, dy, variables.kernel, spec.optimizer
+    )
+    new_kernel, new_state, skipped, _ = backend(
+      spec,
+      x,
+      dy,
+      variables.kernel,
+      variables.opt_state,
+      step_scalars(spec, variables, layer_index),
+      finite,
+      step=layer_step(variables, layer_index),
+      layer_index=layer_index,
+    )
+    grad_sq_norm = stacks.layer_entry(variables.grad_sq_norm, layer_index)
+    return stepped(
+      variables,
+      new_kernel,
+      new_state,
+      skipped,
+      grad_sq_norm,
+      finite,
+      layer_index,
+    )
+
+  if stacked:
+    new = lax.fori_loop(0, length, step_layer, viewed)
+  else:
+    new = step_layer(None, viewed)
+  return new._replace(kernel=jnp.reshape(new.kernel, stored_shape))
