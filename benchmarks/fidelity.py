@@ -12,6 +12,10 @@ the same initialization:
   the run-to-run noise any change has to be judged against;
 * ``forge_fp32``: ForgeDense + ``fj.adamw``, float32 (should follow the
   reference to float32 rounding);
+* ``forge_bf16_nearest``: bfloat16 kernels and Adam states, rounded to
+  nearest (``fj.adamw(..., state_dtype='bfloat16')``);
+* ``forge_bf16_sr``: the same with the kernels written with stochastic
+  rounding;
 * ``forge_bf16_sr_int8``: ForgeDense with bfloat16 kernels written with
   stochastic rounding and int8 block-64 Adam states
   (``fj.adamw(..., state_dtype='int8', weight_rounding='stochastic')``);
@@ -112,6 +116,16 @@ def build_runs(args):
   lr = _schedule(args)
   fp32 = fj.adamw(lr, weight_decay=args.weight_decay)
   lowp = {
+    "forge_bf16_nearest": fj.adamw(
+      lr, weight_decay=args.weight_decay, state_dtype="bfloat16"
+    ),
+    "forge_bf16_sr": fj.adamw(
+      lr,
+      weight_decay=args.weight_decay,
+      state_dtype="bfloat16",
+      weight_rounding="stochastic",
+      rounding_seed=args.seed,
+    ),
     "forge_bf16_sr_int8": fj.adamw(
       lr,
       weight_decay=args.weight_decay,
@@ -328,6 +342,8 @@ def _plot(path, results, title):
     "optax_fp32": ("tab:blue", "-", 2.2),
     "optax_fp32_seed1": ("tab:gray", "-", 1.2),
     "forge_fp32": ("tab:red", "--", 1.0),
+    "forge_bf16_nearest": ("tab:purple", ":", 1.0),
+    "forge_bf16_sr": ("tab:olive", "-.", 1.0),
     "forge_bf16_sr_int8": ("tab:green", "-", 1.2),
     "forge_bf16_nearest_int8": ("tab:orange", ":", 1.2),
   }

@@ -1089,6 +1089,8 @@ FIDELITY_RUNS = {
   "optax_fp32": "optax AdamW, fp32 (reference)",
   "optax_fp32_seed1": "optax AdamW, fp32, another init seed",
   "forge_fp32": "FORGE fp32",
+  "forge_bf16_nearest": "FORGE bf16 weights and states, round-to-nearest",
+  "forge_bf16_sr": "FORGE bf16 weights (stochastic rounding) and states",
   "forge_bf16_sr_int8": "FORGE bf16 + stochastic rounding + int8 states",
   "forge_bf16_nearest_int8": "FORGE bf16 round-to-nearest + int8 states",
 }
