@@ -193,12 +193,6 @@ class _ForgeLinear(nn.Module):
       stacked,
       can_defer,
     )
-    if sink is not None:
-      return forge_dense(
-        inputs, variables, bias, spec, layer_index, factors=sink
-      )
-    if layout is None:
-      return forge_dense(inputs, variables, bias, spec, layer_index)
     return forge_dense(
       inputs,
       variables,
@@ -207,6 +201,7 @@ class _ForgeLinear(nn.Module):
       layer_index,
       layout,
       where=self._where(),
+      factors=sink,
     )
 
   def _where(self) -> str:

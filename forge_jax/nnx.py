@@ -229,8 +229,6 @@ class Linear(nnx.Module):
     )
     layer_index = None if stacked is None else stacked.index
     layout = self._layout(inputs)
-    if layout is None:
-      return forge_dense(inputs, variables, bias, spec, layer_index)
     return forge_dense(
       inputs,
       variables,

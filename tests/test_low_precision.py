@@ -185,9 +185,9 @@ def test_forge_dense_layer_ids_follow_the_module_path(seed, monkeypatch):
   ids = []
   real = fj.forge_dense
 
-  def spy(x, variables, bias, spec, layer_index=None):
+  def spy(x, variables, bias, spec, *args, **kwargs):
     ids.append(spec.layer_id)
-    return real(x, variables, bias, spec, layer_index)
+    return real(x, variables, bias, spec, *args, **kwargs)
 
   monkeypatch.setattr(fj.linen, "forge_dense", spy)
   Two().init(jax.random.key(seed), jnp.ones((2, 8)))
