@@ -16,7 +16,10 @@ longer match the optimizer's structure).
 initialized one, or ``jax.eval_shape`` of the function that creates it); its
 static fields (``apply_fn``, ``tx``) are kept, its arrays only give shapes,
 dtypes and shardings. Restoring checks every leaf's dtype and shape against
-it and raises instead of casting. Uses orbax (``pip install
+it and raises instead of casting. A checkpoint without the gradient-norm
+leaves (each layer's ``grad_sq_norm`` and ``fj.TrainState.grad_norm``: what
+the last step measured, not what the next one needs) restores them as
+zeros; any other leaf missing raises. Uses orbax (``pip install
 forge_jax[checkpoint]``).
 """
 
@@ -73,13 +76,21 @@ def _path_name(path) -> str:
 
 def saved_dtypes(path: str) -> dict[str, Any]:
   """``{'params/.../opt_state/mu/codes': dtype, ...}`` as saved at ``path``."""
-  metadata = _checkpointer().metadata(os.path.abspath(path))
-  tree = getattr(metadata, "item_metadata", metadata)
-  tree = getattr(tree, "tree", tree)
+  tree = _saved_tree(os.path.abspath(path))
   return {
     _path_name(p): np.dtype(leaf.dtype)
     for p, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
   }
+
+
+#: Leaves a checkpoint may lack: the last step's gradient norms (a
+#: diagnostic, and 'delayed' clipping's input, for which 0 means "do not
+#: clip"), restored as zeros.
+ZERO_IF_MISSING = ("grad_sq_norm", "grad_norm")
+
+
+def _zero_if_missing(name: str) -> bool:
+  return name.rsplit("/", 1)[-1] in ZERO_IF_MISSING
 
 
 def restore(path: str, abstract_state: Any) -> Any:
@@ -87,20 +98,24 @@ def restore(path: str, abstract_state: Any) -> Any:
 
   orbax casts every array to the dtype of the target it is given; this
   refuses instead: the saved dtypes (from the checkpoint's metadata) must be
-  the abstract state's.
+  the abstract state's. Gradient-norm leaves (:data:`ZERO_IF_MISSING`) the
+  checkpoint lacks come back as zeros.
 
   Raises:
     TypeError: a saved leaf's dtype differs from the abstract state's, or a
-      leaf of the abstract state is not in the checkpoint.
+      leaf of the abstract state other than a gradient norm is not in the
+      checkpoint.
   """
   path = os.path.abspath(path)
   saved = saved_dtypes(path)
   flat, treedef = jax.tree_util.tree_flatten_with_path(abstract_state)
-  problems, leaves = [], []
+  problems, leaves, zeros = [], [], set()
   for key, value in flat:
     name = _path_name(key)
     want = _abstract(value)
-    if name not in saved:
+    if name not in saved and _zero_if_missing(name):
+      zeros.add(name)
+    elif name not in saved:
       problems.append(f"{name}: not in the checkpoint")
     elif not hasattr(value, "dtype"):
       # A Python scalar (TrainState.step before the first step): it has no
@@ -117,4 +132,34 @@ def restore(path: str, abstract_state: Any) -> Any:
       f"checkpoint {path} does not match the abstract state "
       "(nothing is cast): " + "; ".join(problems)
     )
-  return _checkpointer().restore(path, jax.tree.unflatten(treedef, leaves))
+  if not zeros:
+    return _checkpointer().restore(path, jax.tree.unflatten(treedef, leaves))
+  # Restore what was saved, in the saved structure, then fill in the zeros.
+  wanted = {_path_name(key): want for (key, _), want in zip(flat, leaves)}
+  saved_tree = _saved_tree(path)
+  restored = _checkpointer().restore(
+    path,
+    jax.tree_util.tree_map_with_path(
+      lambda key, _: wanted[_path_name(key)], saved_tree
+    ),
+  )
+  by_name = {
+    _path_name(key): leaf
+    for key, leaf in jax.tree_util.tree_flatten_with_path(restored)[0]
+  }
+  return jax.tree.unflatten(
+    treedef,
+    [
+      jax.numpy.zeros(want.shape, want.dtype, device=want.sharding)
+      if name in zeros
+      else by_name[name]
+      for name, want in wanted.items()
+    ],
+  )
+
+
+def _saved_tree(path: str):
+  """The checkpoint's tree of leaf metadata, in the saved structure."""
+  metadata = _checkpointer().metadata(path)
+  tree = getattr(metadata, "item_metadata", metadata)
+  return getattr(tree, "tree", tree)

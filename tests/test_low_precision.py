@@ -331,10 +331,10 @@ def _batches(seed, steps):
   ]
 
 
-def _new_state(seed, implementation="xla"):
+def _new_state(seed, implementation="xla", state_class=TrainState):
   model = LowpMLP(implementation)
   variables = model.init(jax.random.key(seed), jnp.ones((2, 24)))
-  return TrainState.create(
+  return state_class.create(
     apply_fn=model.apply, params=variables, tx=LOWP_OPT.to_optax()
   )
 
@@ -393,6 +393,59 @@ def test_checkpoint_round_trip_is_bit_exact_and_never_casts(tmp_path, seed):
   )
   with pytest.raises(TypeError, match="float8_e4m3fnuz"):
     checkpoint.restore(path, wrong)
+
+
+def test_checkpoint_without_gradient_norms_restores_them_as_zeros(
+  tmp_path, seed
+):
+  """A checkpoint without the gradient-norm leaves (the layers'
+  grad_sq_norm, the state's grad_norm) restores every other leaf bit for
+  bit and those as zeros; any other missing leaf still raises."""
+  state = _new_state(seed, state_class=fj.TrainState)
+  for batch in _batches(seed, 2):
+    state, _ = _train_step(state, batch)
+  without_norms = state.replace(
+    grad_norm=None,
+    params={
+      **state.params,
+      COLL: {
+        name: {k: v for k, v in layer.items() if k != "grad_sq_norm"}
+        for name, layer in state.params[COLL].items()
+      },
+    },
+  )
+  path = checkpoint.save(str(tmp_path / "ckpt"), without_norms)
+  restored = checkpoint.restore(
+    path, _new_state(seed + 1, state_class=fj.TrainState)
+  )
+  assert float(restored.grad_norm) == 0.0
+  for name, layer in restored.params[COLL].items():
+    assert float(layer["grad_sq_norm"]) == 0.0, name
+    for k, v in state.params[COLL][name].items():
+      if k != "grad_sq_norm":
+        for a, b in zip(jax.tree.leaves(layer[k]), jax.tree.leaves(v)):
+          assert_bitwise_equal(np.atleast_1d(a), np.atleast_1d(b), k)
+  for a, b in zip(
+    jax.tree.leaves(restored.opt_state), jax.tree.leaves(state.opt_state)
+  ):
+    assert_bitwise_equal(np.atleast_1d(a), np.atleast_1d(b), "opt_state")
+  assert int(restored.step) == 2
+  # Training resumes from it.
+  resumed, loss = _train_step(restored, _batches(seed, 3)[2])
+  assert np.isfinite(float(loss))
+  assert float(resumed.params[COLL]["fc1"]["count"]) == 3.0
+  without_count = without_norms.replace(
+    params={
+      **without_norms.params,
+      COLL: {
+        name: {k: v for k, v in layer.items() if k != "count"}
+        for name, layer in without_norms.params[COLL].items()
+      },
+    }
+  )
+  path = checkpoint.save(str(tmp_path / "no_count"), without_count)
+  with pytest.raises(TypeError, match="count: not in the checkpoint"):
+    checkpoint.restore(path, _new_state(seed, state_class=fj.TrainState))
 
 
 def test_resumed_training_takes_the_same_steps(tmp_path, seed):
