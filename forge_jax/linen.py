@@ -302,28 +302,13 @@ class _ForgeLinear(nn.Module):
     mesh = (
       self.mesh if self.mesh is not None else getattr(kernel_meta, "mesh", None)
     )
-    if mesh is None:
-      context = jax.sharding.get_abstract_mesh()
-      if context.empty:
-        return None  # no mesh: inert annotations, as for nn.Dense
-      mesh = context
-    resolve = _resolver(kernel_meta)
-    kernel_spec = (
-      resolve(kernel_meta.names) if kernel_meta is not None else P(None, None)
-    )
-    x_spec, y_spec = (
-      None if names is None else resolve(tuple(names))
-      for names in (input_names, output_names)
-    )
-    if x_spec is None and parallel.is_explicit(mesh):
-      # Explicit axes: the input's type says how it is sharded.
-      x_spec = getattr(jax.typeof(inputs).sharding, "spec", None)
-    return parallel.plan_layout(
+    return parallel.layer_layout(
+      inputs,
       mesh,
-      jnp.ndim(inputs),
-      kernel_spec,
-      x_spec,
-      y_spec,
+      kernel_meta.names if kernel_meta is not None else (None, None),
+      input_names,
+      output_names,
+      _resolver(kernel_meta),
       self.data_parallel,
       where=self._where(),
       refuse_undeclared_input=not self.is_initializing(),

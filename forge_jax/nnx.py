@@ -316,24 +316,14 @@ class Linear(nnx.Module):
     ):
       return None
     names, rules, mesh = self.kernel_sharding or ((None, None), None, None)
-    if mesh is None:
-      mesh = jax.sharding.get_abstract_mesh()
-      if mesh.empty:
-        return None  # no mesh: inert annotations
     resolve = lambda names: spmd.get_pspec(P(*names), rules)
-    x_spec, y_spec = (
-      None if names is None else resolve(tuple(names))
-      for names in (self.input_partitioning, self.output_partitioning)
-    )
-    if x_spec is None and parallel.is_explicit(mesh):
-      # Explicit axes: the input's type says how it is sharded.
-      x_spec = getattr(jax.typeof(inputs).sharding, "spec", None)
-    return parallel.plan_layout(
+    return parallel.layer_layout(
+      inputs,
       mesh,
-      jnp.ndim(inputs),
-      resolve(names),
-      x_spec,
-      y_spec,
+      names,
+      self.input_partitioning,
+      self.output_partitioning,
+      resolve,
       self.data_parallel,
       where=f"fj.nnx.Linear({self.in_features}, {self.out_features})",
     )

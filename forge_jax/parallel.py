@@ -295,6 +295,48 @@ def unsharded_layout(x_ndim: int) -> ShardedLayout:
   )
 
 
+def layer_layout(
+  inputs,
+  mesh,
+  kernel_names,
+  input_names,
+  output_names,
+  resolve,
+  data_parallel: str = "auto",
+  where: str = "ForgeDense",
+  refuse_undeclared_input: bool = True,
+) -> Optional[ShardedLayout]:
+  """The layout a layer plans for ``inputs`` (:func:`plan_layout`), or None
+  without a mesh (``mesh`` None and none set with ``jax.set_mesh``): its
+  partitioning is then inert, as ``nn.Dense``'s.
+
+  ``kernel_names`` (names of the ``[K, N]`` view's dimensions), and
+  ``input_names`` and ``output_names`` (None, or names of the input's and
+  output's dimensions) become specs through ``resolve``; under Explicit
+  axes an undeclared input's type says how it is sharded.
+  """
+  if mesh is None:
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+      return None
+  x_spec, y_spec = (
+    None if names is None else resolve(tuple(names))
+    for names in (input_names, output_names)
+  )
+  if x_spec is None and is_explicit(mesh):
+    x_spec = getattr(jax.typeof(inputs).sharding, "spec", None)
+  return plan_layout(
+    mesh,
+    jnp.ndim(inputs),
+    resolve(tuple(kernel_names)),
+    x_spec,
+    y_spec,
+    data_parallel,
+    where=where,
+    refuse_undeclared_input=refuse_undeclared_input,
+  )
+
+
 def plan_layout(
   mesh,
   x_ndim: int,
