@@ -261,9 +261,9 @@ PINGPONG_MIN_TOKENS = 2048
 #: tokens, AdamW, bf16 weights with stochastic rounding: 12.3 M local-memory
 #: requests, 0.80 instructions a cycle; 2.49 ms). A 64 x 64 accumulator
 #: halves those registers: 1.00 ms at 512 tokens and 1.38 ms at 2048
-#: (2.75 ms before), faster than the Triton kernel (1.41 / 2.12 ms); one
-#: warpgroup per CTA with 232 registers was slower (2.54 / 3.46 ms), and so
-#: were the pingpong schedules (2.30 / 2.81 ms).
+#: (2.49 / 2.75 ms with 128 x 64), faster than the Triton kernel (1.41 /
+#: 2.12 ms); one warpgroup per CTA with 232 registers is slower (2.54 /
+#: 3.46 ms), and so are the pingpong schedules (2.30 / 2.81 ms).
 QUANTIZED_CONFIGS = (
   MosaicConfig(tile_k=64, max_concurrent_steps=5, epilogue_slots=1),
 ) + INLINE_CONFIGS
