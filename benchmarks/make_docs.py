@@ -991,8 +991,7 @@ def fsdp_section(run) -> str:
       ],
       rows,
     ),
-    "python benchmarks/fsdp_bench.py --scan --config llama-3.1-8b "
-    "--layers 8 --batch 1 --seq 4096 --out benchmarks/results/fsdp_dp1.json",
+    "python benchmarks/run.py fsdp  # one GPU",
     [run],
   )
 
@@ -1026,7 +1025,46 @@ def layer_step_section(run) -> str:
       ["W / m / v", "T", "K x N", "optax ms", *forge, "'auto'"],
       rows,
     ),
-    "python benchmarks/layer_step.py --out benchmarks/results/layer_step.json",
+    "python benchmarks/run.py layer",
+    [run],
+  )
+
+
+def compile_time_section(run) -> str:
+  rows = [
+    [
+      name,
+      r.get("fused_calls", "-"),
+      *(
+        (
+          f"{r['lower_s']:.1f}",
+          f"{r['compile_s']:.1f}",
+          f"{r['first_step_s']:.2f}",
+        )
+        if "compile_s" in r
+        else ("failed", "-", "-")
+      ),
+      f"{r['step_ms']:.1f}" if r.get("step_ms") else "-",
+    ]
+    for name, r in run["runs"].items()
+  ]
+  return section(
+    "Compile time of an unrolled model",
+    f"The '{run['shape']}' Llama shape, {run['layers']} unrolled layers, "
+    f"B = {run['batch']}, T = {run['seq']}, bf16 weights and AdamW states, "
+    "remat; each implementation in its own process.",
+    table(
+      [
+        "implementation",
+        "fused calls",
+        "lower s",
+        "compile s",
+        "first step s",
+        "step ms",
+      ],
+      rows,
+    ),
+    "python benchmarks/run.py compile",
     [run],
   )
 
@@ -1044,8 +1082,7 @@ def lowp_sweep_section(run) -> str:
 def lowp_speed_section(
   run,
   title="Low-precision storage: speed of one fused update",
-  command="python benchmarks/lowp_speed.py --out "
-  "benchmarks/results/lowp_speed.json",
+  command="python benchmarks/run.py lowp-speed",
 ) -> str:
   names = []
   for c in run["cases"]:
@@ -1320,6 +1357,7 @@ SECTIONS = (
   ("layer_step_*.json", layer_step_section, True),
   ("lowp_speed_*.json", lowp_speed_section, True),
   ("lowp_sweep_*.json", lowp_sweep_section, True),
+  ("compile_time_*.json", compile_time_section, True),
 )
 
 

@@ -20,6 +20,12 @@ Suites, by what they measure:
   fidelity   loss curves of low-precision storage on the demo LM (CPU)
   lowp       low-precision storage bits of each kernel against the reference
   counters   Nsight Compute counters of the fused kernel (needs ncu)
+  layer      one layer's whole train step, each backend against optax
+  lowp-speed one fused update per storage (bf16, int8, stochastic rounding)
+             and backend
+  compile    compile time of an unrolled model, per kernel implementation
+  fsdp       the FSDP code path with a data axis of one device against no
+             mesh (one GPU)
   gpu-tests  the tests marked ``gpu``
 
 Each result file goes to ``--out`` (default ``$OUT``, else
@@ -301,6 +307,53 @@ def tp_steps(a, out):
   ]
 
 
+def layer_steps(a, out):
+  return [
+    Step(
+      _python("layer_step.py", "--out", out("layer_step")), timeout=a.timeout
+    )
+  ]
+
+
+def lowp_speed_steps(a, out):
+  return [
+    Step(
+      _python("lowp_speed.py", "--out", out("lowp_speed")), timeout=a.timeout
+    )
+  ]
+
+
+def compile_steps(a, out):
+  return [
+    Step(
+      _python("compile_time.py", "--out", out("compile_time")),
+      timeout=a.timeout,
+    )
+  ]
+
+
+def fsdp_steps(a, out):
+  return [
+    Step(
+      _python(
+        "fsdp_bench.py",
+        "--scan",
+        "--config",
+        "llama-3.1-8b",
+        "--layers",
+        8,
+        "--batch",
+        1,
+        "--seq",
+        4096,
+        "--out",
+        out("fsdp_dp1"),
+      ),
+      timeout=a.timeout,
+    )
+  ]
+
+
 def fidelity_steps(a, out):
   return [
     Step(
@@ -434,6 +487,10 @@ SUITES = {
   "fidelity": fidelity_steps,
   "lowp": lowp_steps,
   "counters": counters_steps,
+  "layer": layer_steps,
+  "lowp-speed": lowp_speed_steps,
+  "compile": compile_steps,
+  "fsdp": fsdp_steps,
   "gpu-tests": gpu_tests_steps,
 }
 
