@@ -615,6 +615,50 @@ def test_clipping_under_tensor_parallelism(clip, seed):
     assert_rel_close(a, b, 1e-5, jax.tree_util.keystr(path))
 
 
+UNUSED_OPT = fj.adamw(1e-2, weight_decay=0.1)
+
+
+class WithUnusedLayer(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    fj.ForgeDense(16, optimizer=UNUSED_OPT, name="unused")(x)
+    return fj.ForgeDense(16, optimizer=UNUSED_OPT, name="used")(x)
+
+
+def test_exact_clipping_keeps_a_layer_the_loss_does_not_reach(seed):
+  """The deferred pass steps every layer it found from its factors; one the
+  loss did not reach (zero cotangents) keeps its variables bit for bit."""
+  model = WithUnusedLayer()
+  x = jax.random.normal(jax.random.key(seed), (8, 32))
+  variables = model.init(jax.random.key(seed + 1), x)
+  state = fj.TrainState.create(
+    apply_fn=model.apply,
+    params=variables,
+    tx=UNUSED_OPT.to_optax(),
+    max_grad_norm=1e-3,
+  )
+
+  @jax.jit
+  def step(state):
+    loss_fn = lambda p: jnp.sum(state.apply_fn(p, x) ** 2)
+    _, grads = state.value_and_grad(loss_fn)(state.params)
+    return state.apply_gradients(grads=grads)
+
+  new = step(state)
+  assert layer_context.last_pass(("used",)) == layer_context.DEFERRED
+  assert_same_bits(
+    new.params[COLL]["unused"], state.params[COLL]["unused"], "unused"
+  )
+  assert float(new.params[COLL]["used"]["count"]) == 1.0
+  assert not np.array_equal(
+    new.params[COLL]["used"]["kernel"], state.params[COLL]["used"]["kernel"]
+  )
+  assert {k: float(v) for k, v in new.reached.items()} == {
+    "unused": 0.0,
+    "used": 1.0,
+  }
+
+
 @pytest.mark.parametrize(
   "factors", [True, False], ids=["deferred", "two-passes"]
 )
