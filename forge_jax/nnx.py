@@ -8,7 +8,9 @@ alone, and the gradient of the loss with respect to them is their *updated*
 value, which :class:`Optimizer` (or :func:`install`) writes into the model.
 
 The training loop changes in one way: ``nnx.Optimizer`` and
-``nnx.grad`` (``nnx.value_and_grad``) become their ``fj.nnx`` namesakes.
+``nnx.grad`` (``nnx.value_and_grad``) become their ``fj.nnx`` namesakes;
+:func:`global_norm` of the grads is the step's global gradient norm
+(global-norm clipping is Linen's, ``fj.TrainState``).
 :func:`grad` differentiates FORGE's variables too (``nnx.grad`` with
 ``argnums=nnx.DiffState(0, fj.nnx.TRAINABLE)`` does the same), and
 :class:`Optimizer` installs them before optax steps the parameters::
@@ -426,6 +428,28 @@ def value_and_grad(f: Optional[Callable] = None, *, argnums=0, **kwargs):
   return nnx.value_and_grad(f, argnums=_with_forge(argnums), **kwargs)
 
 
+def global_norm(grads) -> jax.Array:
+  """The global norm of the gradient that ``grads`` (from :func:`grad`)
+  stands for: ``optax.global_norm`` of every gradient, each
+  :class:`Linear`'s ``dW`` included, without a ``dW`` stored (float32).
+
+  A Linear's part is its ``grad_sq_norm`` (the sum of the squared ``dW``
+  elements its backward pass accumulated; summed over a stack's layers);
+  every other floating leaf that is not an :class:`OverwriteWithGradient`
+  is a gradient.
+  """
+  total = jnp.zeros((), jnp.float32)
+  forge = grads.filter(OverwriteWithGradient)
+  for path, leaf in jax.tree_util.tree_flatten_with_path(forge)[0]:
+    names = [getattr(key, "key", None) for key in path]
+    if "grad_sq_norm" in names:
+      total += jnp.sum(jnp.asarray(leaf, jnp.float32))
+  for leaf in jax.tree.leaves(grads.filter(nnx.Not(OverwriteWithGradient))):
+    if jnp.issubdtype(jnp.result_type(leaf), jnp.inexact):
+      total += jnp.sum(jnp.square(jnp.asarray(leaf, jnp.float32)))
+  return jnp.sqrt(total)
+
+
 class Optimizer(nnx.Optimizer):
   """``nnx.Optimizer`` (same arguments) that installs FORGE's variables.
 
@@ -445,7 +469,11 @@ class Optimizer(nnx.Optimizer):
   """
 
   def __init__(self, model, tx, *, wrt, **kwargs):
-    check_transformation(tx)
+    check_transformation(
+      tx,
+      "Global-norm clipping is not available for fj.nnx models (Linen's "
+      "fj.TrainState has it); fj.nnx.global_norm(grads) reports the norm.",
+    )
     owned = nnx.state(model, nnx.All(wrt, OverwriteWithGradient))
     if jax.tree.leaves(owned):
       raise ValueError(
@@ -623,6 +651,7 @@ __all__ = [
   "Optimizer",
   "OverwriteWithGradient",
   "forge_layers",
+  "global_norm",
   "grad",
   "install",
   "scan",

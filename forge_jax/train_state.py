@@ -210,7 +210,15 @@ def install_layer(old, written, backward_traced: bool):
   return jax.tree.map(keep, written, old), reached
 
 
-def check_transformation(tx):
+#: What :func:`check_transformation` advises instead of clip_by_global_norm.
+CLIPPING_ADVICE = (
+  "Remove it from tx and clip with fj.TrainState.create(..., "
+  "max_grad_norm=max_norm), taking the gradient with "
+  "state.value_and_grad(loss_fn) in place of jax.value_and_grad(loss_fn)."
+)
+
+
+def check_transformation(tx, clipping_advice: str = CLIPPING_ADVICE):
   """Refuses a ``tx`` that cannot be right beside FORGE's layers."""
   names = transformation_names(tx)
   if "MultiSteps" in names:
@@ -225,10 +233,7 @@ def check_transformation(tx):
     raise ValueError(
       "tx holds clip_by_global_norm: the ForgeDense layers update inside "
       "the backward pass, before the global norm exists, and their "
-      "gradients never reach tx. Remove it from tx and clip with "
-      "fj.TrainState.create(..., max_grad_norm=max_norm), taking the "
-      "gradient with state.value_and_grad(loss_fn) in place of "
-      "jax.value_and_grad(loss_fn)."
+      "gradients never reach tx. " + clipping_advice
     )
   whole = sorted(names.intersection(WHOLE_GRADIENT_TRANSFORMATIONS))
   if whole:

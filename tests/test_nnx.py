@@ -379,6 +379,9 @@ def test_misuse_raises(seed):
     fj.nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
   with pytest.raises(ValueError, match="MultiSteps"):
     fj.nnx.Optimizer(model, optax.MultiSteps(OPT.to_optax(), 2), wrt=nnx.Param)
+  clipped = optax.chain(optax.clip_by_global_norm(1.0), OPT.to_optax())
+  with pytest.raises(ValueError, match="fj.nnx.global_norm"):
+    fj.nnx.Optimizer(model, clipped, wrt=nnx.Param)
   with pytest.raises(TypeError, match="elementwise|forge_jax"):
     fj.nnx.Linear(2, 3, optimizer=optax.adam(1e-3), rngs=nnx.Rngs(0))
   optimizer = fj.nnx.Optimizer(model, OPT.to_optax(), wrt=nnx.Param)
@@ -913,3 +916,24 @@ def test_tensor_parallel_matches_one_device(seed):
       layer.kernel[...], getattr(ref, name).kernel[...], RTOL, name
     )
     assert sum(leaf.ndim == 2 for leaf in leaves) == 5
+
+
+@pytest.mark.parametrize("scanned", [False, True], ids=["mlp", "fj.nnx.scan"])
+def test_global_norm_is_optax_global_norm_of_the_gradient(scanned, seed):
+  """fj.nnx.global_norm of FORGE's grads (each layer's grad_sq_norm, the
+  other gradients) equals optax.global_norm of the nnx.Linear model's."""
+  rngs = lambda: nnx.Rngs(seed)
+  if scanned:
+    model = Stack(3, 8, 16, rngs(), fj.nnx.scan, optimizer=OPT)
+    ref = Stack(3, 8, 16, rngs(), nnx.scan)
+    shape = (10, 8)
+  else:
+    model = MLP((6, 8, 4), rngs(), optimizer=OPT)
+    ref = MLP((6, 8, 4), rngs())
+    shape = (10, 6)
+  ((x, y),) = make_batches(seed, 1, shape, 4 if not scanned else CLASSES)
+  grads = fj.nnx.grad(cross_entropy)(model, x, y)
+  ref_grads = nnx.grad(cross_entropy)(ref, x, y)
+  np.testing.assert_allclose(
+    fj.nnx.global_norm(grads), optax.tree.norm(ref_grads), rtol=1e-6
+  )
