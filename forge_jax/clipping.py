@@ -24,8 +24,8 @@ large. Clipping is a seed:
   run once. Before the pass, the loss is traced abstractly to find the
   layers and the factors' shapes (:func:`forge_jax.layer_context.discovering`).
   A layer cannot defer under a ``ShardedLayout``, inside ``nn.scan`` or
-  ``nn.vmap``, in Flax NNX, or when ``fun`` does not hand
-  ``FACTORS_COLLECTION`` on to it; then the step runs as two backward
+  ``nn.vmap``, or when ``fun`` does not hand ``FACTORS_COLLECTION`` on to
+  it; then the step runs as two backward
   passes, the first norm-only (:data:`forge_jax.layer_context.NORM_ONLY`),
   the second seeded with ``min(1, max_norm / ||g||)``, updating. Either way
   it equals ``optax.chain(optax.clip_by_global_norm(max_norm), tx)``.
