@@ -439,12 +439,14 @@ def global_norm(grads) -> jax.Array:
   is a gradient.
   """
   total = jnp.zeros((), jnp.float32)
-  forge = grads.filter(OverwriteWithGradient)
+  forge, others = nnx.filter_state(
+    grads, OverwriteWithGradient, nnx.Not(OverwriteWithGradient)
+  )
   for path, leaf in jax.tree_util.tree_flatten_with_path(forge)[0]:
     names = [getattr(key, "key", None) for key in path]
     if "grad_sq_norm" in names:
       total += jnp.sum(jnp.asarray(leaf, jnp.float32))
-  for leaf in jax.tree.leaves(grads.filter(nnx.Not(OverwriteWithGradient))):
+  for leaf in jax.tree.leaves(others):
     if jnp.issubdtype(jnp.result_type(leaf), jnp.inexact):
       total += jnp.sum(jnp.square(jnp.asarray(leaf, jnp.float32)))
   return jnp.sqrt(total)
