@@ -29,6 +29,7 @@ import os
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 
@@ -150,7 +151,7 @@ def restore(path: str, abstract_state: Any) -> Any:
   return jax.tree.unflatten(
     treedef,
     [
-      jax.numpy.zeros(want.shape, want.dtype, device=want.sharding)
+      jnp.zeros(want.shape, want.dtype, device=want.sharding)
       if name in zeros
       else by_name[name]
       for name, want in wanted.items()

@@ -25,10 +25,10 @@ large. Clipping is a seed:
   layers and the factors' shapes (:func:`forge_jax.layer_context.discovering`).
   A layer cannot defer under a ``ShardedLayout``, inside ``nn.scan`` or
   ``nn.vmap``, or when ``fun`` does not hand ``FACTORS_COLLECTION`` on to
-  it; then the step runs as two backward
-  passes, the first norm-only (:data:`forge_jax.layer_context.NORM_ONLY`),
-  the second seeded with ``min(1, max_norm / ||g||)``, updating. Either way
-  it equals ``optax.chain(optax.clip_by_global_norm(max_norm), tx)``.
+  it; then the step runs as two backward passes, the first norm-only
+  (:data:`forge_jax.layer_context.NORM_ONLY`), the second seeded with
+  ``min(1, max_norm / ||g||)``, updating. Either way it equals
+  ``optax.chain(optax.clip_by_global_norm(max_norm), tx)``.
 * ``'delayed'``: one backward pass, seeded with ``min(1, max_norm /
   ||g_prev||)`` from the previous step's global norm (no clipping before
   the first step), so a step is clipped by the norm of the step before.

@@ -176,9 +176,10 @@ def select(implementation: str, x, dy, kernel, optimizer):
   supports the call, else the Pallas-Triton kernel when it does, else the
   XLA reference; int8 states too (Mosaic's int8 update is the faster one,
   and the Triton kernel trains a scanned Qwen3-14B-shaped model with int8
-  states to NaN where Mosaic and XLA agree, see docs/kernels.md). An explicit 'triton' or 'mosaic' on a machine
-  without a GPU runs that kernel in its Pallas interpret mode; where the
-  kernel cannot run the call it raises and says why.
+  states to NaN where Mosaic and XLA agree, see docs/kernels.md). An
+  explicit 'triton' or 'mosaic' on a machine without a GPU runs that kernel
+  in its Pallas interpret mode; where the kernel cannot run the call it
+  raises and says why.
   """
   # pylint: disable=import-outside-toplevel
   if implementation == "xla":
