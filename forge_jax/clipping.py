@@ -100,12 +100,14 @@ def _split(grads):
   return {}, grads
 
 
-def _gradient_leaves(tree):
-  return [
-    leaf
-    for leaf in jax.tree.leaves(tree)
-    if jnp.issubdtype(jnp.result_type(leaf), jnp.inexact)
-  ]
+def squared_norm(tree, total=0.0) -> jax.Array:
+  """``total`` plus the squares of every floating leaf of ``tree``, added
+  leaf by leaf (float32; integer and key leaves are not gradients)."""
+  total = jnp.asarray(total, jnp.float32)
+  for leaf in jax.tree.leaves(tree):
+    if jnp.issubdtype(jnp.result_type(leaf), jnp.inexact):
+      total += jnp.sum(jnp.square(jnp.asarray(leaf, jnp.float32)))
+  return total
 
 
 def global_norm(grads) -> jax.Array:
@@ -121,9 +123,7 @@ def global_norm(grads) -> jax.Array:
   total = jnp.zeros((), jnp.float32)
   for _, layer in forge_layers(forge):
     total += jnp.sum(layer["grad_sq_norm"].astype(jnp.float32))
-  for leaf in _gradient_leaves(others):
-    total += jnp.sum(jnp.square(leaf.astype(jnp.float32)))
-  return jnp.sqrt(total)
+  return jnp.sqrt(squared_norm(others, total))
 
 
 def clip_scale(norm, max_norm) -> jax.Array:

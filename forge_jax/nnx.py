@@ -44,7 +44,7 @@ from flax.core import spmd
 from flax.nnx.nn.linear import default_bias_init, default_kernel_init
 from jax.sharding import PartitionSpec as P
 
-from forge_jax import layer_context, parallel, quantization
+from forge_jax import clipping, layer_context, parallel, quantization
 from forge_jax.ops.fused_dense import (
   IMPLEMENTATIONS,
   ForgeVariables,
@@ -446,10 +446,7 @@ def global_norm(grads) -> jax.Array:
     names = [getattr(key, "key", None) for key in path]
     if "grad_sq_norm" in names:
       total += jnp.sum(jnp.asarray(leaf, jnp.float32))
-  for leaf in jax.tree.leaves(others):
-    if jnp.issubdtype(jnp.result_type(leaf), jnp.inexact):
-      total += jnp.sum(jnp.square(jnp.asarray(leaf, jnp.float32)))
-  return jnp.sqrt(total)
+  return jnp.sqrt(clipping.squared_norm(others, total))
 
 
 class Optimizer(nnx.Optimizer):
