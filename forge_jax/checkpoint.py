@@ -77,10 +77,13 @@ def _path_name(path) -> str:
 
 def saved_dtypes(path: str) -> dict[str, Any]:
   """``{'params/.../opt_state/mu/codes': dtype, ...}`` as saved at ``path``."""
-  tree = _saved_tree(os.path.abspath(path))
+  return _leaf_dtypes(_saved_tree(os.path.abspath(path)))
+
+
+def _leaf_dtypes(saved_tree) -> dict[str, Any]:
   return {
     _path_name(p): np.dtype(leaf.dtype)
-    for p, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
+    for p, leaf in jax.tree_util.tree_flatten_with_path(saved_tree)[0]
   }
 
 
@@ -108,7 +111,8 @@ def restore(path: str, abstract_state: Any) -> Any:
       checkpoint.
   """
   path = os.path.abspath(path)
-  saved = saved_dtypes(path)
+  saved_tree = _saved_tree(path)
+  saved = _leaf_dtypes(saved_tree)
   flat, treedef = jax.tree_util.tree_flatten_with_path(abstract_state)
   problems, leaves, zeros = [], [], set()
   for key, value in flat:
@@ -137,7 +141,6 @@ def restore(path: str, abstract_state: Any) -> Any:
     return _checkpointer().restore(path, jax.tree.unflatten(treedef, leaves))
   # Restore what was saved, in the saved structure, then fill in the zeros.
   wanted = {_path_name(key): want for (key, _), want in zip(flat, leaves)}
-  saved_tree = _saved_tree(path)
   restored = _checkpointer().restore(
     path,
     jax.tree_util.tree_map_with_path(
