@@ -62,7 +62,9 @@ def _args(argv=None):
   parser.add_argument(
     "--implementations", nargs="+", default=["triton", "mosaic"]
   )
-  parser.add_argument("--implementation", help="run one, in this process")
+  parser.add_argument(
+    "--implementation", help="run one, in this process, writing --out"
+  )
   parser.add_argument("--cpu", action="store_true")
   parser.add_argument("--out", required=True)
   return parser.parse_args(argv)
@@ -140,7 +142,8 @@ def measure(args) -> dict:
 def main(argv=None):
   args = _args(argv)
   if args.implementation:
-    print(json.dumps(measure(args)))
+    with open(args.out, "w") as f:
+      json.dump(measure(args), f)
     return
   sys.path.insert(0, HERE)
   from timing import metadata  # pylint: disable=import-outside-toplevel
@@ -180,9 +183,8 @@ def main(argv=None):
       if done.returncode:
         result["runs"][implementation] = {"error": done.stderr[-2000:]}
       else:
-        result["runs"][implementation] = json.loads(
-          done.stdout.strip().splitlines()[-1]
-        )
+        with open(part) as f:
+          result["runs"][implementation] = json.load(f)
     print(
       implementation, json.dumps(result["runs"][implementation]), flush=True
     )
