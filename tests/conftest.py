@@ -339,6 +339,21 @@ def ulp_distance(actual, expected) -> np.ndarray:
   return np.abs(ordered(actual) - ordered(expected))
 
 
+def beyond_one_ulp(actual, expected) -> np.ndarray:
+  """Elements more than one ulp apart both at their own magnitude and at
+  the leaf's scale (one ulp of the expected leaf's RMS).
+
+  Where an update cancels to near zero (``w - lr * u ~ 0``), float32
+  arithmetic compiled differently (FMA contraction, ``sqrt`` through
+  ``rsqrt``) moves the result by many of its own tiny ulps but by less than
+  one ulp at the leaf's scale: such an element is not counted."""
+  actual, expected = np.asarray(actual), np.asarray(expected)
+  a64, e64 = actual.astype(np.float64), expected.astype(np.float64)
+  rms = np.sqrt(np.mean(np.square(e64)))
+  scale_ulp = rms * 2.0 ** -jnp.finfo(expected.dtype).nmant
+  return (ulp_distance(actual, expected) > 1) & (np.abs(a64 - e64) > scale_ulp)
+
+
 def poison(x, where=None, value=np.nan):
   """``x`` with ``value`` (NaN by default) at ``where`` (everywhere if None).
 

@@ -6,6 +6,7 @@ dropout, auxiliary heads, optax wrappers), not through the package's Llama.
 """
 
 import functools
+import re
 import warnings
 
 import chex
@@ -317,6 +318,50 @@ def test_train_state_compiles_its_step_once():
     state = step(state)
   assert len(traces) == 1
   assert state.unreached_layers() == ["aux"]
+
+
+@pytest.mark.parametrize("implementation", ["triton", "mosaic"])
+def test_unrolled_layers_share_one_lowered_kernel(implementation):
+  """Projections of one shape trace and lower their kernel once: the train
+  step's module holds one copy, called by each of the six projections. With
+  stochastic rounding each layer's id seeds its bits: one copy per layer."""
+  x = jax.random.normal(jax.random.key(0), (64, 128))
+  name = f"{implementation}_update"
+  for optimizer, copies in (
+    (OPT, 1),
+    (fj.adamw(1e-3, weight_rounding="stochastic"), 6),
+  ):
+
+    class Unrolled(nn.Module):
+      @nn.compact
+      def __call__(self, h):
+        for i in range(3):
+          h, _ = Block(
+            features=128,
+            implementation=implementation,
+            dtype=jnp.bfloat16,
+            param_dtype=jnp.bfloat16 if copies > 1 else jnp.float32,
+            optimizer=optimizer,
+            name=f"layers_{i}",
+          )(h, 0.5)
+        return h
+
+    model = Unrolled()
+    state = fj.TrainState.create(
+      apply_fn=model.apply,
+      params=model.init(jax.random.key(1), x),
+      tx=optimizer.to_optax(),
+    )
+
+    def step(state):
+      loss = lambda p: jnp.mean(state.apply_fn(p, x).astype(jnp.float32) ** 2)
+      return state.apply_gradients(grads=jax.grad(loss)(state.params))
+
+    text = jax.jit(step).lower(state).as_text()
+    assert len(re.findall(rf"func.func private @{name}(_\d+)?\(", text)) == (
+      copies
+    )
+    assert len(re.findall(rf"call @{name}(_\d+)?\(", text)) == 6
 
 
 def test_stock_train_state_still_fails_loudly_on_an_unreached_layer():

@@ -17,6 +17,8 @@ specification, and the default where no GPU kernel applies.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 
 import jax
@@ -169,6 +171,31 @@ def _on_hopper_or_newer() -> bool:
     return False
 
 
+@functools.cache
+def lowered_once(update):
+  """``update`` as one jitted function shared by every call site.
+
+  A model with unrolled layers calls a kernel once per projection. Traced
+  under one ``jax.jit``, calls with the same shapes, dtypes and static
+  configuration share one jaxpr, which JAX lowers once into one function of
+  the module, so the kernel is traced, lowered and compiled once instead of
+  once per call site. The spec's module path plays no part in an update, nor
+  does its ``layer_id`` without stochastic rounding: both are cleared, so the
+  layers of a model share a key.
+  """
+  jitted = jax.jit(update, static_argnums=0)
+
+  @functools.wraps(update)
+  def shared(spec, *args, **kwargs):
+    stochastic = spec.optimizer.weight_rounding == "stochastic"
+    key = dataclasses.replace(
+      spec, path=(), layer_id=spec.layer_id if stochastic else 0
+    )
+    return jitted(key, *args, **kwargs)
+
+  return shared
+
+
 def select(implementation: str, x, dy, kernel, optimizer):
   """The backend for ``implementation``; 'auto' picks the fastest that applies.
 
@@ -188,10 +215,10 @@ def select(implementation: str, x, dy, kernel, optimizer):
 
   if implementation == "triton":
     triton_kernel.check_supported(x, dy, kernel, optimizer)
-    return triton_kernel.triton_update
+    return lowered_once(triton_kernel.triton_update)
   if implementation == "mosaic":
     mosaic.check_supported(x, dy, kernel, optimizer)
-    return mosaic.mosaic_update
+    return lowered_once(mosaic.mosaic_update)
   if implementation == "auto":
     kernels = [
       (_on_hopper_or_newer(), mosaic, mosaic.mosaic_update),
@@ -202,7 +229,7 @@ def select(implementation: str, x, dy, kernel, optimizer):
         available
         and module.unsupported_reason(x, dy, kernel, optimizer) is None
       ):
-        return update
+        return lowered_once(update)
     return xla_update
   raise ValueError(
     f"{implementation=} must be 'auto', 'xla', 'triton' or 'mosaic'"

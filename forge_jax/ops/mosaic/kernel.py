@@ -26,8 +26,8 @@ Stacked ``[L, K, N]`` variables (``layer_index``,
 :mod:`forge_jax.ops.stacks`) are ``jax.new_ref`` buffers the kernel updates
 in place (aliased in and out) at the layer's index, a TMA coordinate: no
 slice of a stack goes in or out of the call. An unstacked kernel and state
-are read from their operands and written to separate outputs: aliased, a
-call inside a loop can lose its results to XLA's dynamic-slice fusion.
+are updated in place too, behind optimization barriers that keep XLA's
+dynamic-slice fusion from handing the call slices of a loop's stacks.
 
 Coverage: 16-bit activations (wgmma's transposed operand), float32 or
 bfloat16 kernels (bfloat16 stochastically rounded too), float32, bfloat16 or
@@ -314,19 +314,11 @@ def mosaic_update(
     unsafe_no_auto_barriers=True,
   )
   name = "forge_fused_dense_update_mosaic"
-  if interpret or layer_index is None:
-    # Separate outputs: interpret mode takes no refs, and an unstacked call
-    # must not alias its operands. Inside a loop (nn.scan's transpose, any
-    # lax.scan) XLA's dynamic-slice fusion hands an aliased Mosaic GPU call
-    # slices of the stacks it reads and writes, and the updated kernel and
-    # state never reach the loop's output (they come back as zeros).
-    num = len(storage)
-    if interpret:
-      from jax._src.pallas.mosaic_gpu.interpret import params  # pylint: disable=import-outside-toplevel
+  if interpret:
+    # Separate outputs: interpret mode takes no refs.
+    from jax._src.pallas.mosaic_gpu.interpret import params  # pylint: disable=import-outside-toplevel
 
-      x_operand, interpret_params = x2.T, params.InterpretGPUParams()
-    else:
-      x_operand, interpret_params = x2, None
+    num = len(storage)
     outputs = plgpu.kernel(
       lambda s, x, dy, *refs: kernel_fn(
         s, x, dy, refs[:num], refs[num : 2 * num], refs[-2], refs[-1]
@@ -338,14 +330,22 @@ def mosaic_update(
       num_threads=threads,
       thread_name="wg",
       compiler_params=compiler_params,
-      interpret=interpret_params,
+      interpret=params.InterpretGPUParams(),
       kernel_name=name,
-    )(scalar_vector, x_operand, dy2, *storage)
+    )(scalar_vector, x2.T, dy2, *storage)
     new_storage, skipped, grad_sq = outputs[:-2], outputs[-2], outputs[-1]
   else:
-    # Stacked: the whole stacks go in as refs, aliased in and out, and the
-    # layer's entries are updated in place at its index (a TMA coordinate).
-    # pl.kernel, not plgpu.kernel, whose batching wrapper rejects refs.
+    # The kernel and state go in as refs, aliased in and out, and are updated
+    # in place (a stack's layer at its index, a TMA coordinate). An unstacked
+    # call's operands and results pass through optimization barriers: inside
+    # a loop (nn.scan's transpose, any lax.scan) XLA's dynamic-slice fusion
+    # would otherwise hand the aliased call slices of the loop's stacks, and
+    # the updated kernel and state would come back as zeros. Outside a loop
+    # the barriers cost nothing, and a step that donates the state writes it
+    # where it lies, with no copy. pl.kernel, not plgpu.kernel, whose batching
+    # wrapper rejects refs.
+    if layer_index is None:
+      storage = jax.lax.optimization_barrier(storage)
     refs = [jax.new_ref(a) for a in storage]
     skipped_ref, grad_sq_ref = (
       jax.new_ref(jnp.zeros(skipped_type.shape, jnp.float32)) for _ in range(2)
@@ -360,6 +360,8 @@ def mosaic_update(
       name=name,
     )(scalar_vector, x2, dy2, *refs, skipped_ref, grad_sq_ref)
     new_storage = [r[...] for r in refs]
+    if layer_index is None:
+      new_storage = jax.lax.optimization_barrier(new_storage)
     skipped, grad_sq = skipped_ref[...], grad_sq_ref[...]
   new_state = quantization.codes_as_container(
     jax.tree.unflatten(state_treedef, new_storage[1:])
