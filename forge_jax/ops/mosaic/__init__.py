@@ -18,7 +18,6 @@ one module per schedule (:mod:`~forge_jax.ops.mosaic.inline`,
 from forge_jax.ops.mosaic.config import (
   INLINE_CONFIGS,
   PINGPONG_CONFIGS,
-  PINGPONG_MIN_TOKENS,
   QUANTIZED_CONFIGS,
   SCHEDULES,
   MosaicConfig,
@@ -34,7 +33,6 @@ from forge_jax.ops.mosaic.kernel import (
 __all__ = [
   "INLINE_CONFIGS",
   "PINGPONG_CONFIGS",
-  "PINGPONG_MIN_TOKENS",
   "QUANTIZED_CONFIGS",
   "SCHEDULES",
   "MosaicConfig",

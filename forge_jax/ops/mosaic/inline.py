@@ -13,8 +13,7 @@ under the next tile's main loop, while the memory warpgroup's ring runs on
 into the next tile. ``ctas_per_sm=2`` puts two CTAs on an SM, so one's
 epilogue overlaps the other's main loop where both fit.
 
-This is the default below ``PINGPONG_MIN_TOKENS`` tokens, for float32
-states, and, with 64 x 64 parts, for int8 states
+This is the default schedule, with 64 x 64 parts for int8 states
 (:func:`forge_jax.ops.mosaic.config.ranked_configs`).
 """
 

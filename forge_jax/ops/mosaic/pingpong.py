@@ -7,13 +7,12 @@ arriving on its owner's barrier. A loader warpgroup keeps each compute
 warpgroup's ring of ``epilogue_slots`` buffers full, running ahead into its
 next tile (``prefetch_step`` does not apply).
 
-On the H200 (AdamW, bf16 storage, 4096 x 14336) it is faster than the inline
-schedule from 2048 tokens (0.52 against 0.54 ms at 2048, 1.49 against 1.53
-at 8192) and slower at 512 (0.37 against 0.31): a tile's update runs on one
-warpgroup's four warps, one a scheduler, which cannot hide the rule's
-latencies, and with 216 registers a thread a ``128 x 128`` accumulator and
-AdamW's rule spill. So :func:`forge_jax.ops.mosaic.config.ranked_configs`
-puts it first from ``PINGPONG_MIN_TOKENS`` tokens.
+On the H200 (AdamW, bf16 storage) it is slower than the inline schedule at
+512 and 2048 tokens: a tile's update runs on one warpgroup's four warps, one
+a scheduler, which cannot hide the rule's latencies, and with 216 registers
+a thread a ``128 x 128`` accumulator and AdamW's rule spill. So
+:func:`forge_jax.ops.mosaic.config.ranked_configs` does not rank it; a
+``MosaicConfig(schedule='pingpong', ...)`` passed in selects it.
 """
 
 from __future__ import annotations
