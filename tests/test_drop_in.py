@@ -578,6 +578,59 @@ def test_every_implementation_trains_like_xla_on_gpu(stacking, param_dtype):
       )
 
 
+@pytest.mark.gpu
+def test_every_implementation_trains_nn_vmap_like_xla_on_gpu():
+  """An ensemble of ForgeDense blocks under nn.vmap: the batched backward
+  cannot update in place and writes separate outputs, the same values."""
+  x = jax.random.normal(jax.random.key(1), (512, 512), jnp.bfloat16)
+  y = jax.random.normal(jax.random.key(2), (512, 4))
+
+  def model(implementation):
+    class Ensemble(nn.Module):
+      @nn.compact
+      def __call__(self, h):
+        members = nn.vmap(
+          Block,
+          variable_axes={True: 0},
+          split_rngs={"params": True},
+          in_axes=(None, None),
+          axis_size=2,
+        )
+        out, _ = members(
+          features=512,
+          implementation=implementation,
+          param_dtype=jnp.bfloat16,
+          dtype=jnp.bfloat16,
+          optimizer=GPU_OPT,
+          name="members",
+        )(h, 0.5)
+        return nn.Dense(4)(out.mean(0))
+
+    return Ensemble()
+
+  results = {}
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore", fj.ForgeMemoryWarning)
+    for implementation in ("xla", "triton", "mosaic"):
+      state, losses = train(
+        model(implementation), steps=4, x_y=(x, y), tx=GPU_OPT.to_optax()
+      )
+      kernel = state.params[COLL]["members"]["ForgeDense_0"]["kernel"]
+      results[implementation] = (losses, np.asarray(kernel, np.float32))
+  expected, reference = results["xla"]
+  for implementation in ("triton", "mosaic"):
+    losses, kernel = results[implementation]
+    np.testing.assert_allclose(
+      losses, expected, rtol=2e-2, err_msg=implementation
+    )
+    np.testing.assert_allclose(
+      np.linalg.norm(kernel, axis=(1, 2)),
+      np.linalg.norm(reference, axis=(1, 2)),
+      rtol=1e-2,
+      err_msg=implementation,
+    )
+
+
 #: Every projection shape of Llama-3.1-8B and Qwen3-14B, [in, out].
 MODEL_SHAPES = {
   "8b_q": (4096, 4096),

@@ -874,6 +874,44 @@ def test_mosaic_stacked_kernel_lowers_for_cuda_on_cpu(schedule):
   assert "mosaic_gpu" in text
 
 
+def test_mosaic_kernel_under_vmap_lowers_for_cuda_on_cpu():
+  """Under ``jax.vmap`` (``nn.vmap``) an unstacked call cannot update in
+  place (an in-place launch takes a batch of one): it writes separate
+  outputs, which ``plgpu.kernel`` batches over an extra grid axis."""
+  opt = SR_OPTIMIZERS["adamw"]
+  x = jax.ShapeDtypeStruct((2, 128, 256), BF16)
+  dy = jax.ShapeDtypeStruct((2, 128, 512), BF16)
+  kernel = jax.ShapeDtypeStruct((2, 256, 512), BF16)
+  config = mosaic.default_config(x, kernel, opt)
+  spec = FusedDenseSpec(optimizer=opt, implementation="mosaic", layer_id=3)
+
+  def update(x, dy, kernel, state, scalars, apply):
+    return mosaic.mosaic_update(
+      spec, x, dy, kernel, state, scalars, apply, config, interpret=False
+    )
+
+  state = jax.tree.map(
+    lambda a: jax.ShapeDtypeStruct((2, *a.shape), a.dtype),
+    jax.eval_shape(opt.init, jax.ShapeDtypeStruct((256, 512), BF16)),
+  )
+  batched = jax.vmap(update, in_axes=(0, 0, 0, 0, None, None))
+  text = (
+    jax.jit(batched)
+    .trace(
+      x,
+      dy,
+      kernel,
+      state,
+      jax.eval_shape(opt.scalars, jnp.int32(3)),
+      jax.ShapeDtypeStruct((), jnp.bool_),
+    )
+    .lower(lowering_platforms=("cuda",))
+    .as_text()
+  )
+  assert "mosaic_gpu" in text
+  assert "tensor<2x256x512xbf16>" in text
+
+
 def test_default_run_covers_every_schedule_optimizer_and_storage_mode():
   """The default run (not ``slow``) checks every optimizer at least once
   and every schedule with every storage mode, in interpret mode and through

@@ -27,7 +27,9 @@ Stacked ``[L, K, N]`` variables (``layer_index``,
 in place (aliased in and out) at the layer's index, a TMA coordinate: no
 slice of a stack goes in or out of the call. An unstacked kernel and state
 are updated in place too, behind optimization barriers that keep XLA's
-dynamic-slice fusion from handing the call slices of a loop's stacks.
+dynamic-slice fusion from handing the call slices of a loop's stacks; under
+``jax.vmap`` they are written to separate outputs (an in-place launch cannot
+be batched).
 
 Coverage: 16-bit activations (wgmma's transposed operand), float32 or
 bfloat16 kernels (bfloat16 stochastically rounded too), float32, bfloat16 or
@@ -296,11 +298,10 @@ def mosaic_update(
   skipped_type = jax.ShapeDtypeStruct(
     skipped_rows_shape(config, num_tiles), jnp.float32
   )
-  threads = config.num_warpgroups
   mesh = plgpu.Mesh(
     grid=(_num_ctas(num_tiles, config, interpret),),
     grid_names=("sm",),
-    num_threads=threads,
+    num_threads=config.num_warpgroups,
     thread_name="wg",
   )
   # Without Mosaic GPU's automatic warpgroup barriers around every smem
@@ -309,60 +310,24 @@ def mosaic_update(
   # its own rows of an epilogue buffer, buffers are refilled or freed only
   # after commit_smem's barrier or a per-thread barrier arrival, and every
   # cross-warpgroup hand-off is a barrier all threads arrive on.
-  compiler_params = plgpu.CompilerParams(
-    lowering_semantics=plgpu.LoweringSemantics.Warpgroup,
-    unsafe_no_auto_barriers=True,
+  call = functools.partial(
+    _call_kernel,
+    kernel_fn,
+    skipped_type,
+    mesh,
+    plgpu.CompilerParams(
+      lowering_semantics=plgpu.LoweringSemantics.Warpgroup,
+      unsafe_no_auto_barriers=True,
+    ),
   )
-  name = "forge_fused_dense_update_mosaic"
   if interpret:
     # Separate outputs: interpret mode takes no refs.
-    from jax._src.pallas.mosaic_gpu.interpret import params  # pylint: disable=import-outside-toplevel
-
-    num = len(storage)
-    outputs = plgpu.kernel(
-      lambda s, x, dy, *refs: kernel_fn(
-        s, x, dy, refs[:num], refs[num : 2 * num], refs[-2], refs[-1]
-      ),
-      out_type=[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in storage]
-      + [skipped_type, skipped_type],
-      grid=mesh.grid,
-      grid_names=mesh.grid_names,
-      num_threads=threads,
-      thread_name="wg",
-      compiler_params=compiler_params,
-      interpret=params.InterpretGPUParams(),
-      kernel_name=name,
-    )(scalar_vector, x2.T, dy2, *storage)
-    new_storage, skipped, grad_sq = outputs[:-2], outputs[-2], outputs[-1]
+    outputs = call(False, True, scalar_vector, x2.T, dy2, *storage)
+  elif layer_index is not None:
+    outputs = call(True, False, scalar_vector, x2, dy2, *storage)
   else:
-    # The kernel and state go in as refs, aliased in and out, and are updated
-    # in place (a stack's layer at its index, a TMA coordinate). An unstacked
-    # call's operands and results pass through optimization barriers: inside
-    # a loop (nn.scan's transpose, any lax.scan) XLA's dynamic-slice fusion
-    # would otherwise hand the aliased call slices of the loop's stacks, and
-    # the updated kernel and state would come back as zeros. Outside a loop
-    # the barriers cost nothing, and a step that donates the state writes it
-    # where it lies, with no copy. pl.kernel, not plgpu.kernel, whose batching
-    # wrapper rejects refs.
-    if layer_index is None:
-      storage = jax.lax.optimization_barrier(storage)
-    refs = [jax.new_ref(a) for a in storage]
-    skipped_ref, grad_sq_ref = (
-      jax.new_ref(jnp.zeros(skipped_type.shape, jnp.float32)) for _ in range(2)
-    )
-    pl.kernel(
-      lambda s, x, dy, *refs: kernel_fn(
-        s, x, dy, refs[:-2], refs[:-2], refs[-2], refs[-1]
-      ),
-      out_type=(),
-      mesh=mesh,
-      compiler_params=compiler_params,
-      name=name,
-    )(scalar_vector, x2, dy2, *refs, skipped_ref, grad_sq_ref)
-    new_storage = [r[...] for r in refs]
-    if layer_index is None:
-      new_storage = jax.lax.optimization_barrier(new_storage)
-    skipped, grad_sq = skipped_ref[...], grad_sq_ref[...]
+    outputs = _in_place_unless_batched(call)(scalar_vector, x2, dy2, *storage)
+  new_storage, skipped, grad_sq = outputs[:-2], outputs[-2], outputs[-1]
   new_state = quantization.codes_as_container(
     jax.tree.unflatten(state_treedef, new_storage[1:])
   )
@@ -372,3 +337,91 @@ def mosaic_update(
     jnp.sum(skipped.astype(jnp.int32)),
     jnp.sum(grad_sq),
   )
+
+
+_KERNEL_NAME = "forge_fused_dense_update_mosaic"
+
+
+def _call_kernel(
+  kernel_fn, skipped_type, mesh, compiler_params, in_place, interpret, *args
+):
+  """One launch: ``(*new_storage, skipped, grad_sq)`` from
+  ``(scalar_vector, x, dy, *storage)``.
+
+  In place, the storage goes in as refs, aliased in and out (a stack's layer
+  is written at its index, a TMA coordinate), through ``pl.kernel`` in
+  ``pl.run_state`` (``plgpu.kernel``'s batching wrapper rejects refs, and
+  the refs stay inside the call). Otherwise the new values are separate
+  outputs, which interpret mode needs (it takes no refs) and ``jax.vmap``
+  can batch.
+  """
+  scalar_vector, x, dy, *storage = args
+  if in_place:
+    zeros = jnp.zeros(skipped_type.shape, jnp.float32)
+
+    def launch(refs):
+      *storage_refs, skipped_ref, grad_sq_ref = refs
+      pl.kernel(
+        lambda s, x, dy, *refs: kernel_fn(
+          s, x, dy, refs[:-2], refs[:-2], refs[-2], refs[-1]
+        ),
+        out_type=(),
+        mesh=mesh,
+        compiler_params=compiler_params,
+        name=_KERNEL_NAME,
+      )(scalar_vector, x, dy, *storage_refs, skipped_ref, grad_sq_ref)
+
+    return list(pl.run_state(launch)((*storage, zeros, zeros)))
+  interpret_params = None
+  if interpret:
+    from jax._src.pallas.mosaic_gpu.interpret import params  # pylint: disable=import-outside-toplevel
+
+    interpret_params = params.InterpretGPUParams()
+  num = len(storage)
+  return plgpu.kernel(
+    lambda s, x, dy, *refs: kernel_fn(
+      s, x, dy, refs[:num], refs[num : 2 * num], refs[-2], refs[-1]
+    ),
+    out_type=[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in storage]
+    + [skipped_type, skipped_type],
+    grid=mesh.grid,
+    grid_names=mesh.grid_names,
+    num_threads=mesh.num_threads,
+    thread_name=mesh.thread_name,
+    compiler_params=compiler_params,
+    interpret=interpret_params,
+    kernel_name=_KERNEL_NAME,
+  )(scalar_vector, x, dy, *storage)
+
+
+def _in_place_unless_batched(call):
+  """An unstacked call in place, behind optimization barriers; under
+  ``jax.vmap`` (``nn.vmap``) the batched call writes separate outputs.
+
+  Inside a loop (``nn.scan``'s transpose, any ``lax.scan``) XLA's
+  dynamic-slice fusion would hand an aliased call slices of the loop's
+  stacks, and the updated kernel and state would come back as zeros; the
+  barriers keep the slices out of the call. Outside a loop they cost
+  nothing, and a step that donates the state writes it where it lies, with
+  no copy. In-place launches cannot be batched (a launch takes a batch of
+  one), so a batched call takes the separate outputs, which ``plgpu.kernel``
+  batches.
+  """
+
+  @jax.custom_batching.custom_vmap
+  def in_place(*args):
+    scalar_vector, x, dy, *storage = args
+    storage = jax.lax.optimization_barrier(storage)
+    outputs = call(True, False, scalar_vector, x, dy, *storage)
+    return jax.lax.optimization_barrier(outputs)
+
+  @in_place.def_vmap
+  def _batched(axis_size, in_batched, *args):
+    del axis_size
+    axes = [0 if batched else None for batched in in_batched]
+    outputs = jax.vmap(functools.partial(call, False, False), in_axes=axes)(
+      *args
+    )
+    return outputs, [True] * len(outputs)
+
+  return in_place
