@@ -1020,7 +1020,10 @@ def test_compiled_mosaic_kernel_int8_sr_matches_reference_on_gpu(
   """On sm90+: bf16 SR weights and int8 states at a Llama layer shape, dW
   exact. Only the rule's float32 arithmetic may differ (FMA contraction,
   sqrt through rsqrt), moving a rare element across a rounding boundary:
-  one bf16 ulp or one int8 code at most, >= 99.9 % of the bits identical."""
+  one int8 code or one bf16 ulp at most (at the leaf's scale where the
+  update cancels to near zero: RAdam's first step on the H200 leaves 52
+  weights of about 5e-9 up to 15 of their own ulps apart, 0.42 of one at
+  the leaf's scale), >= 99.9 % of the bits identical."""
   if not backends._on_hopper_or_newer():  # pylint: disable=protected-access
     pytest.skip("needs a Hopper or newer GPU")
   x, dy = exact_inputs(seed, (2048, 4096), 1024, BF16)
