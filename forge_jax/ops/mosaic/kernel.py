@@ -357,7 +357,6 @@ def _call_kernel(
   """
   scalar_vector, x, dy, *storage = args
   if in_place:
-    zeros = jnp.zeros(skipped_type.shape, jnp.float32)
 
     def launch(refs):
       *storage_refs, skipped_ref, grad_sq_ref = refs
@@ -371,7 +370,8 @@ def _call_kernel(
         name=_KERNEL_NAME,
       )(scalar_vector, x, dy, *storage_refs, skipped_ref, grad_sq_ref)
 
-    return list(pl.run_state(launch)((*storage, zeros, zeros)))
+    counts = [jnp.zeros(skipped_type.shape, jnp.float32) for _ in range(2)]
+    return list(pl.run_state(launch)((*storage, *counts)))
   interpret_params = None
   if interpret:
     from jax._src.pallas.mosaic_gpu.interpret import params  # pylint: disable=import-outside-toplevel
@@ -412,8 +412,10 @@ def _in_place_unless_batched(call):
   def in_place(*args):
     scalar_vector, x, dy, *storage = args
     storage = jax.lax.optimization_barrier(storage)
-    outputs = call(True, False, scalar_vector, x, dy, *storage)
-    return jax.lax.optimization_barrier(outputs)
+    *new_storage, skipped, grad_sq = call(
+      True, False, scalar_vector, x, dy, *storage
+    )
+    return [*jax.lax.optimization_barrier(new_storage), skipped, grad_sq]
 
   @in_place.def_vmap
   def _batched(axis_size, in_batched, *args):
