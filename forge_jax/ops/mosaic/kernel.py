@@ -322,9 +322,13 @@ def mosaic_update(
   )
   if interpret:
     # Separate outputs: interpret mode takes no refs.
-    outputs = call(False, True, scalar_vector, x2.T, dy2, *storage)
+    outputs = call(
+      scalar_vector, x2.T, dy2, *storage, in_place=False, interpret=True
+    )
   elif layer_index is not None:
-    outputs = call(True, False, scalar_vector, x2, dy2, *storage)
+    outputs = call(
+      scalar_vector, x2, dy2, *storage, in_place=True, interpret=False
+    )
   else:
     outputs = _in_place_unless_batched(call)(scalar_vector, x2, dy2, *storage)
   new_storage, skipped, grad_sq = outputs[:-2], outputs[-2], outputs[-1]
@@ -343,7 +347,7 @@ _KERNEL_NAME = "forge_fused_dense_update_mosaic"
 
 
 def _call_kernel(
-  kernel_fn, skipped_type, mesh, compiler_params, in_place, interpret, *args
+  kernel_fn, skipped_type, mesh, compiler_params, *args, in_place, interpret
 ):
   """One launch: ``(*new_storage, skipped, grad_sq)`` from
   ``(scalar_vector, x, dy, *storage)``.
@@ -413,7 +417,7 @@ def _in_place_unless_batched(call):
     scalar_vector, x, dy, *storage = args
     storage = jax.lax.optimization_barrier(storage)
     *new_storage, skipped, grad_sq = call(
-      True, False, scalar_vector, x, dy, *storage
+      scalar_vector, x, dy, *storage, in_place=True, interpret=False
     )
     return [*jax.lax.optimization_barrier(new_storage), skipped, grad_sq]
 
@@ -421,9 +425,8 @@ def _in_place_unless_batched(call):
   def _batched(axis_size, in_batched, *args):
     del axis_size
     axes = [0 if batched else None for batched in in_batched]
-    outputs = jax.vmap(functools.partial(call, False, False), in_axes=axes)(
-      *args
-    )
+    separate = functools.partial(call, in_place=False, interpret=False)
+    outputs = jax.vmap(separate, in_axes=axes)(*args)
     return outputs, [True] * len(outputs)
 
   return in_place
