@@ -103,7 +103,7 @@ def _growth(config, forge, layers=(4, 8)):
   "scan_layers,remat",
   [
     pytest.param(False, False, id="unrolled-no-remat"),
-    pytest.param(True, True, id="scan-remat"),
+    pytest.param(True, True, id="scan-remat", marks=pytest.mark.slow),
     pytest.param(False, True, id="unrolled-remat", marks=pytest.mark.slow),
     pytest.param(True, False, id="scan-no-remat", marks=pytest.mark.slow),
   ],

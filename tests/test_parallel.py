@@ -336,15 +336,27 @@ def _kernel_shapes(params) -> set:
 # ---------------------------------------------------------------------------
 # Exactness: TP x SP against one device and against nn.Dense + optax.
 
-TP_SP = [(tp, sp) for tp in (2, 4, 8) for sp in (False, True)]
+# The default run takes every TP degree, SP and kind once; --run-slow all.
+TP_SP_CASES = [
+  pytest.param(
+    tp,
+    sp,
+    kind,
+    id=f"tp{tp}-{'sp' if sp else 'nosp'}-{kind}",
+    marks=()
+    if (tp, sp, kind)
+    in {(2, True, "model"), (4, False, "block"), (8, False, "model")}
+    else pytest.mark.slow,
+  )
+  for tp in (2, 4, 8)
+  for sp in (False, True)
+  for kind in ("block", "model")
+]
 
 
 @needs_devices
-@pytest.mark.parametrize("kind", ["block", "model"])
-@pytest.mark.parametrize(
-  "tp,sp", TP_SP, ids=[f"tp{t}-{'sp' if s else 'nosp'}" for t, s in TP_SP]
-)
-def test_tensor_parallel_matches_one_device_and_optax(kind, tp, sp):
+@pytest.mark.parametrize("tp,sp,kind", TP_SP_CASES)
+def test_tensor_parallel_matches_one_device_and_optax(tp, sp, kind):
   mesh = parallel.make_mesh(tp)
   forge = _run(kind, _config(True, tp, sp), mesh, sp)
   baseline = _run(kind, _config(False, tp, sp), mesh, sp)
@@ -386,7 +398,11 @@ def test_tensor_parallel_matches_one_device_and_optax(kind, tp, sp):
 
 @needs_devices
 @pytest.mark.parametrize(
-  "tp,sp", [(2, True), (4, False)], ids=["tp2-sp", "tp4-nosp"]
+  "tp,sp",
+  [
+    pytest.param(2, True, id="tp2-sp"),
+    pytest.param(4, False, id="tp4-nosp", marks=pytest.mark.slow),
+  ],
 )
 def test_tensor_parallel_scanned_layers(tp, sp):
   """fj.scan (FORGE) under TP, stacked variables, against one device.
@@ -690,8 +706,15 @@ def _differing_share(a, b) -> float:
 @needs_devices
 @pytest.mark.parametrize(
   "tp,sp",
-  INT8_TP_SP,
-  ids=[f"tp{t}-{'sp' if s else 'nosp'}" for t, s in INT8_TP_SP],
+  [
+    pytest.param(
+      t,
+      s,
+      id=f"tp{t}-{'sp' if s else 'nosp'}",
+      marks=() if (t, s) == (4, False) else pytest.mark.slow,
+    )
+    for t, s in INT8_TP_SP
+  ],
 )
 def test_int8_stochastic_model_matches_one_device(tp, sp):
   """A Llama model with int8 states and stochastically rounded bf16
