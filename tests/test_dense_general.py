@@ -184,8 +184,14 @@ def test_int8_states_and_stochastic_rounding(name, opt, seed):
   [
     ("triton", GEOMETRIES[1], jnp.float32),
     # Mosaic GPU takes 16-bit activations, K and N in multiples of 128,
-    # tokens in 64.
-    ("mosaic", ((2, 64), -1, (64, 128)), jnp.bfloat16),
+    # tokens in 64. forge_dense makes the [K, N] view for every backend
+    # alike: the default run takes one interpret-mode kernel.
+    pytest.param(
+      "mosaic",
+      ((2, 64), -1, (64, 128)),
+      jnp.bfloat16,
+      marks=pytest.mark.slow,
+    ),
   ],
   ids=["triton", "mosaic"],
 )

@@ -161,7 +161,9 @@ def test_forge_matches_baseline_training():
   assert fj.wiped_layers(final_f) == []
 
 
-@pytest.mark.parametrize("remat", [False, True])
+@pytest.mark.parametrize(
+  "remat", [pytest.param(False, marks=pytest.mark.slow), True]
+)
 def test_scan_layers_trains_and_matches_unrolled(remat):
   """nn.scan(nn.remat(Block)) with ForgeDense: every collection is stacked,
   FORGE's cotangents come back stacked, and training matches the loop.
