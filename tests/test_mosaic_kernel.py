@@ -15,9 +15,10 @@ Tolerances are test_kernel.py's (a float32 sum in another order). Each
 interpreted call takes several seconds (the interpreter compiles the kernel
 body for every simulated warpgroup of every CTA), so shapes are the
 smallest that span several tiles, and the default run is a subset of the
-tables: every optimizer once, every schedule with every storage mode
-(float32, bfloat16, bfloat16 with stochastic rounding, int8 states), every
-pipeline edge case; ``-m slow`` runs the rest.
+tables: the inline schedule ('auto' ranks no other) with every storage mode
+(float32, bfloat16, bfloat16 with stochastic rounding, int8 states) and one
+optimizer of each state kind, its pipeline edge cases, and every optimizer
+on every schedule through the CUDA lowering; ``--run-slow`` runs the rest.
 """
 
 from __future__ import annotations
