@@ -127,12 +127,6 @@ def slow_unless(default, *values, case_id=None):
   )
 
 
-def fp32_default_schedule(name):
-  """The schedule the default run checks optimizer ``name`` on (float32)."""
-  del name
-  return DEFAULT_SCHEDULE
-
-
 def by_schedule(default_schedules):
   """One case per schedule, slow unless in ``default_schedules``."""
   return [
@@ -193,7 +187,7 @@ def run_reference_at(
 
 FP32_CASES = [
   slow_unless(
-    name in FP32_DEFAULT and schedule == fp32_default_schedule(name),
+    name in FP32_DEFAULT and schedule == DEFAULT_SCHEDULE,
     name,
     opt,
     count,
