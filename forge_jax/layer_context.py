@@ -6,13 +6,16 @@ Four trace-time channels between the parts of the package:
   ForgeDense layers inside it receive their whole variable stacks and step
   one layer of them in place (the layer's index, the number of layers, and
   the scan's module path, which prefixes the layers' own paths).
-* :func:`record` / :func:`record_backward` / :func:`last_event`: each
+* :func:`record` / :func:`record_backward` / :func:`take_backward`: each
   ForgeDense records, by module path, that its forward ran, and the fused
   op's backward that it ran after it. :class:`forge_jax.TrainState`
   installs the new variables of a layer whose backward ran last without
   reading the old ones (so updates stay in place), and checks the others
   at run time (a layer the loss did not reach gets zero cotangents and
-  keeps its variables).
+  keeps its variables). Installing forgets the layer's events: a later
+  trace that traces neither its forward nor its backward (both inside a
+  ``jax.jit`` whose trace is cached) must not trust a backward that ran in
+  an earlier trace, since the loss may no longer reach the layer.
 * :func:`gradient_pass` / :func:`running`: which backward pass of
   :mod:`forge_jax.clipping`'s gradient functions is being traced (a
   norm-only pass computes each layer's ``grad_sq_norm`` and updates
@@ -148,6 +151,14 @@ def record_backward(path: tuple, deferred: bool) -> str:
 def last_event(path: tuple) -> Optional[str]:
   """The last event traced for the ForgeDense at ``path``, or None."""
   return _EVENTS.get(tuple(path))
+
+
+def take_backward(path: tuple) -> bool:
+  """Whether the fused op's backward was the last event traced for the
+  ForgeDense at ``path``; forgets the event, so the next call says False
+  until a forward or backward is traced again (:func:`last_pass` keeps
+  the pass, which counts only beside a backward event)."""
+  return _EVENTS.pop(tuple(path), None) == BACKWARD
 
 
 def optimizer(path: tuple):

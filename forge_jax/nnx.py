@@ -393,7 +393,7 @@ def install(model, grads) -> dict[str, jax.Array]:
     new, reached[_name(path)] = install_layer(
       nnx.to_pure_dict(state),
       layer_grads,
-      layer_context.last_event(layer.layer_key) == layer_context.BACKWARD,
+      layer_context.take_backward(layer.layer_key),
     )
     nnx.replace_by_pure_dict(state, new)
     nnx.update(layer, state)

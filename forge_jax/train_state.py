@@ -169,10 +169,11 @@ class TrainState(train_state.TrainState):
 def install(old, cotangents):
   """FORGE's new variables and ``{path: reached}``.
 
-  A layer whose backward was traced last (:mod:`forge_jax.layer_context`)
-  takes its cotangents as they are, so its update stays in place. Any other
-  layer is checked at run time: where FORGE did not write its cotangents
-  (``intact`` is 0: the loss did not reach it) the old values stay.
+  A layer whose backward was traced last, since the last install
+  (:func:`forge_jax.layer_context.take_backward`), takes its cotangents as
+  they are, so its update stays in place. Any other layer is checked at run
+  time: where FORGE did not write its cotangents (``intact`` is 0: the loss
+  did not reach it) the old values stay.
   """
   new, reached = cotangents, {}
   for path, layer in forge_layers(old):
@@ -180,7 +181,7 @@ def install(old, cotangents):
     installed, reached["/".join(path)] = install_layer(
       dict(layer),
       written,
-      layer_context.last_event(path) == layer_context.BACKWARD,
+      layer_context.take_backward(path),
     )
     if installed is not written:
       new = with_layer(new, path, installed)

@@ -270,6 +270,48 @@ def test_unreached_layer_keeps_kernel_state_and_count_bit_for_bit():
   )
 
 
+class TwoHeads(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    h = fj.ForgeDense(8, optimizer=OPT, name="body")(x)
+    return (
+      fj.ForgeDense(4, optimizer=OPT, name="main")(h),
+      fj.ForgeDense(4, optimizer=OPT, name="aux")(h),
+    )
+
+
+def test_layer_reached_in_an_earlier_trace_keeps_its_weights_when_not_reached():
+  """``apply_fn=jax.jit(model.apply)``: a second train step traces neither
+  the forward (the jitted apply's trace is cached) nor the backward of a
+  layer its loss does not reach. The first step's trace, which did reach
+  it, must not make the second trust its zero cotangents."""
+  model = TwoHeads()
+  x, y = data()
+  variables = model.init(jax.random.key(0), x)
+  state = fj.TrainState.create(
+    apply_fn=jax.jit(model.apply), params=variables, tx=OPT.to_optax()
+  )
+
+  def make_step(use_aux):
+    def step(state):
+      def loss(params):
+        main, aux = state.apply_fn(params, x)
+        loss = jnp.mean((main - y) ** 2)
+        return loss + jnp.mean((aux - y) ** 2) if use_aux else loss
+
+      return state.apply_gradients(grads=jax.grad(loss)(state.params))
+
+    return jax.jit(step)
+
+  state = make_step(True)(state)
+  before = jax.tree.map(np.asarray, state.params[COLL]["aux"])
+  assert float(before["count"]) == 1.0
+  state = make_step(False)(state)
+  chex.assert_trees_all_equal(state.params[COLL]["aux"], before)
+  assert state.unreached_layers() == ["aux"]
+  assert float(state.params[COLL]["main"]["count"]) == 2.0
+
+
 def test_unreached_stacked_block_layer_keeps_its_stack():
   class Model(nn.Module):
     @nn.compact

@@ -311,6 +311,44 @@ class Branches(nnx.Module):
     return self.heads[task](nnx.gelu(self.body(x)))
 
 
+class BothHeads(Branches):
+  def __call__(self, x):
+    h = nnx.gelu(self.body(x))
+    return self.heads[0](h), self.heads[1](h)
+
+
+def test_layer_reached_in_an_earlier_trace_keeps_its_weights_when_not_reached(
+  seed,
+):
+  """The forward inside an ``nnx.jit`` whose trace is cached: a second step
+  traces neither the forward nor the backward of the head its loss does not
+  reach, and must not trust the first step's trace, which reached it."""
+  model = BothHeads(nnx.Rngs(seed))
+  optimizer = fj.nnx.Optimizer(model, OPT.to_optax(), wrt=nnx.Param)
+  x, _ = make_batch(seed, (5, 6), 4)
+  heads = nnx.jit(lambda m, x: m(x))
+
+  def loss_fn(use_second):
+    def loss(m, x):
+      first, second = heads(m, x)
+      loss = jnp.mean(first**2)
+      return loss + jnp.mean(second**2) if use_second else loss
+
+    return loss
+
+  forge_step(loss_fn(True))(model, optimizer, x)
+  before = forge_values(model)
+  assert float(before["heads"][1]["count"]) == 1.0
+  forge_step(loss_fn(False))(model, optimizer, x)
+  after = forge_values(model)
+  for a, b in zip(
+    jax.tree.leaves(after["heads"][1]), jax.tree.leaves(before["heads"][1])
+  ):
+    assert_bitwise_equal(a, b, "heads[1]")
+  assert optimizer.unreached_layers() == ["heads/1"]
+  assert float(after["heads"][0]["count"]) == 2.0
+
+
 def test_unreached_layer_keeps_its_variables_bit_for_bit(seed):
   model = Branches(nnx.Rngs(seed))
   optimizer = fj.nnx.Optimizer(model, OPT.to_optax(), wrt=nnx.Param)
