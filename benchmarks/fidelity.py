@@ -8,8 +8,9 @@ Trains the byte-level Llama of ``examples.lm.llama`` on the Python stdlib
 the same initialization:
 
 * ``optax_fp32``: nn.Dense + ``optax.adamw``, float32 (the reference);
-* ``optax_fp32_seed1``: the same from another initialization (seed + 1):
-  the run-to-run noise any change has to be judged against;
+* ``optax_fp32_seed1``, ``optax_fp32_seed2``, ...: the same from other
+  initializations (``--reference-seeds`` runs in all): the run-to-run noise
+  any change has to be judged against;
 * ``forge_fp32``: ForgeDense + ``fj.adamw``, float32 (should follow the
   reference to float32 rounding);
 * ``forge_bf16_nearest``: bfloat16 kernels and Adam states, rounded to
@@ -26,7 +27,8 @@ The low-precision runs start from the float32 initialization rounded to
 bfloat16; embeddings and norm scales (trained by optax) stay float32.
 Reported: the mean absolute difference of each run's per-step training loss
 from ``optax_fp32`` (all steps and the last quarter), final training and
-validation losses; and, from the moments of ``forge_fp32`` at the end, what
+validation losses, each run's final-loss gap to ``optax_fp32`` against the
+seeds' spread (the range of the reference runs' final losses); and, from the moments of ``forge_fp32`` at the end, what
 int8 encodings of Adam's second moment cost (``moment_encodings``).
 Writes ``benchmarks/results/fidelity_<config>_<commit>.json`` and
 ``benchmarks/plots/fidelity.png``.
@@ -38,7 +40,6 @@ import argparse
 import dataclasses
 import json
 import os
-import subprocess
 import sys
 import time
 
@@ -56,9 +57,17 @@ def parse_args(argv=None):
   p.add_argument("--lr", type=float, default=3e-3)
   p.add_argument("--weight-decay", type=float, default=0.1)
   p.add_argument("--seed", type=int, default=0)
+  p.add_argument(
+    "--reference-seeds",
+    type=int,
+    default=3,
+    help="optax fp32 runs from this many initializations (>= 2)",
+  )
   p.add_argument("--eval-batches", type=int, default=8)
   p.add_argument(
-    "--implementation", default="xla", choices=("auto", "xla", "triton")
+    "--implementation",
+    default="xla",
+    choices=("auto", "xla", "triton", "mosaic"),
   )
   p.add_argument(
     "--ablation",
@@ -72,19 +81,6 @@ def parse_args(argv=None):
     help="PNG path (default: benchmarks/plots/fidelity.png)",
   )
   return p.parse_args(argv)
-
-
-def _commit() -> str:
-  try:
-    return subprocess.run(
-      ["git", "rev-parse", "--short=7", "HEAD"],
-      cwd=HERE,
-      capture_output=True,
-      text=True,
-      check=True,
-    ).stdout.strip()
-  except Exception:  # pylint: disable=broad-except
-    return "nogit"
 
 
 def _schedule(args):
@@ -145,12 +141,12 @@ def build_runs(args):
 
   runs = {}
   baseline = make_model(config)
-  for name, seed in (
-    ("optax_fp32", args.seed),
-    ("optax_fp32_seed1", args.seed + 1),
-  ):
+  for i in range(args.reference_seeds):
+    name = "optax_fp32" + (f"_seed{i}" if i else "")
     runs[name] = state(
-      baseline, baseline.init(jax.random.key(seed), tokens), fp32.to_optax()
+      baseline,
+      baseline.init(jax.random.key(args.seed + i), tokens),
+      fp32.to_optax(),
     )
   forge = make_model(config, forge_optimizer=fp32)
   forge_vars = forge.init(jax.random.key(args.seed), tokens)
@@ -332,6 +328,24 @@ def moment_encodings(state, count, b1=0.9, b2=0.999, eps=1e-8):
   return out
 
 
+def seed_spread(summary) -> dict:
+  """The reference runs' final losses and their range, and each other
+  run's final-loss gap to ``optax_fp32`` with whether it is within that
+  range (``summary``: per run, ``final_train_loss_last10``)."""
+  final = {n: s["final_train_loss_last10"] for n, s in summary.items()}
+  seeds = {n: v for n, v in final.items() if n.startswith("optax_fp32")}
+  spread = max(seeds.values()) - min(seeds.values())
+  gaps = {
+    n: abs(v - final["optax_fp32"]) for n, v in final.items() if n not in seeds
+  }
+  return {
+    "reference_final_losses": seeds,
+    "range": spread,
+    "final_loss_gap": gaps,
+    "within_range": {n: gap <= spread for n, gap in gaps.items()},
+  }
+
+
 def _plot(path, results, title):
   import matplotlib  # pylint: disable=import-outside-toplevel
 
@@ -340,7 +354,6 @@ def _plot(path, results, title):
 
   styles = {
     "optax_fp32": ("tab:blue", "-", 2.2),
-    "optax_fp32_seed1": ("tab:gray", "-", 1.2),
     "forge_fp32": ("tab:red", "--", 1.0),
     "forge_bf16_nearest": ("tab:purple", ":", 1.0),
     "forge_bf16_sr": ("tab:olive", "-.", 1.0),
@@ -354,7 +367,8 @@ def _plot(path, results, title):
   ref = results["optax_fp32"]["losses"]
   steps = np.arange(1, len(ref) + 1)
   for name, r in results.items():
-    color, ls, lw = styles.get(name, ("black", "-", 1.0))
+    default = ("tab:gray", "-", 1.0) if name.startswith("optax") else None
+    color, ls, lw = styles.get(name, default or ("black", "-", 1.0))
     ax.plot(
       steps, r["losses"], color=color, ls=ls, lw=lw, label=name, alpha=0.8
     )
@@ -384,7 +398,12 @@ def _plot(path, results, title):
 
 def main(argv=None):
   args = parse_args(argv)
+  if args.reference_seeds < 2:
+    raise SystemExit("--reference-seeds must be at least 2 (the spread)")
   import jax  # pylint: disable=import-outside-toplevel
+
+  sys.path.insert(0, HERE)
+  from timing import metadata  # pylint: disable=import-outside-toplevel
 
   from examples.lm import data as data_lib  # pylint: disable=import-outside-toplevel
 
@@ -407,7 +426,8 @@ def main(argv=None):
     }
   count = args.steps
   encodings = moment_encodings(results["forge_fp32"]["state"], count)
-  commit = _commit()
+  run_meta = metadata()
+  commit = run_meta["commit"][:7]
   out = args.out or os.path.join(
     HERE, "results", f"fidelity_{args.config}_{commit}.json"
   )
@@ -417,12 +437,14 @@ def main(argv=None):
     os.path.relpath(os.path.abspath(p), repo) for p in (out, plot)
   )
   payload = {
+    "meta": run_meta,
     "args": vars(args),
     "commit": commit,
     "backend": jax.default_backend(),
     "jax_version": jax.__version__,
     "model": {"config": args.config, "num_params": config.num_params()},
     "summary": summary,
+    "seed_spread": seed_spread(summary),
     "moment_encodings": encodings,
     "losses": {name: r["losses"].tolist() for name, r in results.items()},
     "wall_s": time.time() - t0,

@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import dataclasses
 import json
 import sys
 
 import jax
 import jax.numpy as jnp
 
-from forge_jax.ops import backends
+from forge_jax.ops import backends, mosaic
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 # pylint: disable=wrong-import-position
@@ -43,7 +44,10 @@ from timing import metadata
 K, N = 4096, 14336
 
 #: (name, what, tokens, config, optimizer, rule-free). ``what``: 'gemm',
-#: 'unfused' or 'fused'; ``config``: a key of MOSAIC_DIAG_CONFIGS.
+#: 'unfused' or 'fused'; ``config``: a key of MOSAIC_DIAG_CONFIGS, or
+#: None for the default config of the call; ``optimizer``: a key of
+#: CHECK_OPTIMIZERS, with ``+storage`` (a key of STORAGES) for
+#: low-precision storage.
 PROBES = (
   ("gemm-T512", "gemm", 512, None, "adamw", False),
   ("unfused-T512", "unfused", 512, None, "adamw", False),
@@ -56,7 +60,23 @@ PROBES = (
   ("pingpong-T2048", "fused", 2048, "pingpong-steps4-slots3", "adamw", False),
   ("gemm-T8192", "gemm", 8192, None, "adamw", False),
   ("pingpong-T8192-sgd", "fused", 8192, "pingpong-steps4-slots3", "sgd", False),
+  # Where int8 states' time goes: each storage in its default config.
+  ("bf16-T512", "fused", 512, None, "adamw", False),
+  ("bf16-sr-T512", "fused", 512, None, "adamw+sr", False),
+  ("int8-T512", "fused", 512, None, "adamw+int8", False),
+  ("int8-sr-T512", "fused", 512, None, "adamw+int8-sr", False),
+  ("int8-sr-T512-rule-free", "fused", 512, None, "adamw+int8-sr", True),
+  ("bf16-sr-T2048", "fused", 2048, None, "adamw+sr", False),
+  ("int8-sr-T2048", "fused", 2048, None, "adamw+int8-sr", False),
 )
+
+#: Low-precision storage of the probes' optimizers (bf16 W and states
+#: otherwise).
+STORAGES = {
+  "sr": dict(weight_rounding="stochastic"),
+  "int8": dict(state_dtype="int8"),
+  "int8-sr": dict(state_dtype="int8", weight_rounding="stochastic"),
+}
 
 
 def _profiler(call: str):
@@ -71,14 +91,22 @@ def build(what, tokens, config_name, opt_name, rule_free):
   """A no-argument function that launches the probe's kernel(s) once."""
   x, dy, w = make_inputs(jax.random.key(tokens), tokens, K, N)
   w = w.astype(jnp.bfloat16)
-  optimizer = CHECK_OPTIMIZERS[opt_name]
+  base, _, storage = opt_name.partition("+")
+  optimizer = CHECK_OPTIMIZERS[base]
+  if storage:
+    optimizer = dataclasses.replace(optimizer, **STORAGES[storage])
   if what == "gemm":
     gemm = jax.jit(backends.weight_gradient)
     return lambda: gemm(x, dy)
   if what == "unfused":
     return unfused_runner(optimizer, w, x, dy)
   with rule_free_epilogue(rule_free):
-    run = fused_runner(optimizer, MOSAIC_DIAG_CONFIGS[config_name], w, x, dy)
+    config = (
+      MOSAIC_DIAG_CONFIGS[config_name]
+      if config_name
+      else mosaic.default_config(x, w, optimizer)
+    )
+    run = fused_runner(optimizer, config, w, x, dy)
     jax.block_until_ready(run())  # compiles with the rule chosen
   return run
 

@@ -1125,6 +1125,7 @@ def lowp_speed_section(
 FIDELITY_RUNS = {
   "optax_fp32": "optax AdamW, fp32 (reference)",
   "optax_fp32_seed1": "optax AdamW, fp32, another init seed",
+  "optax_fp32_seed2": "optax AdamW, fp32, a third init seed",
   "forge_fp32": "FORGE fp32",
   "forge_bf16_nearest": "FORGE bf16 weights and states, round-to-nearest",
   "forge_bf16_sr": "FORGE bf16 weights (stochastic rounding) and states",
@@ -1135,32 +1136,51 @@ FIDELITY_RUNS = {
 
 def fidelity_section(run) -> str:
   a = run["args"]
-  rows = [
-    [
+  spread = run.get("seed_spread")
+  rows = []
+  for name, s in run["summary"].items():
+    row = [
       FIDELITY_RUNS.get(name, name),
       f"{s['mean_abs_diff_vs_optax_fp32']:.2g}",
       f"{s['mean_abs_diff_vs_optax_fp32_last_quarter']:.2g}",
       f"{s['final_train_loss_last10']:.4f}",
       f"{s['valid_loss']:.4f}",
     ]
-    for name, s in run["summary"].items()
+    if spread:
+      gap = spread["final_loss_gap"].get(name)
+      row.append(
+        "-"
+        if gap is None
+        else f"{gap:.4f} ({'within' if spread['within_range'][name] else 'outside'})"
+      )
+    rows.append(row)
+  headers = [
+    "run",
+    "mean \\|loss − optax fp32\\|",
+    "last quarter",
+    "final train loss",
+    "validation loss",
   ]
-  return section(
-    "Fidelity of low-precision storage (demo LM)",
+  text = (
     f"The '{a['config']}' byte-level model, {a['steps']} steps of "
     f"{a['batch_size']} x {a['seq_len']} bytes, AdamW {a['lr']:g} with "
-    f"warmup and cosine decay, weight decay {a['weight_decay']:g}; every "
-    f"run on the same batches.\n\n![fidelity]({PLOT_LINK}fidelity.png)",
-    table(
-      [
-        "run",
-        "mean \\|loss − optax fp32\\|",
-        "last quarter",
-        "final train loss",
-        "validation loss",
-      ],
-      rows,
-    ),
+    f"warmup and cosine decay, weight decay {a['weight_decay']:g}, "
+    f"`implementation='{a['implementation']}'`; every run on the same "
+    f"batches.\n\n![fidelity]({PLOT_LINK}fidelity.png)"
+  )
+  if spread:
+    headers.append("final-loss gap to optax fp32 (seed spread)")
+    seeds = len(spread["reference_final_losses"])
+    text += (
+      f"\n\nThe seed spread is the range of the final losses of optax fp32 "
+      f"from {seeds} initializations: {spread['range']:.4f}. A run is "
+      "within it when its final loss is no further from optax fp32's than "
+      "that."
+    )
+  return section(
+    "Fidelity of low-precision storage (demo LM)",
+    text,
+    table(headers, rows),
     "python benchmarks/run.py fidelity",
     [run],
   )

@@ -17,7 +17,9 @@ Suites, by what they measure:
   memory     compiled temp memory of the train step as the model grows (CPU)
   capacity   the largest micro-batch under a memory cap, TP = 2 with SP
   tp         TP = 2 against one device: exactness, per-GPU peak, step time
-  fidelity   loss curves of low-precision storage on the demo LM (CPU)
+  fidelity   loss curves of low-precision storage on the demo LM's
+             'medium' config (136 M parameters) beside optax fp32 from
+             three initializations (one GPU)
   lowp       low-precision storage bits of each kernel against the reference
   counters   Nsight Compute counters of the fused kernel (needs ncu)
   layer      one layer's whole train step, each backend against optax
@@ -359,9 +361,21 @@ def fidelity_steps(a, out):
     Step(
       _python(
         "fidelity.py",
+        "--config",
+        "medium",
+        "--steps",
+        300,
+        "--batch-size",
+        16,
+        "--seq-len",
+        512,
+        "--lr",
+        1e-3,
+        "--implementation",
+        "auto",
         "--ablation",
         "--out",
-        out("fidelity_small"),
+        out("fidelity_medium"),
         "--plot",
         os.path.join(a.out, "fidelity.png"),
       ),
