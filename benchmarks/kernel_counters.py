@@ -65,7 +65,6 @@ PROBES = (
   ("bf16-sr-T512", "fused", 512, None, "adamw+sr", False),
   ("int8-T512", "fused", 512, None, "adamw+int8", False),
   ("int8-sr-T512", "fused", 512, None, "adamw+int8-sr", False),
-  ("int8-sr-T512-rule-free", "fused", 512, None, "adamw+int8-sr", True),
   ("bf16-sr-T2048", "fused", 2048, None, "adamw+sr", False),
   ("int8-sr-T2048", "fused", 2048, None, "adamw+int8-sr", False),
 )
