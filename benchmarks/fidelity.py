@@ -58,6 +58,12 @@ def parse_args(argv=None):
   p.add_argument("--weight-decay", type=float, default=0.1)
   p.add_argument("--seed", type=int, default=0)
   p.add_argument(
+    "--dtype",
+    default="float32",
+    choices=("float32", "bfloat16"),
+    help="compute dtype of every run (the storage differs by run)",
+  )
+  p.add_argument(
     "--reference-seeds",
     type=int,
     default=3,
@@ -106,7 +112,7 @@ def build_runs(args):
     CONFIGS[args.config],
     vocab_size=data_lib.VOCAB_SIZE,
     max_len=max(CONFIGS[args.config].max_len, args.seq_len),
-    dtype=jnp.float32,
+    dtype=jnp.dtype(args.dtype),
     implementation=args.implementation,
   )
   lr = _schedule(args)

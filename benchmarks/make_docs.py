@@ -1165,6 +1165,7 @@ def fidelity_section(run) -> str:
     f"The '{a['config']}' byte-level model, {a['steps']} steps of "
     f"{a['batch_size']} x {a['seq_len']} bytes, AdamW {a['lr']:g} with "
     f"warmup and cosine decay, weight decay {a['weight_decay']:g}, "
+    f"{a.get('dtype', 'float32')} compute, "
     f"`implementation='{a['implementation']}'`; every run on the same "
     f"batches.\n\n![fidelity]({PLOT_LINK}fidelity.png)"
   )

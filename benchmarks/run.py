@@ -371,6 +371,8 @@ def fidelity_steps(a, out):
         256,
         "--lr",
         1e-3,
+        "--dtype",
+        "bfloat16",
         "--implementation",
         "auto",
         "--out",
