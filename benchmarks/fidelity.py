@@ -80,6 +80,11 @@ def parse_args(argv=None):
     action="store_true",
     help="also run bf16 round-to-nearest weights + int8 states",
   )
+  p.add_argument(
+    "--no-moment-encodings",
+    action="store_true",
+    help="skip measuring int8 encodings on forge_fp32's final moments",
+  )
   p.add_argument("--out", default=None, help="JSON path")
   p.add_argument(
     "--plot",
@@ -151,11 +156,11 @@ def build_runs(args):
     name = "optax_fp32" + (f"_seed{i}" if i else "")
     runs[name] = state(
       baseline,
-      baseline.init(jax.random.key(args.seed + i), tokens),
+      jax.jit(baseline.init)(jax.random.key(args.seed + i), tokens),
       fp32.to_optax(),
     )
   forge = make_model(config, forge_optimizer=fp32)
-  forge_vars = forge.init(jax.random.key(args.seed), tokens)
+  forge_vars = jax.jit(forge.init)(jax.random.key(args.seed), tokens)
   runs["forge_fp32"] = state(forge, forge_vars, fp32.to_optax())
   coll = fj.FORGE_COLLECTION
   for name, opt in lowp.items():
@@ -183,7 +188,21 @@ def build_runs(args):
   return runs, config
 
 
-def train(runs, args, corpus):
+#: The order the runs train in: a run cut short by a time limit keeps the
+#: reference, the most compressed storage and the seed spread first.
+RUN_ORDER = (
+  "optax_fp32",
+  "forge_bf16_sr_int8",
+  "optax_fp32_seed1",
+  "forge_bf16_sr",
+  "forge_fp32",
+  "forge_bf16_nearest",
+)
+
+
+def train(runs, args, corpus, on_run=None):
+  """Trains each run in :data:`RUN_ORDER` (then the rest); ``on_run(results)``
+  after each."""
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
 
@@ -202,7 +221,11 @@ def train(runs, args, corpus):
   ]
   eval_step = train_lib.make_eval_step()
   results = {}
-  for name, state in runs.items():
+  order = sorted(
+    runs, key=lambda n: RUN_ORDER.index(n) if n in RUN_ORDER else len(RUN_ORDER)
+  )
+  for name in order:
+    state = runs.pop(name)
     t0 = time.time()
     step = jax.jit(train_lib.train_step, donate_argnums=0)
     losses = []
@@ -223,6 +246,8 @@ def train(runs, args, corpus):
       f"{valid:.4f} | {wall:.1f} s",
       flush=True,
     )
+    if on_run is not None:
+      on_run(results)
   return results
 
 
@@ -416,7 +441,58 @@ def main(argv=None):
   t0 = time.time()
   corpus = data_lib.load_stdlib_corpus(max_mb=8.0)
   runs, config = build_runs(args)
-  results = train(runs, args, corpus)
+  total = len(runs)
+  run_meta = metadata()
+  commit = run_meta["commit"][:7]
+  out = args.out or os.path.join(
+    HERE, "results", f"fidelity_{args.config}_{commit}.json"
+  )
+  plot = args.plot or os.path.join(HERE, "plots", "fidelity.png")
+  repo = os.path.dirname(HERE)
+  args.out, args.plot = (
+    os.path.relpath(os.path.abspath(p), repo) for p in (out, plot)
+  )
+
+  def write(results, encodings=None):
+    """The JSON of the runs trained so far (``complete`` once all are)."""
+    summary = summarize(results)
+    payload = {
+      "meta": run_meta,
+      "args": vars(args),
+      "commit": commit,
+      "backend": jax.default_backend(),
+      "jax_version": jax.__version__,
+      "model": {"config": args.config, "num_params": config.num_params()},
+      "complete": len(results) == total,
+      "summary": summary,
+      "seed_spread": seed_spread(summary) if len(summary) > 1 else None,
+      "moment_encodings": encodings,
+      "losses": {name: r["losses"].tolist() for name, r in results.items()},
+      "wall_s": time.time() - t0,
+    }
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    with open(out, "w") as f:
+      json.dump(payload, f, indent=1)
+    return payload
+
+  results = train(runs, args, corpus, on_run=write)
+  encodings = None
+  if not args.no_moment_encodings:
+    encodings = moment_encodings(results["forge_fp32"]["state"], args.steps)
+  payload = write(results, encodings)
+  _plot(
+    plot,
+    results,
+    f"'{args.config}' byte LM, {args.steps} steps: FORGE low precision "
+    "vs fp32 optax",
+  )
+  print(json.dumps({"summary": payload["summary"]}, indent=1))
+  print(f"wrote {out} and {plot} ({time.time() - t0:.0f} s)")
+  return payload
+
+
+def summarize(results) -> dict:
+  """Per run: its loss gaps to ``optax_fp32`` and its final losses."""
   ref = results["optax_fp32"]["losses"]
   quarter = max(1, len(ref) // 4)
   summary = {}
@@ -430,45 +506,7 @@ def main(argv=None):
       "valid_loss": r["valid_loss"],
       "wall_s": r["wall_s"],
     }
-  count = args.steps
-  encodings = moment_encodings(results["forge_fp32"]["state"], count)
-  run_meta = metadata()
-  commit = run_meta["commit"][:7]
-  out = args.out or os.path.join(
-    HERE, "results", f"fidelity_{args.config}_{commit}.json"
-  )
-  plot = args.plot or os.path.join(HERE, "plots", "fidelity.png")
-  repo = os.path.dirname(HERE)
-  args.out, args.plot = (
-    os.path.relpath(os.path.abspath(p), repo) for p in (out, plot)
-  )
-  payload = {
-    "meta": run_meta,
-    "args": vars(args),
-    "commit": commit,
-    "backend": jax.default_backend(),
-    "jax_version": jax.__version__,
-    "model": {"config": args.config, "num_params": config.num_params()},
-    "summary": summary,
-    "seed_spread": seed_spread(summary),
-    "moment_encodings": encodings,
-    "losses": {name: r["losses"].tolist() for name, r in results.items()},
-    "wall_s": time.time() - t0,
-  }
-  os.makedirs(os.path.dirname(out), exist_ok=True)
-  with open(out, "w") as f:
-    json.dump(payload, f, indent=1)
-  _plot(
-    plot,
-    results,
-    f"'{args.config}' byte LM, {args.steps} steps: FORGE low precision "
-    "vs fp32 optax",
-  )
-  print(
-    json.dumps({"summary": summary, "moment_encodings": encodings}, indent=1)
-  )
-  print(f"wrote {out} and {plot} ({time.time() - t0:.0f} s)")
-  return payload
+  return summary
 
 
 if __name__ == "__main__":
