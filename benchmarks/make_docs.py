@@ -1134,6 +1134,22 @@ FIDELITY_RUNS = {
 }
 
 
+def fidelity_command(a) -> str:
+  """The ``fidelity.py`` command line of a run's ``args``."""
+  flags = [
+    f"--{name.replace('_', '-')} {a[name]:g}"
+    if isinstance(a[name], float)
+    else f"--{name.replace('_', '-')} {a[name]}"
+    for name in ("config", "steps", "batch_size", "seq_len", "lr", "dtype")
+    if name in a
+  ]
+  flags.append(f"--implementation {a['implementation']}")
+  # Runs from before --reference-seeds had two.
+  flags.append(f"--reference-seeds {a.get('reference_seeds', 2)}")
+  flags += ["--ablation"] * bool(a.get("ablation"))
+  return "python benchmarks/fidelity.py " + " ".join(flags)
+
+
 def fidelity_section(run) -> str:
   a = run["args"]
   spread = run.get("seed_spread")
@@ -1182,7 +1198,7 @@ def fidelity_section(run) -> str:
     "Fidelity of low-precision storage (demo LM)",
     text,
     table(headers, rows),
-    "python benchmarks/run.py fidelity",
+    fidelity_command(a),
     [run],
   )
 
