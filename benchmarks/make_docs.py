@@ -1144,7 +1144,7 @@ def fidelity_command(a) -> str:
     if name in a
   ]
   flags.append(f"--implementation {a['implementation']}")
-  # Runs from before --reference-seeds had two.
+  # A run that does not record reference_seeds trained two.
   flags.append(f"--reference-seeds {a.get('reference_seeds', 2)}")
   flags += ["--ablation"] * bool(a.get("ablation"))
   return "python benchmarks/fidelity.py " + " ".join(flags)
