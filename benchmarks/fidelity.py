@@ -28,8 +28,9 @@ bfloat16; embeddings and norm scales (trained by optax) stay float32.
 Reported: the mean absolute difference of each run's per-step training loss
 from ``optax_fp32`` (all steps and the last quarter), final training and
 validation losses, each run's final-loss gap to ``optax_fp32`` against the
-seeds' spread (the range of the reference runs' final losses); and, from the moments of ``forge_fp32`` at the end, what
-int8 encodings of Adam's second moment cost (``moment_encodings``).
+seeds' spread (the range of the reference runs' final losses); and, from the
+moments of ``forge_fp32`` at the end, what int8 encodings of Adam's second
+moment cost (``moment_encodings``).
 Writes ``benchmarks/results/fidelity_<config>_<commit>.json`` and
 ``benchmarks/plots/fidelity.png``.
 """
@@ -362,9 +363,12 @@ def moment_encodings(state, count, b1=0.9, b2=0.999, eps=1e-8):
 def seed_spread(summary) -> dict:
   """The reference runs' final losses and their range, and each other
   run's final-loss gap to ``optax_fp32`` with whether it is within that
-  range (``summary``: per run, ``final_train_loss_last10``)."""
+  range (``summary``: per run, ``final_train_loss_last10``); None before
+  two reference runs have trained."""
   final = {n: s["final_train_loss_last10"] for n, s in summary.items()}
   seeds = {n: v for n, v in final.items() if n.startswith("optax_fp32")}
+  if len(seeds) < 2:
+    return None
   spread = max(seeds.values()) - min(seeds.values())
   gaps = {
     n: abs(v - final["optax_fp32"]) for n, v in final.items() if n not in seeds
@@ -465,7 +469,7 @@ def main(argv=None):
       "model": {"config": args.config, "num_params": config.num_params()},
       "complete": len(results) == total,
       "summary": summary,
-      "seed_spread": seed_spread(summary) if len(summary) > 1 else None,
+      "seed_spread": seed_spread(summary),
       "moment_encodings": encodings,
       "losses": {name: r["losses"].tolist() for name, r in results.items()},
       "wall_s": time.time() - t0,
