@@ -226,7 +226,7 @@ def train(runs, args, corpus, on_run=None):
     runs, key=lambda n: RUN_ORDER.index(n) if n in RUN_ORDER else len(RUN_ORDER)
   )
   for name in order:
-    state = runs.pop(name)
+    state = runs[name]
     t0 = time.time()
     step = jax.jit(train_lib.train_step, donate_argnums=0)
     losses = []
@@ -445,7 +445,6 @@ def main(argv=None):
   t0 = time.time()
   corpus = data_lib.load_stdlib_corpus(max_mb=8.0)
   runs, config = build_runs(args)
-  total = len(runs)
   run_meta = metadata()
   commit = run_meta["commit"][:7]
   out = args.out or os.path.join(
@@ -467,7 +466,7 @@ def main(argv=None):
       "backend": jax.default_backend(),
       "jax_version": jax.__version__,
       "model": {"config": args.config, "num_params": config.num_params()},
-      "complete": len(results) == total,
+      "complete": len(results) == len(runs),
       "summary": summary,
       "seed_spread": seed_spread(summary),
       "moment_encodings": encodings,

@@ -1136,10 +1136,9 @@ FIDELITY_RUNS = {
 
 def fidelity_command(a) -> str:
   """The ``fidelity.py`` command line of a run's ``args``."""
+  value = lambda v: f"{v:g}" if isinstance(v, float) else v
   flags = [
-    f"--{name.replace('_', '-')} {a[name]:g}"
-    if isinstance(a[name], float)
-    else f"--{name.replace('_', '-')} {a[name]}"
+    f"--{name.replace('_', '-')} {value(a[name])}"
     for name in ("config", "steps", "batch_size", "seq_len", "lr", "dtype")
     if name in a
   ]
