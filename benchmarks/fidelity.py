@@ -149,7 +149,10 @@ def build_runs(args):
   tokens = jnp.zeros((1, 8), jnp.int32)
 
   def state(model, variables, tx):
-    return TrainState.create(apply_fn=model.apply, params=variables, tx=tx)
+    # Jitted: op-by-op dispatch of the states' inits compiles every op of
+    # every shape separately, minutes on a GPU.
+    create = lambda v: TrainState.create(apply_fn=model.apply, params=v, tx=tx)
+    return jax.jit(create)(variables)
 
   runs = {}
   baseline = make_model(config)
@@ -176,16 +179,19 @@ def build_runs(args):
       kernel = layer["kernel"].astype(jnp.bfloat16)
       return {**layer, "kernel": kernel, "opt_state": opt.init(kernel)}
 
-    variables = {
-      "params": forge_vars["params"],
-      coll: jax.tree.map(
-        lowp_layer,
-        forge_vars[coll],
-        is_leaf=lambda d: isinstance(d, dict) and "kernel" in d,
-      ),
-    }
-    # Own copies: the float32 run donates (deletes) its buffers.
-    runs[name] = state(model, jax.tree.map(jnp.copy, variables), opt.to_optax())
+    def lowp_variables(variables, lowp_layer=lowp_layer):
+      # Own copies: the float32 run donates (deletes) its buffers.
+      return {
+        "params": jax.tree.map(jnp.copy, variables["params"]),
+        coll: jax.tree.map(
+          lowp_layer,
+          variables[coll],
+          is_leaf=lambda d: isinstance(d, dict) and "kernel" in d,
+        ),
+      }
+
+    variables = jax.jit(lowp_variables)(forge_vars)
+    runs[name] = state(model, variables, opt.to_optax())
   return runs, config
 
 

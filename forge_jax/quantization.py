@@ -403,6 +403,9 @@ def store(x: jax.Array, state_dtype: Optional[str], nonnegative: bool):
     return x
   if state_dtype != "int8":
     return x.astype(state_dtype)
+  # Initial states are constants: without the barrier, XLA constant-folds
+  # the block reductions of every leaf, seconds per leaf at compile time.
+  x = jax.lax.optimization_barrier(x)
   codes, scale = quantize(x, sqrt=nonnegative)
   cls = QuantizedSqrtBlocks if nonnegative else QuantizedBlocks
   return cls(codes=container_codes(codes), scale=scale)

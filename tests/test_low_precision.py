@@ -31,7 +31,7 @@ from forge_jax import quantization as Q
 from forge_jax.ops import backends
 from forge_jax.ops.fused_dense import FusedDenseSpec
 
-from conftest import COLL, assert_bitwise_equal, host_copy
+from conftest import COLL, assert_bitwise_equal, assert_same_bits, host_copy
 
 # test_mosaic_kernel.py takes it from here.
 
@@ -291,6 +291,18 @@ def test_state_dtype_option(seed):
     fj.rmsprop(1e-3, centered=True, state_dtype="int8")
   with pytest.raises(ValueError, match="state_dtype"):
     fj.sgd(1e-3, momentum=0.9, state_dtype="int4")
+
+
+@pytest.mark.parametrize("name", ["adamw", "adagrad", "lion"])
+def test_jitted_int8_init_quantizes_at_run_time(name):
+  # Initial states are constants. Folded at compile time, every leaf's block
+  # reductions took seconds, so a jitted model.init took minutes.
+  opt = getattr(fj, name)(1e-3, state_dtype="int8")
+  kernel = jax.ShapeDtypeStruct((256, 512), BF16)
+  compiled = jax.jit(opt.init).lower(kernel).compile().as_text()
+  assert " reduce(" in compiled
+  jitted = jax.jit(opt.init)(jnp.ones(kernel.shape, BF16))
+  assert_same_bits(jitted, opt.init(jnp.ones(kernel.shape, BF16)), name)
 
 
 # ---------------------------------------------------------------------------
