@@ -2,6 +2,7 @@
 
     python benchmarks/fidelity.py                 # CPU, 'small' config
     python benchmarks/fidelity.py --steps 60 --config tiny   # quick
+    python benchmarks/fidelity.py ... --resume PARTIAL.json  # the rest
 
 Trains the byte-level Llama of ``examples.lm.llama`` on the Python stdlib
 (``examples.lm.data``), every run on the same batches and, unless stated, from
@@ -31,8 +32,9 @@ validation losses, each run's final-loss gap to ``optax_fp32`` against the
 seeds' spread (the range of the reference runs' final losses); and, from the
 moments of ``forge_fp32`` at the end, what int8 encodings of Adam's second
 moment cost (``moment_encodings``).
-Writes ``benchmarks/results/fidelity_<config>_<commit>.json`` and
-``benchmarks/plots/fidelity.png``.
+Writes ``benchmarks/results/fidelity_<config>_<commit>.json`` after every
+run (``complete`` once all have trained) and ``benchmarks/plots/fidelity.png``
+at the end; ``--resume`` keeps the runs of such a file and trains the rest.
 """
 
 from __future__ import annotations
@@ -88,6 +90,12 @@ def parse_args(argv=None):
   )
   p.add_argument("--out", default=None, help="JSON path")
   p.add_argument(
+    "--resume",
+    default=None,
+    help="a JSON this script wrote with the same training flags: its runs "
+    "are kept, only the others train",
+  )
+  p.add_argument(
     "--plot",
     default=None,
     help="PNG path (default: benchmarks/plots/fidelity.png)",
@@ -104,8 +112,8 @@ def _schedule(args):
   )
 
 
-def build_runs(args):
-  """``{name: (TrainState, description)}``, every run ready to train."""
+def build_runs(args, skip=()):
+  """``{name: TrainState}``, every run not in ``skip`` ready to train."""
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   from flax.training.train_state import TrainState  # pylint: disable=import-outside-toplevel
@@ -158,6 +166,8 @@ def build_runs(args):
   baseline = make_model(config)
   for i in range(args.reference_seeds):
     name = "optax_fp32" + (f"_seed{i}" if i else "")
+    if name in skip:
+      continue
     runs[name] = state(
       baseline,
       jax.jit(baseline.init)(jax.random.key(args.seed + i), tokens),
@@ -165,9 +175,12 @@ def build_runs(args):
     )
   forge = make_model(config, forge_optimizer=fp32)
   forge_vars = jax.jit(forge.init)(jax.random.key(args.seed), tokens)
-  runs["forge_fp32"] = state(forge, forge_vars, fp32.to_optax())
+  if "forge_fp32" not in skip:
+    runs["forge_fp32"] = state(forge, forge_vars, fp32.to_optax())
   coll = fj.FORGE_COLLECTION
   for name, opt in lowp.items():
+    if name in skip:
+      continue
     # bf16 ForgeDense kernels; the fp32 initialization rounded to bf16.
     # param_dtype only sets what ForgeDense expects (and what init would
     # make): embeddings and norms keep the float32 values given here.
@@ -207,9 +220,9 @@ RUN_ORDER = (
 )
 
 
-def train(runs, args, corpus, on_run=None):
-  """Trains each run in :data:`RUN_ORDER` (then the rest); ``on_run(results)``
-  after each."""
+def train(runs, args, corpus, on_run=None, results=None):
+  """Trains each run in :data:`RUN_ORDER` (then the rest) and adds it to
+  ``results`` (runs already trained); ``on_run(results)`` after each."""
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
 
@@ -227,7 +240,7 @@ def train(runs, args, corpus, on_run=None):
     jnp.asarray(next(valid_it)) for _ in range(args.eval_batches)
   ]
   eval_step = train_lib.make_eval_step()
-  results = {}
+  results = {} if results is None else results
   order = sorted(
     runs, key=lambda n: RUN_ORDER.index(n) if n in RUN_ORDER else len(RUN_ORDER)
   )
@@ -450,7 +463,12 @@ def main(argv=None):
 
   t0 = time.time()
   corpus = data_lib.load_stdlib_corpus(max_mb=8.0)
-  runs, config = build_runs(args)
+  resumed = _resumed(args) if args.resume else None
+  done = resumed["results"] if resumed else {}
+  if "forge_fp32" in done and not args.no_moment_encodings:
+    raise SystemExit("moment encodings need forge_fp32 trained in this run")
+  runs, config = build_runs(args, skip=done)
+  print(f"set up in {time.time() - t0:.0f} s", flush=True)
   run_meta = metadata()
   commit = run_meta["commit"][:7]
   out = args.out or os.path.join(
@@ -472,7 +490,8 @@ def main(argv=None):
       "backend": jax.default_backend(),
       "jax_version": jax.__version__,
       "model": {"config": args.config, "num_params": config.num_params()},
-      "complete": len(results) == len(runs),
+      "complete": len(results) == len(runs) + len(done),
+      "resumed_from": resumed and resumed["source"],
       "summary": summary,
       "seed_spread": seed_spread(summary),
       "moment_encodings": encodings,
@@ -484,7 +503,7 @@ def main(argv=None):
       json.dump(payload, f, indent=1)
     return payload
 
-  results = train(runs, args, corpus, on_run=write)
+  results = train(runs, args, corpus, on_run=write, results=dict(done))
   encodings = None
   if not args.no_moment_encodings:
     encodings = moment_encodings(results["forge_fp32"]["state"], args.steps)
@@ -498,6 +517,48 @@ def main(argv=None):
   print(json.dumps({"summary": payload["summary"]}, indent=1))
   print(f"wrote {out} and {plot} ({time.time() - t0:.0f} s)")
   return payload
+
+
+#: The flags that decide what a run trains: a resumed file must agree on them.
+TRAINING_FLAGS = (
+  "config",
+  "steps",
+  "batch_size",
+  "seq_len",
+  "lr",
+  "weight_decay",
+  "seed",
+  "dtype",
+  "reference_seeds",
+  "eval_batches",
+  "implementation",
+  "ablation",
+)
+
+
+def _resumed(args) -> dict:
+  """The runs of ``args.resume`` as :func:`train` results (no states), and
+  where they came from."""
+  with open(args.resume) as f:
+    prior = json.load(f)
+  differ = {
+    k: (prior["args"][k], getattr(args, k))
+    for k in TRAINING_FLAGS
+    if prior["args"][k] != getattr(args, k)
+  }
+  if differ:
+    raise SystemExit(f"{args.resume} was trained with other flags: {differ}")
+  results = {
+    name: {
+      "losses": np.asarray(losses, np.float64),
+      "valid_loss": prior["summary"][name]["valid_loss"],
+      "wall_s": prior["summary"][name]["wall_s"],
+      "state": None,
+    }
+    for name, losses in prior["losses"].items()
+  }
+  source = {"commit": prior["meta"]["commit"], "runs": sorted(results)}
+  return {"results": results, "source": source}
 
 
 def summarize(results) -> dict:

@@ -1184,6 +1184,14 @@ def fidelity_section(run) -> str:
     f"`implementation='{a['implementation']}'`; every run on the same "
     f"batches.\n\n![fidelity]({PLOT_LINK}fidelity.png)"
   )
+  resumed = run.get("resumed_from")
+  if resumed:
+    names = ", ".join(f"`{n}`" for n in resumed["runs"])
+    text += (
+      f"\n\n{names} trained in an earlier process (commit "
+      f"`{resumed['commit']}`, the same flags); the others continued from "
+      "its file (`--resume`)."
+    )
   if spread:
     headers.append("final-loss gap to optax fp32 (seed spread)")
     seeds = len(spread["reference_final_losses"])
