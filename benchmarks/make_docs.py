@@ -1149,6 +1149,13 @@ def fidelity_command(a) -> str:
   return "python benchmarks/fidelity.py " + " ".join(flags)
 
 
+def fidelity_sections(runs) -> str:
+  """The newest run of each model config, the largest model first."""
+  latest = newest(runs, lambda r: r["args"]["config"]).values()
+  latest = sorted(latest, key=lambda r: -r["model"]["num_params"])
+  return "\n".join(fidelity_section(run) for run in latest)
+
+
 def fidelity_section(run) -> str:
   a = run["args"]
   spread = run.get("seed_spread")
@@ -1182,7 +1189,7 @@ def fidelity_section(run) -> str:
     f"warmup and cosine decay, weight decay {a['weight_decay']:g}, "
     f"{a.get('dtype', 'float32')} compute, "
     f"`implementation='{a['implementation']}'`; every run on the same "
-    f"batches.\n\n![fidelity]({PLOT_LINK}fidelity.png)"
+    f"batches.\n\n![fidelity]({PLOT_LINK}fidelity_{a['config']}.png)"
   )
   resumed = run.get("resumed_from")
   if resumed:
@@ -1202,7 +1209,7 @@ def fidelity_section(run) -> str:
       "that."
     )
   return section(
-    "Fidelity of low-precision storage (demo LM)",
+    f"Fidelity of low-precision storage (demo LM, '{a['config']}')",
     text,
     table(headers, rows),
     fidelity_command(a),
@@ -1393,7 +1400,7 @@ SECTIONS = (
   ("memory_sweep_*.json", memory_sweep_section, True),
   ("capacity_*.json", capacity_section, True),
   ("tp_*.json", tp_section, True),
-  ("fidelity_*.json", fidelity_section, True),
+  ("fidelity_*.json", fidelity_sections, False),
   ("main_job_*/summary_*.json", main_job_section, True),
   ("clipping_step_*.json", clipping_section, False),
   ("clipping_curves_*.json", clipping_curves_section, True),

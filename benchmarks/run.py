@@ -379,7 +379,7 @@ def fidelity_steps(a, out):
         "--out",
         out("fidelity_medium"),
         "--plot",
-        os.path.join(a.out, "fidelity.png"),
+        os.path.join(a.out, "fidelity_medium.png"),
       ),
       timeout=a.timeout,
     )
