@@ -39,8 +39,9 @@ SCHEDULE_VARIANTS = {
   "inline-steps5-rule-free": "inline, no rule arithmetic",
   "inline-steps5-sgd": "inline, plain SGD",
 }
-#: Counter probes of the shipped schedules and of XLA's kernels.
-SHIPPED_PROBES = ("gemm", "unfused", "inline", "pingpong")
+#: Counter probes of the shipped schedules, of each state storage in its
+#: default config, and of XLA's kernels.
+SHIPPED_PROBES = ("gemm", "unfused", "inline", "pingpong", "bf16", "int8")
 #: How docs/benchmarks.md links the plots.
 PLOT_LINK = "../benchmarks/plots/"
 _COMMIT_IN_NAME = re.compile(r"_([0-9a-f]{7,40})\.(json|txt)$")
@@ -673,8 +674,9 @@ def counters_section(runs) -> str:
     )
   return section(
     "Hardware counters (Nsight Compute, one GPU)",
-    "One launch of each probe at 4096 x 14336, bf16 W and AdamW state. "
-    "Stall reasons and per-instruction samples are in the JSON.",
+    "One launch of each probe at 4096 x 14336, bf16 W, AdamW. The states "
+    "are bf16 except in the `int8` probes; `sr` writes W with stochastic "
+    "rounding. Stall reasons and per-instruction samples are in the JSON.",
     table(
       [
         "probe",
