@@ -33,8 +33,9 @@ seeds' spread (the range of the reference runs' final losses); and, from the
 moments of ``forge_fp32`` at the end, what int8 encodings of Adam's second
 moment cost (``moment_encodings``).
 Writes ``benchmarks/results/fidelity_<config>_<commit>.json`` after every
-run (``complete`` once all have trained) and ``benchmarks/plots/fidelity_<config>.png``
-at the end; ``--resume`` keeps the runs of such a file and trains the rest.
+run (``complete`` once all have trained) and
+``benchmarks/plots/fidelity_<config>.png`` at the end; ``--resume`` keeps the
+runs of such a file and trains the rest.
 """
 
 from __future__ import annotations
@@ -463,7 +464,7 @@ def main(argv=None):
 
   t0 = time.time()
   corpus = data_lib.load_stdlib_corpus(max_mb=8.0)
-  resumed = _resumed(args) if args.resume else None
+  resumed = resumed_runs(args) if args.resume else None
   done = resumed["results"] if resumed else {}
   if "forge_fp32" in done and not args.no_moment_encodings:
     raise SystemExit("moment encodings need forge_fp32 trained in this run")
@@ -536,7 +537,7 @@ TRAINING_FLAGS = (
 )
 
 
-def _resumed(args) -> dict:
+def resumed_runs(args) -> dict:
   """The runs of ``args.resume`` as :func:`train` results (no states), and
   where they came from."""
   with open(args.resume) as f:
