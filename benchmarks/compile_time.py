@@ -4,7 +4,8 @@ A model with unrolled layers has one fused call per projection: a backend
 that compiles its kernel per call site compiles it ``7 x layers`` times. Each
 implementation runs in its own process (no shared compilation cache), on a
 Llama-3.2-1B-shaped model with unrolled layers (``--layers``, default 16),
-bf16 weights and AdamW states, B x T tokens:
+AdamW with each of ``--storages`` (bf16 weights and states; bf16 weights
+stochastically rounded; those and int8 states), B x T tokens:
 
 * ``lower_s``: tracing and lowering the jitted train step;
 * ``compile_s``: XLA's compilation of it (every kernel included);
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import os
 import statistics
@@ -52,6 +54,20 @@ SHAPES = {
 }
 
 
+#: AdamW's storage options per ``--storages`` name.
+STORAGES = {
+  "bf16": dict(state_dtype="bfloat16"),
+  "bf16-sr": dict(state_dtype="bfloat16", weight_rounding="stochastic"),
+  "bf16-sr-int8": dict(state_dtype="int8", weight_rounding="stochastic"),
+}
+
+
+def run_name(implementation: str, storage: str) -> str:
+  """A run's key in the result: the implementation, and its storage unless
+  bf16."""
+  return implementation if storage == "bf16" else f"{implementation} {storage}"
+
+
 def _args(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--shape", choices=sorted(SHAPES), default="1b")
@@ -63,8 +79,12 @@ def _args(argv=None):
     "--implementations", nargs="+", default=["triton", "mosaic"]
   )
   parser.add_argument(
+    "--storages", nargs="+", choices=sorted(STORAGES), default=["bf16"]
+  )
+  parser.add_argument(
     "--implementation", help="run one, in this process, writing --out"
   )
+  parser.add_argument("--storage", choices=sorted(STORAGES), default="bf16")
   parser.add_argument("--cpu", action="store_true")
   parser.add_argument("--out", required=True)
   return parser.parse_args(argv)
@@ -82,7 +102,7 @@ def measure(args) -> dict:
   import forge_jax as fj  # pylint: disable=import-outside-toplevel
   from examples.lm.llama import CONFIGS, make_model  # pylint: disable=import-outside-toplevel
 
-  opt = fj.adamw(1e-4, weight_decay=0.1, state_dtype=jnp.bfloat16)
+  opt = fj.adamw(1e-4, weight_decay=0.1, **STORAGES[args.storage])
   config = dataclasses.replace(
     CONFIGS["llama-3.1-8b"],
     **SHAPES[args.shape],
@@ -130,6 +150,7 @@ def measure(args) -> dict:
     times.append((time.perf_counter() - start) * 1e3)
   return {
     "implementation": args.implementation,
+    "storage": args.storage,
     "lower_s": lower_s,
     "compile_s": compile_s,
     "first_step_s": first_step_s,
@@ -158,7 +179,10 @@ def main(argv=None):
     "seq": args.seq,
     "runs": {},
   }
-  for implementation in args.implementations:
+  for implementation, storage in itertools.product(
+    args.implementations, args.storages
+  ):
+    name = run_name(implementation, storage)
     with tempfile.TemporaryDirectory() as tmp:
       part = os.path.join(tmp, "part.json")
       command = [
@@ -166,6 +190,8 @@ def main(argv=None):
         os.path.abspath(__file__),
         "--implementation",
         implementation,
+        "--storage",
+        storage,
         "--shape",
         args.shape,
         "--layers",
@@ -181,13 +207,11 @@ def main(argv=None):
       ] + (["--cpu"] if args.cpu else [])
       done = subprocess.run(command, capture_output=True, text=True)
       if done.returncode:
-        result["runs"][implementation] = {"error": done.stderr[-2000:]}
+        result["runs"][name] = {"error": done.stderr[-2000:]}
       else:
         with open(part) as f:
-          result["runs"][implementation] = json.load(f)
-    print(
-      implementation, json.dumps(result["runs"][implementation]), flush=True
-    )
+          result["runs"][name] = json.load(f)
+    print(name, json.dumps(result["runs"][name]), flush=True)
     with open(args.out, "w") as f:
       json.dump(result, f, indent=1)
 

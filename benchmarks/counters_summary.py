@@ -6,9 +6,9 @@
 ``details.csv`` is ``ncu --import report --csv --page details``; the optional
 ``source.csv.gz`` is ``--page source --csv --print-source sass`` (either
 may be gzipped),
-from which each fused kernel's warp-stall samples are split by reason, by
-instruction class and by how often the instruction ran (which tells the
-code apart: with T tiles, c compute warps and m memory warps per CTA, the
+from which each fused kernel's executed instructions are counted by
+opcode, and its warp-stall samples split by reason, by instruction class and
+by how often the instruction ran (which tells the code apart: with T tiles, c compute warps and m memory warps per CTA, the
 memory warpgroup's per-tile code runs T * m times, the epilogue T * c, the
 main loop T * c * steps). Samples come from every warp, idle ones too: a
 warpgroup waiting on a barrier shows as long_sb. Kernels are matched to probes in launch order: a
@@ -73,7 +73,8 @@ def read_details(path: str) -> list[dict]:
 
 def read_stalls(path: str) -> list[dict]:
   """For each kernel of the source page, in launch order: the share of
-  warp-stall samples by reason and by instruction class."""
+  warp-stall samples by reason and by instruction class, and the warp
+  instructions it executed, in all and by opcode."""
   kernels, current = [], None
   with _open(path) as f:
     for row in csv.reader(f):
@@ -100,6 +101,7 @@ def read_stalls(path: str) -> list[dict]:
     by_reason = collections.Counter()
     by_class = collections.Counter()
     by_count = collections.Counter()
+    executed_by_class = collections.Counter()
     for r in rows:
       by_count[r[executed]] += _number(r[samples]) or 0
       for i in reasons:
@@ -111,6 +113,7 @@ def read_stalls(path: str) -> list[dict]:
         else (opcode[0] if opcode else "")
       )
       by_class[opcode.split(".")[0]] += _number(r[samples]) or 0
+      executed_by_class[opcode.split(".")[0]] += _number(r[executed]) or 0
     share = lambda counter: {
       k: round(v / total, 4) for k, v in counter.most_common(10) if v
     }
@@ -121,6 +124,8 @@ def read_stalls(path: str) -> list[dict]:
         "stall_share_by_reason": share(by_reason),
         "sample_share_by_opcode": share(by_class),
         "sample_share_by_execution_count": share(by_count),
+        "instructions_executed": sum(executed_by_class.values()),
+        "instructions_by_opcode": dict(executed_by_class.most_common(16)),
       }
     )
   return summaries

@@ -131,9 +131,7 @@ def _storage_fns(step):
       values,
       jnp.bfloat16,
       rounding="stochastic",
-      seed=3,
-      layer_id=77,
-      step=step,
+      key=Q.rounding_key(3, 77, step),
       indices=(rows, cols),
     )
     codes, scale = Q.quantize(values)
@@ -235,14 +233,12 @@ def mosaic_unsupported(name, k, n, tokens):
 
 def check_fused(name, k, n, tokens, steps, interpret, implementation="triton"):
   opt = OPTIMIZERS[name](**LOWP)
-  ref_spec = FusedDenseSpec(optimizer=opt, implementation="xla", layer_id=5)
-  ker_spec = FusedDenseSpec(
-    optimizer=opt, implementation=implementation, layer_id=5
-  )
+  ref_spec = FusedDenseSpec(optimizer=opt, implementation="xla")
+  ker_spec = FusedDenseSpec(optimizer=opt, implementation=implementation)
   reference = jax.jit(functools.partial(backends.xla_update, ref_spec))
   kernel = jax.jit(
-    lambda *a, step: KERNELS[implementation](
-      ker_spec, *a, interpret=interpret, step=step
+    lambda *a, rounding_key: KERNELS[implementation](
+      ker_spec, *a, interpret=interpret, rounding_key=rounding_key
     )
   )
   w = (0.02 * jax.random.normal(jax.random.key(0), (k, n))).astype(jnp.bfloat16)
@@ -251,8 +247,9 @@ def check_fused(name, k, n, tokens, steps, interpret, implementation="triton"):
   for count in range(steps):
     x, dy = exact_inputs(count, tokens, k, n)
     args = (x, dy, w, state, opt.scalars(jnp.int32(count)), jnp.bool_(True))
-    expected = jax.device_get(reference(*args, step=jnp.int32(count)))
-    actual = jax.device_get(kernel(*args, step=jnp.int32(count)))
+    key = Q.rounding_key(opt.rounding_seed, 5, jnp.int32(count))
+    expected = jax.device_get(reference(*args, rounding_key=key))
+    actual = jax.device_get(kernel(*args, rounding_key=key))
     leaves = jax.tree_util.tree_flatten_with_path(expected[:2])[0]
     results.append(
       {
@@ -292,9 +289,7 @@ def speed_case(k, n, tokens, implementation="triton"):
   ):
     label = prefix + label
     opt = OPTIMIZERS["adamw"](**kw)
-    spec = FusedDenseSpec(
-      optimizer=opt, implementation=implementation, layer_id=5
-    )
+    spec = FusedDenseSpec(optimizer=opt, implementation=implementation)
     x, dy = exact_inputs(0, tokens, k, n)
     w = (0.02 * jax.random.normal(jax.random.key(0), (k, n))).astype(
       kernel_dtype
@@ -308,7 +303,7 @@ def speed_case(k, n, tokens, implementation="triton"):
         s,
         opt.scalars(jnp.int32(3)),
         jnp.bool_(True),
-        step=jnp.int32(3),
+        rounding_key=Q.rounding_key(opt.rounding_seed, 5, jnp.int32(3)),
       )[:2],
       donate_argnums=(0, 1),
     )

@@ -642,6 +642,15 @@ def schedules_section(runs) -> str:
   )
 
 
+def instructions_an_element(kernel, run) -> str:
+  """A kernel's thread instructions over the layer's K x N elements ('-'
+  where the summary has no source counts)."""
+  executed = kernel.get("stalls", {}).get("instructions_executed")
+  if executed is None:
+    return "-"
+  return f"{32 * executed / (run['k'] * run['n']):.0f}"
+
+
 def counters_section(runs) -> str:
   probes = [
     dict(p, _run=run, meta=meta(run))
@@ -669,6 +678,7 @@ def counters_section(runs) -> str:
         else "-",
         f"{kernel['registers_per_thread']:.0f}",
         f"{kernel['local_memory_spill_requests']:,.0f}",
+        instructions_an_element(kernel, p["_run"]),
         f"`{commit(p['_run'])}`",
       ]
     )
@@ -676,7 +686,9 @@ def counters_section(runs) -> str:
     "Hardware counters (Nsight Compute, one GPU)",
     "One launch of each probe at 4096 x 14336, bf16 W, AdamW. The states "
     "are bf16 except in the `int8` probes; `sr` writes W with stochastic "
-    "rounding. Stall reasons and per-instruction samples are in the JSON.",
+    "rounding. Instructions an element: thread instructions the kernel "
+    "executed over K x N (32 a warp instruction). Stall reasons, "
+    "per-instruction samples and instructions by opcode are in the JSON.",
     table(
       [
         "probe",
@@ -687,6 +699,7 @@ def counters_section(runs) -> str:
         "issue slots busy, %",
         "registers a thread",
         "spill requests",
+        "instructions an element",
         "commit",
       ],
       rows,
@@ -1053,8 +1066,9 @@ def compile_time_section(run) -> str:
   return section(
     "Compile time of an unrolled model",
     f"The '{run['shape']}' Llama shape, {run['layers']} unrolled layers, "
-    f"B = {run['batch']}, T = {run['seq']}, bf16 weights and AdamW states, "
-    "remat; each implementation in its own process.",
+    f"B = {run['batch']}, T = {run['seq']}, AdamW, remat; each run in its "
+    "own process. Storage: bf16 weights and states unless the run names "
+    "another (sr: bf16 weights stochastically rounded; int8: int8 states).",
     table(
       [
         "implementation",

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import forge_jax as fj
+from forge_jax import quantization as Q
 from forge_jax.ops import backends, mosaic
 from forge_jax.ops.fused_dense import FusedDenseSpec
 
@@ -44,8 +45,9 @@ def identical_fractions(opt, k=4096, n=1024, tokens=2048, count=3):
     ("reference", backends.xla_update),
     ("mosaic", mosaic.mosaic_update),
   ):
-    spec = FusedDenseSpec(optimizer=opt, layer_id=9)
-    fn = jax.jit(functools.partial(impl, spec, step=step))
+    spec = FusedDenseSpec(optimizer=opt)
+    key = Q.rounding_key(opt.rounding_seed, 9, step)
+    fn = jax.jit(functools.partial(impl, spec, rounding_key=key))
     out[name] = jax.device_get(
       fn(
         x,

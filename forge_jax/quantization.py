@@ -14,7 +14,9 @@ step, row, column)`` computed with uint32 multiplies, xors and shifts, so the
 XLA reference, Pallas interpret mode and the GPU kernel draw the same bits
 for the same element, whatever the tiling. ``step`` is the layer's ``count``
 (a new draw every step); ``layer`` is static (``ForgeDense.layer_id``, by
-default a CRC-32 of the module path).
+default a CRC-32 of the module path). Seed, layer and step are hashed into
+one uint32 key outside the kernels (:func:`rounding_key`), which take it as
+a runtime scalar: the layers of a model share one compiled kernel.
 
 **int8 block states** (``state_dtype='int8'``): each row of a state leaf is
 cut into blocks of :data:`BLOCK_SIZE` = 64 consecutive columns (the
@@ -277,6 +279,28 @@ def _corrected_round(x, s, estimate, square: bool):
   return estimate + up - down
 
 
+#: 1.5 * 2**23: a float32 in [2**23, 2**24) has no fraction bits, so adding
+#: it to a float32 ``|y| < 2**22`` rounds ``y`` to an integer, and the sum's
+#: low mantissa bits hold that integer plus ``2**22``.
+_ROUNDER = np.float32(1.5 * 2**23)
+
+
+def _rounded_to_int32(y):
+  """``y`` (float32, ``|y| < 2**22``) rounded to the nearest integer, ties
+  to even, as int32: read from the mantissa of ``y + 1.5 * 2**23``. Two
+  instructions, where Mosaic GPU's float-to-int conversion clamps first
+  (three) and its floor goes through that conversion; the bitcast also keeps
+  XLA from folding the rounding away, as it folds ``(y + c) - c`` to ``y``."""
+  biased = lax.bitcast_convert_type(y + _ROUNDER, jnp.int32)
+  return biased - _ROUNDER.view(np.int32)
+
+
+def _nearest_integer(y):
+  """``y`` (``|y| < 2**22``) rounded to an integer, ties to even, as
+  float32."""
+  return _rounded_to_int32(y).astype(jnp.float32)
+
+
 def _bf16_grid(x, offset: int):
   """``x >= 0`` rounded up to the bfloat16 grid, then moved ``offset`` grid
   steps (as float32)."""
@@ -312,6 +336,12 @@ def quantize(
   Returns:
     ``(codes, scale)``: int8 ``[R, C]`` and float32 ``[R, ceil(C / block)]``.
   """
+  codes, scale = _quantize(x, block, sqrt, valid, rows_1d)
+  return codes.astype(jnp.int8), scale
+
+
+def _quantize(x, block, sqrt, valid, rows_1d):
+  """:func:`quantize` with the codes as int32."""
   _check_2d(x, "quantize's input")
   if rows_1d and x.shape[1] != block:
     raise ValueError(
@@ -325,10 +355,11 @@ def quantize(
   xp = _pad_cols(x, block)
   finite = jnp.isfinite(xp)
   mag = jnp.where(finite, jnp.abs(xp), 0.0)
-  # NaN and inf are handled explicitly: Triton's max ignores NaN, XLA's
-  # propagates it.
-  bad = _blocks_max(jnp.where(finite, 0.0, 1.0), block, rows_1d) > 0.0
-  amax = _blocks_max(mag, block, rows_1d)
+  # One reduction finds both the absmax and the blocks holding a NaN or an
+  # inf, which count as inf (Triton's max ignores NaN, XLA's propagates it);
+  # such a block's codes and scale are replaced below.
+  amax = _blocks_max(jnp.where(finite, mag, jnp.inf), block, rows_1d)
+  bad = amax == jnp.inf
   if sqrt:
     scale, levels = _quantize_sqrt(mag, amax, block)
     codes = levels - float(CODE_MAX)
@@ -336,8 +367,7 @@ def quantize(
     scale, codes = _quantize_linear(jnp.where(finite, xp, 0.0), amax, block)
   codes = jnp.where(_expand(bad, block, xp.shape[1]), 0.0, codes)
   scale = jnp.where(bad, jnp.float32(jnp.nan), scale)
-  codes = codes[:, :cols].astype(jnp.int32).astype(jnp.int8)
-  return codes, scale
+  return _rounded_to_int32(codes[:, :cols]), scale
 
 
 def _quantize_linear(x, amax, block):
@@ -345,7 +375,7 @@ def _quantize_linear(x, amax, block):
   scale = jnp.where(keep, amax * np.float32(1.0 / CODE_MAX), 0.0)
   inv = jnp.where(keep, 1.0 / jnp.where(keep, scale, 1.0), 0.0)
   s = _expand(scale, block, x.shape[1])
-  estimate = jnp.floor(x * _expand(inv, block, x.shape[1]) + 0.5)
+  estimate = _nearest_integer(x * _expand(inv, block, x.shape[1]))
   q = _corrected_round(x, s, estimate, square=False)
   q = jnp.clip(q, -float(CODE_MAX), float(CODE_MAX))
   return scale, jnp.where(s > 0, q, 0.0)
@@ -366,7 +396,7 @@ def _quantize_sqrt(mag, vmax, block):
   scale = _sqrt_scale(vmax)
   inv = jnp.where(scale > 0, 1.0 / jnp.where(scale > 0, scale, 1.0), 0.0)
   s = _expand(scale, block, mag.shape[1])
-  estimate = jnp.floor(jnp.sqrt(mag) * _expand(inv, block, mag.shape[1]) + 0.5)
+  estimate = _nearest_integer(jnp.sqrt(mag) * _expand(inv, block, mag.shape[1]))
   levels = _corrected_round(mag, s, estimate, square=True)
   levels = jnp.clip(levels, 0.0, float(SQRT_LEVELS))
   # No v > 0 reads back as 0 (Adam would step m / eps there).
@@ -441,7 +471,7 @@ def update(
   sqrt = isinstance(old, QuantizedSqrtBlocks)
   rows_1d = old.scale.ndim == 1  # a Mosaic GPU tile's scales
   values = jnp.where(ok, new, load(old))
-  codes, scale = quantize(values, sqrt=sqrt, valid=valid, rows_1d=rows_1d)
+  codes, scale = _quantize(values, BLOCK_SIZE, sqrt, valid, rows_1d)
   touched = ok if valid is None else jnp.logical_and(ok, valid)
   touched = jnp.broadcast_to(touched, values.shape).astype(jnp.float32)
   changed = (
@@ -450,7 +480,7 @@ def update(
   # Selected as int32: Mosaic GPU has no pointwise ops on 8-bit vectors.
   codes = jnp.where(
     _expand(changed, BLOCK_SIZE, codes.shape[1]),
-    codes.astype(jnp.int32),
+    codes,
     int8_codes(old.codes).astype(jnp.int32),
   ).astype(jnp.int8)
   scale = jnp.where(changed, scale, old.scale)
@@ -494,13 +524,21 @@ def layer_id_from_path(path: Sequence[str]) -> int:
   return zlib.crc32("/".join(map(str, path)).encode()) & 0xFFFFFFFF
 
 
-def random_bits(
-  key: int, step: jax.Array, rows: jax.Array, cols: jax.Array
-) -> jax.Array:
+def rounding_key(seed: int, layer_id: int, step=None) -> jax.Array:
+  """The uint32 scalar that keys one layer's draw at ``step`` (an integer
+  scalar, the layer's count; None: 0): ``mix32(layer_key(seed, layer_id) ^
+  step)``. A traced value, so kernels take it at run time and every layer
+  runs the same compiled kernel."""
+  step = jnp.zeros((), jnp.uint32) if step is None else step
+  return mix32(
+    jnp.uint32(layer_key(seed, layer_id)) ^ jnp.asarray(step).astype(jnp.uint32)
+  )
+
+
+def random_bits(key: jax.Array, rows: jax.Array, cols: jax.Array) -> jax.Array:
   """uint32 random bits for elements ``(rows, cols)`` (broadcastable int
-  arrays of global indices) at ``step`` (an integer scalar)."""
-  step_key = mix32(jnp.uint32(key) ^ jnp.asarray(step).astype(jnp.uint32))
-  row_key = mix32(step_key ^ rows.astype(jnp.uint32))
+  arrays of global indices) under a :func:`rounding_key` ``key``."""
+  row_key = mix32(jnp.asarray(key, jnp.uint32) ^ rows.astype(jnp.uint32))
   return mix32(row_key ^ (cols.astype(jnp.uint32) * _GOLDEN))
 
 
@@ -520,13 +558,12 @@ def round_weights(
   dtype,
   *,
   rounding: str,
-  seed: int,
-  layer_id: int,
-  step: Optional[jax.Array],
+  key: Optional[jax.Array] = None,
   indices: Optional[tuple] = None,
 ) -> jax.Array:
   """Float32 weights to their storage ``dtype`` with ``rounding``.
 
+  ``key``: the layer's :func:`rounding_key` (stochastic rounding only).
   ``indices``: ``(rows, cols)`` global element indices broadcastable to
   ``new`` (a tile's offset plus an iota); None for a whole 2-D kernel.
   """
@@ -541,6 +578,8 @@ def round_weights(
     raise ValueError(
       f"stochastic rounding writes bfloat16 (or float32) weights, not {dtype}"
     )
+  if key is None:
+    raise ValueError("stochastic rounding needs the layer's rounding_key")
   if indices is None:
     if new.ndim != 2:
       raise ValueError(
@@ -550,8 +589,7 @@ def round_weights(
     cols = lax.broadcasted_iota(jnp.int32, (1, new.shape[1]), 1)
   else:
     rows, cols = indices
-  step = jnp.zeros((), jnp.int32) if step is None else step
-  bits = random_bits(layer_key(seed, layer_id), step, rows, cols)
+  bits = random_bits(key, rows, cols)
   return stochastic_round_bf16(new, jnp.broadcast_to(bits, new.shape))
 
 
@@ -573,6 +611,7 @@ __all__ = [
   "container_codes",
   "stochastic_round_bf16",
   "random_bits",
+  "rounding_key",
   "round_weights",
   "layer_id_from_path",
   "store",

@@ -50,6 +50,7 @@ import optax
 import pytest
 
 import forge_jax as fj
+from forge_jax import quantization
 from forge_jax.ops import backends
 from forge_jax.ops.fused_dense import FusedDenseSpec
 
@@ -474,16 +475,25 @@ def poison_tokens(a, spots, value=np.nan):
   return poison(a, where.reshape(a.shape), value)
 
 
+def rounding_key(opt, step=None, layer_id=0):
+  """The backends' stochastic rounding key of layer ``layer_id`` at ``step``
+  (None: 0), as the fused op computes it; None without stochastic rounding."""
+  if opt.weight_rounding != "stochastic":
+    return None
+  return quantization.rounding_key(opt.rounding_seed, layer_id, step)
+
+
 def run_reference(
   opt, x, dy, kernel, state, count, apply=None, *, step=None, layer_id=0
 ):
   """One step of the XLA reference (jitted, nothing donated), on the host."""
-  spec = FusedDenseSpec(optimizer=opt, implementation="xla", layer_id=layer_id)
+  spec = FusedDenseSpec(optimizer=opt, implementation="xla")
   if apply is None:
     apply = jnp.all(jnp.isfinite(dy))  # as the fused op's backward does
   scalars = opt.scalars(jnp.asarray(count, jnp.int32))
   fn = jax.jit(functools.partial(backends.xla_update, spec))
-  return host_copy(fn(x, dy, kernel, state, scalars, apply, step=step))
+  key = rounding_key(opt, step, layer_id)
+  return host_copy(fn(x, dy, kernel, state, scalars, apply, rounding_key=key))
 
 
 def assert_outputs_match(actual, expected, what):
@@ -567,8 +577,8 @@ class FusedDenseTestBase:
   default_cases: dict = {}
 
   def backend(self, spec: FusedDenseSpec, config) -> Callable:
-    """``(x, dy, kernel, state, scalars, apply, step) -> (kernel, state,
-    skipped)``: one step of this backend with ``config``."""
+    """``(x, dy, kernel, state, scalars, apply, rounding_key) -> (kernel,
+    state, skipped)``: one step of this backend with ``config``."""
     raise NotImplementedError
 
   def activation_dtype(self, dtype):
@@ -624,14 +634,13 @@ class FusedDenseTestBase:
     layer_id=0,
   ):
     """One donated, jitted step of the backend, on the host."""
-    spec = FusedDenseSpec(
-      optimizer=opt, implementation=self.implementation, layer_id=layer_id
-    )
+    spec = FusedDenseSpec(optimizer=opt, implementation=self.implementation)
     if apply is None:
       apply = jnp.all(jnp.isfinite(dy))
     scalars = opt.scalars(jnp.asarray(count, jnp.int32))
     fn = jax.jit(self.backend(spec, config), donate_argnums=(2, 3))
-    return host_copy(fn(x, dy, kernel, state, scalars, apply, step))
+    key = rounding_key(opt, step, layer_id)
+    return host_copy(fn(x, dy, kernel, state, scalars, apply, key))
 
   def reference(self, *args, **kwargs):
     with self.precision():
@@ -899,9 +908,7 @@ class FusedDenseTestBase:
     the steps moved the weights and states."""
     opt, (x_shape, n), config = case.args
     k = x_shape[-1]
-    spec = FusedDenseSpec(
-      optimizer=opt, implementation=self.implementation, layer_id=9
-    )
+    spec = FusedDenseSpec(optimizer=opt, implementation=self.implementation)
     kernel_step = jax.jit(
       self.backend(spec, self.lowp_configs[config]), donate_argnums=(2, 3)
     )
@@ -919,9 +926,8 @@ class FusedDenseTestBase:
         opt, x, dy, w, state, count, apply, step=jnp.int32(count), layer_id=9
       )
       old = host_copy((w, state))
-      actual = host_copy(
-        kernel_step(x, dy, w, state, scalars, apply, jnp.int32(count))
-      )
+      key = rounding_key(opt, jnp.int32(count), layer_id=9)
+      actual = host_copy(kernel_step(x, dy, w, state, scalars, apply, key))
       # Kernel, state and skipped count; the gradient's sum of squares
       # follows each backend's summation order.
       assert_same_bits(actual[:3], expected[:3], f"count={count}")

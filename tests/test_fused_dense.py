@@ -95,7 +95,7 @@ def kernel_step(kernel_update, spec, config, interpret):
   """One step of a Pallas kernel's ``*_update`` entry point with
   ``config``, in the shape :meth:`FusedDenseTestBase.backend` returns."""
 
-  def update(x, dy, kernel, state, scalars, apply, step):
+  def update(x, dy, kernel, state, scalars, apply, rounding_key):
     return kernel_update(
       spec,
       x,
@@ -106,7 +106,7 @@ def kernel_step(kernel_update, spec, config, interpret):
       apply,
       config=config,
       interpret=interpret,
-      step=step,
+      rounding_key=rounding_key,
     )
 
   return update
@@ -133,9 +133,9 @@ class XlaTest(FusedDenseTestBase):
   def backend(self, spec, config):
     del config  # the reference has none
 
-    def update(x, dy, kernel, state, scalars, apply, step):
+    def update(x, dy, kernel, state, scalars, apply, rounding_key):
       return backends.xla_update(
-        spec, x, dy, kernel, state, scalars, apply, step=step
+        spec, x, dy, kernel, state, scalars, apply, rounding_key=rounding_key
       )
 
     return update

@@ -66,13 +66,14 @@ def test_stochastic_rounding_is_unbiased(seed):
     np.float32
   )
   draws = 4096
-  key = Q.layer_key(seed, 17)
   round_all = jax.jit(
     jax.vmap(
       lambda step: Q.stochastic_round_bf16(
         x,
         Q.random_bits(
-          key, step, jnp.zeros((1,), jnp.int32), jnp.arange(x.size)
+          Q.rounding_key(seed, 17, step),
+          jnp.zeros((1,), jnp.int32),
+          jnp.arange(x.size),
         ),
       )
     )
@@ -95,7 +96,7 @@ def test_stochastic_rounding_bits_are_deterministic_and_new_every_step():
   rows = jnp.arange(64)[:, None]
   cols = jnp.arange(80)[None, :]
   draw = lambda seed, layer, step: np.asarray(
-    Q.random_bits(Q.layer_key(seed, layer), jnp.int32(step), rows, cols)
+    Q.random_bits(Q.rounding_key(seed, layer, jnp.int32(step)), rows, cols)
   )
   a = draw(0, 1, 5)
   assert_bitwise_equal(a, draw(0, 1, 5), "same seed, layer and step")
@@ -115,7 +116,7 @@ def _sgd_steps(rounding, steps, k=64, n=64, delta=1e-3, seed=0):
   """``steps`` SGD steps of +delta on a bf16 kernel of ones, through the XLA
   backend with the step count feeding stochastic rounding."""
   opt = fj.sgd(1.0, weight_rounding=rounding, rounding_seed=seed)
-  spec = FusedDenseSpec(optimizer=opt, implementation="xla", layer_id=3)
+  spec = FusedDenseSpec(optimizer=opt, implementation="xla")
   x = jnp.ones((1, k), F32)
   dy = jnp.full((1, n), -delta, F32)  # dW = -delta: w += delta
   kernel = jnp.ones((k, n), BF16)
@@ -128,7 +129,7 @@ def _sgd_steps(rounding, steps, k=64, n=64, delta=1e-3, seed=0):
       opt.init(kernel),
       opt.scalars(jnp.int32(i)),
       jnp.bool_(True),
-      step=jnp.int32(i),
+      rounding_key=Q.rounding_key(seed, 3, jnp.int32(i)),
     )
   return np.asarray(kernel.astype(F32), np.float64)
 
@@ -155,16 +156,12 @@ def test_stochastic_rounding_options_are_checked():
       jnp.ones((2, 2)),
       jnp.float16,
       rounding="stochastic",
-      seed=0,
-      layer_id=0,
-      step=None,
+      key=Q.rounding_key(0, 0),
     )
   # float32 kernels: nothing to round, the rule's values are stored as is.
   x = jnp.asarray(np.random.default_rng(0).standard_normal((3, 5)), F32)
   assert_bitwise_equal(
-    Q.round_weights(
-      x, F32, rounding="stochastic", seed=0, layer_id=0, step=None
-    ),
+    Q.round_weights(x, F32, rounding="stochastic", key=Q.rounding_key(0, 0)),
     x,
     "f32",
   )
@@ -242,6 +239,44 @@ def test_int8_block_quantization_error_bound_and_block_size(seed):
   linear_codes, linear_scale = quantize(jnp.asarray(v, F32))
   linear = np.asarray(dequantize(linear_codes, linear_scale))
   assert ((linear == 0) & (v > 0)).mean() > 0.2  # why v is stored as sqrt
+
+
+@pytest.mark.parametrize("sqrt", [False, True], ids=["linear", "sqrt"])
+def test_int8_codes_are_nearest_by_their_thresholds_at_ties(sqrt, seed):
+  """Values on a rounding threshold ``t(q) = (q + 0.5) * s`` (squared for
+  second moments) take code ``q + 1``, every other value the ``q`` with
+  ``t(q - 1) <= x < t(q)``: the definition, checked in float32 numpy against
+  each block's scale; ties are where an estimate that is off by more than
+  one (or not rounded at all) shows."""
+  rng = np.random.default_rng(seed)
+  x = (
+    np.abs(_heavy_tailed(seed, (8, 128)))
+    if sqrt
+    else _heavy_tailed(seed, (8, 128))
+  )
+  _, scale = quantize(jnp.asarray(x), sqrt=sqrt)
+  s = np.repeat(np.asarray(scale), 64, axis=1)
+  low = 1 if sqrt else -126
+  q = rng.integers(low, 126, x.shape).astype(np.float32)
+  ties = ((q + np.float32(0.5)) * s).astype(np.float32)
+  ties = ties * ties if sqrt else ties
+  # Every other element on a threshold; each block's largest stays (its
+  # scale with it).
+  keep = np.abs(x) == np.abs(x).reshape(8, 2, 64).max(-1).repeat(64, 1)
+  on_tie = (np.arange(x.shape[1]) % 2 == 0) & ~keep
+  x = np.where(on_tie, ties, x).astype(np.float32)
+  codes, new_scale = quantize(jnp.asarray(x), sqrt=sqrt)
+  assert_bitwise_equal(new_scale, scale, "scales")
+  level = np.asarray(codes).astype(np.float32) + (127 if sqrt else 0)
+
+  def threshold(level):
+    t = ((level + np.float32(0.5)) * s).astype(np.float32)
+    return t * t if sqrt else t
+
+  inside = (level > low) & (level < 126)
+  assert (x >= threshold(level - 1))[inside].all()
+  assert (x < threshold(level))[inside].all()
+  np.testing.assert_array_equal(level[on_tie], q[on_tie] + 1)
 
 
 def test_int8_quantizer_edge_cases():

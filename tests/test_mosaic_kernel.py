@@ -54,6 +54,7 @@ from fused_dense_test_base import (
   assert_outputs_match,
   exact_inputs,
   random_inputs,
+  rounding_key,
   run_reference,
 )
 
@@ -148,9 +149,7 @@ def run_mosaic(
   offset=None,
   layer_id=0,
 ):
-  spec = FusedDenseSpec(
-    optimizer=opt, implementation="mosaic", layer_id=layer_id
-  )
+  spec = FusedDenseSpec(optimizer=opt, implementation="mosaic")
   apply = jnp.all(jnp.isfinite(dy))
   scalars = opt.scalars(jnp.asarray(count, jnp.int32))
   fn = jax.jit(
@@ -163,14 +162,15 @@ def run_mosaic(
       offset=offset,
     )
   )
-  return host_copy(fn(x, dy, kernel, state, scalars, apply, step=step))
+  key = rounding_key(opt, step, layer_id)
+  return host_copy(fn(x, dy, kernel, state, scalars, apply, rounding_key=key))
 
 
 def run_reference_at(
   opt, x, dy, kernel, state, count, step, offset=None, layer_id=0
 ):
   """The reference with stochastic rounding's step, offset and layer id."""
-  spec = FusedDenseSpec(optimizer=opt, implementation="xla", layer_id=layer_id)
+  spec = FusedDenseSpec(optimizer=opt, implementation="xla")
   fn = jax.jit(functools.partial(backends.xla_update, spec, offset=offset))
   return host_copy(
     fn(
@@ -180,7 +180,7 @@ def run_reference_at(
       state,
       opt.scalars(jnp.asarray(count, jnp.int32)),
       jnp.all(jnp.isfinite(dy)),
-      step=step,
+      rounding_key=rounding_key(opt, step, layer_id),
     )
   )
 
@@ -815,9 +815,9 @@ def lower_for_cuda(
       config = dataclasses.replace(config, epilogue_n=Q.BLOCK_SIZE)
   assert config.schedule == schedule
   assert mosaic.unsupported_reason(x, dy, kernel, opt, config) is None
-  spec = FusedDenseSpec(optimizer=opt, implementation="mosaic", layer_id=3)
+  spec = FusedDenseSpec(optimizer=opt, implementation="mosaic")
 
-  def update(x, dy, kernel, state, scalars, apply, step):
+  def update(x, dy, kernel, state, scalars, apply, key):
     return mosaic.mosaic_update(
       spec,
       x,
@@ -828,7 +828,7 @@ def lower_for_cuda(
       apply,
       config,
       interpret=False,
-      step=step,
+      rounding_key=key,
       layer_index=layer_index,
     )
 
@@ -839,7 +839,7 @@ def lower_for_cuda(
     jax.eval_shape(opt.init, kernel),
     jax.eval_shape(opt.scalars, jnp.int32(3)),
     jax.ShapeDtypeStruct((), jnp.bool_),
-    jax.ShapeDtypeStruct((), jnp.int32),
+    jax.ShapeDtypeStruct((), jnp.uint32),
   )
   return traced.lower(lowering_platforms=("cuda",)).as_text()
 
@@ -878,7 +878,7 @@ def test_mosaic_kernel_under_vmap_lowers_for_cuda_on_cpu():
   dy = jax.ShapeDtypeStruct((2, 128, 512), BF16)
   kernel = jax.ShapeDtypeStruct((2, 256, 512), BF16)
   config = mosaic.default_config(x, kernel, opt)
-  spec = FusedDenseSpec(optimizer=opt, implementation="mosaic", layer_id=3)
+  spec = FusedDenseSpec(optimizer=opt, implementation="mosaic")
 
   def update(x, dy, kernel, state, scalars, apply):
     return mosaic.mosaic_update(
@@ -1026,7 +1026,7 @@ def test_compiled_mosaic_kernel_int8_sr_matches_reference_on_gpu(
     BF16
   )
   state = opt.init(w)
-  spec = FusedDenseSpec(optimizer=opt, implementation="mosaic", layer_id=9)
+  spec = FusedDenseSpec(optimizer=opt, implementation="mosaic")
   fn = jax.jit(
     functools.partial(mosaic.mosaic_update, spec), donate_argnums=(2, 3)
   )
@@ -1041,7 +1041,7 @@ def test_compiled_mosaic_kernel_int8_sr_matches_reference_on_gpu(
         jax.tree.map(jnp.copy, state),
         opt.scalars(jnp.int32(count)),
         jnp.bool_(True),
-        step=step,
+        rounding_key=rounding_key(opt, step, layer_id=9),
       )
     )
     assert int(actual[2]) == int(expected[2]) == 0

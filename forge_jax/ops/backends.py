@@ -1,14 +1,17 @@
 """Weight-update backends of the fused dense op, and the switch between them.
 
 A backend is a function
-``(spec, x, dy, kernel, opt_state, scalars, apply, *, step=None, offset=None,
-layer_index=None) -> (kernel, opt_state, skipped, grad_sq_norm)``
+``(spec, x, dy, kernel, opt_state, scalars, apply, *, rounding_key=None,
+offset=None, layer_index=None) -> (kernel, opt_state, skipped, grad_sq_norm)``
 that forms ``dW = x.T @ dy`` (contracting every axis but the last), applies
 the optimizer rule, and sums the squares of the float32 ``dW`` elements
-(``grad_sq_norm``, the layer's part of the global gradient norm). ``offset`` is the global ``(row, column)`` of the
-kernel's element ``(0, 0)`` when ``kernel`` is one shard of a larger kernel
-(None: the whole kernel): stochastic rounding hashes global indices, so a
-shard draws the bits the whole kernel would. With a ``layer_index`` (an int32
+(``grad_sq_norm``, the layer's part of the global gradient norm).
+``rounding_key`` is the layer's stochastic rounding key
+(:func:`forge_jax.quantization.rounding_key` of its seed, id and step; None
+without stochastic rounding). ``offset`` is the global ``(row, column)`` of
+the kernel's element ``(0, 0)`` when ``kernel`` is one shard of a larger
+kernel (None: the whole kernel): stochastic rounding hashes global indices,
+so a shard draws the bits the whole kernel would. With a ``layer_index`` (an int32
 scalar), ``kernel`` and every ``opt_state`` leaf are stacked on a leading
 layer axis, only that layer is stepped, and the whole stacks come back
 (updated in place). ``'xla'`` is the reference: plain XLA ops, the
@@ -76,16 +79,11 @@ def xla_update(
   scalars,
   apply,
   *,
-  step=None,
+  rounding_key=None,
   offset=None,
   layer_index=None,
 ):
-  """Reference backend: ``dW`` through XLA, then the elementwise rule.
-
-  ``step`` (the layer's count, an integer scalar; None: 0),
-  ``spec.layer_id`` and the elements' global indices (``offset``) seed
-  stochastic rounding.
-  """
+  """Reference backend: ``dW`` through XLA, then the elementwise rule."""
   return apply_gradient(
     spec,
     weight_gradient(x, dy, spec.precision),
@@ -93,7 +91,7 @@ def xla_update(
     opt_state,
     scalars,
     apply,
-    step=step,
+    rounding_key=rounding_key,
     offset=offset,
     layer_index=layer_index,
   )
@@ -107,7 +105,7 @@ def apply_gradient(
   scalars,
   apply,
   *,
-  step=None,
+  rounding_key=None,
   offset=None,
   layer_index=None,
 ):
@@ -132,8 +130,7 @@ def apply_gradient(
     apply,
     order_in_place=True,
     guard_results=False,
-    step=step,
-    layer_id=spec.layer_id,
+    rounding_key=rounding_key,
     indices=global_indices(kernel.shape[-2:], offset),
     layer_index=layer_index,
   )
@@ -179,19 +176,17 @@ def lowered_once(update):
   under one ``jax.jit``, calls with the same shapes, dtypes and static
   configuration share one jaxpr, which JAX lowers once into one function of
   the module, so the kernel is traced, lowered and compiled once instead of
-  once per call site. The spec's module path plays no part in an update, nor
-  does its ``layer_id`` without stochastic rounding: both are cleared, so the
-  layers of a model share a key.
+  once per call site. The spec's module path and ``layer_id`` play no part
+  in an update (stochastic rounding's key arrives as a traced argument):
+  both are cleared, so the layers of a model share one function.
   """
   jitted = jax.jit(update, static_argnums=0)
 
   @functools.wraps(update)
   def shared(spec, *args, **kwargs):
-    stochastic = spec.optimizer.weight_rounding == "stochastic"
-    key = dataclasses.replace(
-      spec, path=(), layer_id=spec.layer_id if stochastic else 0
+    return jitted(
+      dataclasses.replace(spec, path=(), layer_id=0), *args, **kwargs
     )
-    return jitted(key, *args, **kwargs)
 
   return shared
 

@@ -387,6 +387,20 @@ def layer_step(variables: ForgeVariables, layer_index=None) -> jax.Array:
   return stacks.layer_entry(variables.count, layer_index).astype(jnp.int32)
 
 
+def layer_rounding_key(
+  spec: FusedDenseSpec, variables: ForgeVariables, layer_index=None
+):
+  """The layer's stochastic rounding key at this step (None without
+  stochastic rounding): a traced scalar, so one compiled kernel serves every
+  layer."""
+  optimizer = spec.optimizer
+  if optimizer.weight_rounding != "stochastic":
+    return None
+  return quantization.rounding_key(
+    optimizer.rounding_seed, spec.layer_id, layer_step(variables, layer_index)
+  )
+
+
 def stepped(
   variables: ForgeVariables,
   new_kernel,
@@ -551,7 +565,7 @@ def _local_backward(
   finite = _on_every_shard(jnp.all(jnp.isfinite(dy)), layout.mesh_axes)
   apply = jnp.logical_and(finite, after_dx)
   scalars = step_scalars(spec, variables, layer_index)
-  step = layer_step(variables, layer_index)
+  key = layer_rounding_key(spec, variables, layer_index)
   offset = _shard_offset(layout, local_shape)
   if layout.reduces_weight_gradient:  # FSDP, or data_parallel='psum'
     new_kernel, new_state, skipped, grad_sq_norm = _reduced_update(
@@ -562,7 +576,7 @@ def _local_backward(
       variables,
       scalars,
       apply,
-      step=step,
+      rounding_key=key,
       offset=offset,
       layer_index=layer_index,
     )
@@ -579,7 +593,7 @@ def _local_backward(
       variables.opt_state,
       scalars,
       apply,
-      step=step,
+      rounding_key=key,
       offset=offset,
       layer_index=layer_index,
     )
@@ -642,7 +656,17 @@ def _reduced_sq_norm(spec, layout, x, dy, shape, opt_state):
 
 
 def _reduced_update(
-  spec, layout, x, dy, variables, scalars, apply, *, step, offset, layer_index
+  spec,
+  layout,
+  x,
+  dy,
+  variables,
+  scalars,
+  apply,
+  *,
+  rounding_key,
+  offset,
+  layer_index,
 ):
   """The update of this shard from ``dW`` summed over the token axes:
   ``(kernel, state, skipped, grad_sq_norm)``.
@@ -671,7 +695,7 @@ def _reduced_update(
       variables.opt_state,
       scalars,
       apply,
-      step=step,
+      rounding_key=rounding_key,
       offset=offset,
       layer_index=layer_index,
     )
@@ -707,7 +731,7 @@ def _reduced_update(
       treedef.unflatten(map(take, state_leaves, windows)),
       scalars,
       apply,
-      step=step,
+      rounding_key=rounding_key,
       offset=tuple(block_offset),
     )
     kernel = put(kernel, new_kernel, (start, size))
@@ -836,7 +860,7 @@ def deferred_update(
       variables.opt_state,
       step_scalars(spec, variables, layer_index),
       finite,
-      step=layer_step(variables, layer_index),
+      rounding_key=layer_rounding_key(spec, variables, layer_index),
       layer_index=layer_index,
     )
     grad_sq_norm = stacks.layer_entry(variables.grad_sq_norm, layer_index)

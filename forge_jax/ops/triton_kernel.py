@@ -19,8 +19,8 @@ kernel) and float32 scales, one per 64 columns of a row; the epilogue's
 column chunk is exactly one such block (``block_n / epilogue_split == 64``),
 so a block never straddles a chunk or a tile, and the scale tile is
 ``block_k x 1``. Stochastic rounding takes the global row and column of each
-element (the shard's offset + the tile's + iota) and the layer's step (the
-step and the shard's offset are passed with the scalars).
+element (the shard's offset + the tile's + iota) and the layer's rounding
+key (the key and the shard's offset are passed with the scalars).
 
 Stacked (``layer_index`` given, :mod:`forge_jax.ops.stacks`): the kernel and
 state refs are the whole ``[L, K, N]`` stacks (scales ``[L, K, N / 64]``),
@@ -199,7 +199,6 @@ def _fused_kernel(
   config: TritonConfig,
   dot_precision,
   scale_leaves,
-  layer_id,
   stacked: bool,
 ):
   num_state = state_treedef.num_leaves
@@ -241,7 +240,7 @@ def _fused_kernel(
   )
 
   # The shard's global offset: stochastic rounding hashes global indices.
-  scalars, apply, step, shard_row, shard_col, layer_index = read_kernel_scalars(
+  scalars, apply, key, shard_row, shard_col, layer_index = read_kernel_scalars(
     scalars_ref, scalars_treedef
   )
   # Stacked refs are [L, K, N]: one indexer, the layer first (Triton's
@@ -292,8 +291,7 @@ def _fused_kernel(
       state,
       scalars,
       apply,
-      step=step,
-      layer_id=layer_id,
+      rounding_key=key,
       indices=(shard_row + row_idx, shard_col + col_idx),
       valid=mask,
     )
@@ -334,7 +332,7 @@ def triton_update(
   config: Optional[TritonConfig] = None,
   interpret: Optional[bool] = None,
   *,
-  step=None,
+  rounding_key=None,
   offset=None,
   layer_index=None,
 ):
@@ -362,7 +360,7 @@ def triton_update(
   scale_leaves = tuple(quantization.scale_leaf_mask(kernel_state))
   state_leaves, state_treedef = jax.tree.flatten(kernel_state)
   scalar_vector, scalars_treedef = pack_kernel_scalars(
-    scalars, apply, step, offset, layer_index
+    scalars, apply, rounding_key, offset, layer_index
   )
 
   grid = (pl.cdiv(k, config.block_k) * pl.cdiv(n, config.block_n),)
@@ -378,7 +376,6 @@ def triton_update(
     config=config,
     dot_precision=lax.Precision.HIGHEST if both_f32 else None,
     scale_leaves=scale_leaves,
-    layer_id=spec.layer_id,
     stacked=layer_index is not None,
   )
   out_shape = (

@@ -32,8 +32,7 @@ def apply_update(
   apply: jax.Array,
   *,
   order_in_place: bool = False,
-  step: Optional[jax.Array] = None,
-  layer_id: int = 0,
+  rounding_key: Optional[jax.Array] = None,
   indices: Optional[tuple] = None,
   valid: Optional[jax.Array] = None,
   layer_index: Optional[jax.Array] = None,
@@ -55,10 +54,10 @@ def apply_update(
   Storage (:mod:`forge_jax.quantization`, the one place that rounds,
   quantizes and dequantizes): state leaves are read with ``load`` and written
   with ``update``; the new kernel is rounded with ``round_weights``
-  (stochastic rounding draws its bits from ``(optimizer.rounding_seed,
-  layer_id, step, row, column)``, the global ``indices`` of the elements:
-  ``(rows, cols)`` broadcastable to ``kernel``, default a whole-kernel
-  iota). ``valid`` masks the elements of a tile that exist (quantization
+  (stochastic rounding draws its bits from the layer's ``rounding_key``,
+  :func:`forge_jax.quantization.rounding_key` of its seed, id and step, and
+  the global ``indices`` of the elements: ``(rows, cols)`` broadcastable to
+  ``kernel``, default a whole-kernel iota). ``valid`` masks the elements of a tile that exist (quantization
   blocks count the others as zero).
 
   ``order_in_place`` (for whole-array XLA backends) orders the state's
@@ -106,9 +105,7 @@ def apply_update(
     jnp.where(ok, stepped, kernel_f32),
     kernel.dtype,
     rounding=optimizer.weight_rounding,
-    seed=optimizer.rounding_seed,
-    layer_id=layer_id,
-    step=step,
+    key=rounding_key,
     indices=indices,
   )
   store_ok, store_index = ok, layer_index
@@ -175,7 +172,7 @@ class KernelScalars(NamedTuple):
 
   scalars: NamedTuple  # the optimizer's
   apply: jax.Array  # bool
-  step: jax.Array  # int32: the layer's count (stochastic rounding)
+  rounding_key: jax.Array  # uint32: stochastic rounding's (0 without)
   shard_row: jax.Array  # int32: the shard's global offset (ditto)
   shard_col: jax.Array
   layer_index: jax.Array  # int32: the layer of stacked refs
@@ -184,21 +181,24 @@ class KernelScalars(NamedTuple):
 def pack_kernel_scalars(
   scalars: NamedTuple,
   apply: jax.Array,
-  step=None,
+  rounding_key=None,
   offset=None,
   layer_index=None,
 ):
-  """The optimizer's scalars, then ``apply``, the step, the shard's offset
-  ``(row, column)`` and the layer index, as one float32 vector (the integers
-  are exact up to 2**24), and the optimizer scalars' treedef."""
+  """The optimizer's scalars, then ``apply``, the rounding key's high and low
+  16 bits, the shard's offset ``(row, column)`` and the layer index, as one
+  float32 vector (the integers are exact up to 2**24), and the optimizer
+  scalars' treedef."""
   leaves, treedef = jax.tree.flatten(scalars)
-  step = 0 if step is None else step
+  key = jnp.zeros((), jnp.uint32) if rounding_key is None else rounding_key
+  key = jnp.asarray(key, jnp.uint32)
   offset = (0, 0) if offset is None else offset
   layer_index = 0 if layer_index is None else layer_index
+  integers = (key >> 16, key & 0xFFFF, *offset, layer_index)
   vector = jnp.stack(
     [jnp.asarray(s, jnp.float32) for s in leaves]
     + [apply.astype(jnp.float32)]
-    + [jnp.asarray(v).astype(jnp.float32) for v in (step, *offset, layer_index)]
+    + [jnp.asarray(v).astype(jnp.float32) for v in integers]
   )
   return vector, treedef
 
@@ -206,9 +206,16 @@ def pack_kernel_scalars(
 def read_kernel_scalars(ref, treedef) -> KernelScalars:
   """Inside a kernel: the :func:`pack_kernel_scalars` vector ``ref``."""
   num = treedef.num_leaves
-  values = [ref[i] for i in range(num + len(KernelScalars._fields) - 1)]
+  values = [ref[i] for i in range(num + len(KernelScalars._fields))]
+  key_high, key_low, *integers = (
+    v.astype(jnp.int32) for v in values[num + 1 :]
+  )
+  key = key_high.astype(jnp.uint32) * jnp.uint32(1 << 16) + key_low.astype(
+    jnp.uint32
+  )
   return KernelScalars(
     jax.tree.unflatten(treedef, values[:num]),
     values[num] > 0.5,
-    *(v.astype(jnp.int32) for v in values[num + 1 :]),
+    key,
+    *integers,
   )

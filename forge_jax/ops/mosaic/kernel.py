@@ -40,13 +40,13 @@ kernel (:func:`forge_jax.ops.backends.select`).
 Low precision (:mod:`forge_jax.quantization`, the reference's functions):
 stochastic rounding hashes each element's global row and column (the tile's
 offset plus an iota, plus the shard's ``offset`` under tensor parallelism)
-and the step, which travel with the scalars (exact in float32 up to 2**24),
-so the kernel draws the reference's bits. int8 states: the codes arrive as
+and the layer's rounding key, which travels with the scalars (in two 16-bit
+halves, exact in float32), so the kernel draws the reference's bits. int8 states: the codes arrive as
 int8 (bitcast from their float8 container outside the kernel) and go
 through shared memory by TMA like the other leaves; their block scales do
 not (:mod:`forge_jax.ops.mosaic.epilogue` says why). The warpgroup lowering
-lacks ``floor`` (:mod:`forge_jax.ops.mosaic.compat` supplies it) and
-pointwise ops on 8-bit vectors (the quantizer selects codes as int32).
+lacks pointwise ops on 8-bit vectors (the quantizer selects codes as
+int32).
 
 Off-GPU the kernel runs in Mosaic GPU's interpret mode (how the CPU tests
 check it), which simulates the warpgroups, shared memory, TMA and barriers;
@@ -184,7 +184,6 @@ def _fused_kernel(
   state_treedef,
   scalars_treedef,
   config: MosaicConfig,
-  layer_id,
   interpret,
   stacked,
   is_scale,
@@ -204,7 +203,6 @@ def _fused_kernel(
     state_treedef=state_treedef,
     scalars_treedef=scalars_treedef,
     config=config,
-    layer_id=layer_id,
     interpret=interpret,
     stacked=stacked,
     is_scale=is_scale,
@@ -240,7 +238,7 @@ def mosaic_update(
   config: Optional[MosaicConfig] = None,
   interpret: Optional[bool] = None,
   *,
-  step=None,
+  rounding_key=None,
   offset=None,
   layer_index=None,
 ):
@@ -261,7 +259,7 @@ def mosaic_update(
       apply,
       config,
       interpret,
-      step=step,
+      rounding_key=rounding_key,
       offset=offset,
     )
     return (
@@ -280,7 +278,7 @@ def mosaic_update(
   kernel_state = quantization.codes_as_int8(opt_state)
   state_leaves, state_treedef = jax.tree.flatten(kernel_state)
   scalar_vector, scalars_treedef = pack_kernel_scalars(
-    scalars, apply, step, offset, layer_index
+    scalars, apply, rounding_key, offset, layer_index
   )
   kernel_fn = functools.partial(
     _fused_kernel,
@@ -288,7 +286,6 @@ def mosaic_update(
     state_treedef=state_treedef,
     scalars_treedef=scalars_treedef,
     config=config,
-    layer_id=spec.layer_id,
     interpret=interpret,
     stacked=layer_index is not None,
     is_scale=tuple([False] + quantization.scale_leaf_mask(kernel_state)),

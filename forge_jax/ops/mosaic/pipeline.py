@@ -65,7 +65,6 @@ class Pipeline:
     state_treedef,
     scalars_treedef,
     config: MosaicConfig,
-    layer_id,
     interpret,
     stacked,
     is_scale,
@@ -73,7 +72,7 @@ class Pipeline:
     self.scalars_gmem, self.x_gmem, self.dy_gmem = scalars_gmem, x_gmem, dy_gmem
     self.storage_gmem, self.storage_out = storage_gmem, storage_out
     self.skipped_gmem, self.grad_sq_gmem = skipped_gmem, grad_sq_gmem
-    self.optimizer, self.layer_id = optimizer, layer_id
+    self.optimizer = optimizer
     self.state_treedef, self.scalars_treedef = state_treedef, scalars_treedef
     self.config, self.interpret = config, interpret
     self.stacked, self.is_scale = stacked, is_scale
@@ -124,7 +123,7 @@ class Pipeline:
     per leaf that goes through shared memory) and their load ``barriers``
     (:meth:`epilogue_allocations`)."""
     optimizer, storage_gmem = self.optimizer, self.storage_gmem
-    scalars, apply, step, shard_row, shard_col, layer_index = (
+    scalars, apply, key, shard_row, shard_col, layer_index = (
       read_kernel_scalars(self.scalars_gmem, self.scalars_treedef)
     )
 
@@ -137,8 +136,7 @@ class Pipeline:
         state,
         scalars,
         apply,
-        step=step,
-        layer_id=self.layer_id,
+        rounding_key=key,
         indices=indices,
       )
       return [new_w] + jax.tree.leaves(new_state), updated
