@@ -1045,30 +1045,42 @@ def layer_step_section(run) -> str:
   )
 
 
-def compile_time_section(run) -> str:
+def compile_time_cells(r) -> tuple:
+  """A run's lower, compile and first-step seconds: its error, or how long
+  it ran without finishing."""
+  if "compile_s" in r:
+    return (
+      f"{r['lower_s']:.1f}",
+      f"{r['compile_s']:.1f}",
+      f"{r['first_step_s']:.2f}",
+    )
+  if "timeout_s" in r:
+    return (f"not done in {r['timeout_s']} s", "-", "-")
+  return ("failed", "-", "-")
+
+
+def compile_time_section(runs) -> str:
+  """Every kept run, by commit: a change to the kernels' compilation shows
+  beside the runs before it."""
+  first = runs[0]
   rows = [
     [
       name,
       r.get("fused_calls", "-"),
-      *(
-        (
-          f"{r['lower_s']:.1f}",
-          f"{r['compile_s']:.1f}",
-          f"{r['first_step_s']:.2f}",
-        )
-        if "compile_s" in r
-        else ("failed", "-", "-")
-      ),
+      *compile_time_cells(r),
       f"{r['step_ms']:.1f}" if r.get("step_ms") else "-",
+      f"`{commit(run)}`",
     ]
+    for run in sorted(runs, key=lambda run: meta(run)["date"])
     for name, r in run["runs"].items()
   ]
   return section(
     "Compile time of an unrolled model",
-    f"The '{run['shape']}' Llama shape, {run['layers']} unrolled layers, "
-    f"B = {run['batch']}, T = {run['seq']}, AdamW, remat; each run in its "
-    "own process. Storage: bf16 weights and states unless the run names "
-    "another (sr: bf16 weights stochastically rounded; int8: int8 states).",
+    f"The '{first['shape']}' Llama shape, {first['layers']} unrolled layers, "
+    f"B = {first['batch']}, T = {first['seq']}, AdamW, remat; each run in "
+    "its own process, every kept run with its commit. Storage: bf16 weights "
+    "and states unless the run names another (sr: bf16 weights "
+    "stochastically rounded).",
     table(
       [
         "implementation",
@@ -1077,11 +1089,12 @@ def compile_time_section(run) -> str:
         "compile s",
         "first step s",
         "step ms",
+        "commit",
       ],
       rows,
     ),
     "python benchmarks/run.py compile",
-    [run],
+    runs,
   )
 
 
@@ -1424,7 +1437,7 @@ SECTIONS = (
   ("layer_step_*.json", layer_step_section, True),
   ("lowp_speed_*.json", lowp_speed_section, True),
   ("lowp_sweep_*.json", lowp_sweep_section, True),
-  ("compile_time_*.json", compile_time_section, True),
+  ("compile_time_*.json", compile_time_section, False),
 )
 
 

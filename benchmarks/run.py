@@ -328,7 +328,14 @@ def lowp_speed_steps(a, out):
 def compile_steps(a, out):
   return [
     Step(
-      _python("compile_time.py", "--out", out("compile_time")),
+      _python(
+        "compile_time.py",
+        "--storages",
+        "bf16",
+        "bf16-sr",
+        "--out",
+        out("compile_time"),
+      ),
       timeout=a.timeout,
     )
   ]
