@@ -8,9 +8,9 @@
 may be gzipped),
 from which each fused kernel's executed instructions are counted by
 opcode, and its warp-stall samples split by reason, by instruction class and
-by how often the instruction ran (which tells the code apart: with T tiles, c compute warps and m memory warps per CTA, the
-memory warpgroup's per-tile code runs T * m times, the epilogue T * c, the
-main loop T * c * steps). Samples come from every warp, idle ones too: a
+by how often the instruction ran (which tells the code apart: with T tiles,
+c compute warps and m memory warps per CTA, the memory warpgroup's per-tile
+code runs T * m times, the epilogue T * c, the main loop T * c * steps). Samples come from every warp, idle ones too: a
 warpgroup waiting on a barrier shows as long_sb. Kernels are matched to probes in launch order: a
 'gemm' probe is the next cuBLAS (nvjet) kernel, an 'unfused' probe that
 GEMM and then the longest kernel before the next probe's (optax's update),
@@ -112,8 +112,9 @@ def read_stalls(path: str) -> list[dict]:
         if opcode and opcode[0].startswith("@")
         else (opcode[0] if opcode else "")
       )
-      by_class[opcode.split(".")[0]] += _number(r[samples]) or 0
-      executed_by_class[opcode.split(".")[0]] += _number(r[executed]) or 0
+      opcode_class = opcode.split(".")[0]
+      by_class[opcode_class] += _number(r[samples]) or 0
+      executed_by_class[opcode_class] += _number(r[executed]) or 0
     share = lambda counter: {
       k: round(v / total, 4) for k, v in counter.most_common(10) if v
     }

@@ -11,9 +11,9 @@ the optimizer rule, and sums the squares of the float32 ``dW`` elements
 without stochastic rounding). ``offset`` is the global ``(row, column)`` of
 the kernel's element ``(0, 0)`` when ``kernel`` is one shard of a larger
 kernel (None: the whole kernel): stochastic rounding hashes global indices,
-so a shard draws the bits the whole kernel would. With a ``layer_index`` (an int32
-scalar), ``kernel`` and every ``opt_state`` leaf are stacked on a leading
-layer axis, only that layer is stepped, and the whole stacks come back
+so a shard draws the bits the whole kernel would. With a ``layer_index`` (an
+int32 scalar), ``kernel`` and every ``opt_state`` leaf are stacked on a
+leading layer axis, only that layer is stepped, and the whole stacks come back
 (updated in place). ``'xla'`` is the reference: plain XLA ops, the
 specification, and the default where no GPU kernel applies.
 """

@@ -57,8 +57,8 @@ def apply_update(
   (stochastic rounding draws its bits from the layer's ``rounding_key``,
   :func:`forge_jax.quantization.rounding_key` of its seed, id and step, and
   the global ``indices`` of the elements: ``(rows, cols)`` broadcastable to
-  ``kernel``, default a whole-kernel iota). ``valid`` masks the elements of a tile that exist (quantization
-  blocks count the others as zero).
+  ``kernel``, default a whole-kernel iota). ``valid`` masks the elements of
+  a tile that exist (quantization blocks count the others as zero).
 
   ``order_in_place`` (for whole-array XLA backends) orders the state's
   stores after the kernel's fusion, which reads the old state, so XLA can

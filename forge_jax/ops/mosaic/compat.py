@@ -2,8 +2,9 @@
 
 The optimizer rules use ``sqrt`` and ``is_finite``; the warpgroup lowering
 of jax 0.10 and 0.11 has neither. :func:`register_missing_lowerings` lowers
-them through ops it has, where it lacks them (a lowering JAX has is kept). The kernel calls it
-before Mosaic GPU lowers its body; importing this module changes nothing.
+them through ops it has, where it lacks them (a lowering JAX has is kept).
+The kernel calls it before Mosaic GPU lowers its body; importing this module
+changes nothing.
 """
 
 from __future__ import annotations
@@ -32,8 +33,8 @@ def _is_finite(x):
 @functools.cache
 def register_missing_lowerings():
   """Lowers sqrt and is_finite (which the optimizer rules use) through other
-  ops where this JAX's Mosaic GPU warpgroup lowering lacks them. Registers once per process; later calls do
-  nothing."""
+  ops where this JAX's Mosaic GPU warpgroup lowering lacks them. Registers
+  once per process; later calls do nothing."""
   # pylint: disable=import-outside-toplevel,protected-access
   from jax._src.pallas.mosaic_gpu import core as gpu_core
   from jax._src.pallas.mosaic_gpu import lowering

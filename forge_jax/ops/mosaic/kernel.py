@@ -41,12 +41,12 @@ Low precision (:mod:`forge_jax.quantization`, the reference's functions):
 stochastic rounding hashes each element's global row and column (the tile's
 offset plus an iota, plus the shard's ``offset`` under tensor parallelism)
 and the layer's rounding key, which travels with the scalars (in two 16-bit
-halves, exact in float32), so the kernel draws the reference's bits. int8 states: the codes arrive as
-int8 (bitcast from their float8 container outside the kernel) and go
-through shared memory by TMA like the other leaves; their block scales do
-not (:mod:`forge_jax.ops.mosaic.epilogue` says why). The warpgroup lowering
-lacks pointwise ops on 8-bit vectors (the quantizer selects codes as
-int32).
+halves, exact in float32), so the kernel draws the reference's bits. int8
+states: the codes arrive as int8 (bitcast from their float8 container
+outside the kernel) and go through shared memory by TMA like the other
+leaves; their block scales do not (:mod:`forge_jax.ops.mosaic.epilogue`
+says why). The warpgroup lowering lacks pointwise ops on 8-bit vectors (the
+quantizer selects codes as int32).
 
 Off-GPU the kernel runs in Mosaic GPU's interpret mode (how the CPU tests
 check it), which simulates the warpgroups, shared memory, TMA and barriers;
