@@ -6,7 +6,9 @@ bias-free dense layer of the Llama-3.1-8B shapes, a sum-of-squares loss,
 donated. Variants, timed side by side in one process per case (device
 time, medians):
 
-* ``optax``: ``nn.Dense`` + the optax alias of the same AdamW;
+* ``optax``: ``nn.Dense`` + the optax alias of the same AdamW, flax's own
+  ``TrainState`` (``fj.TrainState`` would add a pass over ``dW`` for the
+  gradient norm it records);
 * ``xla``, ``triton``, ``mosaic``: ``fj.ForgeDense`` with that
   implementation, ``fj.TrainState``;
 * the result names the backend ``'auto'`` takes for each case.
@@ -31,6 +33,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
+from flax.training import train_state
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -97,7 +100,9 @@ def make_runner(variant, tokens, k, n, storage):
     )
   else:
     tx = optax.adamw(1e-4, weight_decay=0.1, mu_dtype=state_dtype)
-    state = fj.TrainState.create(apply_fn=model.apply, params=variables, tx=tx)
+    state = train_state.TrainState.create(
+      apply_fn=model.apply, params=variables, tx=tx
+    )
 
   def step(state, x):
     loss, grads = jax.value_and_grad(lambda p: _loss(state.apply_fn, p, x))(
