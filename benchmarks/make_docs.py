@@ -1032,8 +1032,9 @@ def layer_step_section(run) -> str:
     "One layer's whole train step",
     "RMSNorm and a bias-free dense layer, sum-of-squares loss, jitted "
     "TrainState step with the state donated, AdamW, bf16 compute: "
-    "`fj.ForgeDense` with each implementation against `nn.Dense` + optax, "
-    "side by side in one process (device time, medians). Each FORGE "
+    "`fj.ForgeDense` (`fj.TrainState`) with each implementation against "
+    "`nn.Dense` + optax (flax's `TrainState`), side by side in one process "
+    "(device time, medians). Each FORGE "
     "column is optax's time over the backend's (> 1: faster than optax); "
     "the last column is the backend `'auto'` takes.",
     table(
