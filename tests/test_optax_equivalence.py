@@ -4,19 +4,24 @@ fused_dense_test_base.OPTAX_CASES holds one row per optimizer and variant;
 for each, ``fj.<name>(**kwargs).to_optax()`` steps exactly (bit for bit,
 updates and state) as ``optax.<name>(**kwargs)``. Training through
 ForgeDense against the optax alias, on every backend, is the base's
-``test_matches_optax``, run by test_fused_dense.py.
+``test_matches_optax``, run by test_fused_dense.py; the reference rule
+itself steps a kernel as the optax alias does, bit for bit where XLA
+compiles both alike.
 """
 
 from __future__ import annotations
 
 import chex
 import jax
+import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 
 import forge_jax as fj
+from forge_jax.ops.update import apply_update
 
-from fused_dense_test_base import OPTAX_CASES
+from fused_dense_test_base import BF16_STATE_RTOL, OPTAX_CASES
 
 
 @pytest.mark.parametrize("case", OPTAX_CASES, ids=[c.id for c in OPTAX_CASES])
@@ -41,3 +46,62 @@ def test_to_optax_is_the_optax_alias(case, seed):
     chex.assert_trees_all_equal(upd_a, upd_b)
     chex.assert_trees_all_equal(state_a, state_b)
     params = optax.apply_updates(params, upd_a)
+
+
+def _tolerance(case):
+  """None where the reference rule must step optax's bits; else the rtol:
+  bfloat16 states (optax multiplies them in bfloat16, FORGE rounds once),
+  and rules whose multiply-adds XLA contracts otherwise in optax's graph (a
+  Nesterov look-ahead, centered RMSprop's variance), one float32 rounding."""
+  kwargs = case.kwargs
+  if jnp.bfloat16 in (kwargs.get("mu_dtype"), kwargs.get("accumulator_dtype")):
+    return BF16_STATE_RTOL
+  look_ahead = case.name in ("nadam", "nadamw") or (
+    kwargs.get("nesterov") and case.name != "rmsprop"
+  )
+  centered = case.name == "rmsprop" and kwargs == {
+    "learning_rate": kwargs["learning_rate"],
+    "centered": True,
+  }
+  return 2e-6 if look_ahead or centered else None
+
+
+@pytest.mark.skipif(
+  jax.default_backend() != "cpu",
+  reason="which multiply-adds XLA contracts is the CPU backend's",
+)
+@pytest.mark.parametrize("case", OPTAX_CASES, ids=[c.id for c in OPTAX_CASES])
+def test_reference_rule_steps_optax_bits(case, seed):
+  """The XLA reference rule (``apply_update``) and the optax alias, both
+  jitted, step a float32 kernel from the same gradients: bit for bit (a
+  bias correction multiplies by its reciprocal, which is how XLA computes
+  optax's division by a broadcast scalar), or to one float32 rounding where
+  the two graphs contract differently."""
+  opt = getattr(fj, case.name)(**case.kwargs)
+  tx = getattr(optax, case.name)(**case.kwargs)
+  keys = jax.random.split(jax.random.key(seed), 7)
+  kernel = jax.random.normal(keys[0], (24, 40))
+  forge_state, optax_state = opt.init(kernel), tx.init(kernel)
+
+  @jax.jit
+  def forge_step(kernel, state, count, grad):
+    new_kernel, new_state, _ = apply_update(
+      opt, grad, kernel, state, opt.scalars(count), jnp.bool_(True)
+    )
+    return new_kernel, new_state
+
+  @jax.jit
+  def optax_step(kernel, state, grad):
+    updates, state = tx.update(grad, state, kernel)
+    return optax.apply_updates(kernel, updates), state
+
+  for step, key in enumerate(keys[1:]):
+    grad = jax.random.normal(key, kernel.shape)
+    ours, forge_state = forge_step(kernel, forge_state, jnp.int32(step), grad)
+    theirs, optax_state = optax_step(kernel, optax_state, grad)
+    rtol = _tolerance(case)
+    if rtol is None:
+      np.testing.assert_array_equal(ours, theirs)
+    else:
+      np.testing.assert_allclose(ours, theirs, rtol=rtol, atol=rtol)
+    kernel = theirs
