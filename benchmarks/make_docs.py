@@ -1041,9 +1041,18 @@ def layer_step_section(run) -> str:
       ["W / m / v", "T", "K x N", "optax ms", *forge, "'auto'"],
       rows,
     ),
-    "python benchmarks/run.py layer",
+    layer_step_command(run["config"]),
     [run],
   )
+
+
+def layer_step_command(config) -> str:
+  """The ``layer_step.py`` command line of a run's ``config``."""
+  flags = [
+    f"--{name} " + " ".join(str(v) for v in config[name])
+    for name in ("variants", "shapes", "tokens", "storage")
+  ]
+  return "python benchmarks/layer_step.py " + " ".join(flags) + " --out FILE"
 
 
 def compile_time_cells(r) -> tuple:
@@ -1112,8 +1121,19 @@ def lowp_sweep_section(run) -> str:
 def lowp_speed_section(
   run,
   title="Low-precision storage: speed of one fused update",
-  command="python benchmarks/run.py lowp-speed",
+  command=None,
 ) -> str:
+  """One fused update per storage and backend; ``command`` defaults to the
+  ``lowp_speed.py`` command line of the run's config."""
+  if command is None:
+    command = (
+      "python benchmarks/lowp_speed.py "
+      + " ".join(
+        f"--{name} " + " ".join(str(v) for v in run["config"][name])
+        for name in ("tokens", "shapes", "storages", "backends")
+      )
+      + " --out FILE"
+    )
   names = []
   for c in run["cases"]:
     names += [n for n in c["ms"] if n not in names]
