@@ -78,9 +78,9 @@ def _bias_correction(decay: float, count_inc: jax.Array) -> jax.Array:
 def _inverse_bias_correction(decay: float, count_inc: jax.Array) -> jax.Array:
   """``1 / (1 - decay**t)`` in float32: the rules multiply a moment by it
   where optax divides by :func:`_bias_correction`, which is how XLA's
-  simplifier computes optax's division by a broadcast scalar; a division
-  per element would cost the fused kernels several instructions, the
-  multiplication one."""
+  simplifier computes optax's division by a broadcast scalar (on the CPU,
+  where a test checks the bits); a division per element would cost the
+  fused kernels several instructions, the multiplication one."""
   return 1.0 / _bias_correction(decay, count_inc)
 
 
