@@ -181,6 +181,7 @@ def _policy_step(num_layers, policy):
   return compiled.memory_analysis(), cost["flops"], state
 
 
+@pytest.mark.slow  # CI time; test_scan checks each policy's steps
 def test_remat_policy_saves_activations_not_kernels():
   """fj.scan over nn.remat(policy=dots_with_no_batch_dims_saveable) keeps, per
   layer, the layer's input and the projections' outputs the backward needs
