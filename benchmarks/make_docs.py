@@ -1041,18 +1041,22 @@ def layer_step_section(run) -> str:
       ["W / m / v", "T", "K x N", "optax ms", *forge, "'auto'"],
       rows,
     ),
-    layer_step_command(run["config"]),
+    list_flags_command(
+      "layer_step.py",
+      run["config"],
+      ("variants", "shapes", "tokens", "storage"),
+    ),
     [run],
   )
 
 
-def layer_step_command(config) -> str:
-  """The ``layer_step.py`` command line of a run's ``config``."""
+def list_flags_command(script: str, config, names) -> str:
+  """The command line of a benchmark ``script`` whose run recorded the
+  list-valued flags ``names`` in its ``config``."""
   flags = [
-    f"--{name} " + " ".join(str(v) for v in config[name])
-    for name in ("variants", "shapes", "tokens", "storage")
+    f"--{name} " + " ".join(str(v) for v in config[name]) for name in names
   ]
-  return "python benchmarks/layer_step.py " + " ".join(flags) + " --out FILE"
+  return f"python benchmarks/{script} " + " ".join(flags) + " --out FILE"
 
 
 def compile_time_cells(r) -> tuple:
@@ -1126,13 +1130,10 @@ def lowp_speed_section(
   """One fused update per storage and backend; ``command`` defaults to the
   ``lowp_speed.py`` command line of the run's config."""
   if command is None:
-    command = (
-      "python benchmarks/lowp_speed.py "
-      + " ".join(
-        f"--{name} " + " ".join(str(v) for v in run["config"][name])
-        for name in ("tokens", "shapes", "storages", "backends")
-      )
-      + " --out FILE"
+    command = list_flags_command(
+      "lowp_speed.py",
+      run["config"],
+      ("tokens", "shapes", "storages", "backends"),
     )
   names = []
   for c in run["cases"]:
