@@ -952,7 +952,7 @@ def test_compiled_mosaic_kernel_matches_reference_on_gpu(
 ):
   """On sm90+: the compiled kernel (transposed wgmma, TMA, in place) at a
   Llama layer shape, with the default config and with each schedule."""
-  if not backends._on_hopper_or_newer():  # pylint: disable=protected-access
+  if not backends.on_hopper_or_newer():
     pytest.skip("needs a Hopper or newer GPU")
   inputs = random_inputs(seed, opt, (2048, 4096), 1024, (F32, F32, BF16))
   config = GPU_CONFIGS[schedule]
@@ -978,7 +978,7 @@ def test_compiled_mosaic_kernel_counts_skipped_elements_on_gpu(schedule, seed):
   at the same time (counts summed across warps through a reduction scratch
   every warpgroup shares would race:
   :func:`forge_jax.ops.mosaic.kernel.skipped_rows_shape`)."""
-  if not backends._on_hopper_or_newer():  # pylint: disable=protected-access
+  if not backends.on_hopper_or_newer():
     pytest.skip("needs a Hopper or newer GPU")
   opt = fj.adamw(1e-3, weight_decay=0.1)
   inputs = random_inputs(seed, opt, (2048, 4096), 1024, (F32, F32, BF16))
@@ -1021,7 +1021,7 @@ def test_compiled_mosaic_kernel_int8_sr_matches_reference_on_gpu(
   update cancels to near zero: RAdam's first step on the H200 leaves 52
   weights of about 5e-9 up to 15 of their own ulps apart, 0.42 of one at
   the leaf's scale), >= 99.9 % of the bits identical."""
-  if not backends._on_hopper_or_newer():  # pylint: disable=protected-access
+  if not backends.on_hopper_or_newer():
     pytest.skip("needs a Hopper or newer GPU")
   x, dy = exact_inputs(seed, (2048, 4096), 1024, BF16)
   w = (0.02 * jax.random.normal(jax.random.key(seed), (4096, 1024))).astype(
@@ -1055,7 +1055,7 @@ def test_compiled_mosaic_kernel_int8_sr_matches_reference_on_gpu(
 
 @pytest.mark.gpu
 def test_auto_selects_mosaic_on_hopper_and_triton_where_it_cannot_run():
-  if not backends._on_hopper_or_newer():  # pylint: disable=protected-access
+  if not backends.on_hopper_or_newer():
     pytest.skip("needs a Hopper or newer GPU")
   x = jnp.zeros((2048, 4096), BF16)
   dy = jnp.zeros((2048, 1024), BF16)
@@ -1083,7 +1083,7 @@ def test_compiled_kernel_bits_do_not_depend_on_config_or_run(tokens, seed):
   change with the epilogue, and a slot's loads never overtake the previous
   tile's stores. 4096 x 4096 is ~8 tiles per CTA, so tiles follow each
   other in every CTA."""
-  if not backends._on_hopper_or_newer():  # pylint: disable=protected-access
+  if not backends.on_hopper_or_newer():
     pytest.skip("needs a Hopper or newer GPU")
   opt = fj.adamw(1e-3, weight_decay=0.1)
   inputs = random_inputs(seed, opt, (tokens, 4096), 4096, (BF16, BF16, BF16))

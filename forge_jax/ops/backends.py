@@ -157,7 +157,7 @@ def _on_gpu() -> bool:
   return jax.default_backend() == "gpu"
 
 
-def _on_hopper_or_newer() -> bool:
+def on_hopper_or_newer() -> bool:
   """sm90+: where Mosaic GPU's wgmma/TMA kernel runs."""
   if not _on_gpu():
     return False
@@ -216,7 +216,7 @@ def select(implementation: str, x, dy, kernel, optimizer):
     return lowered_once(mosaic.mosaic_update)
   if implementation == "auto":
     kernels = [
-      (_on_hopper_or_newer(), mosaic, mosaic.mosaic_update),
+      (on_hopper_or_newer(), mosaic, mosaic.mosaic_update),
       (_on_gpu(), triton_kernel, triton_kernel.triton_update),
     ]
     for available, module, update in kernels:

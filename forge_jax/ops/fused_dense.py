@@ -45,6 +45,7 @@ from jax.custom_derivatives import SymbolicZero
 
 from forge_jax import layer_context, parallel, quantization
 from forge_jax.ops import backends, stacks
+from forge_jax.ops.mosaic import matmul
 from forge_jax.ops.update import true_after
 from forge_jax.optimizers import ForgeOptimizer, not_elementwise_message
 
@@ -134,10 +135,41 @@ def _dense(x, kernel, bias, spec: FusedDenseSpec, reduce=lambda y: y):
   y = lax.dot_general(
     x, kernel, (((x.ndim - 1,), (0,)), ((), ())), precision=spec.precision
   )
-  y = reduce(y)
+  return _add_bias(reduce(y), bias)
+
+
+def _add_bias(y, bias):
   if bias is not None:
     y += jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,))
   return y
+
+
+def _in_place_dtype(spec, layout, x, stack, bias, layer_index, transpose):
+  """The compute dtype when a stacked layer's product with its kernel runs
+  as :func:`forge_jax.ops.mosaic.matmul.stacked_matmul`, reading the layer
+  out of the stack in place (XLA would copy it out first); else None.
+
+  It does on a Hopper GPU, for one device's stacks already in the compute
+  dtype (a kernel cast to it is read once either way), with 'auto' or
+  'mosaic' and the default precision, where the GEMM's tiles fit.
+  """
+  if (
+    layer_index is None
+    or layout.mesh is not None
+    or spec.implementation not in ("auto", "mosaic")
+    or spec.precision is not None
+    or not backends.on_hopper_or_newer()
+  ):
+    return None
+  compute = flax_dtypes.canonicalize_dtype(x, stack, bias, dtype=spec.dtype)
+  if jnp.dtype(stack.dtype) != jnp.dtype(compute):
+    return None
+  rows = jax.ShapeDtypeStruct((math.prod(x.shape[:-1]), x.shape[-1]), compute)
+  if transpose:  # x is dy: contracted with the kernel's N
+    rows = jax.ShapeDtypeStruct((rows.shape[0], stack.shape[-1]), compute)
+  if matmul.unsupported_reason(rows, stack, transpose) is not None:
+    return None
+  return compute
 
 
 def _validate(
@@ -522,6 +554,13 @@ def _gather_kernel(kernel, layout, after):
 
 def _local_forward(spec, layout, x, kernel, bias, layer_index):
   x = _all_gather(x, layout.gather)
+  compute = _in_place_dtype(spec, layout, x, kernel, bias, layer_index, False)
+  if compute is not None:
+    y = matmul.stacked_matmul(
+      jnp.reshape(x, (-1, x.shape[-1])).astype(compute), kernel, layer_index
+    )
+    y = jnp.reshape(y, x.shape[:-1] + y.shape[-1:])
+    return _add_bias(y, None if bias is None else bias.astype(compute))
   reduce = functools.partial(
     _reduce, axes=layout.k_axes, scatter=layout.scatter
   )
@@ -540,8 +579,16 @@ def _local_backward(
   # dx and dbias exactly as autodiff of flax.linen.Dense, with the old
   # kernel; then dx summed over the kernel's N axes, dbias over the tokens'
   # data axes.
-  _, dense_vjp = jax.vjp(lambda x, b: _dense(x, kernel, b, spec), x, bias)
-  dx, dbias = dense_vjp(dy)
+  compute = _in_place_dtype(
+    spec, layout, dy, variables.kernel, bias, layer_index, True
+  )
+  if compute is None:
+    _, dense_vjp = jax.vjp(lambda x, b: _dense(x, kernel, b, spec), x, bias)
+    dx, dbias = dense_vjp(dy)
+  else:
+    dx, dbias = _in_place_dense_vjp(
+      x, variables.kernel, bias, layer_index, dy, compute
+    )
   dx = _reduce(dx, layout.n_axes, layout.gather)
   if dbias is not None:
     dbias = _psum(dbias, layout.token_axes)
@@ -612,6 +659,23 @@ def _local_backward(
     ),
     dbias,
   )
+
+
+def _in_place_dense_vjp(x, stack, bias, layer_index, dy, compute):
+  """``(dx, dbias)`` of the in-place forward: ``dx = dy @ stack[l].T``
+  reading the layer in place, in ``x``'s dtype; ``dbias`` as autodiff of
+  the bias's addition."""
+  dy_c = jnp.reshape(dy, (-1, dy.shape[-1])).astype(compute)
+  dx = matmul.stacked_matmul(dy_c, stack, layer_index, transpose_rhs=True)
+  dx = jnp.reshape(dx, x.shape).astype(x.dtype)
+  dbias = None
+  if bias is not None:
+    _, bias_vjp = jax.vjp(
+      lambda b: _add_bias(jnp.zeros(dy.shape, compute), b.astype(compute)),
+      bias,
+    )
+    (dbias,) = bias_vjp(dy)
+  return dx, dbias
 
 
 def _reduced_gradient(
