@@ -43,21 +43,26 @@ _EPILOGUE_TILE = 64
 class MatmulConfig:
   """A CTA computes a ``tile_m x 2 * tile_n`` output tile (two compute
   warpgroups side by side along ``N``), in ``tile_k`` steps of which
-  ``max_concurrent_steps`` are in flight."""
+  ``max_concurrent_steps`` are in flight; a step's buffers are released
+  ``delay_release`` steps later, so that many wgmma stay in flight behind
+  the one just issued."""
 
   tile_m: int = 128
   tile_n: int = 64
   tile_k: int = 64
   max_concurrent_steps: int = 4
+  delay_release: int = 1
 
   @property
   def cta_tile_n(self) -> int:
     return 2 * self.tile_n
 
 
-#: Candidate tiles, largest first, with their throughput relative to the
-#: largest (smaller wgmma tiles issue more instructions a flop).
-_TILES = (((128, 128), 1.0), ((128, 64), 0.85), ((64, 64), 0.7))
+#: Candidate ``(tile_m, tile_n, max_concurrent_steps)``, largest tile
+#: first, with their throughput relative to the largest (smaller wgmma tiles
+#: issue more instructions a flop); each with as many steps in flight as fit
+#: in shared memory beside the output's staging buffers.
+_TILES = (((128, 128, 4), 1.0), ((128, 64, 5), 0.85), ((64, 64, 6), 0.7))
 
 
 def _num_sms(interpret: bool) -> int:
@@ -74,8 +79,10 @@ def default_config(m: int, n: int, num_sms: int = _DEFAULT_NUM_SMS):
   throughput, and the whole with the number of waves of CTAs: the largest
   tile leaves most SMs idle when the output has few tiles."""
   best, best_cost = None, math.inf
-  for (tile_m, tile_n), throughput in _TILES:
-    config = MatmulConfig(tile_m=tile_m, tile_n=tile_n)
+  for (tile_m, tile_n, steps), throughput in _TILES:
+    config = MatmulConfig(
+      tile_m=tile_m, tile_n=tile_n, max_concurrent_steps=steps
+    )
     if m % tile_m or n % config.cta_tile_n:
       continue
     tiles = (m // tile_m) * (n // config.cta_tile_n)
@@ -180,7 +187,11 @@ def _kernel(index_gmem, x_gmem, stack_gmem, out_gmem, *, config, transpose_rhs):
   layer = stack_gmem.at[index_gmem[0]]
   transforms = _smem_transforms(tk, dtype)
   spec = lambda shape, index_map: plgpu.BlockSpec(
-    shape, index_map, transforms=transforms, memory_space=plgpu.SMEM
+    shape,
+    index_map,
+    transforms=transforms,
+    memory_space=plgpu.SMEM,
+    delay_release=config.delay_release,
   )
   in_specs = [
     spec((tm, tk), lambda kk: (0, kk)),
@@ -227,6 +238,7 @@ def _kernel(index_gmem, x_gmem, stack_gmem, out_gmem, *, config, transpose_rhs):
         )
         def _acc_scope(acc_ref):
           run_pipeline(acc_ref)
+          plgpu.wgmma_wait(0)
           acc = acc_ref[...].astype(dtype)
           # The previous tile's stores have read out_smem.
           plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -247,11 +259,11 @@ def _kernel(index_gmem, x_gmem, stack_gmem, out_gmem, *, config, transpose_rhs):
 
       def step(_, x_smem, w_smem, acc_ref):
         if transpose_rhs:
-          w = plgpu.transpose_ref(w_smem.at[wg_cols, :], (1, 0))
+          w = w_smem.at[wg_cols, :].transpose((1, 0))
         else:
           w = w_smem.at[:, wg_cols]
         plgpu.wgmma(acc_ref, x_smem, w)
-        plgpu.wgmma_wait(0)
+        plgpu.wgmma_wait(config.delay_release)
         return acc_ref
 
       w_block = layer.at[cols, :] if transpose_rhs else layer.at[:, cols]
