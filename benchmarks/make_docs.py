@@ -1050,6 +1050,51 @@ def layer_step_section(run) -> str:
   )
 
 
+def stacked_gemm_section(run) -> str:
+  products = {"fwd": "x @ W[l]", "dx": "dy @ W[l].T"}
+  rows = [
+    [
+      c["tokens"],
+      f"{c['k']} x {c['n']}",
+      f"`{products[c['kind']]}`",
+      f"{c['config']['tile_m']} x {2 * c['config']['tile_n']}",
+      f"{c['ms']['xla_scan'] * 1e3:.1f}",
+      f"{c['ms']['xla_gemm'] * 1e3:.1f}",
+      f"{c['ms']['in_place'] * 1e3:.1f}",
+      f"{c['ms']['xla_scan'] / c['ms']['in_place']:.2f}",
+      f"{c['ms']['in_place'] / c['ms']['xla_gemm']:.2f}",
+    ]
+    for c in run["cases"]
+  ]
+  return section(
+    "A stacked layer's GEMM, in place",
+    "Inside a scan over the layers of a `[L, K, N]` bf16 stack, per layer: "
+    "XLA's `dynamic_slice` + dot (a copy of the layer's kernel, then the "
+    "GEMM), XLA's GEMM of one unstacked kernel, and the Mosaic GPU GEMM "
+    "that reads the layer where it lies (`ops/mosaic/matmul.py`, its "
+    "default tiles), side by side in one process (device time per layer, "
+    "medians).",
+    table(
+      [
+        "T",
+        "K x N",
+        "product",
+        "CTA tile",
+        "XLA in the scan (µs)",
+        "XLA GEMM alone (µs)",
+        "in place (µs)",
+        "XLA in the scan / in place",
+        "in place / XLA GEMM alone",
+      ],
+      rows,
+    ),
+    list_flags_command(
+      "stacked_gemm.py", run["config"], ("tokens", "shapes", "kinds")
+    ),
+    [run],
+  )
+
+
 def list_flags_command(script: str, config, names) -> str:
   """The command line of a benchmark ``script`` whose run recorded the
   list-valued flags ``names`` in its ``config``."""
@@ -1457,6 +1502,7 @@ SECTIONS = (
   ("clipping_curves_*.json", clipping_curves_section, True),
   ("fsdp_*.json", fsdp_section, True),
   ("layer_step_*.json", layer_step_section, True),
+  ("stacked_gemm_*.json", stacked_gemm_section, True),
   ("lowp_speed_*.json", lowp_speed_section, True),
   ("lowp_sweep_*.json", lowp_sweep_section, True),
   ("compile_time_*.json", compile_time_section, False),
