@@ -253,7 +253,9 @@ def forge_dense(
       Not under a ``layout``.
 
   Returns:
-    ``[..., features]``, bit for bit what ``flax.linen.Dense`` computes. The
+    ``[..., features]``, bit for bit what ``flax.linen.Dense`` computes
+    (stacked layers on a Hopper GPU: the in-place GEMM's float32 sums over
+    ``K`` in order, XLA's bits wherever XLA's GEMM does not split ``K``). The
     cotangent returned for ``variables`` is the *updated* variables (with a
     ``layer_index``: the stacks, that layer updated); under a ``layout``,
     sharded like the kernel on every leaf that follows the kernel
