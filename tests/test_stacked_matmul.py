@@ -122,10 +122,10 @@ class _Block(nn.Module):
     return h + dense("down")(nn.gelu(dense("up")(h))), None
 
 
-def _scanned_step(implementation):
+def _scanned_step(implementation, remat=True):
   """A jitted train step of three fj.scan'd blocks, and its first state."""
   model = fj.scan(
-    nn.remat(_Block, prevent_cse=False),
+    nn.remat(_Block, prevent_cse=False) if remat else _Block,
     variable_axes={True: 0},
     split_rngs={"params": True},
     in_axes=(nn.broadcast,),
@@ -149,8 +149,8 @@ def _scanned_step(implementation):
   return jax.jit(step), state
 
 
-def _train(implementation, steps=3):
-  step, state = _scanned_step(implementation)
+def _train(implementation, steps=3, remat=True):
+  step, state = _scanned_step(implementation, remat)
   losses = []
   for _ in range(steps):
     state, loss = step(state)
@@ -198,3 +198,36 @@ def test_in_place_product_applies_only_to_stacked_layers_in_their_dtype(
     fj.adamw(1e-3), dtype=jnp.bfloat16, implementation="xla"
   )
   assert applies(spec=xla) is None
+
+
+@pytest.mark.slow
+def test_scanned_layers_with_the_in_place_product_step_like_xla_interpret(
+  monkeypatch,
+):
+  """The in-place products wired into fj.scan (reshapes, casts, the bias's
+  gradient), run in interpret mode as if on a Hopper GPU, with the XLA
+  update: the steps match 'xla'. Blocks without nn.remat: interpret mode's
+  callbacks cannot be rematerialized."""
+  expected_state, expected = _train("xla", steps=2, remat=False)
+  monkeypatch.setattr(backends, "on_hopper_or_newer", lambda: True)
+  xla_update = backends.xla_update
+  monkeypatch.setattr(backends, "select", lambda *_, **__: xla_update)
+  traced = []
+  stacked_matmul = matmul.stacked_matmul
+  monkeypatch.setattr(
+    matmul,
+    "stacked_matmul",
+    lambda *args, **kwargs: (
+      traced.append(kwargs) or stacked_matmul(*args, **kwargs)
+    ),
+  )
+  state, losses = _train("auto", steps=2, remat=False)
+  # up and down: each forward (a vjp in fj.scan's forward) and each dx.
+  assert len(traced) == 4
+  np.testing.assert_allclose(losses, expected, rtol=1e-3)
+  for leaf, ref in zip(
+    jax.tree.leaves(state.params), jax.tree.leaves(expected_state.params)
+  ):
+    np.testing.assert_allclose(
+      np.asarray(leaf, np.float32), np.asarray(ref, np.float32), atol=5e-3
+    )
