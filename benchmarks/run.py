@@ -23,6 +23,8 @@ Suites, by what they measure:
   lowp       low-precision storage bits of each kernel against the reference
   counters   Nsight Compute counters of the fused kernel (needs ncu)
   layer      one layer's whole train step, each backend against optax
+  gemm       the in-place GEMM of a stacked layer against XLA's slice +
+             GEMM inside a layer scan, and XLA's GEMM alone (one GPU)
   lowp-speed one fused update per storage (bf16, int8, stochastic rounding)
              and backend
   compile    compile time of an unrolled model, per kernel implementation
@@ -317,6 +319,15 @@ def layer_steps(a, out):
   ]
 
 
+def gemm_steps(a, out):
+  return [
+    Step(
+      _python("stacked_gemm.py", "--out", out("stacked_gemm")),
+      timeout=a.timeout,
+    )
+  ]
+
+
 def lowp_speed_steps(a, out):
   return [
     Step(
@@ -511,6 +522,7 @@ SUITES = {
   "lowp": lowp_steps,
   "counters": counters_steps,
   "layer": layer_steps,
+  "gemm": gemm_steps,
   "lowp-speed": lowp_speed_steps,
   "compile": compile_steps,
   "fsdp": fsdp_steps,
