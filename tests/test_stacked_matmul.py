@@ -198,6 +198,21 @@ def test_in_place_product_applies_only_to_stacked_layers_in_their_dtype(
     fj.adamw(1e-3), dtype=jnp.bfloat16, implementation="xla"
   )
   assert applies(spec=xla) is None
+  highest = fused_dense.FusedDenseSpec(
+    fj.adamw(1e-3), dtype=jnp.bfloat16, precision="highest"
+  )
+  assert applies(spec=highest) is None
+  # Without a dtype the inputs' promotion decides (arrays: flax inspects
+  # their dtypes); float32 inputs compute in float32, XLA's product.
+  promoted = fused_dense.FusedDenseSpec(fj.adamw(1e-3))
+  stack = jnp.zeros(stack.shape, stack.dtype)
+  x = jnp.zeros(x.shape, jnp.bfloat16)
+  assert applies(spec=promoted, stack=stack) == jnp.bfloat16
+  x = x.astype(jnp.float32)
+  assert applies(spec=promoted, stack=stack) is None
+  assert applies(stack=stack) == jnp.bfloat16  # cast to dtype=bfloat16
+  x = jnp.zeros((96, 256), jnp.bfloat16)
+  assert applies(stack=stack) is None  # no tile divides 96 tokens
 
 
 @pytest.mark.slow
