@@ -4,7 +4,8 @@ The optimizer rules use ``sqrt`` and ``is_finite``; the warpgroup lowering
 of jax 0.10 and 0.11 has neither. :func:`register_missing_lowerings` lowers
 them through ops it has, where it lacks them (a lowering JAX has is kept).
 The kernel calls it before Mosaic GPU lowers its body; importing this module
-changes nothing.
+changes nothing. :func:`interpret_params` reaches Mosaic GPU's interpret
+mode, whose parameters JAX does not export.
 """
 
 from __future__ import annotations
@@ -42,3 +43,11 @@ def register_missing_lowerings():
   rules = lowering.mosaic_lowering_rules[gpu_core.WGxWG_SEMANTICS]
   rules.setdefault(lax.sqrt_p, lowering._lower_fun(_sqrt_via_rsqrt))
   rules.setdefault(lax.is_finite_p, lowering._lower_fun(_is_finite))
+
+
+def interpret_params():
+  """Mosaic GPU's interpret-mode parameters (``plgpu.kernel(interpret=...)``)."""
+  # pylint: disable-next=import-outside-toplevel
+  from jax._src.pallas.mosaic_gpu.interpret import params
+
+  return params.InterpretGPUParams()

@@ -18,6 +18,18 @@ import jax.numpy as jnp
 from forge_jax import quantization
 from forge_jax.ops import stacks
 
+#: Streaming multiprocessors of an H100/H200 (the persistent grid's size when
+#: no GPU is present, i.e. interpret mode and cross-lowering).
+DEFAULT_NUM_SMS = 132
+
+
+def num_sms() -> int:
+  """The GPU's streaming multiprocessors; off a GPU, DEFAULT_NUM_SMS."""
+  if jax.default_backend() == "gpu":
+    return jax.devices()[0].core_count
+  return DEFAULT_NUM_SMS
+
+
 #: Shared memory a CTA may take (H100/H200: 227 KB), less some for barriers.
 SHARED_MEMORY_BUDGET = 220 * 1024
 #: Mosaic GPU tracks a group of barriers' phases in one 32-bit register.

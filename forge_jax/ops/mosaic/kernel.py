@@ -74,6 +74,7 @@ from forge_jax.ops.mosaic.config import (
   default_config,
   epilogue_buffers,
   fitting_config,
+  num_sms,
   shared_memory_bytes,
   storage_itemsizes,
 )
@@ -86,9 +87,6 @@ _ACTIVATION_DTYPES = (jnp.bfloat16, jnp.float16)
 _STORAGE_DTYPES = (jnp.float32, jnp.bfloat16)
 #: int8 states: codes in their one-byte container and float32 block scales.
 _STATE_DTYPES = _STORAGE_DTYPES + (quantization.CODES_CONTAINER,)
-#: Streaming multiprocessors of an H100/H200 (the persistent grid's size when
-#: no GPU is present, i.e. interpret mode and cross-lowering).
-DEFAULT_NUM_SMS = 132
 
 
 def unsupported_reason(
@@ -219,12 +217,7 @@ def _num_ctas(num_tiles: int, config: MosaicConfig, interpret: bool) -> int:
   keep it quick and still check the persistent loop."""
   if interpret:
     return min(num_tiles, 2)
-  sms = (
-    jax.devices()[0].core_count
-    if jax.default_backend() == "gpu"
-    else DEFAULT_NUM_SMS
-  )
-  return min(num_tiles, sms * config.ctas_per_sm)
+  return min(num_tiles, num_sms() * config.ctas_per_sm)
 
 
 def mosaic_update(
@@ -373,11 +366,6 @@ def _call_kernel(
 
     counts = [jnp.zeros(skipped_type.shape, jnp.float32) for _ in range(2)]
     return list(pl.run_state(launch)((*storage, *counts)))
-  interpret_params = None
-  if interpret:
-    from jax._src.pallas.mosaic_gpu.interpret import params  # pylint: disable=import-outside-toplevel
-
-    interpret_params = params.InterpretGPUParams()
   num = len(storage)
   return plgpu.kernel(
     lambda s, x, dy, *refs: kernel_fn(
@@ -390,7 +378,7 @@ def _call_kernel(
     num_threads=mesh.num_threads,
     thread_name=mesh.thread_name,
     compiler_params=compiler_params,
-    interpret=interpret_params,
+    interpret=compat.interpret_params() if interpret else None,
     kernel_name=_KERNEL_NAME,
   )(scalar_vector, x, dy, *storage)
 

@@ -34,9 +34,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from forge_jax.ops.mosaic import compat
+from forge_jax.ops.mosaic import config as mosaic_config
+from forge_jax.ops.mosaic.pipeline import swizzled
+
 _DTYPES = (jnp.bfloat16, jnp.float16)
-#: Streaming multiprocessors when no GPU is present (an H100/H200's).
-_DEFAULT_NUM_SMS = 132
 _EPILOGUE_TILE = 64
 
 
@@ -66,13 +68,9 @@ class MatmulConfig:
 _TILES = (((128, 128, 4), 1.0), ((128, 64, 5), 0.85), ((64, 64, 6), 0.7))
 
 
-def _num_sms(interpret: bool) -> int:
-  if not interpret and jax.default_backend() == "gpu":
-    return jax.devices()[0].core_count
-  return _DEFAULT_NUM_SMS
-
-
-def default_config(m: int, n: int, num_sms: int = _DEFAULT_NUM_SMS):
+def default_config(
+  m: int, n: int, num_sms: int = mosaic_config.DEFAULT_NUM_SMS
+):
   """The tile whose waves of CTAs take the least estimated time for an
   ``m x n`` output, among those that divide it (None if none does).
 
@@ -142,39 +140,24 @@ def stacked_matmul(
     stack, transpose_rhs = jnp.swapaxes(stack, 1, 2), False
   m = x.shape[0]
   n = stack.shape[1] if transpose_rhs else stack.shape[2]
-  num_sms = _num_sms(interpret)
-  config = config or default_config(m, n, num_sms)
+  sms = mosaic_config.DEFAULT_NUM_SMS if interpret else mosaic_config.num_sms()
+  config = config or default_config(m, n, sms)
   tiles = (m // config.tile_m) * (n // config.cta_tile_n)
-  interpret_params = None
-  if interpret:
-    from jax._src.pallas.mosaic_gpu.interpret import params  # pylint: disable=import-outside-toplevel
-
-    interpret_params = params.InterpretGPUParams()
   call = plgpu.kernel(
     functools.partial(_kernel, config=config, transpose_rhs=transpose_rhs),
     out_type=jax.ShapeDtypeStruct((m, n), x.dtype),
-    grid=(min(tiles, 2 if interpret else num_sms),),
+    grid=(min(tiles, 2 if interpret else sms),),
     grid_names=("sm",),
     num_threads=3,
     thread_name="wg",
     compiler_params=plgpu.CompilerParams(
       lowering_semantics=plgpu.LoweringSemantics.Warpgroup
     ),
-    interpret=interpret_params,
+    interpret=compat.interpret_params() if interpret else None,
     kernel_name="forge_stacked_matmul_mosaic",
   )
   index = jnp.reshape(jnp.asarray(layer_index, jnp.int32), (1,))
   return call(index, x, stack)
-
-
-def _smem_transforms(minor: int, dtype):
-  """Tiling and swizzle of a shared-memory block whose rows hold ``minor``
-  elements of ``dtype``."""
-  swizzle = plgpu.find_swizzle(minor * jnp.dtype(dtype).itemsize * 8)
-  return (
-    plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)),
-    plgpu.SwizzleTransform(swizzle),
-  )
 
 
 def _kernel(index_gmem, x_gmem, stack_gmem, out_gmem, *, config, transpose_rhs):
@@ -186,7 +169,7 @@ def _kernel(index_gmem, x_gmem, stack_gmem, out_gmem, *, config, transpose_rhs):
   m_tiles, n_tiles = m // tm, n // cta_tn
   et = _EPILOGUE_TILE
   layer = stack_gmem.at[index_gmem[0]]
-  transforms = _smem_transforms(tk, dtype)
+  transforms = swizzled(tk, dtype)
   spec = lambda shape, index_map: plgpu.BlockSpec(
     shape,
     index_map,
@@ -218,9 +201,7 @@ def _kernel(index_gmem, x_gmem, stack_gmem, out_gmem, *, config, transpose_rhs):
   @functools.partial(
     pl.run_scoped,
     allocations=pipeline(ignore, ignore).get_allocations(x_gmem, layer),
-    out_smem=plgpu.SMEM(
-      (2, 2, et, et), dtype, transforms=_smem_transforms(et, dtype)
-    ),
+    out_smem=plgpu.SMEM((2, 2, et, et), dtype, transforms=swizzled(et, dtype)),
     collective_axes="wg",
   )
   def _scope(allocations, out_smem):

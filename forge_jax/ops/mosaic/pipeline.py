@@ -27,7 +27,7 @@ from forge_jax.ops.mosaic.epilogue import Epilogue
 from forge_jax.ops.update import apply_update, read_kernel_scalars
 
 
-def _swizzled(block_minor: int, dtype):
+def swizzled(block_minor: int, dtype):
   """TMA transforms for a block whose minor dimension has ``block_minor``
   elements of ``dtype``."""
   swizzle = plgpu.find_swizzle(block_minor * jnp.dtype(dtype).itemsize * 8)
@@ -96,8 +96,8 @@ class Pipeline:
     else:
       self.x_block = (tt, tk)
       self.x_window = lambda k0, t: x_gmem.at[pl.ds(t * tt, tt), pl.ds(k0, tk)]
-    self.x_transforms = _swizzled(self.x_block[1], x_gmem.dtype)
-    self.dy_transforms = _swizzled(self.cta_tn, dy_gmem.dtype)
+    self.x_transforms = swizzled(self.x_block[1], x_gmem.dtype)
+    self.dy_transforms = swizzled(self.cta_tn, dy_gmem.dtype)
     self.tma_refs = [
       ref for ref, scale in zip(storage_gmem, is_scale) if not scale
     ]
@@ -165,7 +165,7 @@ class Pipeline:
     return dict(
       epilogue_smem=[
         plgpu.SMEM(
-          (num_buffers, ek, en), ref.dtype, transforms=_swizzled(en, ref.dtype)
+          (num_buffers, ek, en), ref.dtype, transforms=swizzled(en, ref.dtype)
         )
         for ref in tma_refs
       ],
