@@ -210,7 +210,11 @@ def _kernel(index_gmem, x_gmem, stack_gmem, out_gmem, *, config, transpose_rhs):
     @plgpu.nd_loop((m_tiles * n_tiles,), collective_axes="sm")
     def _tile_loop(loop_info: plgpu.NDLoopInfo):
       (linear,) = loop_info.index
-      mi, ni = linear // n_tiles, lax.rem(linear, n_tiles)
+      # Column-major over tiles: a wave of CTAs covers whole columns of
+      # tiles, so each block of the layer's kernel is read from HBM once
+      # while every row block of x that uses it runs (x, the smaller
+      # operand, is the one re-read, from L2).
+      mi, ni = lax.rem(linear, m_tiles), linear // m_tiles
       rows, cols = pl.ds(mi * tm, tm), pl.ds(ni * cta_tn, cta_tn)
       wg_cols = pl.ds(wg * tn, tn)
 
