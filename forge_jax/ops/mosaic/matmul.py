@@ -13,7 +13,10 @@ warpgroup streams ``x`` and kernel blocks through a ring of shared-memory
 buffers (``plgpu.emit_pipeline_warp_specialized``), two compute warpgroups
 each accumulate a ``tile_m x tile_n`` half of the CTA's output tile with
 wgmma in float32, and the epilogue rounds to the output dtype and stores
-through shared memory by TMA. With ``transpose_rhs`` the kernel block is
+through shared memory by TMA. CTAs take the output's tiles column by
+column, so a wave of them reads each block of the layer once from HBM
+while every row block of ``x`` (the smaller operand, re-read from L2) uses
+it. With ``transpose_rhs`` the kernel block is
 wgmma's transposed operand. The float32 accumulation runs over ``K`` in
 order, as XLA's GEMMs do where they do not split ``K``.
 
@@ -65,7 +68,7 @@ class MatmulConfig:
 #: first, with their throughput relative to the largest (smaller wgmma tiles
 #: issue more instructions a flop); each with as many steps in flight as fit
 #: in shared memory beside the output's staging buffers.
-_TILES = (((128, 128, 4), 1.0), ((128, 64, 5), 0.85), ((64, 64, 6), 0.7))
+_TILES = (((128, 128, 4), 1.0), ((128, 64, 6), 0.85), ((64, 64, 8), 0.7))
 
 
 def default_config(
@@ -210,10 +213,7 @@ def _kernel(index_gmem, x_gmem, stack_gmem, out_gmem, *, config, transpose_rhs):
     @plgpu.nd_loop((m_tiles * n_tiles,), collective_axes="sm")
     def _tile_loop(loop_info: plgpu.NDLoopInfo):
       (linear,) = loop_info.index
-      # Column-major over tiles: a wave of CTAs covers whole columns of
-      # tiles, so each block of the layer's kernel is read from HBM once
-      # while every row block of x that uses it runs (x, the smaller
-      # operand, is the one re-read, from L2).
+      # Column-major: see the module docstring.
       mi, ni = lax.rem(linear, m_tiles), linear // m_tiles
       rows, cols = pl.ds(mi * tm, tm), pl.ds(ni * cta_tn, cta_tn)
       wg_cols = pl.ds(wg * tn, tn)
