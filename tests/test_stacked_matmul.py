@@ -66,6 +66,25 @@ def test_default_config_picks_the_tile_with_the_fewest_waves(m, n, tile):
   assert (config and (config.tile_m, config.tile_n)) == tile
 
 
+#: Shared memory a CTA may take on an H100/H200 (227 KB).
+_SHARED_MEMORY = 227 * 1024
+
+
+@pytest.mark.parametrize(
+  "config",
+  [matmul.default_config(512, n) for n in (1024, 4096, 14336)],
+  ids=lambda c: f"{c.tile_m}x{c.cta_tile_n}",
+)
+def test_tiles_take_as_many_steps_as_fit(config):
+  """Each candidate tile keeps as many pipeline steps in flight as fit in
+  shared memory beside the output's staging buffers, and no more."""
+  itemsize = 2
+  step = (config.tile_m + config.cta_tile_n) * config.tile_k * itemsize
+  staging = 2 * 2 * 64 * 64 * itemsize
+  used = config.max_concurrent_steps * step + staging
+  assert used <= _SHARED_MEMORY < used + step
+
+
 def test_unsupported_calls_say_why():
   x = jax.ShapeDtypeStruct((128, 128), jnp.float32)
   stack = jax.ShapeDtypeStruct((2, 128, 256), jnp.float32)
