@@ -1052,28 +1052,33 @@ def layer_step_section(run) -> str:
 
 def stacked_gemm_section(run) -> str:
   products = {"fwd": "x @ W[l]", "dx": "dy @ W[l].T"}
-  rows = [
-    [
+
+  def row(c):
+    ms = c["ms"]
+    gemm = ms.get("in_place_gemm")
+    return [
       c["tokens"],
       f"{c['k']} x {c['n']}",
       f"`{products[c['kind']]}`",
       f"{c['config']['tile_m']} x {2 * c['config']['tile_n']}",
-      f"{c['ms']['xla_scan'] * 1e3:.1f}",
-      f"{c['ms']['xla_gemm'] * 1e3:.1f}",
-      f"{c['ms']['in_place'] * 1e3:.1f}",
-      f"{c['ms']['xla_scan'] / c['ms']['in_place']:.2f}",
-      f"{c['ms']['in_place'] / c['ms']['xla_gemm']:.2f}",
+      f"{ms['xla_scan'] * 1e3:.1f}",
+      f"{ms['in_place'] * 1e3:.1f}",
+      f"{ms['xla_scan'] / ms['in_place']:.2f}",
+      f"{ms['xla_gemm'] * 1e3:.1f}",
+      "-" if gemm is None else f"{gemm * 1e3:.1f}",
+      "-" if gemm is None else f"{gemm / ms['xla_gemm']:.2f}",
     ]
-    for c in run["cases"]
-  ]
+
   return section(
     "A stacked layer's GEMM, in place",
     "Inside a scan over the layers of a `[L, K, N]` bf16 stack, per layer: "
     "XLA's `dynamic_slice` + dot (a copy of the layer's kernel, then the "
-    "GEMM), XLA's GEMM of one unstacked kernel, and the Mosaic GPU GEMM "
-    "that reads the layer where it lies (`ops/mosaic/matmul.py`, its "
-    "default tiles), side by side in one process (device time per layer, "
-    "medians).",
+    "GEMM) and the Mosaic GPU GEMM that reads the layer where it lies "
+    "(`ops/mosaic/matmul.py`, its default tiles); both scans also copy "
+    "each layer's output into their stacked result. Beside them XLA's "
+    "GEMM of one unstacked kernel, no scan, and the in-place scan's GEMM "
+    "kernel alone (timed by kernel name; '-' where a run did not record "
+    "it). Side by side in one process (device time per layer, medians).",
     table(
       [
         "T",
@@ -1081,12 +1086,13 @@ def stacked_gemm_section(run) -> str:
         "product",
         "CTA tile",
         "XLA in the scan (µs)",
+        "in place in the scan (µs)",
+        "XLA / in place, in the scan",
         "XLA GEMM alone (µs)",
-        "in place (µs)",
-        "XLA in the scan / in place",
-        "in place / XLA GEMM alone",
+        "in-place GEMM kernel (µs)",
+        "GEMM kernel / XLA GEMM alone",
       ],
-      rows,
+      [row(c) for c in run["cases"]],
     ),
     list_flags_command(
       "stacked_gemm.py", run["config"], ("tokens", "shapes", "kinds")

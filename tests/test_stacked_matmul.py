@@ -184,7 +184,7 @@ def test_scanned_layers_read_their_kernels_in_place_on_gpu():
   if not backends.on_hopper_or_newer():
     pytest.skip("needs a Hopper or newer GPU")
   step, state = _scanned_step("auto")
-  assert "forge_stacked_matmul_mosaic" in step.lower(state).as_text()
+  assert matmul.KERNEL_NAME in step.lower(state).as_text()
   expected_state, expected = _train("xla")
   state, losses = _train("auto")
   np.testing.assert_allclose(losses, expected, rtol=1e-2)

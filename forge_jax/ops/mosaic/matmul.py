@@ -43,6 +43,8 @@ from forge_jax.ops.mosaic.pipeline import swizzled
 
 _DTYPES = (jnp.bfloat16, jnp.float16)
 _EPILOGUE_TILE = 64
+#: The kernel's name in profiles.
+KERNEL_NAME = "forge_stacked_matmul_mosaic"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,7 +159,7 @@ def stacked_matmul(
       lowering_semantics=plgpu.LoweringSemantics.Warpgroup
     ),
     interpret=compat.interpret_params() if interpret else None,
-    kernel_name="forge_stacked_matmul_mosaic",
+    kernel_name=KERNEL_NAME,
   )
   index = jnp.reshape(jnp.asarray(layer_index, jnp.int32), (1,))
   return call(index, x, stack)
