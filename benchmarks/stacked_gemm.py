@@ -12,10 +12,10 @@ in one process (device time per layer, medians):
 * ``in_place``: :func:`forge_jax.ops.mosaic.matmul.stacked_matmul` with its
   default tiles, reading ``W[l]`` where it lies;
 * ``in_place_gemm``: the same scan's GEMM kernel alone (its device time by
-  kernel name). Both scans also write each layer's output into the scan's
-  stacked result, a copy as long as a GEMM's output write (up to 40 µs at
-  2048 x 14336), which ``in_place`` and ``xla_scan`` count and this does
-  not: it is the figure to hold against ``xla_gemm``.
+  kernel name). Both scans also copy each layer's output into the scan's
+  stacked result (about 40 µs a layer at 2048 x 14336): ``in_place`` and
+  ``xla_scan`` include that copy, this excludes it, so it is the figure to
+  hold against ``xla_gemm``.
 
   python benchmarks/stacked_gemm.py --tokens 512 2048 --out FILE
 """

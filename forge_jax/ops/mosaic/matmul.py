@@ -16,9 +16,9 @@ wgmma in float32, and the epilogue rounds to the output dtype and stores
 through shared memory by TMA. CTAs take the output's tiles column by
 column, so a wave of them reads each block of the layer once from HBM
 while every row block of ``x`` (the smaller operand, re-read from L2) uses
-it. With ``transpose_rhs`` the kernel block is
-wgmma's transposed operand. The float32 accumulation runs over ``K`` in
-order, as XLA's GEMMs do where they do not split ``K``.
+it. With ``transpose_rhs`` the kernel block is wgmma's transposed operand.
+The float32 accumulation runs over ``K`` in order, as XLA's GEMMs do where
+they do not split ``K``.
 
 Off-GPU it runs in Mosaic GPU's interpret mode, whose wgmma takes no
 transposed operand: there ``transpose_rhs`` transposes the stack first.
