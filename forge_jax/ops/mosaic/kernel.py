@@ -13,7 +13,7 @@ sub-tiles, the optimizer rule in registers
 (:func:`forge_jax.ops.update.apply_update`, the function the XLA reference
 applies to the whole array), and TMA stores of the new values over the old
 ones. ``dW`` never reaches device memory; its per-row sums of squares are
-written out beside the skipped counts (:func:`skipped_rows_shape`). The
+written out beside the skipped counts (:func:`counts_shape`). The
 schedule (:class:`~forge_jax.ops.mosaic.config.MosaicConfig`) says which warpgroup
 runs what: :mod:`forge_jax.ops.mosaic.inline` or
 :mod:`forge_jax.ops.mosaic.pingpong`; the default config is the first of
@@ -61,6 +61,7 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -158,15 +159,23 @@ def skipped_rows_shape(config: MosaicConfig, num_tiles: int) -> tuple:
   """The kernel's skipped-element counts: for each tile, each warpgroup that
   updates part of it writes one vector of per-row counts, summed over its
   sub-tiles (float32, exact: an entry counts at most a tile's elements);
-  the caller sums them.
+  the caller sums them. Every row is written: the output needs no
+  initialization.
 
   The kernel sums no count across warps: Mosaic GPU's cross-warp reduction
   uses one shared-memory scratch at the same offset for every warpgroup, so
   two warpgroups reducing at once (the compute warpgroups of either
   schedule) could read each other's partial sums. The sums of squared
   ``dW`` elements (the layer's part of the gradient norm) come in the same
-  shape."""
+  shape, stacked with the counts in one output (:func:`counts_shape`), whose
+  two sums XLA can take in one pass."""
   return (config.parts_per_tile * num_tiles, config.epilogue_k)
+
+
+def counts_shape(config: MosaicConfig, num_tiles: int) -> tuple:
+  """The kernel's second output: the skipped counts, then the sums of
+  squares, each :func:`skipped_rows_shape`."""
+  return (2, *skipped_rows_shape(config, num_tiles))
 
 
 def _fused_kernel(
@@ -175,8 +184,7 @@ def _fused_kernel(
   dy_gmem,
   storage_gmem,
   storage_out,
-  skipped_gmem,
-  grad_sq_gmem,
+  counts_gmem,
   *,
   optimizer,
   state_treedef,
@@ -195,8 +203,8 @@ def _fused_kernel(
     dy_gmem,
     storage_gmem,
     storage_out,
-    skipped_gmem,
-    grad_sq_gmem,
+    counts_gmem.at[0],
+    counts_gmem.at[1],
     optimizer=optimizer,
     state_treedef=state_treedef,
     scalars_treedef=scalars_treedef,
@@ -285,8 +293,8 @@ def mosaic_update(
   )
   storage = [kernel] + state_leaves
   num_tiles = (k // config.tile_k) * (n // config.cta_tile_n)
-  skipped_type = jax.ShapeDtypeStruct(
-    skipped_rows_shape(config, num_tiles), jnp.float32
+  counts_type = jax.ShapeDtypeStruct(
+    counts_shape(config, num_tiles), jnp.float32
   )
   mesh = plgpu.Mesh(
     grid=(_num_ctas(num_tiles, config, interpret),),
@@ -303,7 +311,7 @@ def mosaic_update(
   call = functools.partial(
     _call_kernel,
     kernel_fn,
-    skipped_type,
+    counts_type,
     mesh,
     plgpu.CompilerParams(
       lowering_semantics=plgpu.LoweringSemantics.Warpgroup,
@@ -321,15 +329,15 @@ def mosaic_update(
     )
   else:
     outputs = _in_place_unless_batched(call)(scalar_vector, x2, dy2, *storage)
-  new_storage, skipped, grad_sq = outputs[:-2], outputs[-2], outputs[-1]
+  new_storage, counts = outputs[:-1], outputs[-1]
   new_state = quantization.codes_as_container(
     jax.tree.unflatten(state_treedef, new_storage[1:])
   )
   return (
     new_storage[0],
     new_state,
-    jnp.sum(skipped.astype(jnp.int32)),
-    jnp.sum(grad_sq),
+    jnp.sum(counts[0].astype(jnp.int32)),
+    jnp.sum(counts[1]),
   )
 
 
@@ -337,9 +345,9 @@ _KERNEL_NAME = "forge_fused_dense_update_mosaic"
 
 
 def _call_kernel(
-  kernel_fn, skipped_type, mesh, compiler_params, *args, in_place, interpret
+  kernel_fn, counts_type, mesh, compiler_params, *args, in_place, interpret
 ):
-  """One launch: ``(*new_storage, skipped, grad_sq)`` from
+  """One launch: ``(*new_storage, counts)`` from
   ``(scalar_vector, x, dy, *storage)``.
 
   In place, the storage goes in as refs, aliased in and out (a stack's layer
@@ -353,26 +361,26 @@ def _call_kernel(
   if in_place:
 
     def launch(refs):
-      *storage_refs, skipped_ref, grad_sq_ref = refs
       pl.kernel(
         lambda s, x, dy, *refs: kernel_fn(
-          s, x, dy, refs[:-2], refs[:-2], refs[-2], refs[-1]
+          s, x, dy, refs[:-1], refs[:-1], refs[-1]
         ),
         out_type=(),
         mesh=mesh,
         compiler_params=compiler_params,
         name=_KERNEL_NAME,
-      )(scalar_vector, x, dy, *storage_refs, skipped_ref, grad_sq_ref)
+      )(scalar_vector, x, dy, *refs)
 
-    counts = [jnp.zeros(skipped_type.shape, jnp.float32) for _ in range(2)]
-    return list(pl.run_state(launch)((*storage, *counts)))
+    # Uninitialized (the kernel writes every entry): no fill kernel.
+    counts = lax.empty(counts_type.shape, counts_type.dtype)
+    return list(pl.run_state(launch)((*storage, counts)))
   num = len(storage)
   return plgpu.kernel(
     lambda s, x, dy, *refs: kernel_fn(
-      s, x, dy, refs[:num], refs[num : 2 * num], refs[-2], refs[-1]
+      s, x, dy, refs[:num], refs[num : 2 * num], refs[-1]
     ),
     out_type=[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in storage]
-    + [skipped_type, skipped_type],
+    + [counts_type],
     grid=mesh.grid,
     grid_names=mesh.grid_names,
     num_threads=mesh.num_threads,
@@ -401,10 +409,10 @@ def _in_place_unless_batched(call):
   def in_place(*args):
     scalar_vector, x, dy, *storage = args
     storage = jax.lax.optimization_barrier(storage)
-    *new_storage, skipped, grad_sq = call(
+    *new_storage, counts = call(
       scalar_vector, x, dy, *storage, in_place=True, interpret=False
     )
-    return [*jax.lax.optimization_barrier(new_storage), skipped, grad_sq]
+    return [*jax.lax.optimization_barrier(new_storage), counts]
 
   @in_place.def_vmap
   def _batched(axis_size, in_batched, *args):
