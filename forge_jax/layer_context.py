@@ -130,16 +130,16 @@ def record(path: tuple, event: str, optimizer=None) -> None:
     _OPTIMIZERS[tuple(path)] = optimizer
 
 
-def record_backward(path: tuple, deferred: bool) -> str:
+def record_backward(path: Optional[tuple], deferred: bool) -> str:
   """Records that the fused op's backward was traced for the ForgeDense at
-  ``path`` (``()``: an unnamed op, recorded only in :func:`running`'s
+  ``path`` (None: an unnamed op, recorded only in :func:`running`'s
   list), and returns the pass it runs as: the :func:`gradient_pass`, but
   :data:`NORM_ONLY` for a layer in a :data:`DEFERRED` pass that has no
   factor sink (``deferred`` False)."""
   name = gradient_pass()
   if name == DEFERRED and not deferred:
     name = NORM_ONLY
-  if path:
+  if path is not None:
     _EVENTS[tuple(path)] = BACKWARD
     _PASSES[tuple(path)] = name
   traced = _TRACED.get()

@@ -17,6 +17,7 @@ import numpy as np
 import optax
 import pytest
 from flax.training.train_state import TrainState as FlaxTrainState
+from jax.extend import core as jax_core
 
 import forge_jax as fj
 from forge_jax.ops import fused_dense
@@ -267,6 +268,70 @@ def test_unreached_layer_keeps_kernel_state_and_count_bit_for_bit():
   assert float(state.params[COLL]["aux"]["count"]) == 1.0
   assert not np.array_equal(
     state.params[COLL]["aux"]["kernel"], before["kernel"]
+  )
+
+
+def _selects_of_shape(jaxpr, shape) -> int:
+  """How many ``select_n`` of ``shape`` ``jaxpr`` holds, sub-jaxprs too."""
+  count = 0
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "select_n":
+      count += any(v.aval.shape == shape for v in eqn.outvars)
+    for sub in jax_core.jaxprs_in_params(eqn.params):
+      count += _selects_of_shape(sub, shape)
+  return count
+
+
+class Wrapped(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    return fj.ForgeDense(4, optimizer=OPT, name="fc")(x)
+
+
+def test_bare_forge_dense_model_installs_its_update_as_written():
+  """A ForgeDense that is the whole model (module path ``()``) records its
+  backward like a named layer: fj.TrainState installs the kernel and state
+  the backward wrote, with no run-time select over them beyond the update
+  rule's own (an install select reads and writes every kernel and state
+  element once more), and the step equals optax's."""
+  x, y = data()
+
+  def traced_step(model):
+    variables = model.init(jax.random.key(0), x)
+    state = fj.TrainState.create(
+      apply_fn=model.apply, params=variables, tx=OPT.to_optax()
+    )
+
+    def step(state):
+      grads = jax.grad(lambda p: jnp.mean((state.apply_fn(p, x) - y) ** 2))(
+        state.params
+      )
+      return state.apply_gradients(grads=grads)
+
+    return state, step, jax.make_jaxpr(step)(state).jaxpr
+
+  state, step, bare = traced_step(fj.ForgeDense(4, optimizer=OPT))
+  _, _, named = traced_step(Wrapped())
+  shape = state.params[COLL]["kernel"].shape
+  assert _selects_of_shape(bare, shape) == _selects_of_shape(named, shape)
+
+  new = jax.jit(step)(state)
+  assert new.unreached_layers() == []
+  assert float(new.params[COLL]["count"]) == 1.0
+  params = {
+    "params": {
+      "kernel": state.params[COLL]["kernel"],
+      "bias": state.params["params"]["bias"],
+    }
+  }
+  grads = jax.grad(lambda p: jnp.mean((nn.Dense(4).apply(p, x) - y) ** 2))(
+    params
+  )
+  tx = OPT.to_optax()
+  updates, _ = tx.update(grads, tx.init(params), params)
+  expected = optax.apply_updates(params, updates)["params"]["kernel"]
+  chex.assert_trees_all_close(
+    new.params[COLL]["kernel"], expected, rtol=1e-6, atol=1e-7
   )
 
 

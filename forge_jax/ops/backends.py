@@ -185,7 +185,7 @@ def lowered_once(update):
   @functools.wraps(update)
   def shared(spec, *args, **kwargs):
     return jitted(
-      dataclasses.replace(spec, path=(), layer_id=0), *args, **kwargs
+      dataclasses.replace(spec, path=None, layer_id=0), *args, **kwargs
     )
 
   return shared

@@ -123,9 +123,10 @@ class FusedDenseSpec:
   dtype: Any = None
   #: Static id of the layer, one input of stochastic rounding's hash.
   layer_id: int = 0
-  #: The layer's module path; its backward records that it ran
-  #: (:mod:`forge_jax.layer_context`). Empty: nothing is recorded.
-  path: tuple = ()
+  #: The layer's module path (``()``: the root module); its backward
+  #: records that it ran (:mod:`forge_jax.layer_context`). None: an unnamed
+  #: op, nothing is recorded.
+  path: Optional[tuple] = None
 
 
 def _dense(x, kernel, bias, spec: FusedDenseSpec, reduce=lambda y: y):
