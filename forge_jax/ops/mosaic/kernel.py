@@ -167,8 +167,7 @@ def skipped_rows_shape(config: MosaicConfig, num_tiles: int) -> tuple:
   two warpgroups reducing at once (the compute warpgroups of either
   schedule) could read each other's partial sums. The sums of squared
   ``dW`` elements (the layer's part of the gradient norm) come in the same
-  shape, stacked with the counts in one output (:func:`counts_shape`), whose
-  two sums XLA can take in one pass."""
+  shape, stacked with the counts in one output (:func:`counts_shape`)."""
   return (config.parts_per_tile * num_tiles, config.epilogue_k)
 
 
