@@ -256,13 +256,16 @@ def _factor_sinks(layers):
   path."""
   sinks = {}
   for path, layer in layers.items():
-    node = sinks
-    for key in path[:-1]:
-      node = node.setdefault(key, {})
-    node[path[-1]] = {
+    zeros = {
       name: jnp.zeros(shape.shape, shape.dtype)
       for name, shape in layer.factors._asdict().items()
     }
+    if not path:  # the model is the layer
+      return zeros
+    node = sinks
+    for key in path[:-1]:
+      node = node.setdefault(key, {})
+    node[path[-1]] = zeros
   return sinks
 
 

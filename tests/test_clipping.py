@@ -258,6 +258,73 @@ def test_exact_clipping_of_a_wide_layer(tokens, seed):
     np.testing.assert_allclose(float(forge.grad_norm), ref_norm, rtol=1e-6)
 
 
+@pytest.mark.parametrize("clip", ["exact", "delayed"])
+@pytest.mark.parametrize("general", [False, True], ids=["dense", "general"])
+def test_clipping_a_model_that_is_one_layer(clip, general, seed):
+  """A ForgeDense (or ForgeDenseGeneral) that is the whole model (module
+  path ``()``): clipped like nn.Dense under optax.clip_by_global_norm, by
+  this step's norm or by the previous one's."""
+  opt = fj.adamw(1e-2, weight_decay=0.1)
+  if general:
+    model = fj.ForgeDenseGeneral(features=(2, 5), optimizer=opt)
+    ref = nn.DenseGeneral(features=(2, 5))
+  else:
+    model, ref = fj.ForgeDense(10, optimizer=opt), nn.Dense(10)
+  batches = make_batches(seed + 1, STEPS, (3, 4, 12), CLASSES)
+  flat = lambda y: y.reshape(y.shape[:-2] + (-1,)) if general else y
+  variables = model.init(jax.random.key(seed), batches[0][0])
+  ref_params = {
+    "params": {
+      "kernel": variables[COLL]["kernel"].reshape(
+        ref.init(jax.random.key(0), batches[0][0])["params"]["kernel"].shape
+      ),
+      "bias": variables["params"]["bias"],
+    }
+  }
+  max_norm = 0.05
+  forge = fj.TrainState.create(
+    apply_fn=lambda v, x: flat(model.apply(v, x)),
+    params=variables,
+    tx=opt.to_optax(),
+    max_grad_norm=max_norm,
+    clip=clip,
+  )
+
+  @jax.jit
+  def step(state, batch):
+    _, grads = state.value_and_grad(_loss(state.apply_fn, batch))(state.params)
+    return state.apply_gradients(grads=grads)
+
+  tx = opt.to_optax()
+  opt_state = tx.init(ref_params)
+  previous = None
+  for batch in batches:
+    forge = step(forge, batch)
+    grads = jax.grad(_loss(lambda v, x: flat(ref.apply(v, x)), batch))(
+      ref_params
+    )
+    norm = optax.tree.norm(grads)
+    by = norm if clip == "exact" else previous
+    if by is not None:
+      grads = jax.tree.map(lambda g: g * jnp.minimum(1.0, max_norm / by), grads)
+    updates, opt_state = tx.update(grads, opt_state, ref_params)
+    ref_params = optax.apply_updates(ref_params, updates)
+    previous = norm
+    assert norm > max_norm
+    np.testing.assert_allclose(float(forge.grad_norm), norm, rtol=1e-5)
+    assert_rel_close(
+      forge.params[COLL]["kernel"].reshape(
+        ref_params["params"]["kernel"].shape
+      ),
+      ref_params["params"]["kernel"],
+      RTOL,
+    )
+    assert_rel_close(
+      forge.params["params"]["bias"], ref_params["params"]["bias"], RTOL
+    )
+  assert forge.unreached_layers() == []
+
+
 @pytest.mark.parametrize("tokens,k,n", [(5, 64, 48), (300, 16, 8)])
 def test_norm_only_pass_sums_the_weight_gradient_squares(tokens, k, n, seed):
   keys = jax.random.split(jax.random.key(seed))
