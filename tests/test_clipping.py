@@ -121,11 +121,13 @@ def _clipped_runs(
   clip="exact",
   implementation="xla",
   factors=True,
+  has_aux=False,
 ):
   """FORGE (fj.TrainState, ``max_grad_norm``) and nn.Dense + optax.chain(
   clip_by_global_norm, alias) from one initialization: the states and the
   reference's gradient norms after every step. ``factors=False``: the loss
-  hands the model only ``params`` and FORGE's collection."""
+  hands the model only ``params`` and FORGE's collection. ``has_aux``:
+  FORGE's loss also returns the loss and the logits as aux."""
   opt = getattr(fj, name)(**kwargs)
   forge_model = MLP(features, optimizer=opt, implementation=implementation)
   ref_model = MLP(features)
@@ -153,8 +155,18 @@ def _clipped_runs(
     loss_fn = _loss(state.apply_fn, batch)
     if not factors:
       loss_fn = lambda v, loss_fn=loss_fn: loss_fn(_without_factors(v))
-    loss, grads = state.value_and_grad(loss_fn)(state.params)
-    return state.apply_gradients(grads=grads), loss
+    if not has_aux:
+      loss, grads = state.value_and_grad(loss_fn)(state.params)
+      return state.apply_gradients(grads=grads), loss
+    with_aux = lambda v: (loss_fn(v), (loss_fn(v), state.apply_fn(v, batch[0])))
+    (loss, (aux_loss, logits)), grads = state.value_and_grad(
+      with_aux, has_aux=True
+    )(state.params)
+    expected_logits = state.apply_fn(state.params, batch[0])
+    aux_ok = jnp.logical_and(
+      aux_loss == loss, jnp.all(logits == expected_logits)
+    )
+    return state.apply_gradients(grads=grads), jnp.where(aux_ok, loss, jnp.nan)
 
   @jax.jit
   def ref_step(state, batch):
@@ -240,6 +252,34 @@ def test_exact_clipping_by_each_path(
     compare_states(step, forge, ref, rtol)
     np.testing.assert_allclose(forge_loss, ref_loss, rtol=rtol)
     np.testing.assert_allclose(float(forge.grad_norm), ref_norm, rtol=rtol)
+
+
+@pytest.mark.parametrize("clip", ["exact", "delayed"])
+def test_clipping_with_aux(clip, seed):
+  """``state.value_and_grad(loss_fn, has_aux=True)``: the aux comes back as
+  the loss function returned it (the loss and the logits of the step's
+  variables), and the step is the one without aux (exact: optax's), to
+  float32 rounding."""
+  kwargs = dict(learning_rate=1e-2, weight_decay=0.1)
+  shape = (10, 12)
+  max_norm = 0.5 * _initial_norm("adamw", kwargs, shape, FEATURES, seed)
+  plain = _clipped_runs("adamw", kwargs, shape, FEATURES, max_norm, seed, clip)
+  runs = _clipped_runs(
+    "adamw", kwargs, shape, FEATURES, max_norm, seed, clip, has_aux=True
+  )
+  for step, ((forge, ref, loss, _, _), (same, _, same_loss, _, _)) in enumerate(
+    zip(runs, plain)
+  ):
+    assert np.isfinite(loss), f"step {step}: the aux differs"
+    np.testing.assert_allclose(loss, same_loss, rtol=RTOL)
+    # Not bit for bit: the aux's forward changes how XLA fuses the step.
+    jax.tree.map(
+      lambda a, b: assert_rel_close(a, b, RTOL, f"step {step}"),
+      forge.params,
+      same.params,
+    )
+    if clip == "exact":
+      compare_states(step, forge, ref)
 
 
 @pytest.mark.parametrize("tokens", [4, 64], ids=["gram", "weight-gradient"])
