@@ -785,6 +785,14 @@ def _varying(value) -> Optional[frozenset]:
   return None if vma is None else frozenset(vma)
 
 
+def _explicit_mesh_of(x):
+  """The mesh in ``x``'s type if it has Explicit axes, else None."""
+  mesh = getattr(jax.typeof(x).sharding, "mesh", None)
+  if mesh is None or mesh.empty:
+    return None
+  return mesh if AxisType.Explicit in tuple(mesh.axis_types) else None
+
+
 def check_unpartitioned(x: jax.Array, variables, where: str = "forge_dense"):
   """Refuse data parallelism that the unpartitioned op would get wrong.
 
@@ -796,9 +804,12 @@ def check_unpartitioned(x: jax.Array, variables, where: str = "forge_dense"):
     a sharded one and the call is refused too.
   * Under Explicit mesh axes the input's type says how its tokens are
     sharded; tokens sharded over an axis the kernel is not sharded over are
-    data parallelism.
+    data parallelism. The input's type carries its Explicit mesh also
+    without ``jax.set_mesh`` (an array put on a ``jax.make_mesh`` mesh).
   """
   mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    mesh = _explicit_mesh_of(x) or mesh
   if mesh.empty:
     return
   sizes = _mesh_sizes(mesh)

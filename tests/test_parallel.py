@@ -946,6 +946,29 @@ def test_explicit_mesh_layout_from_the_input_types():
 
 
 @needs_devices
+def test_batch_on_an_explicit_mesh_without_set_mesh_is_refused():
+  """A batch put on a ``jax.make_mesh`` mesh (Explicit axes by default) and
+  a plain ForgeDense, jitted without ``jax.set_mesh``: the input's type
+  carries the mesh, and the call is refused as data parallelism over a
+  replicated kernel (not a sharding error from inside the backward pass).
+  A replicated batch on that mesh trains exactly."""
+  from jax.sharding import AxisType  # pylint: disable=import-outside-toplevel
+
+  mesh = jax.make_mesh((2,), ("data",), axis_types=(AxisType.Explicit,))
+  layer = fj.ForgeDense(8, optimizer=OPT, implementation="xla")
+  x = jax.random.normal(jax.random.key(1), (4, 16))
+  variables = layer.init(jax.random.key(0), x)
+  grad = jax.jit(jax.grad(lambda v, x: jnp.sum(layer.apply(v, x) ** 2)))
+  sharded = jax.device_put(x, NamedSharding(mesh, P("data")))
+  with pytest.raises(parallel.DataParallelError, match="'data' \\(size 2\\)"):
+    grad(variables, sharded)
+  replicated = jax.device_put(x, NamedSharding(mesh, P()))
+  _assert_trees_close(
+    _host(grad(variables, replicated)), _host(grad(variables, x))
+  )
+
+
+@needs_devices
 def test_data_parallel_psum_opt_in_is_exact():
   """dp=2 x tp=4 with data_parallel='psum' == one device on the whole batch."""
   mesh = parallel.make_mesh(model=4, data=2)
