@@ -236,6 +236,15 @@ def check_transformation(tx, clipping_advice: str = CLIPPING_ADVICE):
       "the backward pass, before the global norm exists, and their "
       "gradients never reach tx. " + clipping_advice
     )
+  if "inject_hyperparams" in names:
+    raise ValueError(
+      "tx=optax.inject_hyperparams(...) cannot drive FORGE's layers: they "
+      "take their hyperparameters from their optimizer (fj.adamw(...)), so "
+      "a value changed in tx's state would not reach them, and its float32 "
+      "hyperparameters round the bias corrections unlike the layers' rule. "
+      "Pass tx=opt.to_optax(), with an optax schedule as the learning rate "
+      "if it changes (the schedule gives its value at any step, to log)."
+    )
   whole = sorted(names.intersection(WHOLE_GRADIENT_TRANSFORMATIONS))
   if whole:
     raise ValueError(
@@ -277,15 +286,27 @@ def _same_rule(tx, optimizer) -> bool | None:
     return None
 
 
+#: The probe's gradients: three steps whose magnitudes range from 1e-4 to
+#: 1e4, so that a transformation that changes some steps (an elementwise
+#: clip, a rescaling by magnitude) changes the probe's.
+_PROBE_GRADIENTS = (
+  [[0.1, -0.3, 2e3], [0.02, -1e-4, 0.5]],
+  [[-0.2, 0.1, 1.0], [0.4, -5e3, 0.3]],
+  [[0.05, 40.0, -1e4], [-0.3, 1.0, 2e-3]],
+)
+
+
 def _steps_match(tx, reference) -> bool:
-  params = {"w": jnp.asarray([0.5, -1.0, 2.0, -0.25, 3.0], jnp.float32)}
+  # A kernel-shaped parameter named like one: weight-decay masks by rank or
+  # by name treat it as they would a kernel.
+  params = {"kernel": jnp.asarray([[0.5, -1.0, 2.0], [-0.25, 3.0, 0.1]])}
   states = [tx.init(params), reference.init(params)]
-  for g in ([0.1, -0.3, 0.02, 0.5, -1.0], [-0.2, 0.1, 0.4, -0.05, 0.3]):
-    grads = {"w": jnp.asarray(g, jnp.float32)}
+  for g in _PROBE_GRADIENTS:
+    grads = {"kernel": jnp.asarray(g, jnp.float32)}
     steps = []
     for i, t in enumerate((tx, reference)):
       updates, states[i] = t.update(grads, states[i], params)
-      steps.append(np.asarray(updates["w"]))
+      steps.append(np.asarray(updates["kernel"]))
     if not np.allclose(steps[0], steps[1], rtol=1e-5, atol=1e-8):
       return False
   return True

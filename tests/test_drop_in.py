@@ -497,8 +497,19 @@ def test_stock_train_state_still_fails_loudly_on_an_unreached_layer():
       "clip_by_global_norm",
     ),
     (optax.apply_if_finite(OPT.to_optax(), 3), "apply_if_finite"),
+    (
+      optax.inject_hyperparams(optax.adamw)(
+        learning_rate=1e-2, weight_decay=0.1
+      ),
+      "inject_hyperparams",
+    ),
   ],
-  ids=["multi_steps", "clip_by_global_norm", "apply_if_finite"],
+  ids=[
+    "multi_steps",
+    "clip_by_global_norm",
+    "apply_if_finite",
+    "inject_hyperparams",
+  ],
 )
 def test_train_state_refuses_whole_gradient_transformations(tx, match):
   model = WithAuxHead()
@@ -507,9 +518,31 @@ def test_train_state_refuses_whole_gradient_transformations(tx, match):
     fj.TrainState.create(apply_fn=model.apply, params=variables, tx=tx)
 
 
-def test_train_state_refuses_another_optimizer_than_the_layers():
+@pytest.mark.parametrize(
+  "tx",
+  [
+    optax.adamw(3e-2),
+    # Equal to the layers' rule while every gradient is within 1: the
+    # layers would not clip the larger ones.
+    optax.chain(optax.clip(1.0), OPT.to_optax()),
+  ],
+  ids=["another_learning_rate", "elementwise_clip"],
+)
+def test_train_state_refuses_another_optimizer_than_the_layers(tx):
   with pytest.raises(ValueError, match="not the optimizer of the ForgeDense"):
-    train(WithAuxHead(), steps=1, tx=optax.adamw(3e-2))
+    train(WithAuxHead(), steps=1, tx=tx)
+
+
+def test_train_state_accepts_a_weight_decay_mask():
+  """A mask that decays kernels (by rank) and not biases: FORGE's kernels
+  are decayed, as the mask says; the biases follow optax's mask."""
+  tx = optax.adamw(
+    1e-2,
+    weight_decay=0.1,
+    mask=lambda p: jax.tree.map(lambda a: jnp.ndim(a) > 1, p),
+  )
+  _, losses = train(WithAuxHead(), steps=2, tx=tx)
+  assert all(np.isfinite(losses))
 
 
 def test_train_state_accepts_the_layers_optax_alias():
