@@ -8,6 +8,7 @@ from forge_jax import nnx
 from forge_jax.attention import MultiHeadDotProductAttention, SelfAttention
 from forge_jax.clipping import global_norm
 from forge_jax.convert import from_dense, to_dense
+from forge_jax.layer_context import plain_gradients
 from forge_jax.linen import (
   FORGE_COLLECTION,
   ForgeDense,

@@ -27,6 +27,8 @@ Four trace-time channels between the parts of the package:
   loss abstractly, each ForgeDense declares, by path, the factors its
   deferred backward would hand out and whether it can defer
   (:class:`DeferrableLayer`).
+* :func:`plain_gradients` / :func:`differentiates_plainly`: the calls
+  traced inside differentiate as ``nn.Dense`` does, with no fused update.
 """
 
 from __future__ import annotations
@@ -75,6 +77,40 @@ def stacking(index, length: int, path: tuple):
     yield
   finally:
     _STACKED_LAYER.reset(token)
+
+
+_PLAIN: contextvars.ContextVar[bool] = contextvars.ContextVar(
+  "forge_plain_gradients", default=False
+)
+
+
+@contextlib.contextmanager
+def plain_gradients():
+  """Traces the ForgeDense layers inside as ``nn.Dense``: no fused update.
+
+  Differentiating through them then gives ordinary gradients: with respect
+  to the inputs (adversarial examples, saliency maps, gradient penalties)
+  and, where asked, to each kernel (its ``dW``, which a train step must not
+  install: ``fj.TrainState`` keeps such a layer as it was, as one the loss
+  did not reach). ``fj.scan`` and ``fj.nnx.scan`` run as plain scans::
+
+    with fj.plain_gradients():
+      dx = jax.grad(loss, argnums=1)(variables, x)
+
+  The mode also goes into the XLA metadata, which is part of the trace
+  context: a function jitted both inside and outside gets a trace of each.
+  """
+  token = _PLAIN.set(True)
+  try:
+    with set_xla_metadata(forge_plain_gradients=True):
+      yield
+  finally:
+    _PLAIN.reset(token)
+
+
+def differentiates_plainly() -> bool:
+  """Whether the calls traced now are inside :func:`plain_gradients`."""
+  return _PLAIN.get()
 
 
 _GRADIENT_PASS: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar(

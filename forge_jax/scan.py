@@ -430,4 +430,8 @@ def scan_stacks(
     )
 
   run.defvjp(run_fwd, run_bwd)
+  if layer_context.differentiates_plainly():
+    # Autodiff of the plain scan: each layer's entries sliced out, ordinary
+    # gradients for every input, the stacks' included.
+    return run.fun(carry, forge, others, per_layer, broadcast_args)
   return run(carry, forge, others, per_layer, broadcast_args)

@@ -335,6 +335,126 @@ def test_bare_forge_dense_model_installs_its_update_as_written():
   )
 
 
+class Scanned(nn.Module):
+  """Three residual blocks under fj.scan (nn.scan with ``forge=False``),
+  then a head."""
+
+  forge: bool = True
+
+  @nn.compact
+  def __call__(self, x):
+    def dense(features, name):
+      if self.forge:
+        return fj.ForgeDense(features, optimizer=OPT, name=name)
+      return nn.Dense(features, name=name)
+
+    class Residual(nn.Module):
+      @nn.compact
+      def __call__(self, x, _):
+        return x + dense(8, "fc2")(nn.gelu(dense(16, "fc1")(x))), None
+
+    scan = fj.scan if self.forge else nn.scan
+    x, _ = scan(
+      nn.remat(Residual, prevent_cse=False),
+      variable_axes={True: 0},
+      split_rngs={"params": True},
+      in_axes=(nn.broadcast,),
+      length=3,
+    )(name="layers")(x, None)
+    return dense(4, "head")(x)
+
+
+@pytest.mark.parametrize("model", ["unrolled", "scanned"])
+def test_plain_gradients_differentiate_as_nn_dense(model):
+  """Under fj.plain_gradients() the layers differentiate as nn.Dense: the
+  input gradient and every kernel's dW are nn.Dense's, bit for bit (both
+  are the same XLA ops on the CPU). Outside it, a gradient with respect to
+  the input alone raises and names it. An adversarial step (FGSM input,
+  then the train step) equals nn.Dense + optax."""
+  if model == "unrolled":
+    forge, ref = WithAuxHead(), None
+  else:
+    forge, ref = Scanned(), Scanned(forge=False)
+  x, y = data()
+  variables = forge.init(jax.random.key(0), x)
+  dense_vars = fj.to_dense(variables)
+  if ref is None:
+    # WithAuxHead's nn.Dense twin: the same names, its aux head unused.
+    class Ref(nn.Module):
+      @nn.compact
+      def __call__(self, x):
+        h = nn.gelu(nn.Dense(8, name="fc1")(x))
+        nn.Dense(4, name="aux")(h)
+        return nn.Dense(4, name="fc2")(h)
+
+    ref = Ref()
+  loss = lambda model, v, x: jnp.mean((model.apply(v, x) - y) ** 2)
+
+  forge_loss = functools.partial(loss, forge)
+  with fj.plain_gradients():
+    dx = jax.jit(jax.grad(forge_loss, argnums=1))(variables, x)
+    grads = jax.jit(jax.grad(forge_loss))(variables, x)
+  with pytest.raises(ValueError, match="fj.plain_gradients"):
+    jax.grad(forge_loss, argnums=1)(variables, x)
+  ref_loss = functools.partial(loss, ref)
+  ref_dx = jax.jit(jax.grad(ref_loss, argnums=1))(dense_vars, x)
+  ref_grads = jax.jit(jax.grad(ref_loss))(dense_vars, x)
+  chex.assert_trees_all_equal(dx, ref_dx)
+  chex.assert_trees_all_equal(
+    fj.to_dense({"params": grads["params"], COLL: grads[COLL]})["params"],
+    ref_grads["params"],
+  )
+
+  state = fj.TrainState.create(
+    apply_fn=forge.apply, params=variables, tx=OPT.to_optax()
+  )
+
+  @jax.jit
+  def adversarial_step(state):
+    with fj.plain_gradients():
+      dx = jax.grad(lambda x: loss(forge, state.params, x))(x)
+    x_adv = x + 0.1 * jnp.sign(dx)
+    grads = jax.grad(lambda p: loss(forge, p, x_adv))(state.params)
+    return state.apply_gradients(grads=grads)
+
+  state = adversarial_step(state)
+  tx = OPT.to_optax()
+  x_adv = x + 0.1 * jnp.sign(ref_dx)
+  ref_grads = jax.grad(lambda p: loss(ref, p, x_adv))(dense_vars)
+  updates, _ = tx.update(ref_grads, tx.init(dense_vars), dense_vars)
+  expected = optax.apply_updates(dense_vars, updates)
+  actual = fj.to_dense(state.params)
+  for name in ("fc1", "fc2") if model == "unrolled" else ("head",):
+    chex.assert_trees_all_close(
+      actual["params"][name], expected["params"][name], rtol=1e-6, atol=1e-7
+    )
+  if model == "scanned":
+    chex.assert_trees_all_close(
+      actual["params"]["layers"],
+      expected["params"]["layers"],
+      rtol=1e-6,
+      atol=1e-7,
+    )
+
+
+def test_plain_gradients_are_not_installed():
+  """Plain gradients handed to fj.TrainState: a kernel's dW is no updated
+  kernel, so each layer keeps its variables, named as unreached."""
+  model = WithAuxHead()
+  x, y = data()
+  variables = model.init(jax.random.key(0), x)
+  state = fj.TrainState.create(
+    apply_fn=model.apply, params=variables, tx=OPT.to_optax()
+  )
+  with fj.plain_gradients():
+    grads = jax.grad(lambda p: jnp.mean((model.apply(p, x) - y) ** 2))(
+      state.params
+    )
+  new = state.apply_gradients(grads=grads)
+  chex.assert_trees_all_equal(new.params[COLL], state.params[COLL])
+  assert sorted(new.unreached_layers()) == ["aux", "fc1", "fc2"]
+
+
 class TwoHeads(nn.Module):
   @nn.compact
   def __call__(self, x):

@@ -567,6 +567,25 @@ def test_scan_trains_like_nnx_scan_and_optax(remat, seed):
   assert optimizer.unreached_layers() == []
 
 
+def test_plain_gradients_give_nnx_linear_input_gradients(seed):
+  """Under fj.plain_gradients() the gradient with respect to the input,
+  through fj.nnx.scan over fj.nnx.Linear, is nnx.scan over nnx.Linear's.
+  Outside it, such a gradient through an unscanned fj.nnx.Linear raises
+  and names it."""
+  model = Stack(3, 8, 16, nnx.Rngs(seed), fj.nnx.scan, True, optimizer=OPT)
+  ref = Stack(3, 8, 16, nnx.Rngs(seed), nnx.scan, True)
+  x, y = make_batches(seed, 1, (10, 8), CLASSES)[0]
+  input_grad = nnx.jit(nnx.grad(cross_entropy, argnums=1))
+  with fj.plain_gradients():
+    dx = input_grad(model, x, y)
+  assert_rel_close(dx, input_grad(ref, x, y), 1e-6, "dx")
+  mlp, (x, y) = _mlp(seed)
+  with pytest.raises(ValueError, match="fj.plain_gradients"):
+    input_grad(mlp, x, y)
+  with fj.plain_gradients():
+    assert np.all(np.isfinite(input_grad(mlp, x, y)))
+
+
 def test_scan_steps_as_nnx_scan_bit_for_bit(seed):
   """int8 states and stochastic rounding: fj.nnx.scan's in-place stacked
   steps (each layer by its index) are nnx.scan's sliced steps, bit for

@@ -274,6 +274,17 @@ def forge_dense(
     parallel.check_layout(x, viewed, layout, where, stacked)
     if parallel.is_explicit(layout.mesh):
       x, variables, bias = parallel.to_layout(x, viewed, bias, layout, stacked)
+  if layer_context.differentiates_plainly():
+    if factors is not None:
+      raise ValueError(
+        f"{where}: fj.plain_gradients() inside global-norm clipping's "
+        "gradient (state.value_and_grad): the clipped step needs FORGE's "
+        "backward. Take plain gradients with jax.grad outside it."
+      )
+    # XLA's ops only (no in-place Pallas GEMM, which has no autodiff rule):
+    # autodiff of the dense function, as for nn.Dense.
+    plain = dataclasses.replace(spec, implementation="xla")
+    return _forward(plain, layout, x, viewed, bias, layer_index)
   # The variables as they are stored: the custom_vjp's residuals are the
   # very arrays given (fj.scan's backward recognizes its stacks by them).
   return _forge_dense(
@@ -358,7 +369,11 @@ def check_differentiated(x, variables, bias):
       "variables = {'params': ..., '_overwrite_with_gradient': ...} "
       "(TrainState.params when created from the whole variables dict), "
       "not variables['params'] alone. Flax NNX: fj.nnx.grad(loss), or "
-      "nnx.grad(loss, argnums=nnx.DiffState(0, fj.nnx.TRAINABLE))."
+      "nnx.grad(loss, argnums=nnx.DiffState(0, fj.nnx.TRAINABLE)). For "
+      "gradients with respect to the inputs only (adversarial examples, "
+      "saliency, gradient penalties), trace them inside "
+      "`with fj.plain_gradients():`, where the layers differentiate as "
+      "nn.Dense and update nothing."
     )
 
 
