@@ -338,8 +338,7 @@ def scan_stacks(
     lambda a: lax.dynamic_index_in_dim(a, index, keepdims=False)
   )
 
-  @jax.custom_vjp
-  def run(carry, forge, others, per_layer, args):
+  def plain_run(carry, forge, others, per_layer, args):
     def body(x, xs):
       layer_forge, layer_others, layer_per_layer = xs
       return layer_fn(layer_others, layer_forge, x, layer_per_layer, args), None
@@ -429,9 +428,10 @@ def scan_stacks(
       args_grad,
     )
 
-  run.defvjp(run_fwd, run_bwd)
   if layer_context.differentiates_plainly():
     # Autodiff of the plain scan: each layer's entries sliced out, ordinary
     # gradients for every input, the stacks' included.
-    return run.fun(carry, forge, others, per_layer, broadcast_args)
+    return plain_run(carry, forge, others, per_layer, broadcast_args)
+  run = jax.custom_vjp(plain_run)
+  run.defvjp(run_fwd, run_bwd)
   return run(carry, forge, others, per_layer, broadcast_args)

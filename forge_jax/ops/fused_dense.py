@@ -284,7 +284,7 @@ def forge_dense(
     # XLA's ops only (no in-place Pallas GEMM, which has no autodiff rule):
     # autodiff of the dense function, as for nn.Dense.
     plain = dataclasses.replace(spec, implementation="xla")
-    return _forward(plain, layout, x, viewed, bias, layer_index)
+    return _forward(plain, layout, x, variables, bias, layer_index)
   # The variables as they are stored: the custom_vjp's residuals are the
   # very arrays given (fj.scan's backward recognizes its stacks by them).
   return _forge_dense(
