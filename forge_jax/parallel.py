@@ -788,9 +788,7 @@ def _varying(value) -> Optional[frozenset]:
 def _explicit_mesh_of(x):
   """The mesh in ``x``'s type if it has Explicit axes, else None."""
   mesh = getattr(jax.typeof(x).sharding, "mesh", None)
-  if mesh is None or mesh.empty:
-    return None
-  return mesh if AxisType.Explicit in tuple(mesh.axis_types) else None
+  return mesh if mesh is not None and is_explicit(mesh) else None
 
 
 def check_unpartitioned(x: jax.Array, variables, where: str = "forge_dense"):
