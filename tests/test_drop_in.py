@@ -17,10 +17,11 @@ import numpy as np
 import optax
 import pytest
 from flax.training.train_state import TrainState as FlaxTrainState
-from jax.extend import core as jax_core
 
 import forge_jax as fj
 from forge_jax.ops import fused_dense
+
+from conftest import jaxpr_equations
 
 COLL = fj.FORGE_COLLECTION
 OPT = fj.adamw(1e-2, weight_decay=0.1)
@@ -273,13 +274,11 @@ def test_unreached_layer_keeps_kernel_state_and_count_bit_for_bit():
 
 def _selects_of_shape(jaxpr, shape) -> int:
   """How many ``select_n`` of ``shape`` ``jaxpr`` holds, sub-jaxprs too."""
-  count = 0
-  for eqn in jaxpr.eqns:
-    if eqn.primitive.name == "select_n":
-      count += any(v.aval.shape == shape for v in eqn.outvars)
-    for sub in jax_core.jaxprs_in_params(eqn.params):
-      count += _selects_of_shape(sub, shape)
-  return count
+  return sum(
+    eqn.primitive.name == "select_n"
+    and any(v.aval.shape == shape for v in eqn.outvars)
+    for eqn in jaxpr_equations(jaxpr)
+  )
 
 
 class Wrapped(nn.Module):

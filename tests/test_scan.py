@@ -21,7 +21,7 @@ from jax.ad_checkpoint import checkpoint_name
 import forge_jax as fj
 from forge_jax.ops.fused_dense import FusedDenseSpec
 
-from conftest import assert_bitwise_equal
+from conftest import assert_bitwise_equal, jaxpr_equations
 
 COLL = fj.FORGE_COLLECTION
 OPT = fj.adamw(1e-2, weight_decay=0.1)
@@ -238,21 +238,6 @@ def test_policy_matches_full_remat_and_nn_scan(seed, policy):
     assert_bitwise_equal(leaf, b, f"nn.scan {jax.tree_util.keystr(path)}")
 
 
-def _equations(jaxpr):
-  """Every equation of ``jaxpr`` and of the jaxprs nested in it (a Pallas
-  kernel's body excluded)."""
-  for eqn in jaxpr.eqns:
-    yield eqn
-    if eqn.primitive.name == "pallas_call":
-      continue
-    for param in eqn.params.values():
-      for sub in param if isinstance(param, (tuple, list)) else (param,):
-        if isinstance(sub, jax.extend.core.ClosedJaxpr):
-          yield from _equations(sub.jaxpr)
-        elif isinstance(sub, jax.extend.core.Jaxpr):
-          yield from _equations(sub)
-
-
 @pytest.mark.parametrize(
   "policy", [None, CP.everything_saveable], ids=["full-remat", "everything"]
 )
@@ -267,7 +252,7 @@ def test_pallas_kernel_updates_whole_stacks(seed, policy):
   x = jnp.ones((TOKENS, WIDTH))
   variables = model.init(jax.random.key(seed), x)
   jaxpr = jax.make_jaxpr(jax.grad(lambda v: model.apply(v, x).sum()))(variables)
-  equations = list(_equations(jaxpr.jaxpr))
+  equations = list(jaxpr_equations(jaxpr.jaxpr))
   calls = [e for e in equations if e.primitive.name == "pallas_call"]
   assert len(calls) == 2, "fc1 and fc2, in the backward loop's body"
   for call in calls:
