@@ -332,11 +332,20 @@ def mosaic_update(
   new_state = quantization.codes_as_container(
     jax.tree.unflatten(state_treedef, new_storage[1:])
   )
-  return (
-    new_storage[0],
-    new_state,
-    jnp.sum(counts[0].astype(jnp.int32)),
-    jnp.sum(counts[1]),
+  skipped, grad_sq_norm = _sum_counts(counts)
+  return new_storage[0], new_state, skipped, grad_sq_norm
+
+
+def _sum_counts(counts):
+  """``(skipped, grad_sq_norm)``: the kernel's per-row counts and sums of
+  squares summed in one variadic reduction (one pass, one launch); the
+  counts in int32, exact past float32's 2**24."""
+  axes = tuple(range(counts.ndim - 1))
+  return lax.reduce(
+    (counts[0].astype(jnp.int32), counts[1]),
+    (jnp.int32(0), jnp.float32(0)),
+    lambda a, b: (a[0] + b[0], a[1] + b[1]),
+    axes,
   )
 
 
