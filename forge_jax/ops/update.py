@@ -161,16 +161,13 @@ def finite_result(
   registers spill less.
   """
 
+  def term(x):
+    return x * 0.0 if multiply_add else x - x
+
   def nan_where_not_finite(first, rest):
-    leaves = [first.astype(jnp.float32)] + jax.tree.leaves(rest)
-    if multiply_add:
-      total = leaves[0] * 0.0
-      for leaf in leaves[1:]:
-        total = leaf * 0.0 + total
-      return total
-    total = leaves[0] - leaves[0]
-    for leaf in leaves[1:]:
-      total = total + (leaf - leaf)
+    total = term(first.astype(jnp.float32))
+    for leaf in jax.tree.leaves(rest):
+      total = total + term(leaf)
     return total
 
   made = nan_where_not_finite(new_kernel, new_state)

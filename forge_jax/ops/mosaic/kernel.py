@@ -338,8 +338,9 @@ def mosaic_update(
 
 def _sum_counts(counts):
   """``(skipped, grad_sq_norm)``: the kernel's per-row counts and sums of
-  squares summed in one variadic reduction (one pass, one launch); the
-  counts in int32, exact past float32's 2**24."""
+  squares summed in one variadic reduction (one pass over the output, half
+  the launches of two sums); the counts in int32, exact past float32's
+  2**24."""
   axes = tuple(range(counts.ndim - 1))
   return lax.reduce(
     (counts[0].astype(jnp.int32), counts[1]),
