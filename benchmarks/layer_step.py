@@ -44,6 +44,7 @@ from forge_jax.ops import backends  # noqa: E402
 
 SHAPES = ("4096x4096", "4096x1024", "4096x14336", "14336x4096", "4096x128256")
 STORAGE = {"fp32": (jnp.float32, None), "bf16": (jnp.bfloat16, jnp.bfloat16)}
+COMPUTE = {"bf16": jnp.bfloat16, "fp32": jnp.float32}
 
 
 class Layer(nn.Module):
@@ -51,17 +52,18 @@ class Layer(nn.Module):
 
   features: int
   param_dtype: object
+  dtype: object = jnp.bfloat16
   optimizer: object = None  # FORGE's; None: nn.Dense
   implementation: str = "auto"
 
   @nn.compact
   def __call__(self, x):
-    x = nn.RMSNorm(dtype=jnp.bfloat16, param_dtype=self.param_dtype)(x)
+    x = nn.RMSNorm(dtype=self.dtype, param_dtype=self.param_dtype)(x)
     if self.optimizer is None:
       dense = nn.Dense(
         self.features,
         use_bias=False,
-        dtype=jnp.bfloat16,
+        dtype=self.dtype,
         param_dtype=self.param_dtype,
       )
     else:
@@ -69,7 +71,7 @@ class Layer(nn.Module):
         self.features,
         self.optimizer,
         use_bias=False,
-        dtype=jnp.bfloat16,
+        dtype=self.dtype,
         param_dtype=self.param_dtype,
         implementation=self.implementation,
       )
@@ -81,7 +83,7 @@ def _loss(apply_fn, params, x):
   return 0.5 * jnp.mean(jnp.square(y))
 
 
-def make_runner(variant, tokens, k, n, storage):
+def make_runner(variant, tokens, k, n, storage, compute="bf16"):
   """A no-argument function running one donated train step per call."""
   param_dtype, state_dtype = STORAGE[storage]
   opt = fj.adamw(1e-4, weight_decay=0.1, state_dtype=state_dtype)
@@ -89,10 +91,11 @@ def make_runner(variant, tokens, k, n, storage):
   model = Layer(
     n,
     param_dtype,
+    COMPUTE[compute],
     optimizer=opt if forge else None,
     implementation=variant if forge else "auto",
   )
-  x = jax.random.normal(jax.random.key(0), (tokens, k), jnp.bfloat16)
+  x = jax.random.normal(jax.random.key(0), (tokens, k), COMPUTE[compute])
   variables = jax.jit(model.init)(jax.random.key(1), x)
   if forge:
     state = fj.TrainState.create(
@@ -120,12 +123,12 @@ def make_runner(variant, tokens, k, n, storage):
   return run
 
 
-def auto_choice(tokens, k, n, storage):
+def auto_choice(tokens, k, n, storage, compute="bf16"):
   """The backend ``implementation='auto'`` takes for this case."""
   param_dtype, state_dtype = STORAGE[storage]
   opt = fj.adamw(1e-4, state_dtype=state_dtype)
-  x = jax.ShapeDtypeStruct((tokens, k), jnp.bfloat16)
-  dy = jax.ShapeDtypeStruct((tokens, n), jnp.bfloat16)
+  x = jax.ShapeDtypeStruct((tokens, k), COMPUTE[compute])
+  dy = jax.ShapeDtypeStruct((tokens, n), COMPUTE[compute])
   kernel = jax.ShapeDtypeStruct((k, n), param_dtype)
   update = backends.select("auto", x, dy, kernel, opt)
   return update.__module__.rsplit(".", 1)[-1] + "." + update.__name__
@@ -138,6 +141,13 @@ def _args(argv=None):
   )
   parser.add_argument("--shapes", nargs="+", default=list(SHAPES))
   parser.add_argument("--storage", nargs="+", default=["fp32", "bf16"])
+  parser.add_argument(
+    "--compute",
+    nargs="+",
+    default=["bf16"],
+    choices=sorted(COMPUTE),
+    help="the layer's compute dtype (its activations)",
+  )
   parser.add_argument(
     "--variants", nargs="+", default=["optax", "xla", "triton", "mosaic"]
   )
@@ -160,43 +170,48 @@ def main(argv=None):
     jax.config.update("jax_platforms", "cpu")
   started = time.perf_counter()
   result = {"meta": metadata(), "config": vars(args), "cases": []}
-  for storage in args.storage:
-    for tokens in args.tokens:
-      for shape in args.shapes:
-        if (
-          args.time_budget_s
-          and time.perf_counter() - started > args.time_budget_s
-        ):
-          result["stopped_early"] = True
-          break
-        k, n = (int(d) for d in shape.split("x"))
-        case = {
-          "storage": storage,
-          "tokens": tokens,
-          "k": k,
-          "n": n,
-          "auto": auto_choice(tokens, k, n, storage),
-          "ms": {},
-        }
-        for variant in args.variants:
-          try:
-            run = make_runner(variant, tokens, k, n, storage)
-            timing = device_time_ms(run, calls=args.calls, repeats=args.repeats)
-            case["ms"][variant] = timing["ms"]
-            if args.profile:
-              case.setdefault("profile", {})[variant] = kernel_profile(run)
-          except Exception as e:  # a backend that cannot run the case
-            case.setdefault("errors", {})[variant] = f"{type(e).__name__}: {e}"[
-              :300
-            ]
-        if "optax" in case["ms"]:
-          case["speedup"] = {
-            v: case["ms"]["optax"] / ms for v, ms in case["ms"].items()
-          }
-        result["cases"].append(case)
-        print(json.dumps(case), flush=True)
-        with open(args.out, "w") as f:
-          json.dump(result, f, indent=1)
+  cases = [
+    (compute, storage, tokens, shape)
+    for compute in args.compute
+    for storage in args.storage
+    for tokens in args.tokens
+    for shape in args.shapes
+  ]
+  for compute, storage, tokens, shape in cases:
+    if (
+      args.time_budget_s and time.perf_counter() - started > args.time_budget_s
+    ):
+      result["stopped_early"] = True
+      break
+    k, n = (int(d) for d in shape.split("x"))
+    case = {
+      "compute": compute,
+      "storage": storage,
+      "tokens": tokens,
+      "k": k,
+      "n": n,
+      "auto": auto_choice(tokens, k, n, storage, compute),
+      "ms": {},
+    }
+    for variant in args.variants:
+      try:
+        run = make_runner(variant, tokens, k, n, storage, compute)
+        timing = device_time_ms(run, calls=args.calls, repeats=args.repeats)
+        case["ms"][variant] = timing["ms"]
+        if args.profile:
+          case.setdefault("profile", {})[variant] = kernel_profile(run)
+      except Exception as e:  # a backend that cannot run the case
+        case.setdefault("errors", {})[variant] = f"{type(e).__name__}: {e}"[
+          :300
+        ]
+    if "optax" in case["ms"]:
+      case["speedup"] = {
+        v: case["ms"]["optax"] / ms for v, ms in case["ms"].items()
+      }
+    result["cases"].append(case)
+    print(json.dumps(case), flush=True)
+    with open(args.out, "w") as f:
+      json.dump(result, f, indent=1)
 
 
 if __name__ == "__main__":
