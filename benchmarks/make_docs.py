@@ -1011,11 +1011,17 @@ def fsdp_section(run) -> str:
   )
 
 
-def layer_step_section(run) -> str:
+def layer_step_compute(run) -> str:
+  """The compute (activation) dtypes a one-layer run measured."""
+  return ", ".join(run["config"].get("compute", ["bf16"]))
+
+
+def layer_step_table(run) -> str:
   variants = run["config"]["variants"]
   forge = [v for v in variants if v != "optax"]
   rows = [
     [
+      c.get("compute", "bf16"),
       c["storage"],
       c["tokens"],
       f"{c['k']} x {c['n']}",
@@ -1028,25 +1034,38 @@ def layer_step_section(run) -> str:
     ]
     for c in run["cases"]
   ]
+  return table(
+    ["compute", "W / m / v", "T", "K x N", "optax ms", *forge, "'auto'"],
+    rows,
+  )
+
+
+def layer_step_command(run) -> str:
+  return list_flags_command(
+    "layer_step.py",
+    {"compute": ["bf16"], **run["config"]},
+    ("compute", "variants", "shapes", "tokens", "storage"),
+  )
+
+
+def layer_step_section(runs) -> str:
+  """The newest run of each compute dtype, one table each."""
+  newest = {}
+  for run in sorted(runs, key=lambda r: meta(r)["date"]):
+    newest[layer_step_compute(run)] = run
+  kept = [newest[c] for c in sorted(newest)]
   return section(
     "One layer's whole train step",
     "RMSNorm and a bias-free dense layer, sum-of-squares loss, jitted "
-    "TrainState step with the state donated, AdamW, bf16 compute: "
-    "`fj.ForgeDense` (`fj.TrainState`) with each implementation against "
-    "`nn.Dense` + optax (flax's `TrainState`), side by side in one process "
-    "(device time, medians). Each FORGE "
+    "TrainState step with the state donated, AdamW, in the compute dtype "
+    "shown: `fj.ForgeDense` (`fj.TrainState`) with each implementation "
+    "against `nn.Dense` + optax (flax's `TrainState`), side by side in one "
+    "process (device time, medians). Each FORGE "
     "column is optax's time over the backend's (> 1: faster than optax); "
     "the last column is the backend `'auto'` takes.",
-    table(
-      ["W / m / v", "T", "K x N", "optax ms", *forge, "'auto'"],
-      rows,
-    ),
-    list_flags_command(
-      "layer_step.py",
-      run["config"],
-      ("variants", "shapes", "tokens", "storage"),
-    ),
-    [run],
+    "\n\n".join(layer_step_table(run) for run in kept),
+    "; ".join(layer_step_command(run) for run in kept),
+    kept,
   )
 
 
@@ -1507,7 +1526,7 @@ SECTIONS = (
   ("clipping_step_*.json", clipping_section, False),
   ("clipping_curves_*.json", clipping_curves_section, True),
   ("fsdp_*.json", fsdp_section, True),
-  ("layer_step_*.json", layer_step_section, True),
+  ("layer_step_*.json", layer_step_section, False),
   ("stacked_gemm_*.json", stacked_gemm_section, True),
   ("lowp_speed_*.json", lowp_speed_section, True),
   ("lowp_sweep_*.json", lowp_sweep_section, True),

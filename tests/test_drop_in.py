@@ -19,7 +19,7 @@ import pytest
 from flax.training.train_state import TrainState as FlaxTrainState
 
 import forge_jax as fj
-from forge_jax.ops import fused_dense
+from forge_jax.ops import backends, fused_dense
 
 from conftest import jaxpr_equations
 
@@ -279,6 +279,37 @@ def _selects_of_shape(jaxpr, shape) -> int:
     and any(v.aval.shape == shape for v in eqn.outvars)
     for eqn in jaxpr_equations(jaxpr)
   )
+
+
+@pytest.mark.parametrize(
+  "dtype, fused", [(jnp.bfloat16, True), (jnp.float32, False), (None, False)]
+)
+def test_auto_takes_the_triton_kernel_for_16_bit_activations_only(
+  monkeypatch, dtype, fused
+):
+  """On a GPU where the Mosaic kernel does not run, 'auto' takes the Triton
+  kernel for 16-bit activations; with float32 ones (flax's default dtype)
+  its dot is full-precision float32, 15-68x slower than the XLA reference
+  on an H200, and 'auto' takes the reference."""
+  monkeypatch.setattr(backends, "on_gpu", lambda: True)
+  monkeypatch.setattr(backends, "on_hopper_or_newer", lambda: False)
+  x, y = data()
+  model = fj.ForgeDense(4, optimizer=OPT, dtype=dtype)
+  state = fj.TrainState.create(
+    apply_fn=model.apply,
+    params=model.init(jax.random.key(0), x),
+    tx=OPT.to_optax(),
+  )
+
+  def step(state):
+    loss = lambda p: jnp.mean((state.apply_fn(p, x) - y) ** 2)
+    return state.apply_gradients(grads=jax.grad(loss)(state.params))
+
+  jaxpr = jax.make_jaxpr(step)(state).jaxpr
+  kernels = [
+    eqn for eqn in jaxpr_equations(jaxpr) if eqn.primitive.name == "pallas_call"
+  ]
+  assert bool(kernels) == fused
 
 
 class Wrapped(nn.Module):

@@ -153,13 +153,14 @@ def global_indices(shape, offset):
   return rows, cols
 
 
-def _on_gpu() -> bool:
+def on_gpu() -> bool:
+  """Whether JAX's default backend is a GPU."""
   return jax.default_backend() == "gpu"
 
 
 def on_hopper_or_newer() -> bool:
   """sm90+: where Mosaic GPU's wgmma/TMA kernel runs."""
-  if not _on_gpu():
+  if not on_gpu():
     return False
   capability = getattr(jax.devices()[0], "compute_capability", "0")
   try:
@@ -191,14 +192,23 @@ def lowered_once(update):
   return shared
 
 
+def _half_precision(x, dy) -> bool:
+  """Whether both activations are 16-bit floats (tensor-core inputs)."""
+  return all(jnp.dtype(a.dtype).itemsize == 2 for a in (x, dy))
+
+
 def select(implementation: str, x, dy, kernel, optimizer):
   """The backend for ``implementation``; 'auto' picks the fastest that applies.
 
   'auto' uses, on a GPU, the Mosaic GPU kernel (Hopper and newer) when it
-  supports the call, else the Pallas-Triton kernel when it does, else the
-  XLA reference; int8 states too (Mosaic's int8 update is the faster one,
-  and the Triton kernel trains a scanned Qwen3-14B-shaped model with int8
-  states to NaN where Mosaic and XLA agree, see docs/kernels.md). An
+  supports the call, else the Pallas-Triton kernel when it does and the
+  activations are 16-bit, else the XLA reference; int8 states too (Mosaic's
+  int8 update is the faster one, and the Triton kernel trains a scanned
+  Qwen3-14B-shaped model with int8 states to NaN where Mosaic and XLA agree,
+  see docs/kernels.md). With float32 activations the Triton kernel's
+  ``dW`` is a float32 dot at full precision, off the tensor cores and on
+  one CTA per output tile: 15-68x slower than the XLA reference on an
+  H200, so 'auto' does not take it. An
   explicit 'triton' or 'mosaic' on a machine without a GPU runs that kernel
   in its Pallas interpret mode; where the kernel cannot run the call it
   raises and says why.
@@ -217,7 +227,11 @@ def select(implementation: str, x, dy, kernel, optimizer):
   if implementation == "auto":
     kernels = [
       (on_hopper_or_newer(), mosaic, mosaic.mosaic_update),
-      (_on_gpu(), triton_kernel, triton_kernel.triton_update),
+      (
+        on_gpu() and _half_precision(x, dy),
+        triton_kernel,
+        triton_kernel.triton_update,
+      ),
     ]
     for available, module, update in kernels:
       if (
