@@ -1011,6 +1011,11 @@ def fsdp_section(run) -> str:
   )
 
 
+def ratio(value) -> str:
+  """Two decimals, three below 0.1 (where two would hide a 5x spread)."""
+  return f"{value:.2f}" if value >= 0.1 else f"{value:.3f}"
+
+
 def layer_step_compute(run) -> str:
   """The compute (activation) dtypes a one-layer run measured."""
   return ", ".join(run["config"].get("compute", ["bf16"]))
@@ -1027,7 +1032,7 @@ def layer_step_table(run) -> str:
       f"{c['k']} x {c['n']}",
       f"{c['ms']['optax']:.3f}",
       *(
-        f"{c['speedup'][v]:.2f}" if v in c.get("speedup", {}) else "-"
+        ratio(c["speedup"][v]) if v in c.get("speedup", {}) else "-"
         for v in forge
       ),
       c["auto"].split(".")[-1].replace("_update", ""),
@@ -1049,10 +1054,10 @@ def layer_step_command(run) -> str:
 
 
 def layer_step_section(runs) -> str:
-  """The newest run of each compute dtype, one table each."""
+  """The newest run of each compute dtype and shape set, one table each."""
   newest = {}
   for run in sorted(runs, key=lambda r: meta(r)["date"]):
-    newest[layer_step_compute(run)] = run
+    newest[layer_step_compute(run), tuple(run["config"]["shapes"])] = run
   kept = [newest[c] for c in sorted(newest)]
   return section(
     "One layer's whole train step",

@@ -200,15 +200,21 @@ def _half_precision(x, dy) -> bool:
 def select(implementation: str, x, dy, kernel, optimizer):
   """The backend for ``implementation``; 'auto' picks the fastest that applies.
 
-  'auto' uses, on a GPU, the Mosaic GPU kernel (Hopper and newer) when it
-  supports the call, else the Pallas-Triton kernel when it does and the
-  activations are 16-bit, else the XLA reference; int8 states too (Mosaic's
-  int8 update is the faster one, and the Triton kernel trains a scanned
-  Qwen3-14B-shaped model with int8 states to NaN where Mosaic and XLA agree,
-  see docs/kernels.md). With float32 activations the Triton kernel's
-  ``dW`` is a float32 dot at full precision, off the tensor cores and on
-  one CTA per output tile: 15-68x slower than the XLA reference on an
-  H200, so 'auto' does not take it. An
+  'auto' uses, on a GPU:
+
+  - the Mosaic GPU kernel (Hopper and newer) when it supports the call, int8
+    states included, and its tiles fill the GPU for the call's token count
+    (:func:`forge_jax.ops.mosaic.fills_the_gpu`); when they do not, the XLA
+    reference, which is faster there;
+  - else the Pallas-Triton kernel when it supports the call and the
+    activations are 16-bit. With float32 activations its ``dW`` is a
+    full-precision float32 dot off the tensor cores, one program per
+    output tile: 15-68x slower than the XLA reference on an H200;
+  - else the XLA reference.
+
+  The Mosaic kernel takes int8 states too: its int8 update is the faster
+  one, and the Triton kernel trains a scanned Qwen3-14B-shaped model with
+  int8 states to NaN where Mosaic and XLA agree (docs/kernels.md). An
   explicit 'triton' or 'mosaic' on a machine without a GPU runs that kernel
   in its Pallas interpret mode; where the kernel cannot run the call it
   raises and says why.
@@ -225,20 +231,19 @@ def select(implementation: str, x, dy, kernel, optimizer):
     mosaic.check_supported(x, dy, kernel, optimizer)
     return lowered_once(mosaic.mosaic_update)
   if implementation == "auto":
-    kernels = [
-      (on_hopper_or_newer(), mosaic, mosaic.mosaic_update),
-      (
-        on_gpu() and _half_precision(x, dy),
-        triton_kernel,
-        triton_kernel.triton_update,
-      ),
-    ]
-    for available, module, update in kernels:
-      if (
-        available
-        and module.unsupported_reason(x, dy, kernel, optimizer) is None
-      ):
-        return lowered_once(update)
+    if (
+      on_hopper_or_newer()
+      and mosaic.unsupported_reason(x, dy, kernel, optimizer) is None
+    ):
+      if mosaic.fills_the_gpu(x, kernel, optimizer):
+        return lowered_once(mosaic.mosaic_update)
+      return xla_update
+    if (
+      on_gpu()
+      and _half_precision(x, dy)
+      and triton_kernel.unsupported_reason(x, dy, kernel, optimizer) is None
+    ):
+      return lowered_once(triton_kernel.triton_update)
     return xla_update
   raise ValueError(
     f"{implementation=} must be 'auto', 'xla', 'triton' or 'mosaic'"

@@ -70,6 +70,7 @@ from forge_jax.ops import stacks
 from forge_jax.ops.mosaic import compat
 from forge_jax.ops.mosaic.config import (
   MAX_BARRIERS,
+  MAX_TOKENS_PER_SM_SHARE,
   SHARED_MEMORY_BUDGET,
   MosaicConfig,
   default_config,
@@ -146,6 +147,18 @@ def unsupported_reason(
       f"{SHARED_MEMORY_BUDGET}"
     )
   return None
+
+
+def fills_the_gpu(x, kernel, optimizer) -> bool:
+  """Whether the default config's ``K x N`` tiles keep the SMs busy for this
+  many tokens (``tokens * SMs / tiles`` at most
+  :data:`~forge_jax.ops.mosaic.config.MAX_TOKENS_PER_SM_SHARE`); where they
+  do not, XLA's GEMM and update are faster."""
+  config = default_config(x, kernel, optimizer)
+  k, n = kernel.shape[-2:]
+  tiles = (k // config.tile_k) * (n // config.cta_tile_n)
+  tokens = math.prod(x.shape[:-1])
+  return tokens * num_sms() <= MAX_TOKENS_PER_SM_SHARE * max(tiles, 1)
 
 
 def check_supported(x, dy, kernel, optimizer, config=None):
