@@ -714,7 +714,7 @@ def test_mosaic_nonfinite_gradients_keep_int8_blocks_bit_for_bit(seed):
   assert_same_bits(actual[:2], old, "skipped layer")
 
 
-def test_mosaic_refuses_what_it_cannot_run_and_auto_falls_back():
+def test_mosaic_refuses_what_it_cannot_run_and_auto_falls_back(monkeypatch):
   opt = fj.adamw(1e-3)
   x = jnp.zeros((128, 128), BF16)
   kernel = jnp.zeros((128, 256), F32)
@@ -741,6 +741,7 @@ def test_mosaic_refuses_what_it_cannot_run_and_auto_falls_back():
   with pytest.raises(ValueError, match=r"state dtype float16 is not"):
     backends.select("mosaic", x, x[:, :1].repeat(256, 1), kernel, f16)
   # Off-GPU 'auto' is the reference.
+  monkeypatch.setattr(backends, "on_gpu", lambda: False)
   assert backends.select("auto", x, x, kernel, opt) is backends.xla_update
 
 
