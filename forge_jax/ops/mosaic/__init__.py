@@ -2,7 +2,8 @@
 
 :func:`mosaic_update` is the backend entry point (``backends.xla_update``'s
 contract); :func:`unsupported_reason` and :func:`check_supported` say
-whether it can run a call, :func:`fills_the_gpu` whether it is worth it; :class:`MosaicConfig` is its tiling and schedule,
+whether it can run a call, :func:`fills_the_gpu` whether its tiles keep the
+GPU busy; :class:`MosaicConfig` is its tiling and schedule,
 :func:`default_config` the one it picks.
 
 Modules: :mod:`~forge_jax.ops.mosaic.kernel` (the entry point),
@@ -38,8 +39,8 @@ __all__ = [
   "SCHEDULES",
   "MosaicConfig",
   "check_supported",
-  "fills_the_gpu",
   "default_config",
+  "fills_the_gpu",
   "mosaic_update",
   "ranked_configs",
   "unsupported_reason",
