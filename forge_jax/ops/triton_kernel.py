@@ -364,7 +364,6 @@ def triton_update(
   )
 
   grid = (pl.cdiv(k, config.block_k) * pl.cdiv(n, config.block_n),)
-  both_f32 = x2.dtype == jnp.float32 and dy2.dtype == jnp.float32
   kernel_fn = functools.partial(
     _fused_kernel,
     optimizer=optimizer,
@@ -374,7 +373,9 @@ def triton_update(
     k=k,
     n=n,
     config=config,
-    dot_precision=lax.Precision.HIGHEST if both_f32 else None,
+    # The precision nn.Dense's dW would have (XLA's, the reference's): for
+    # float32 activations on a GPU the default is TF32, 'highest' IEEE.
+    dot_precision=spec.precision,
     scale_leaves=scale_leaves,
     stacked=layer_index is not None,
   )
