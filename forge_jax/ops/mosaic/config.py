@@ -164,6 +164,10 @@ class MosaicConfig:
   def cta_tile_n(self) -> int:
     return self.parts_per_tile * self.tile_n
 
+  def num_tiles(self, k: int, n: int) -> int:
+    """CTA tiles of a ``k x n`` kernel (the persistent grid's work items)."""
+    return (k // self.tile_k) * (n // self.cta_tile_n)
+
   @property
   def epilogue_subtiles(self) -> int:
     """Sub-tiles of one warpgroup's ``tile_k x tile_n`` part."""

@@ -154,9 +154,7 @@ def fills_the_gpu(x, kernel, optimizer) -> bool:
   many tokens (``tokens * SMs / tiles`` at most
   :data:`~forge_jax.ops.mosaic.config.MAX_TOKENS_PER_SM_SHARE`); where they
   do not, XLA's GEMM and update are faster."""
-  config = default_config(x, kernel, optimizer)
-  k, n = kernel.shape[-2:]
-  tiles = (k // config.tile_k) * (n // config.cta_tile_n)
+  tiles = default_config(x, kernel, optimizer).num_tiles(*kernel.shape[-2:])
   tokens = math.prod(x.shape[:-1])
   return tokens * num_sms() <= MAX_TOKENS_PER_SM_SHARE * max(tiles, 1)
 
@@ -304,7 +302,7 @@ def mosaic_update(
     is_scale=tuple([False] + quantization.scale_leaf_mask(kernel_state)),
   )
   storage = [kernel] + state_leaves
-  num_tiles = (k // config.tile_k) * (n // config.cta_tile_n)
+  num_tiles = config.num_tiles(k, n)
   counts_type = jax.ShapeDtypeStruct(
     counts_shape(config, num_tiles), jnp.float32
   )
