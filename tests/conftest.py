@@ -369,19 +369,19 @@ def beyond_one_ulp(actual, expected) -> np.ndarray:
   return (ulp_distance(actual, expected) > 1) & (np.abs(a64 - e64) > scale_ulp)
 
 
-def jaxpr_equations(jaxpr):
+def jaxpr_equations(jaxpr, *, kernel_bodies=False):
   """Every equation of ``jaxpr`` and of the jaxprs nested in it (a Pallas
-  kernel's body excluded)."""
+  kernel's body only with ``kernel_bodies``)."""
   for eqn in jaxpr.eqns:
     yield eqn
-    if eqn.primitive.name == "pallas_call":
+    if eqn.primitive.name == "pallas_call" and not kernel_bodies:
       continue
     for param in eqn.params.values():
       for sub in param if isinstance(param, (tuple, list)) else (param,):
         if isinstance(sub, jax.extend.core.ClosedJaxpr):
-          yield from jaxpr_equations(sub.jaxpr)
-        elif isinstance(sub, jax.extend.core.Jaxpr):
-          yield from jaxpr_equations(sub)
+          sub = sub.jaxpr
+        if isinstance(sub, jax.extend.core.Jaxpr):
+          yield from jaxpr_equations(sub, kernel_bodies=kernel_bodies)
 
 
 def poison(x, where=None, value=np.nan):

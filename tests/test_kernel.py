@@ -15,6 +15,7 @@ from forge_jax import quantization as Q
 from forge_jax.ops import backends, triton_kernel
 from forge_jax.ops.fused_dense import FusedDenseSpec
 
+from conftest import jaxpr_equations
 from fused_dense_test_base import BF16, LOWP_OPTIMIZERS, exact_inputs
 
 
@@ -58,17 +59,11 @@ def test_kernel_refuses_tiles_that_split_a_block():
 
 def _dot_precisions(jaxpr) -> list:
   """The precision of every dot_general in ``jaxpr``, Pallas bodies too."""
-  found = []
-  for eqn in jaxpr.eqns:
-    if eqn.primitive.name == "dot_general":
-      found.append(eqn.params["precision"])
-    for param in eqn.params.values():
-      for sub in param if isinstance(param, (tuple, list)) else (param,):
-        if isinstance(sub, jax.extend.core.ClosedJaxpr):
-          found += _dot_precisions(sub.jaxpr)
-        elif isinstance(sub, jax.extend.core.Jaxpr):
-          found += _dot_precisions(sub)
-  return found
+  return [
+    eqn.params["precision"]
+    for eqn in jaxpr_equations(jaxpr, kernel_bodies=True)
+    if eqn.primitive.name == "dot_general"
+  ]
 
 
 @pytest.mark.parametrize("precision", [None, "highest", "bfloat16"])
