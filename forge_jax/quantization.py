@@ -44,10 +44,11 @@ chunks of exactly one block, so a block never straddles a tile.
 The quantizer is bit-exact across backends without trusting division or
 square roots (Triton lowers float32 ``/`` to an approximate ``div.full``):
 a code is first *estimated* with ``x * (1 / s)``, then corrected by one
-step against thresholds ``(q ± 0.5) * s`` that use only correctly rounded
-multiplies and comparisons; the sqrt-domain scale is the smallest value on
-the bfloat16 grid with ``(254 s)^2 >= max v``, found the same way. Any
-backend whose estimate is within one code gets the same bits.
+step against the threshold ``(q ± 0.5) * s`` on the estimate's side, which
+uses only correctly rounded multiplies and comparisons; the sqrt-domain
+scale is the smallest value on the bfloat16 grid with ``(254 s)^2 >= max
+v``, found the same way. Any backend whose estimate errs by less than half
+a code (float32 estimates err by about 1e-5 of one) gets the same bits.
 
 Storage. JAX differentiates floating leaves only (``jax.grad`` refuses
 int8), and FORGE returns the new state as a cotangent, so the int8 codes are
@@ -264,19 +265,25 @@ def _check_2d(x, what):
     raise ValueError(f"{what} must be 2-D ([rows, columns]), got {x.shape}")
 
 
-def _corrected_round(x, s, estimate, square: bool):
+def _corrected_round(x, s, product, square: bool):
   """The integer ``q`` nearest ``x / s`` (``sqrt(x) / s`` when ``square``),
-  from an ``estimate`` within one of it, using correctly rounded multiplies
-  and comparisons only: with ``t(q) = (q + 0.5) * s`` (squared when
-  ``square``), ``q`` moves up if ``x >= t(q)`` and down if ``x < t(q - 1)``."""
+  as float32, from ``product``, an estimate of that quotient within a few
+  ulps of it (``x * (1 / s)``), using correctly rounded multiplies and
+  comparisons only.
 
-  def threshold(q):
-    t = (q + 0.5) * s
-    return t * t if square else t
-
-  up = (x >= threshold(estimate)).astype(jnp.float32)
-  down = (x < threshold(estimate - 1.0)).astype(jnp.float32)
-  return estimate + up - down
+  ``e``, the integer nearest ``product``, is ``q`` or one of its neighbours,
+  and only the one on ``product``'s side of ``e`` can be nearer (the
+  estimate errs by far less than half an integer): with the half-way point
+  ``h = e +- 0.5`` on that side and ``t = h * s`` (squared when
+  ``square``), ``q = h + 0.5`` if ``x >= t``, else ``h - 0.5``. One
+  threshold an element: the same ``q`` as testing both neighbours.
+  """
+  estimate = _nearest_integer(product)
+  h = estimate + jnp.where(product >= estimate, 0.5, -0.5)
+  t = h * s
+  if square:
+    t = t * t
+  return h + jnp.where(x >= t, 0.5, -0.5)
 
 
 #: 1.5 * 2**23: a float32 in [2**23, 2**24) has no fraction bits, so adding
@@ -354,31 +361,37 @@ def _quantize(x, block, sqrt, valid, rows_1d):
   cols = x.shape[1]
   xp = _pad_cols(x, block)
   finite = jnp.isfinite(xp)
-  mag = jnp.where(finite, jnp.abs(xp), 0.0)
   # One reduction finds both the absmax and the blocks holding a NaN or an
   # inf, which count as inf (Triton's max ignores NaN, XLA's propagates it);
   # such a block's codes and scale are replaced below.
-  amax = _blocks_max(jnp.where(finite, mag, jnp.inf), block, rows_1d)
+  amax = _blocks_max(jnp.where(finite, jnp.abs(xp), jnp.inf), block, rows_1d)
   bad = amax == jnp.inf
   if sqrt:
+    mag = jnp.where(finite, jnp.abs(xp), 0.0)
     scale, levels = _quantize_sqrt(mag, amax, block)
-    codes = levels - float(CODE_MAX)
+    codes = jnp.where(
+      _expand(bad, block, xp.shape[1]), 0.0, levels - float(CODE_MAX)
+    )
   else:
     scale, codes = _quantize_linear(jnp.where(finite, xp, 0.0), amax, block)
-  codes = jnp.where(_expand(bad, block, xp.shape[1]), 0.0, codes)
   scale = jnp.where(bad, jnp.float32(jnp.nan), scale)
   return _rounded_to_int32(codes[:, :cols]), scale
 
 
 def _quantize_linear(x, amax, block):
-  keep = amax >= TINY
+  """``(scale, codes)`` of the signed encoding; a block that is all but
+  zero (absmax below :data:`TINY`) or holds a non-finite value (an
+  infinite ``amax``) gets zero codes, through the clip's bound."""
+  keep = jnp.logical_and(amax >= TINY, amax < jnp.inf)
   scale = jnp.where(keep, amax * np.float32(1.0 / CODE_MAX), 0.0)
   inv = jnp.where(keep, 1.0 / jnp.where(keep, scale, 1.0), 0.0)
   s = _expand(scale, block, x.shape[1])
-  estimate = _nearest_integer(x * _expand(inv, block, x.shape[1]))
-  q = _corrected_round(x, s, estimate, square=False)
-  q = jnp.clip(q, -float(CODE_MAX), float(CODE_MAX))
-  return scale, jnp.where(s > 0, q, 0.0)
+  q = _corrected_round(x, s, x * _expand(inv, block, x.shape[1]), square=False)
+  bound = jnp.where(keep, float(CODE_MAX), 0.0)
+  cols = x.shape[1]
+  return scale, jnp.minimum(
+    jnp.maximum(q, _expand(-bound, block, cols)), _expand(bound, block, cols)
+  )
 
 
 def _sqrt_scale(vmax):
@@ -393,15 +406,19 @@ def _sqrt_scale(vmax):
 
 
 def _quantize_sqrt(mag, vmax, block):
+  """``(scale, levels)`` of the sqrt encoding: levels in ``[1, 254]`` where
+  ``mag > 0`` (no ``v > 0`` reads back as 0: Adam would step ``m / eps``
+  there), 0 where ``mag`` is 0 and in all-zero blocks."""
   scale = _sqrt_scale(vmax)
   inv = jnp.where(scale > 0, 1.0 / jnp.where(scale > 0, scale, 1.0), 0.0)
   s = _expand(scale, block, mag.shape[1])
-  estimate = _nearest_integer(jnp.sqrt(mag) * _expand(inv, block, mag.shape[1]))
-  levels = _corrected_round(mag, s, estimate, square=True)
-  levels = jnp.clip(levels, 0.0, float(SQRT_LEVELS))
-  # No v > 0 reads back as 0 (Adam would step m / eps there).
-  levels = jnp.where(mag > 0, jnp.maximum(levels, 1.0), levels)
-  return scale, jnp.where(s > 0, levels, 0.0)
+  product = jnp.sqrt(mag) * _expand(inv, block, mag.shape[1])
+  levels = _corrected_round(mag, s, product, square=True)
+  floor = jnp.where(mag > 0, 1.0, 0.0)
+  top = _expand(
+    jnp.where(scale > 0, float(SQRT_LEVELS), 0.0), block, mag.shape[1]
+  )
+  return scale, jnp.minimum(jnp.maximum(levels, floor), top)
 
 
 def dequantize(
@@ -453,6 +470,24 @@ def load(leaf) -> jax.Array:
 def load_state(state):
   """:func:`load` over a state NamedTuple."""
   return jax.tree.map(load, state, is_leaf=is_quantized)
+
+
+def nan_where_blocks_not_finite(state, cols: int) -> Optional[jax.Array]:
+  """NaN in the blocks where an int8 leaf of ``state`` reads back
+  non-finite (a NaN scale), 0 elsewhere, broadcastable to ``[rows, cols]``;
+  None if ``state`` has no int8 leaf. One value a block: the scales, not
+  the codes, are read."""
+  scales = [
+    q.scale
+    for q in jax.tree.leaves(state, is_leaf=is_quantized)
+    if is_quantized(q)
+  ]
+  if not scales:
+    return None
+  total = scales[0] - scales[0]
+  for scale in scales[1:]:
+    total = total + (scale - scale)
+  return _expand(total, BLOCK_SIZE, cols)
 
 
 def update(

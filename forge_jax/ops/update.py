@@ -76,7 +76,7 @@ def apply_update(
   """
   grad = grad.astype(jnp.float32)
 
-  def rule(grad, kernel_f32, old_state):
+  def rule(grad, kernel_f32, old_state, stored_state):
     """The stepped kernel (float32), the new state and where to keep them."""
     new_state_f32 = optimizer.update_state(grad, kernel_f32, old_state, scalars)
     read = old_state if optimizer.kernel_reads_old_state else new_state_f32
@@ -90,6 +90,7 @@ def apply_update(
           new_state_f32,
           kernel_f32,
           old_state,
+          stored_state,
           scalars,
           multiply_add=not quantization.has_quantized(state),
         ),
@@ -97,10 +98,9 @@ def apply_update(
     return stepped, new_state_f32, ok
 
   kernel_f32 = stacks.layer_entry(kernel, layer_index).astype(jnp.float32)
+  stored = stacks.layer_entries(state, layer_index)
   stepped, new_state_f32, ok = rule(
-    grad,
-    kernel_f32,
-    quantization.load_state(stacks.layer_entries(state, layer_index)),
+    grad, kernel_f32, quantization.load_state(stored), stored
   )
   new_kernel = quantization.round_weights(
     jnp.where(ok, stepped, kernel_f32),
@@ -132,7 +132,9 @@ def apply_update(
         quantization.load_state(stacks.layer_entries(state, store_index)),
       )
     )
-    _, new_state_f32, ok_s = rule(grad_s, kernel_s, old_s)
+    _, new_state_f32, ok_s = rule(
+      grad_s, kernel_s, old_s, stacks.layer_entries(state, store_index)
+    )
     store_ok = jnp.logical_and(ok_s, after_kernel)
   new_state = quantization.update_state(
     new_state_f32, stacks.layer_entries(state, store_index), store_ok, valid
@@ -141,7 +143,14 @@ def apply_update(
 
 
 def finite_result(
-  new_kernel, new_state, kernel, state, scalars, *, multiply_add=False
+  new_kernel,
+  new_state,
+  kernel,
+  state,
+  stored_state,
+  scalars,
+  *,
+  multiply_add=False,
 ) -> jax.Array:
   """False where the rule made a non-finite kernel or state element from a
   finite one.
@@ -151,6 +160,11 @@ def finite_result(
   inputs unreported. Non-finite inputs propagate as in optax, and a NaN
   learning rate (a wiped layer's poison, see ``fused_dense.step_scalars``)
   is let through on purpose.
+
+  ``state`` is the old state as read (float32), ``stored_state`` as stored:
+  an int8 leaf reads back non-finite only in a block whose scale is NaN
+  (how a block holding a NaN or an infinity is stored), so its scales are
+  checked, one value a block, instead of its elements.
 
   Each leaf's ``x - x`` (or, with ``multiply_add``, ``x * 0``) is zero where
   ``x`` is finite and NaN where it is not; the leaves' terms are summed and
@@ -166,12 +180,23 @@ def finite_result(
 
   def nan_where_not_finite(first, rest):
     total = term(first.astype(jnp.float32))
-    for leaf in jax.tree.leaves(rest):
+    for leaf in rest:
       total = total + term(leaf)
     return total
 
-  made = nan_where_not_finite(new_kernel, new_state)
-  given = nan_where_not_finite(kernel, state)
+  made = nan_where_not_finite(new_kernel, jax.tree.leaves(new_state))
+  unquantized = jax.tree.map(
+    lambda stored, read: None if quantization.is_quantized(stored) else read,
+    stored_state,
+    state,
+    is_leaf=quantization.is_quantized,
+  )
+  given = nan_where_not_finite(kernel, jax.tree.leaves(unquantized))
+  blocks = quantization.nan_where_blocks_not_finite(
+    stored_state, kernel.shape[-1]
+  )
+  if blocks is not None:
+    given = given + blocks
   return jnp.logical_or(
     made == made,
     jnp.logical_or(jnp.isnan(given), jnp.isnan(scalars.neg_lr)),
