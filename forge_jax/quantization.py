@@ -473,10 +473,10 @@ def load_state(state):
 
 
 def nan_where_blocks_not_finite(state, cols: int) -> Optional[jax.Array]:
-  """NaN in the blocks where an int8 leaf of ``state`` reads back
-  non-finite (a NaN scale), 0 elsewhere, broadcastable to ``[rows, cols]``;
-  None if ``state`` has no int8 leaf. One value a block: the scales, not
-  the codes, are read."""
+  """NaN in the blocks that an int8 leaf of ``state`` stores as non-finite
+  (a NaN scale), 0 elsewhere, broadcastable to ``[rows, cols]``; None if
+  ``state`` has no int8 leaf. One value a block: the scales, not the codes,
+  are read."""
   scales = [
     q.scale
     for q in jax.tree.leaves(state, is_leaf=is_quantized)

@@ -985,6 +985,47 @@ class FusedDenseTestBase:
     assert int(out[2]) == w.size
     assert_same_bits(out[:2], old, "skipped layer")
 
+  def nan_int8_blocks_propagate_cases(self):
+    shape, config = self.lowp_shapes[0], next(iter(self.lowp_configs))
+    return [Case(f"{shape_id(shape)}-{config}", (shape, config))]
+
+  def test_nan_int8_blocks_propagate(self, case, seed):
+    """A block stored as non-finite (NaN scale) in ``mu`` or ``nu`` is an
+    input NaN: it propagates to that block's weights and moment, as a NaN
+    float state would, and is not counted as skipped; every other element
+    steps as in the reference, bit for bit."""
+    opt = LOWP_OPTIMIZERS[0][1]
+    (x_shape, n), config = case.args
+    k = x_shape[-1]
+    x, dy = exact_inputs(seed, x_shape, n, self.activation_dtype(F32))
+    w = (0.5 * jax.random.normal(jax.random.key(seed), (k, n))).astype(BF16)
+    state = self.reference(opt, x, dy, w, opt.init(w), 1, step=jnp.int32(1))[1]
+    mu_block, nu_block = (3, 1), (k - 1, 0)
+    state = state._replace(
+      mu=state.mu._replace(scale=poison(state.mu.scale, mu_block)),
+      nu=state.nu._replace(scale=poison(state.nu.scale, nu_block)),
+    )
+    w = jnp.asarray(w)
+    expected = self.reference(opt, x, dy, w, state, 2, step=jnp.int32(2))
+    actual = self.run(
+      opt,
+      x,
+      dy,
+      jnp.copy(w),
+      jax.tree.map(jnp.copy, state),
+      2,
+      config=self.lowp_configs[config],
+      step=jnp.int32(2),
+    )
+    spots = np.zeros((k, n), bool)
+    for row, block in (mu_block, nu_block):
+      spots[row, block * 64 : (block + 1) * 64] = True
+    np.testing.assert_array_equal(np.isnan(np.asarray(expected[0], F32)), spots)
+    assert np.isnan(np.asarray(expected[1].mu.scale)[mu_block])
+    assert np.isnan(np.asarray(expected[1].nu.scale)[nu_block])
+    assert int(expected[2]) == 0
+    assert_same_bits(actual[:3], expected[:3], "NaN blocks")
+
   # -------------------------------------------------------------------------
   # Training through ForgeDense == nn.Dense + the optax alias.
 

@@ -162,9 +162,9 @@ def finite_result(
   is let through on purpose.
 
   ``state`` is the old state as read (float32), ``stored_state`` as stored:
-  an int8 leaf reads back non-finite only in a block whose scale is NaN
-  (how a block holding a NaN or an infinity is stored), so its scales are
-  checked, one value a block, instead of its elements.
+  an int8 leaf holds a NaN or an infinity only as a block's NaN scale (how
+  quantization stores such a block), so its scales are checked, one value a
+  block, instead of its elements.
 
   Each leaf's ``x - x`` (or, with ``multiply_add``, ``x * 0``) is zero where
   ``x`` is finite and NaN where it is not; the leaves' terms are summed and
