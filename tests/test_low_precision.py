@@ -292,19 +292,24 @@ def test_int8_quantizer_edge_cases():
     .at[1, 70]
     .set(jnp.inf)
   )
-  codes, scale = quantize(x)
-  back = np.asarray(dequantize(codes, scale))
-  assert np.isnan(back[0, :64]).all() and np.isnan(back[1, 64:]).all()
-  assert np.isfinite(back[0, 64:]).all() and np.isfinite(back[1, :64]).all()
+  for sqrt in (False, True):
+    codes, scale = quantize(jnp.abs(x) if sqrt else x, sqrt=sqrt)
+    back = np.asarray(dequantize(codes, scale, sqrt=sqrt))
+    assert np.isnan(back[0, :64]).all() and np.isnan(back[1, 64:]).all()
+    assert np.isfinite(back[0, 64:]).all() and np.isfinite(back[1, :64]).all()
+    # The poisoned blocks' codes are zeros, whatever their finite elements.
+    codes = np.asarray(codes)
+    assert (codes[0, :64] == 0).all() and (codes[1, 64:] == 0).all()
   # Codes never use -128 (the NaN pattern of their float8 container).
   codes, _ = quantize(jnp.asarray(_heavy_tailed(1, (8, 640))))
   container = Q.container_codes(codes)
   assert np.isfinite(np.asarray(container.astype(F32))).all()
   assert_bitwise_equal(Q.int8_codes(container), codes, "container round trip")
   # Tiny blocks are stored as zeros instead of overflowing 1 / scale.
-  tiny = jnp.full((1, 64), 1e-35, F32)
+  tiny = jnp.full((1, 64), 1e-35, F32).at[0, 5].set(-3e-35)
   codes, scale = quantize(tiny)
   assert float(scale[0, 0]) == 0.0
+  assert (np.asarray(codes) == 0).all()
 
 
 def test_state_dtype_option(seed):
