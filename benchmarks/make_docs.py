@@ -253,6 +253,7 @@ def step_section(runs) -> str:
       precision(r),
       r.get("attention") or "xla",
       f"{r['peak_bytes_in_use'] / GIB:.2f}",
+      f"{r['compiled_argument_bytes'] / GIB:.2f}",
       f"{r['compiled_temp_bytes'] / GIB:.2f}",
       f"{r['step_ms_median']:.1f} ({len(r['step_ms_all'])})",
       f"`{commit(r)}`",
@@ -268,6 +269,7 @@ def step_section(runs) -> str:
       "weights / states",
       "attention",
       "peak (GiB)",
+      "arguments (GiB)",
       "compiled temp (GiB)",
       "step ms (median of n)",
       "commit",
@@ -314,8 +316,10 @@ def step_section(runs) -> str:
     "Whole train step (one GPU)",
     "The package's Llama-style model, scan over layers with remat, AdamW, "
     "bf16 weights; each run in a fresh process. Peak: `memory_stats()` "
-    "`peak_bytes_in_use`; step time: the median of the timed steps after "
-    "two warm-up steps. A ratio within a few hundredths of 1 is a tie: one "
+    "`peak_bytes_in_use`; arguments: the compiled step's argument bytes "
+    "(weights, optimizer states and the batch: what stays resident between "
+    "steps, a floor under the peak); step time: the median of the timed "
+    "steps after two warm-up steps. A ratio within a few hundredths of 1 is a tie: one "
     "configuration's step time moves by a few percent between machines.",
     f"![peak memory]({PLOT_LINK}model_memory.png)\n\n{body}",
     "python benchmarks/run.py step  # --seq, --batch, --int8, "

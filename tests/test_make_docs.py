@@ -52,6 +52,7 @@ def _model_run(variant, step_ms, flags="", date="2026-11-30"):
     "step_ms_median": step_ms,
     "step_ms_all": [step_ms],
     "peak_bytes_in_use": 2**30,
+    "compiled_argument_bytes": 0,
     "compiled_temp_bytes": 0,
     "projection_kernel_bytes": 2**30,
     "mosaic_config": None,
