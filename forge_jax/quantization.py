@@ -274,7 +274,7 @@ def _corrected_round(x, s, product, square: bool):
   ``e``, the integer nearest ``product``, is ``q`` or one of its neighbours,
   and only the one on ``product``'s side of ``e`` can be nearer (the
   estimate errs by far less than half an integer): with the half-way point
-  ``h = e +- 0.5`` on that side and ``t = h * s`` (squared when
+  ``h = e ± 0.5`` on that side and ``t = h * s`` (squared when
   ``square``), ``q = h + 0.5`` if ``x >= t``, else ``h - 0.5``. One
   threshold an element: the same ``q`` as testing both neighbours.
   """
@@ -363,7 +363,7 @@ def _quantize(x, block, sqrt, valid, rows_1d):
   finite = jnp.isfinite(xp)
   # One reduction finds both the absmax and the blocks holding a NaN or an
   # inf, which count as inf (Triton's max ignores NaN, XLA's propagates it);
-  # such a block's codes and scale are replaced below.
+  # such a block is stored as zero codes and a NaN scale.
   amax = _blocks_max(jnp.where(finite, jnp.abs(xp), jnp.inf), block, rows_1d)
   bad = amax == jnp.inf
   if sqrt:
