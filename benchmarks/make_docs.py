@@ -319,8 +319,9 @@ def step_section(runs) -> str:
     "`peak_bytes_in_use`; arguments: the compiled step's argument bytes "
     "(weights, optimizer states and the batch: what stays resident between "
     "steps, a floor under the peak); step time: the median of the timed "
-    "steps after two warm-up steps. A ratio within a few hundredths of 1 is a tie: one "
-    "configuration's step time moves by a few percent between machines.",
+    "steps after two warm-up steps. A ratio within a few hundredths of 1 is "
+    "a tie: one configuration's step time moves by a few percent between "
+    "machines.",
     f"![peak memory]({PLOT_LINK}model_memory.png)\n\n{body}",
     "python benchmarks/run.py step  # --seq, --batch, --int8, "
     "--attention cudnn, --remat-policy, --xla-flags, --config select the rows",

@@ -382,13 +382,13 @@ def _quantize_linear(x, amax, block):
   """``(scale, codes)`` of the signed encoding; a block that is all but
   zero (absmax below :data:`TINY`) or holds a non-finite value (an
   infinite ``amax``) gets zero codes, through the clip's bound."""
+  cols = x.shape[1]
   keep = jnp.logical_and(amax >= TINY, amax < jnp.inf)
   scale = jnp.where(keep, amax * np.float32(1.0 / CODE_MAX), 0.0)
   inv = jnp.where(keep, 1.0 / jnp.where(keep, scale, 1.0), 0.0)
-  s = _expand(scale, block, x.shape[1])
-  q = _corrected_round(x, s, x * _expand(inv, block, x.shape[1]), square=False)
+  s = _expand(scale, block, cols)
+  q = _corrected_round(x, s, x * _expand(inv, block, cols), square=False)
   bound = jnp.where(keep, float(CODE_MAX), 0.0)
-  cols = x.shape[1]
   return scale, jnp.minimum(
     jnp.maximum(q, _expand(-bound, block, cols)), _expand(bound, block, cols)
   )

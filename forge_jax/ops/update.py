@@ -109,7 +109,7 @@ def apply_update(
     key=rounding_key,
     indices=indices,
   )
-  store_ok, store_index = ok, layer_index
+  store_ok, store_index, stored_at_store = ok, layer_index, stored
   if order_in_place:
     # The kernel's fusion reads the old state; the state's fusions overwrite
     # it. Depending on a reduction of the new kernel (which XLA cannot
@@ -122,6 +122,7 @@ def apply_update(
       # schedules the copy after this kernel's update: one layer's copies
       # are not all alive at once.
       store_index = jnp.where(after_kernel, layer_index, 0)
+      stored_at_store = stacks.layer_entries(state, store_index)
     # Recompute the new state (and where to store it) for the stores from
     # barrier-separated inputs: no float32 copy of it, nor of the mask,
     # stays alive between the two fusions.
@@ -129,15 +130,13 @@ def apply_update(
       (
         grad,
         stacks.layer_entry(kernel, store_index).astype(jnp.float32),
-        quantization.load_state(stacks.layer_entries(state, store_index)),
+        quantization.load_state(stored_at_store),
       )
     )
-    _, new_state_f32, ok_s = rule(
-      grad_s, kernel_s, old_s, stacks.layer_entries(state, store_index)
-    )
+    _, new_state_f32, ok_s = rule(grad_s, kernel_s, old_s, stored_at_store)
     store_ok = jnp.logical_and(ok_s, after_kernel)
   new_state = quantization.update_state(
-    new_state_f32, stacks.layer_entries(state, store_index), store_ok, valid
+    new_state_f32, stored_at_store, store_ok, valid
   )
   return new_kernel, new_state, ok
 
