@@ -34,6 +34,7 @@ import pytest
 from flax.training.train_state import TrainState
 
 import forge_jax as fj
+from forge_jax import quantization
 
 # On CPU the suite's time is mostly XLA's compile time (tiny shapes,
 # thousands of programs). Optimization level 1 without LLVM's expensive
@@ -382,6 +383,36 @@ def jaxpr_equations(jaxpr, *, kernel_bodies=False):
           sub = sub.jaxpr
         if isinstance(sub, jax.extend.core.Jaxpr):
           yield from jaxpr_equations(sub, kernel_bodies=kernel_bodies)
+
+
+def assert_within_rounding(actual, expected, what, identical):
+  """The rule's float32 arithmetic may be compiled differently from the
+  reference's (FMA contraction: XLA's fusion of the interpreter's tile, or
+  Mosaic's code on the GPU), moving a rare element across a stochastic-
+  rounding or int8 boundary: at least ``identical`` of each leaf's bits
+  match, the rest one int8 code or one bf16 ulp away, at the element's own
+  magnitude or at the leaf's scale (:func:`beyond_one_ulp`: where the
+  update cancels to near zero); float32 block scales (an absmax: one such
+  element moves its block's) within 1e-6."""
+  for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected)):
+    a, e = np.asarray(a), np.asarray(e)
+    if a.dtype == np.float32:
+      np.testing.assert_allclose(a, e, rtol=1e-6, err_msg=what)
+      continue
+    assert (bits(a) == bits(e)).mean() >= identical, (what, a.dtype)
+    if a.dtype == quantization.CODES_CONTAINER:
+      distance = np.abs(
+        np.asarray(quantization.int8_codes(a), np.int32)
+        - np.asarray(quantization.int8_codes(e), np.int32)
+      )
+      assert distance.max() <= 1, what
+    else:
+      beyond = beyond_one_ulp(a, e)
+      assert not beyond.any(), (
+        what,
+        f"{beyond.sum()} elements beyond one ulp, up to "
+        f"{ulp_distance(a, e)[beyond].max()} ulps",
+      )
 
 
 def poison(x, where=None, value=np.nan):

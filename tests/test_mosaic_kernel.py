@@ -40,11 +40,10 @@ from forge_jax.ops.mosaic import config as mosaic_config
 from conftest import (
   assert_bitwise_equal,
   assert_same_bits,
-  beyond_one_ulp,
+  assert_within_rounding,
   bits,
   host_copy,
   poison,
-  ulp_distance,
 )
 from fused_dense_test_base import (
   BF16,
@@ -558,36 +557,6 @@ def test_mosaic_stochastic_rounding_of_a_stacked_layer(seed):
   layer = lambda tree, i: jax.tree.map(lambda a: a[i], tree)
   assert_same_bits(layer(actual[:2], 2), expected[:2], "layer 2")
   assert_same_bits(layer(actual[:2], 0), layer((kernels, states), 0), "layer 0")
-
-
-def assert_within_rounding(actual, expected, what, identical):
-  """The rule's float32 arithmetic may be compiled differently from the
-  reference's (FMA contraction: XLA's fusion of the interpreter's tile, or
-  Mosaic's code on the GPU), moving a rare element across a stochastic-
-  rounding or int8 boundary: at least ``identical`` of each leaf's bits
-  match, the rest one int8 code or one bf16 ulp away, at the element's own
-  magnitude or at the leaf's scale (:func:`beyond_one_ulp`: where the
-  update cancels to near zero); float32 block scales (an absmax: one such
-  element moves its block's) within 1e-6."""
-  for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected)):
-    a, e = np.asarray(a), np.asarray(e)
-    if a.dtype == np.float32:
-      np.testing.assert_allclose(a, e, rtol=1e-6, err_msg=what)
-      continue
-    assert (bits(a) == bits(e)).mean() >= identical, (what, a.dtype)
-    if a.dtype == Q.CODES_CONTAINER:
-      distance = np.abs(
-        np.asarray(Q.int8_codes(a), np.int32)
-        - np.asarray(Q.int8_codes(e), np.int32)
-      )
-      assert distance.max() <= 1, what
-    else:
-      beyond = beyond_one_ulp(a, e)
-      assert not beyond.any(), (
-        what,
-        f"{beyond.sum()} elements beyond one ulp, up to "
-        f"{ulp_distance(a, e)[beyond].max()} ulps",
-      )
 
 
 def int8_sr(opt, seed=0):
