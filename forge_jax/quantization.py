@@ -247,9 +247,11 @@ def _expand(per_block, block, cols):
     return lax.broadcast_in_dim(per_block, (per_block.shape[0], cols), (0,))
   if per_block.shape[1] == 1:
     return per_block
-  return jnp.repeat(
-    per_block, block, axis=1, total_repeat_length=per_block.shape[1] * block
-  )[:, :cols]
+  rows, blocks = per_block.shape
+  # A broadcast and a reshape, which XLA fuses into the consumer (jnp.repeat
+  # lowers to a scatter, a cumulative sum and gathers).
+  repeated = lax.broadcast_in_dim(per_block, (rows, blocks, block), (0, 1))
+  return repeated.reshape(rows, blocks * block)[:, :cols]
 
 
 def _pad_cols(x, block):
@@ -381,17 +383,17 @@ def _quantize(x, block, sqrt, valid, rows_1d):
 def _quantize_linear(x, amax, block):
   """``(scale, codes)`` of the signed encoding; a block that is all but
   zero (absmax below :data:`TINY`) or holds a non-finite value (an
-  infinite ``amax``) gets zero codes, through the clip's bound."""
+  infinite ``amax``) gets zero codes."""
   cols = x.shape[1]
   keep = jnp.logical_and(amax >= TINY, amax < jnp.inf)
   scale = jnp.where(keep, amax * np.float32(1.0 / CODE_MAX), 0.0)
   inv = jnp.where(keep, 1.0 / jnp.where(keep, scale, 1.0), 0.0)
   s = _expand(scale, block, cols)
   q = _corrected_round(x, s, x * _expand(inv, block, cols), square=False)
-  bound = jnp.where(keep, float(CODE_MAX), 0.0)
-  return scale, jnp.minimum(
-    jnp.maximum(q, _expand(-bound, block, cols)), _expand(bound, block, cols)
-  )
+  # Masked blocks' zeros by a select: with the clip's bounds at +-0 instead,
+  # XLA's GPU code gave an all-zero block codes of -1 (read back as -0.0).
+  q = jnp.clip(q, -float(CODE_MAX), float(CODE_MAX))
+  return scale, jnp.where(_expand(keep, block, cols), q, 0.0)
 
 
 def _sqrt_scale(vmax):
