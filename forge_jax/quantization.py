@@ -390,10 +390,11 @@ def _quantize_linear(x, amax, block):
   inv = jnp.where(keep, 1.0 / jnp.where(keep, scale, 1.0), 0.0)
   s = _expand(scale, block, cols)
   q = _corrected_round(x, s, x * _expand(inv, block, cols), square=False)
-  # Masked blocks' zeros by a select: with the clip's bounds at +-0 instead,
-  # XLA's GPU code gave an all-zero block codes of -1 (read back as -0.0).
+  # Masked blocks (scale 0) get zeros by a select: with the clip's bounds
+  # at +-0 instead, XLA's GPU code gave an all-zero block codes of -1 (read
+  # back as -0.0).
   q = jnp.clip(q, -float(CODE_MAX), float(CODE_MAX))
-  return scale, jnp.where(_expand(keep, block, cols), q, 0.0)
+  return scale, jnp.where(s > 0, q, 0.0)
 
 
 def _sqrt_scale(vmax):
