@@ -51,6 +51,11 @@ if os.environ.get("JAX_PLATFORMS") == "cpu":
     ]
   ).strip()
 
+# On a GPU, pytest-xdist's workers share the device: without this each
+# would preallocate three quarters of its memory and all but the first
+# would run out. Set before the backends initialize.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
 # Mosaic GPU's interpret mode runs each simulated warpgroup as a nested CPU
 # computation. With one CPU device on a 2-core machine, kernels with four
 # warpgroups deadlocked (the epilogue-warpgroup schedule): two warpgroups
