@@ -113,7 +113,7 @@ class MosaicConfig:
       raise ValueError(f"ctas_per_sm={self.ctas_per_sm} must be 1 or 2")
     if self.schedule not in SCHEDULES:
       raise ValueError(f"schedule={self.schedule!r} must be one of {SCHEDULES}")
-    # Four, with 64 x 64 parts in a 64 x 256 CTA tile, measured 1.3x the
+    # Four, with 64 x 64 parts in a 64 x 256 CTA tile, measured 1.2-1.3x the
     # default's time on the H200 (bf16 W / m / v, 4096 x 14336, 512 and
     # 2048 tokens); with 128 x 64 parts their registers spill.
     if self.compute_wgs not in (1, 2):
