@@ -262,7 +262,8 @@ def shared_memory_bytes(
 #: epilogue buffer per warpgroup beside it; optimizers with four float32
 #: state tensors a shallower pipeline. Wider parts (``tile_n=128``, a
 #: 128 x 256 CTA tile, 3-4 stages) were 17-48 % slower at 2048 tokens at
-#: every 8B shape.
+#: every 8B shape; 64 x 64 or 128 x 32 epilogue sub-tiles (one buffer, to
+#: fit) 7-21 %.
 INLINE_CONFIGS = (
   MosaicConfig(max_concurrent_steps=5),
   MosaicConfig(max_concurrent_steps=5, epilogue_slots=1),
@@ -296,7 +297,10 @@ PINGPONG_CONFIGS = (
 #: halves those registers: 1.00 ms at 512 tokens and 1.38 ms at 2048
 #: (2.49 / 2.75 ms with 128 x 64), faster than the Triton kernel (1.41 /
 #: 2.12 ms); one warpgroup per CTA with 232 registers is slower (2.54 /
-#: 3.46 ms), and so are the pingpong schedules (2.30 / 2.81 ms).
+#: 3.46 ms), and so are the pingpong schedules (2.30 / 2.81 ms). With the
+#: current quantizer 128 x 64 parts still take 1.8-2.2x the time (1.7x with
+#: the accumulator's second sub-tile stashed in shared memory), and six or
+#: seven stages are no faster.
 QUANTIZED_CONFIGS = (
   MosaicConfig(tile_k=64, max_concurrent_steps=5, epilogue_slots=1),
 ) + INLINE_CONFIGS
