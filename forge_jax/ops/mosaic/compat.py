@@ -5,15 +5,18 @@ of jax 0.10 and 0.11 has neither. :func:`register_missing_lowerings` lowers
 them through ops it has, where it lacks them (a lowering JAX has is kept).
 The kernel calls it before Mosaic GPU lowers its body; importing this module
 changes nothing. :func:`interpret_params` reaches Mosaic GPU's interpret
-mode, whose parameters JAX does not export.
+mode, whose parameters JAX does not export. :func:`load_unvectorized`
+calls ``plgpu.load`` in the form this JAX takes.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental.pallas import mosaic_gpu as plgpu
 
 
 def _sqrt_via_rsqrt(x, accuracy=None):
@@ -51,3 +54,14 @@ def interpret_params():
   from jax._src.pallas.mosaic_gpu.interpret import params
 
   return params.InterpretGPUParams()
+
+
+def load_unvectorized(ref):
+  """The whole of ``ref`` (a view: ``ref.at[...]``) through ``plgpu.load``
+  without its optimized (vectorized) path, which a strided view lacks. jax
+  0.10 takes the index as a second argument; later versions deprecate it
+  in favour of the view."""
+  index = inspect.signature(plgpu.load).parameters["idx"]
+  if index.default is inspect.Parameter.empty:
+    return plgpu.load(ref, (), optimized=False)
+  return plgpu.load(ref, optimized=False)

@@ -21,6 +21,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from forge_jax import quantization
+from forge_jax.ops.mosaic import compat
 
 
 class Epilogue:
@@ -94,7 +95,7 @@ class Epilogue:
     if self.interpret:  # the interpreter has no plgpu.load
       return gmem[self._scale_index(k0, n0)]
     # A strided column: no optimized (vectorized) load exists.
-    return plgpu.load(gmem, self._scale_index(k0, n0), optimized=False)
+    return compat.load_unvectorized(gmem.at[self._scale_index(k0, n0)])
 
   def apply(self, grad, values, k0, n0):
     """The rule on the sub-tile at ``(k0, n0)``, of ``grad``'s shape: the
