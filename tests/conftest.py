@@ -10,7 +10,9 @@
   failure so a failing case can be rerun). ``seed_of`` gives a group of
   tests one seed (fused_dense_test_base: a case id on every backend).
 * ``poison``: NaN (or another value) written into chosen elements.
-* ``gpu`` marker: skipped unless ``jax.default_backend() == 'gpu'``.
+* ``gpu`` marker: skipped unless ``jax.default_backend() == 'gpu'``. On a
+  GPU, ``python -m pytest -q -n 6 -m gpu tests/`` runs them; the workers
+  share the device (no preallocation).
 * ``slow`` marker: skipped unless pytest runs with ``--run-slow``. The
   default run covers every backend, optimizer and storage format at least
   once; ``--run-slow`` adds the exhaustive matrices (every optimizer with
