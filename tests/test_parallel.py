@@ -690,11 +690,13 @@ def test_int8_states_of_one_layer_match_one_device(
 INT8_TP_SP = [(2, True), (2, False), (4, False)]
 # Under TP the forward's partial sums (row-parallel all-reduces) add in
 # another order, so a few values near a rounding boundary (bf16 weight, int8
-# code) land on the other side: measured <= 0.092 % of the elements of a
-# leaf (15 of o_proj's 16384; rounding with local indices instead of global
-# ones: >= 26 %). float32 scales differ in their last bits (<= 3.2e-4
-# relative per leaf), losses by <= 5e-7.
-INT8_DIFFERING_SHARE = 2e-3
+# code) land on the other side, and later steps carry them on. How many
+# depends on the CPU's vectorized sums: at most 0.092 % of a leaf's elements
+# on one x86 CPU, 0.46 % on another (AMD EPYC without AVX-512: weights
+# within 0.5 % of their leaf's largest); rounding with local indices instead
+# of global ones changes >= 26 %. float32 scales differ in their last bits
+# (<= 3.2e-4 relative per leaf), losses by <= 2e-6.
+INT8_DIFFERING_SHARE = 1e-2
 INT8_SCALE_RTOL = 1e-3
 
 
