@@ -60,9 +60,10 @@ def apply_update(
   ``kernel``, default a whole-kernel iota). ``valid`` masks the elements of
   a tile that exist (quantization blocks count the others as zero).
 
-  ``order_in_place`` (for whole-array XLA backends) orders the state's
-  stores after the kernel's fusion, which reads the old state, so XLA can
-  update every donated buffer in place instead of copying it.
+  ``order_in_place`` (for whole arrays compiled by XLA for the CPU, see
+  :func:`forge_jax.ops.backends.apply_gradient`) orders the state's stores
+  after the kernel's fusion, which reads the old state, so XLA can update
+  every donated buffer in place instead of copying it.
 
   With a ``layer_index``, ``kernel`` and ``state`` are stacks on a leading
   layer axis (:mod:`forge_jax.ops.stacks`) and the layer's entries are
