@@ -43,7 +43,23 @@ import forge_jax as fj  # noqa: E402
 from forge_jax.ops import backends  # noqa: E402
 
 SHAPES = ("4096x4096", "4096x1024", "4096x14336", "14336x4096", "4096x128256")
-STORAGE = {"fp32": (jnp.float32, None), "bf16": (jnp.bfloat16, jnp.bfloat16)}
+#: W / m / v storage: (param dtype, FORGE's state dtype). ``int8-sr``: bf16
+#: weights with stochastic rounding and int8 states (optax: bf16 states).
+STORAGE = {
+  "fp32": (jnp.float32, None),
+  "bf16": (jnp.bfloat16, jnp.bfloat16),
+  "int8-sr": (jnp.bfloat16, "int8"),
+}
+
+
+def _forge_optimizer(storage):
+  _, state_dtype = STORAGE[storage]
+  rounding = "stochastic" if storage == "int8-sr" else "nearest"
+  return fj.adamw(
+    1e-4, weight_decay=0.1, state_dtype=state_dtype, weight_rounding=rounding
+  )
+
+
 COMPUTE = {"bf16": jnp.bfloat16, "fp32": jnp.float32}
 
 
@@ -85,8 +101,8 @@ def _loss(apply_fn, params, x):
 
 def make_runner(variant, tokens, k, n, storage, compute="bf16"):
   """A no-argument function running one donated train step per call."""
-  param_dtype, state_dtype = STORAGE[storage]
-  opt = fj.adamw(1e-4, weight_decay=0.1, state_dtype=state_dtype)
+  param_dtype, _ = STORAGE[storage]
+  opt = _forge_optimizer(storage)
   forge = variant != "optax"
   model = Layer(
     n,
@@ -102,7 +118,8 @@ def make_runner(variant, tokens, k, n, storage, compute="bf16"):
       apply_fn=model.apply, params=variables, tx=opt.to_optax()
     )
   else:
-    tx = optax.adamw(1e-4, weight_decay=0.1, mu_dtype=state_dtype)
+    mu_dtype = None if param_dtype == jnp.float32 else jnp.bfloat16
+    tx = optax.adamw(1e-4, weight_decay=0.1, mu_dtype=mu_dtype)
     state = train_state.TrainState.create(
       apply_fn=model.apply, params=variables, tx=tx
     )
@@ -125,8 +142,8 @@ def make_runner(variant, tokens, k, n, storage, compute="bf16"):
 
 def auto_choice(tokens, k, n, storage, compute="bf16"):
   """The backend ``implementation='auto'`` takes for this case."""
-  param_dtype, state_dtype = STORAGE[storage]
-  opt = fj.adamw(1e-4, state_dtype=state_dtype)
+  param_dtype, _ = STORAGE[storage]
+  opt = _forge_optimizer(storage)
   x = jax.ShapeDtypeStruct((tokens, k), COMPUTE[compute])
   dy = jax.ShapeDtypeStruct((tokens, n), COMPUTE[compute])
   kernel = jax.ShapeDtypeStruct((k, n), param_dtype)
@@ -140,7 +157,9 @@ def _args(argv=None):
     "--tokens", type=int, nargs="+", default=[512, 2048, 8192]
   )
   parser.add_argument("--shapes", nargs="+", default=list(SHAPES))
-  parser.add_argument("--storage", nargs="+", default=["fp32", "bf16"])
+  parser.add_argument(
+    "--storage", nargs="+", default=["fp32", "bf16"], choices=sorted(STORAGE)
+  )
   parser.add_argument(
     "--compute",
     nargs="+",
