@@ -18,7 +18,12 @@ column, so a wave of them reads each block of the layer once from HBM
 while every row block of ``x`` (the smaller operand, re-read from L2) uses
 it. With ``transpose_rhs`` the kernel block is wgmma's transposed operand.
 The float32 accumulation runs over ``K`` in order, as XLA's GEMMs do where
-they do not split ``K``.
+they do not split ``K``; its outputs still differ from XLA's (cuBLAS's)
+in some bits. On an H200, a two-layer model of Llama-3.1-8B's widths
+(T = 512) computed its first loss 12.25208 against XLA's 12.25255, and one
+step later 0.52 % of its kernels' elements differed, by at most 3.7e-4,
+with bf16 and int8 states alike. ``implementation='xla'`` keeps XLA's
+GEMMs.
 
 Off-GPU it runs in Mosaic GPU's interpret mode, whose wgmma takes no
 transposed operand: there ``transpose_rhs`` transposes the stack first.
