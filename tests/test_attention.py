@@ -75,7 +75,16 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("fields, call", CASES.values(), ids=CASES.keys())
+@pytest.mark.parametrize(
+  "fields, call",
+  [
+    # Plain self attention by default: test_self_attention_is_flax_s.
+    pytest.param(
+      *case, id=name, marks=pytest.mark.slow if name == "self" else ()
+    )
+    for name, case in CASES.items()
+  ],
+)
 def test_same_variables_and_outputs_as_flax(fields, call, seed):
   keys = jax.random.split(jax.random.key(seed), 4)
   q = jax.random.normal(keys[0], (2, 5, 12))

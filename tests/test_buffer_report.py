@@ -72,7 +72,9 @@ def test_short_op():
   assert br.short_op("jit(step)/add") == "add"
 
 
-@pytest.mark.parametrize("forge", [False, True])
+@pytest.mark.parametrize(
+  "forge", [pytest.param(False, marks=pytest.mark.slow), True]
+)
 def test_tiny_step_report(tmp_path, forge):
   """The temp allocations sum to memory_analysis()'s temp bytes, the JSON
   summary is serializable, and the float32 logits show up with their op."""

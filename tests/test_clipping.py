@@ -75,13 +75,19 @@ def _without_factors(variables):
   return {name: variables[name] for name in ("params", COLL)}
 
 
+#: The optimizers whose first row the default run clips: clipping scales the
+#: gradient before the alias, whatever its rule (every optimizer with
+#: --run-slow; AdamW is clipped by default in the tests below).
+CLIPPED_BY_DEFAULT = ("adam",)
+
+
 def _table_rows():
   """``(case, active)`` pairs of the table: clipping active on the first row
-  of each optimizer and inactive on the table's first row by default, every
-  pair with --run-slow."""
+  of each of :data:`CLIPPED_BY_DEFAULT` and inactive on the table's first
+  row by default, every pair with --run-slow."""
   seen, rows = set(), []
   for i, case in enumerate(OPTAX_CASES):
-    first = case.name not in seen
+    first = case.name not in seen and case.name in CLIPPED_BY_DEFAULT
     seen.add(case.name)
     for active in (True, False):
       default = first and (active or i == 0)
@@ -221,7 +227,12 @@ def test_exact_clipping_matches_optax_chain(case, active, seed):
 @pytest.mark.parametrize(
   "factors,implementation,expected_pass,rtol",
   [
-    (False, "xla", layer_context.SCALED, RTOL),
+    # Two passes against optax.chain by default: test_exact_clipping_under_
+    # nn_scan_runs_two_passes (and under TP: test_clipping_under_tensor_
+    # parallelism).
+    pytest.param(
+      False, "xla", layer_context.SCALED, RTOL, marks=pytest.mark.slow
+    ),
     (True, "triton", layer_context.DEFERRED, 1e-5),
   ],
   ids=["two-passes-without-factor-sinks", "deferred-triton-interpret"],
@@ -254,7 +265,11 @@ def test_exact_clipping_by_each_path(
     np.testing.assert_allclose(float(forge.grad_norm), ref_norm, rtol=rtol)
 
 
-@pytest.mark.parametrize("clip", ["exact", "delayed"])
+@pytest.mark.parametrize(
+  "clip",
+  # Delayed clipping's step: test_delayed_clipping_scales_by_the_previous_norm.
+  ["exact", pytest.param("delayed", marks=pytest.mark.slow)],
+)
 def test_clipping_with_aux(clip, seed):
   """``state.value_and_grad(loss_fn, has_aux=True)``: the aux comes back as
   the loss function returned it (the loss and the logits of the step's
@@ -282,7 +297,12 @@ def test_clipping_with_aux(clip, seed):
       compare_states(step, forge, ref)
 
 
-@pytest.mark.parametrize("tokens", [4, 64], ids=["gram", "weight-gradient"])
+@pytest.mark.parametrize(
+  "tokens",
+  # The table's layers (10 tokens) sum dW's squares by default.
+  [4, pytest.param(64, marks=pytest.mark.slow)],
+  ids=["gram", "weight-gradient"],
+)
 def test_exact_clipping_of_a_wide_layer(tokens, seed):
   """A 12 -> 128 layer: with few tokens the norm-only pass sums
   ``(x x^T) * (dy dy^T)`` (no dW), with many it sums dW's squares."""
@@ -298,9 +318,18 @@ def test_exact_clipping_of_a_wide_layer(tokens, seed):
     np.testing.assert_allclose(float(forge.grad_norm), ref_norm, rtol=1e-6)
 
 
-@pytest.mark.parametrize("clip", ["exact", "delayed"])
-@pytest.mark.parametrize("general", [False, True], ids=["dense", "general"])
-def test_clipping_a_model_that_is_one_layer(clip, general, seed):
+@pytest.mark.parametrize(
+  "general,clip",
+  [
+    # Each layer and each kind of clipping once by default.
+    pytest.param(False, "exact", marks=pytest.mark.slow),
+    (False, "delayed"),
+    (True, "exact"),
+    pytest.param(True, "delayed", marks=pytest.mark.slow),
+  ],
+  ids=["dense-exact", "dense-delayed", "general-exact", "general-delayed"],
+)
+def test_clipping_a_model_that_is_one_layer(general, clip, seed):
   """A ForgeDense (or ForgeDenseGeneral) that is the whole model (module
   path ``()``): clipped like nn.Dense under optax.clip_by_global_norm, by
   this step's norm or by the previous one's."""
@@ -657,7 +686,11 @@ class TensorParallel(nn.Module):
     )(jnp.tanh(h))
 
 
-@pytest.mark.parametrize("clip", ["exact", "delayed"])
+@pytest.mark.parametrize(
+  "clip",
+  # Both all-reduce the shards' sums of squares (the same psum).
+  ["exact", pytest.param("delayed", marks=pytest.mark.slow)],
+)
 def test_clipping_under_tensor_parallelism(clip, seed):
   """The shards' sums of squares are all-reduced: two shards step and
   report the norm as one device does."""

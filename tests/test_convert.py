@@ -34,7 +34,12 @@ LLAMA = LlamaConfig(
 )
 
 
-@pytest.mark.parametrize("scan_layers", [False, True], ids=["unrolled", "scan"])
+@pytest.mark.parametrize(
+  "scan_layers",
+  # Unrolled layers by default: test_auto_names_round_trip_bit_for_bit.
+  [pytest.param(False, marks=pytest.mark.slow), True],
+  ids=["unrolled", "scan"],
+)
 def test_llama_from_nn_dense_gives_the_same_logits(scan_layers, seed):
   """The nn.Dense Llama's variables in the FORGE Llama: the same logits,
   bit for bit, and back out unchanged."""
@@ -114,7 +119,12 @@ class Model(nn.Module):
     return dense(x)
 
 
-@pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scan"])
+@pytest.mark.parametrize(
+  "scan",
+  # Stacks by default: test_llama_from_nn_dense_gives_the_same_logits.
+  [False, pytest.param(True, marks=pytest.mark.slow)],
+  ids=["unrolled", "scan"],
+)
 def test_auto_names_round_trip_bit_for_bit(scan, seed):
   opt = fj.lion(1e-3)
   x = jax.random.normal(jax.random.key(seed), (2, 3, 8))

@@ -154,17 +154,30 @@ def _same_step_as_forge_dense(
 @pytest.mark.parametrize(
   "name, opt, count, geometry",
   [
-    (name, opt, count, GEOMETRIES[i % len(GEOMETRIES)])
+    # Each geometry once by default (every optimizer steps through the same
+    # fused op: test_fused_dense.py), every optimizer with --run-slow.
+    pytest.param(
+      name,
+      opt,
+      count,
+      GEOMETRIES[i % len(GEOMETRIES)],
+      id=name,
+      marks=() if i < len(GEOMETRIES) else pytest.mark.slow,
+    )
     for i, (name, opt, count) in enumerate(OPTIMIZERS)
   ],
-  ids=[name for name, _, _ in OPTIMIZERS],
 )
 def test_step_is_forge_dense_on_the_view(name, opt, count, geometry, seed):
   _same_step_as_forge_dense(opt, "xla", geometry, jnp.float32, seed, count)
 
 
 @pytest.mark.parametrize(
-  "name, opt", LOWP_OPTIMIZERS, ids=[name for name, _ in LOWP_OPTIMIZERS]
+  "name, opt",
+  [
+    # AdamW (two int8 moments) by default, the others with --run-slow.
+    pytest.param(name, opt, id=name, marks=() if i == 0 else pytest.mark.slow)
+    for i, (name, opt) in enumerate(LOWP_OPTIMIZERS)
+  ],
 )
 def test_int8_states_and_stochastic_rounding(name, opt, seed):
   """bf16 weights with stochastic rounding and int8 states: the bits of
@@ -234,7 +247,7 @@ class HeadsMLP(nn.Module):
 
 #: Core rows of these optimizers run by default (the ForgeDense table runs
 #: every optimizer through the same fused op), every row with --run-slow.
-DEFAULT_OPTIMIZERS = ("adamw", "lion", "rmsprop")
+DEFAULT_OPTIMIZERS = ("adamw",)
 
 
 def _optax_params(cases):
@@ -508,7 +521,13 @@ class ScannedHeads(nn.Module):
 
 
 @needs_devices
-@pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scan"])
+@pytest.mark.parametrize(
+  "scan",
+  # The heads in fj.scan's stacks by default (fj.scan under TP: test_
+  # parallel.py's scanned model with --run-slow), unrolled with --run-slow.
+  [pytest.param(False, marks=pytest.mark.slow), True],
+  ids=["unrolled", "scan"],
+)
 def test_heads_sharded_matches_one_device(scan, seed):
   """Heads sharded over 4 devices: the kernels keep their stored shapes and
   specs, the states the view's; 3 steps as on one device (unrolled, and

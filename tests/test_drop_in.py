@@ -107,7 +107,13 @@ def train(model, steps=3, seed=0, state_cls=fj.TrainState, tx=None, x_y=None):
 # fj.scan: nn.scan's arguments, one word to change.
 
 
-@pytest.mark.parametrize("remat", [True, False], ids=["remat", "no_remat"])
+@pytest.mark.parametrize(
+  "remat",
+  # fj.scan without remat trains by default in test_parallel.py's and
+  # test_data_parallel.py's scanned Llama models.
+  [True, pytest.param(False, marks=pytest.mark.slow)],
+  ids=["remat", "no_remat"],
+)
 def test_fj_scan_trains_like_nn_scan(remat):
   with warnings.catch_warnings():
     warnings.simplefilter("ignore", fj.ForgeMemoryWarning)
@@ -418,7 +424,11 @@ class Scanned(nn.Module):
     return dense(4, "head")(x)
 
 
-@pytest.mark.parametrize("model", ["unrolled", "scanned"])
+@pytest.mark.parametrize(
+  "model",
+  # Through fj.nnx.scan by default: test_nnx.py's plain gradients.
+  ["unrolled", pytest.param("scanned", marks=pytest.mark.slow)],
+)
 def test_plain_gradients_differentiate_as_nn_dense(model):
   """Under fj.plain_gradients() the layers differentiate as nn.Dense: the
   input gradient and every kernel's dW are nn.Dense's, bit for bit (both
@@ -595,7 +605,11 @@ def test_train_state_compiles_its_step_once():
   assert state.unreached_layers() == ["aux"]
 
 
-@pytest.mark.parametrize("implementation", ["triton", "mosaic"])
+@pytest.mark.parametrize(
+  "implementation",
+  # Both kernels take the rounding key alike (fused_dense's call).
+  [pytest.param("triton", marks=pytest.mark.slow), "mosaic"],
+)
 def test_unrolled_layers_share_one_lowered_kernel(implementation):
   """Projections of one shape trace and lower their kernel once: the train
   step's module holds one copy, called by each of the six projections. With
@@ -778,7 +792,12 @@ def test_optax_alias_as_layer_optimizer_names_its_twin(tx, twin):
 # No update writes a non-finite value from finite inputs unreported.
 
 
-@pytest.mark.parametrize("implementation", ["triton", "mosaic"])
+@pytest.mark.parametrize(
+  "implementation",
+  # Mosaic's overflowing elements are skipped and counted by default in
+  # test_mosaic_kernel.py::test_mosaic_counts_skipped_elements_per_warpgroup.
+  ["triton", pytest.param("mosaic", marks=pytest.mark.slow)],
+)
 def test_overflowing_fused_update_is_skipped_and_counted(implementation):
   """A step that overflows from finite inputs keeps the old values and counts
   them as skipped (the XLA reference, like optax, writes what the rule

@@ -118,10 +118,13 @@ class XlaTest(FusedDenseTestBase):
   configs = {"default": None}
   lowp_shapes = LOWP_SHAPES
   lowp_configs = {"default": None}
-  # By default every optimizer option against optax, the fused op and the
-  # int8 blocks. Against itself the reference agrees by construction: the
-  # kernels' checks assert what it computes.
+  # By default the optax table's core rows, the fused op and the int8
+  # blocks (test_optax_equivalence.py steps every row's rule as the optax
+  # alias, bit for bit; --run-slow trains every row here). Against itself
+  # the reference agrees by construction: the kernels' checks assert what it
+  # computes.
   default_cases = {
+    "test_matches_optax": sum(case.core for case in OPTAX_CASES),
     "test_matches_reference": 0,
     "test_every_element_is_written": 0,
     "test_poisoned_elements_stay_in_place": 0,
@@ -148,17 +151,21 @@ class TritonInterpretTest(FusedDenseTestBase):
   configs = TRITON_CONFIGS
   lowp_shapes = LOWP_SHAPES
   lowp_configs = TRITON_LOWP_CONFIGS
-  # Every optimizer, dtype, shape and config at least once; the optax
-  # table's core rows; int8 states with stochastic rounding on AdamW, Lion
-  # and SGD (mu and nu, mu, trace).
+  # Every dtype, shape and config at least once (the first four optimizers:
+  # each rule is the reference's traced apply_update, every optimizer with
+  # --run-slow); every shape's edges written; skipped elements in float32
+  # and bf16, poisoned ones on one config; the first three of the optax
+  # table's core rows; int8 states with stochastic rounding on AdamW (Lion
+  # and SGD with --run-slow; the Triton kernel's int8 steps also run in
+  # test_scan.py, test_nnx.py and test_parallel.py by default).
   default_cases = {
-    "test_matches_reference": len(OPTIMIZERS),
-    "test_every_element_is_written": 4,
-    "test_poisoned_elements_stay_in_place": 2,
-    "test_nonfinite_gradient_elements_are_skipped": 4,
+    "test_matches_reference": 4,
+    "test_every_element_is_written": 3,
+    "test_poisoned_elements_stay_in_place": 1,
+    "test_nonfinite_gradient_elements_are_skipped": 2,
     "test_nonfinite_dy_skips_the_whole_layer": 2,
-    "test_matches_reference_bits_bf16_sr_int8": 3,
-    "test_matches_optax": sum(case.core for case in OPTAX_CASES),
+    "test_matches_reference_bits_bf16_sr_int8": 1,
+    "test_matches_optax": 3,
   }
 
   def backend(self, spec, config):
@@ -174,12 +181,14 @@ class MosaicInterpretTest(FusedDenseTestBase):
   configs = MOSAIC_CONFIGS
   lowp_shapes = [MOSAIC_SHAPE]
   lowp_configs = MOSAIC_LOWP_CONFIGS
-  # A call takes seconds to tens of seconds: by default one case against
-  # the reference and the fused op's custom_vjp (test_mosaic.py's
-  # default run covers the kernel's schedules, non-finite gradients and
-  # int8 states).
+  # A call takes seconds to tens of seconds: every case with --run-slow
+  # (test_mosaic_kernel.py's default run covers the kernel against the
+  # reference, on this shape and config too, its schedules, non-finite
+  # gradients and int8 states; NaN int8 blocks propagate on the other
+  # backends by default).
   default_cases = {
-    "test_matches_reference": 1,
+    "test_nan_int8_blocks_propagate": 0,
+    "test_matches_reference": 0,
     "test_every_element_is_written": 0,
     "test_poisoned_elements_stay_in_place": 0,
     "test_nonfinite_gradient_elements_are_skipped": 0,

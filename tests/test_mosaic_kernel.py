@@ -110,14 +110,21 @@ SCHEDULES = ("all-prefetched", "pingpong")
 #: only. Pingpong is checked by every optimizer's CUDA lowering in the
 #: default run and in interpret mode with --run-slow.
 DEFAULT_SCHEDULE = "all-prefetched"
-#: The optimizers the default run checks in interpret mode: one of each
-#: state shape (two moments, one moment, four tensors, none), float32 and
-#: int8. Every rule is the same traced ``apply_update`` as the XLA
-#: reference's (which tests/test_optax_equivalence.py holds to optax), and
-#: every optimizer lowers for CUDA in the default run; --run-slow simulates
-#: them all.
-FP32_DEFAULT = ("adam", "lion", "rmsprop-centered-nesterov", "sgd")
-INT8_DEFAULT = ("adamw-schedule", "radam-rectified")
+#: The optimizers the default run checks in interpret mode here: the one
+#: with the most state tensors (four, in float32, on the single-buffered
+#: epilogue); two moments in float32 are AdamW's in the non-finite and
+#: pipeline checks below (Adam's: test_fused_dense.py's
+#: MosaicInterpretTest::test_matches_reference, with --run-slow); in int8,
+#: AdamW's in
+#: test_mosaic_nonfinite_gradients_keep_int8_blocks_bit_for_bit (every
+#: finite row's codes, scales and weights bit for bit). Every rule is the
+#: same traced ``apply_update`` as the XLA reference's (which
+#: tests/test_optax_equivalence.py holds to optax), and every optimizer
+#: lowers for CUDA in the default run; --run-slow simulates them all.
+FP32_DEFAULT = ("rmsprop-centered-nesterov",)
+INT8_DEFAULT = ()
+#: The int8 config of the default run's int8 steps (the non-finite test).
+NONFINITE_INT8_CONFIG = "int8"
 
 
 def slow_unless(default, *values, case_id=None):
@@ -228,7 +235,10 @@ def test_mosaic_configs_and_bf16_storage(config, seed):
   assert_leaves_match(actual, expected, config)
 
 
-@pytest.mark.parametrize("schedule", by_schedule({DEFAULT_SCHEDULE}))
+# Slow on every schedule: the default run skips a NaN row of dW in
+# test_mosaic_nonfinite_gradients_keep_int8_blocks_bit_for_bit and counts
+# skipped elements in test_mosaic_counts_skipped_elements_per_warpgroup.
+@pytest.mark.parametrize("schedule", by_schedule(set()))
 def test_mosaic_skips_and_counts_nonfinite_gradient_elements(schedule, seed):
   opt = fj.adamw(0.05)
   x, dy, kernel, state = random_inputs(seed, opt, X_SHAPE, N, (F32, F32, BF16))
@@ -273,7 +283,9 @@ def test_mosaic_counts_skipped_elements_per_warpgroup(schedule, seed):
   assert_leaves_match(actual, expected, schedule)
 
 
-@pytest.mark.parametrize("schedule", by_schedule({"all-prefetched"}))
+# Slow on every schedule: the default run steps a stacked layer (the same
+# path) in test_mosaic_stochastic_rounding_of_a_stacked_layer.
+@pytest.mark.parametrize("schedule", by_schedule(set()))
 def test_mosaic_stacked_layer_updates_only_its_entry(schedule, seed):
   """Interpret mode steps the layer's entries outside the kernel
   (``mosaic_update``), the same for either schedule."""
@@ -595,8 +607,10 @@ INT8_CASES = [
     name,
     opt,
     count,
+    # The default run's int8 steps until the non-finite test took them over
+    # keep their config.
     "int8"
-    if name in INT8_DEFAULT
+    if name in INT8_DEFAULT + ("adamw-schedule", "radam-rectified")
     else sorted(INT8_CONFIGS)[i % len(INT8_CONFIGS)],
     case_id=name,
   )
@@ -660,7 +674,7 @@ def test_mosaic_nonfinite_gradients_keep_int8_blocks_bit_for_bit(seed):
   dy skips the whole layer."""
   opt = int8_sr(SR_OPTIMIZERS["adamw"], 11)
   x, dy, w, state = int8_inputs(seed, opt)
-  config, step = INT8_CONFIGS["int8"], jnp.int32(3)
+  config, step = INT8_CONFIGS[NONFINITE_INT8_CONFIG], jnp.int32(3)
   x = poison(x, np.s_[1, 5, 17])
   expected = run_reference_at(opt, x, dy, w, state, 2, step)
   actual = run_mosaic(opt, x, dy, w, state, 2, config, step=step)
@@ -744,6 +758,19 @@ STORAGE_MODES = {
 INT8_NAMES = {name for name, _, _ in INT8_OPTIMIZERS}
 
 
+#: Pingpong's lowering takes several times inline's, most of all with
+#: stochastic rounding and int8 states: the default run lowers those on one
+#: optimizer each (these), the others' in float32 and bfloat16 in turn.
+PINGPONG_DEFAULT_STORAGE = {"sgd": "bf16-sr", "sgd-nesterov": "int8"}
+
+
+def default_storage(i, name, schedule, storages):
+  """The storage mode the default run lowers optimizer ``i`` in."""
+  if schedule == "pingpong":
+    return PINGPONG_DEFAULT_STORAGE.get(name, ("fp32", "bf16")[i % 2])
+  return storages[i % len(storages)]
+
+
 def lowering_cases():
   """Every schedule x optimizer x storage mode; the default run lowers each
   optimizer once per schedule, the storage modes in turn."""
@@ -753,10 +780,10 @@ def lowering_cases():
       for storage in STORAGE_MODES
       if storage != "int8" or name in INT8_NAMES
     ]
-    for j, schedule in enumerate(mosaic.SCHEDULES):
+    for schedule in mosaic.SCHEDULES:
       for storage in storages:
         yield slow_unless(
-          storage == storages[(i + j) % len(storages)],
+          storage == default_storage(i, name, schedule, storages),
           schedule,
           name,
           opt,
@@ -830,7 +857,14 @@ def test_mosaic_kernel_lowers_for_cuda_on_cpu(schedule, name, opt, storage):
   assert "mosaic_gpu" in text
 
 
-@pytest.mark.parametrize("schedule", mosaic.SCHEDULES)
+@pytest.mark.parametrize(
+  "schedule",
+  # Both schedules copy through pipeline.epilogue (the same coordinates).
+  [
+    slow_unless(schedule == "inline", schedule, case_id=schedule)
+    for schedule in mosaic.SCHEDULES
+  ],
+)
 def test_mosaic_stacked_kernel_lowers_for_cuda_on_cpu(schedule):
   """A stacked layer's kernel and state, read and written in place at the
   layer's index (a TMA coordinate: no interpret-mode test sees it)."""
@@ -898,7 +932,7 @@ def test_default_run_covers_every_schedule_optimizer_and_storage_mode():
     [case[3] for case in default(FP32_CASES)],
     [case[0] for case in default(BF16_CASES)],
     [case[2] for case in default(SR_CASES)] + [SR_STACKED_CONFIG],
-    [case[3] for case in default(INT8_CASES)],
+    [case[3] for case in default(INT8_CASES)] + [NONFINITE_INT8_CONFIG],
   ):
     assert set(map(schedule_of, configs)) == {inline}
   lowered = default(LOWERING_CASES)

@@ -336,17 +336,17 @@ def _kernel_shapes(params) -> set:
 # ---------------------------------------------------------------------------
 # Exactness: TP x SP against one device and against nn.Dense + optax.
 
-# The default run takes every TP degree, SP and kind once; --run-slow all.
+# The default run takes TP=2 with SP on the whole model (its blocks
+# included); TP without SP runs by default in the int8 layers below (TP=2
+# and 4), a block alone in test_triton_kernel_per_shard_matches_xla_
+# reference; --run-slow runs every TP degree, SP and kind.
 TP_SP_CASES = [
   pytest.param(
     tp,
     sp,
     kind,
     id=f"tp{tp}-{'sp' if sp else 'nosp'}-{kind}",
-    marks=()
-    if (tp, sp, kind)
-    in {(2, True, "model"), (4, False, "block"), (8, False, "model")}
-    else pytest.mark.slow,
+    marks=() if (tp, sp, kind) == (2, True, "model") else pytest.mark.slow,
   )
   for tp in (2, 4, 8)
   for sp in (False, True)
@@ -400,7 +400,9 @@ def test_tensor_parallel_matches_one_device_and_optax(tp, sp, kind):
 @pytest.mark.parametrize(
   "tp,sp",
   [
-    pytest.param(2, True, id="tp2-sp"),
+    # fj.scan's stacks under TP by default: test_dense_general.py's
+    # test_heads_sharded_matches_one_device[scan] (TP=4).
+    pytest.param(2, True, id="tp2-sp", marks=pytest.mark.slow),
     pytest.param(4, False, id="tp4-nosp", marks=pytest.mark.slow),
   ],
 )
@@ -437,14 +439,16 @@ def test_tensor_parallel_scanned_layers(tp, sp):
 @pytest.mark.parametrize(
   "optimizer",
   [
-    fj.adamw(1e-3),
-    fj.lion(1e-4),
-    fj.sgd(1e-2, momentum=0.9),
-    fj.sgd(1e-2),
-    fj.rmsprop(1e-3, centered=True, momentum=0.9),
-    fj.radam(1e-3),
+    # Two and three state tensors by default, the others with --run-slow.
+    pytest.param(fj.adamw(1e-3), id="adamw"),
+    pytest.param(fj.lion(1e-4), id="lion", marks=pytest.mark.slow),
+    pytest.param(
+      fj.sgd(1e-2, momentum=0.9), id="sgd_momentum", marks=pytest.mark.slow
+    ),
+    pytest.param(fj.sgd(1e-2), id="sgd", marks=pytest.mark.slow),
+    pytest.param(fj.rmsprop(1e-3, centered=True, momentum=0.9), id="rmsprop"),
+    pytest.param(fj.radam(1e-3), id="radam", marks=pytest.mark.slow),
   ],
-  ids=["adamw", "lion", "sgd_momentum", "sgd", "rmsprop", "radam"],
 )
 def test_partition_specs_of_states_are_the_kernels(optimizer):
   mesh = parallel.make_mesh(4)
@@ -713,7 +717,10 @@ def _differing_share(a, b) -> float:
       t,
       s,
       id=f"tp{t}-{'sp' if s else 'nosp'}",
-      marks=() if (t, s) == (4, False) else pytest.mark.slow,
+      # Slow: the default run holds each int8 layer of the model's kinds
+      # (column- and row-parallel, TP=2 and 4, a partial block) to one
+      # device's bits above.
+      marks=pytest.mark.slow,
     )
     for t, s in INT8_TP_SP
   ],

@@ -34,21 +34,27 @@ LOW_PRECISION = fj.adamw(
 )
 WIDTH, LAYERS, TOKENS = 32, 4, 24
 # Backends and storage formats of the stacked mode: by default each backend
-# and each format once.
-STACKED_CASES = [
-  pytest.param("xla", OPT, jnp.float32, id="xla-f32"),
-  pytest.param(
-    "triton", OPT, jnp.float32, id="triton-f32", marks=pytest.mark.slow
-  ),
-  pytest.param(
-    "xla",
-    LOW_PRECISION,
-    jnp.bfloat16,
-    id="xla-bf16-sr-int8",
-    marks=pytest.mark.slow,
-  ),
-  pytest.param("triton", LOW_PRECISION, jnp.bfloat16, id="triton-bf16-sr-int8"),
+# and each format once, the XLA reference's stacked backward in float32 and
+# the Triton kernel's stacked op in bf16 with int8 states.
+_STACKED = [
+  ("xla", OPT, jnp.float32, "xla-f32"),
+  ("triton", OPT, jnp.float32, "triton-f32"),
+  ("xla", LOW_PRECISION, jnp.bfloat16, "xla-bf16-sr-int8"),
+  ("triton", LOW_PRECISION, jnp.bfloat16, "triton-bf16-sr-int8"),
 ]
+
+
+def _stacked_cases(default):
+  return [
+    pytest.param(
+      *values, id=case_id, marks=() if case_id == default else pytest.mark.slow
+    )
+    for *values, case_id in _STACKED
+  ]
+
+
+STACKED_CASES = _stacked_cases("xla-f32")
+STACKED_OP_CASES = _stacked_cases("triton-bf16-sr-int8")
 
 
 class Block(nn.Module):
@@ -323,7 +329,7 @@ def _layer_stacks(spec, key, layers, k, n):
   return jax.tree.map(lambda *leaves: jnp.stack(leaves), *per_layer)
 
 
-@pytest.mark.parametrize("implementation, optimizer, dtype", STACKED_CASES)
+@pytest.mark.parametrize("implementation, optimizer, dtype", STACKED_OP_CASES)
 def test_stacked_op_steps_one_layer_of_the_stacks(
   seed, implementation, optimizer, dtype
 ):
