@@ -117,12 +117,12 @@ def apply_gradient(
   ``dynamic_update_slice``, which XLA fuses with the update and runs in place.
 
   The state's stores are ordered after the kernel's update
-  (``order_in_place``) where XLA compiles for the CPU only: its CPU compiler
+  (``order_in_place``) only when XLA compiles for the CPU: its CPU compiler
   keeps the kernel's and the state's updates in separate fusions and would
   otherwise copy the old state. XLA's GPU compiler fuses them into one
-  multi-output fusion that updates every buffer in place, which the ordering
-  would split again (on an H200, one-layer and scanned steps took 1.2-1.6x the
-  time and 1.0-3.3x the temporary memory with it).
+  multi-output fusion that updates every buffer in place, which the
+  ordering would split again (on an H200, one-layer and scanned steps took
+  1.2-1.6x the time and 1.0-3.3x the temporary memory with it).
   """
   # Summed before the update reads dW (the barrier orders it): summed
   # later, the reduction would hold dW alive beside the next layer's.
