@@ -72,9 +72,10 @@ def test_short_op():
   assert br.short_op("jit(step)/add") == "add"
 
 
-@pytest.mark.parametrize(
-  "forge", [pytest.param(False, marks=pytest.mark.slow), True]
-)
+# Slow (CI time): the report parses a real XLA dump; the unit tests above
+# check its parsing and the benchmarks run it.
+@pytest.mark.slow
+@pytest.mark.parametrize("forge", [False, True])
 def test_tiny_step_report(tmp_path, forge):
   """The temp allocations sum to memory_analysis()'s temp bytes, the JSON
   summary is serializable, and the float32 logits show up with their op."""

@@ -875,10 +875,11 @@ def _load_linen(model: NNXLlama, variables):
         ]
 
 
+# Slow (CI time): the NNX layers, scan and optimizer it is made of are
+# checked bit for bit against the Linen ones by the default tests above.
+@pytest.mark.slow
 @pytest.mark.parametrize(
-  "scan_layers",
-  [False, pytest.param(True, marks=pytest.mark.slow)],
-  ids=["unrolled", "scanned"],
+  "scan_layers", [False, True], ids=["unrolled", "scanned"]
 )
 def test_llama_matches_the_linen_model(scan_layers, seed):
   """Same weights, same batches: the NNX Llama-style model (fj.nnx.Linear,

@@ -552,6 +552,8 @@ def test_logical_partitioning_with_rules():
 
 
 @needs_devices
+@pytest.mark.slow  # CI time: the Triton kernel per TP shard runs in the
+# default run's column-tp2-triton case of the int8 one-layer test
 def test_triton_kernel_per_shard_matches_xla_reference():
   mesh = parallel.make_mesh(2)
   runs = {
