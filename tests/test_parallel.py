@@ -338,8 +338,7 @@ def _kernel_shapes(params) -> set:
 
 # The default run takes TP=2 with SP on the whole model (its blocks
 # included); TP without SP runs by default in the int8 layers below (TP=2
-# and 4), a block alone in test_triton_kernel_per_shard_matches_xla_
-# reference; --run-slow runs every TP degree, SP and kind.
+# and 4); --run-slow runs every TP degree, SP and kind.
 TP_SP_CASES = [
   pytest.param(
     tp,
