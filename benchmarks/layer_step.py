@@ -43,18 +43,17 @@ import forge_jax as fj  # noqa: E402
 from forge_jax.ops import backends  # noqa: E402
 
 SHAPES = ("4096x4096", "4096x1024", "4096x14336", "14336x4096", "4096x128256")
-#: W / m / v storage: (param dtype, FORGE's state dtype). ``int8-sr``: bf16
-#: weights with stochastic rounding and int8 states (optax: bf16 states).
+#: W / m / v storage: (param dtype, FORGE's state dtype, FORGE's weight
+#: rounding). optax keeps bf16 states beside bf16 weights.
 STORAGE = {
-  "fp32": (jnp.float32, None),
-  "bf16": (jnp.bfloat16, jnp.bfloat16),
-  "int8-sr": (jnp.bfloat16, "int8"),
+  "fp32": (jnp.float32, None, "nearest"),
+  "bf16": (jnp.bfloat16, jnp.bfloat16, "nearest"),
+  "int8-sr": (jnp.bfloat16, "int8", "stochastic"),
 }
 
 
 def _forge_optimizer(storage):
-  _, state_dtype = STORAGE[storage]
-  rounding = "stochastic" if storage == "int8-sr" else "nearest"
+  _, state_dtype, rounding = STORAGE[storage]
   return fj.adamw(
     1e-4, weight_decay=0.1, state_dtype=state_dtype, weight_rounding=rounding
   )
@@ -101,7 +100,7 @@ def _loss(apply_fn, params, x):
 
 def make_runner(variant, tokens, k, n, storage, compute="bf16"):
   """A no-argument function running one donated train step per call."""
-  param_dtype, _ = STORAGE[storage]
+  param_dtype = STORAGE[storage][0]
   opt = _forge_optimizer(storage)
   forge = variant != "optax"
   model = Layer(
@@ -142,7 +141,7 @@ def make_runner(variant, tokens, k, n, storage, compute="bf16"):
 
 def auto_choice(tokens, k, n, storage, compute="bf16"):
   """The backend ``implementation='auto'`` takes for this case."""
-  param_dtype, _ = STORAGE[storage]
+  param_dtype = STORAGE[storage][0]
   opt = _forge_optimizer(storage)
   x = jax.ShapeDtypeStruct((tokens, k), COMPUTE[compute])
   dy = jax.ShapeDtypeStruct((tokens, n), COMPUTE[compute])

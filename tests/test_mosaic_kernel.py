@@ -123,6 +123,9 @@ DEFAULT_SCHEDULE = "all-prefetched"
 #: lowers for CUDA in the default run; --run-slow simulates them all.
 FP32_DEFAULT = ("rmsprop-centered-nesterov",)
 INT8_DEFAULT = ()
+#: The int8 steps on the "int8" config; the others cycle through the int8
+#: configs.
+INT8_ON_DEFAULT_CONFIG = ("adamw-schedule", "radam-rectified")
 #: The int8 config of the default run's int8 steps (the non-finite test).
 NONFINITE_INT8_CONFIG = "int8"
 
@@ -607,10 +610,8 @@ INT8_CASES = [
     name,
     opt,
     count,
-    # The default run's int8 steps until the non-finite test took them over
-    # keep their config.
     "int8"
-    if name in INT8_DEFAULT + ("adamw-schedule", "radam-rectified")
+    if name in INT8_DEFAULT + INT8_ON_DEFAULT_CONFIG
     else sorted(INT8_CONFIGS)[i % len(INT8_CONFIGS)],
     case_id=name,
   )

@@ -56,12 +56,18 @@ def interpret_params():
   return params.InterpretGPUParams()
 
 
+@functools.cache
+def _load_requires_index() -> bool:
+  """Whether ``plgpu.load`` requires its index argument (jax 0.10)."""
+  index = inspect.signature(plgpu.load).parameters["idx"]
+  return index.default is inspect.Parameter.empty
+
+
 def load_unvectorized(ref):
   """The whole of ``ref`` (a view: ``ref.at[...]``) through ``plgpu.load``
   without its optimized (vectorized) path, which a strided view lacks. jax
   0.10 takes the index as a second argument; later versions deprecate it
   in favour of the view."""
-  index = inspect.signature(plgpu.load).parameters["idx"]
-  if index.default is inspect.Parameter.empty:
+  if _load_requires_index():
     return plgpu.load(ref, (), optimized=False)
   return plgpu.load(ref, optimized=False)
