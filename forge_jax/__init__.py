@@ -22,6 +22,7 @@ from forge_jax.ops.fused_dense import (
   forge_dense,
   init_variables,
 )
+from forge_jax.optax_storage import optax_with_storage
 from forge_jax.optimizers import (
   SGD,
   Adagrad,

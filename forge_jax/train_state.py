@@ -23,7 +23,7 @@ import numpy as np
 from flax import struct
 from flax.training import train_state
 
-from forge_jax import clipping, layer_context
+from forge_jax import clipping, layer_context, optax_storage
 from forge_jax.clipping import forge_layers, layer_at, with_layer
 from forge_jax.linen import FORGE_COLLECTION
 from forge_jax.optimizers import (
@@ -276,12 +276,19 @@ def check_clipped(collection):
 
 @functools.lru_cache(maxsize=64)
 def _same_rule(tx, optimizer) -> bool | None:
-  """Whether ``tx`` steps a probe like ``optimizer.to_optax()`` does (None:
+  """Whether ``tx`` steps a probe like ``optimizer.to_optax()`` or
+  ``fj.optax_with_storage(optimizer)`` does (None:
   ``tx`` cannot run on the probe, e.g. it labels parameters by name)."""
   try:
     # Eagerly, also while a train step traces: the probe is concrete.
     with jax.ensure_compile_time_eval():
-      return _steps_match(tx, optimizer.to_optax())
+      return any(
+        _steps_match(tx, reference)
+        for reference in (
+          optimizer.to_optax(),
+          optax_storage.optax_with_storage(optimizer),
+        )
+      )
   except Exception:  # pylint: disable=broad-exception-caught
     return None
 
