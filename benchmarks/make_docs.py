@@ -138,7 +138,10 @@ def precision(run) -> str:
   weights = STATES[run.get("param_dtype", "bfloat16")]
   if run.get("weight_rounding") == "stochastic":
     weights += " + SR"
-  return f"{weights} / {STATES[run.get('state_dtype', 'bfloat16')]}"
+  states = STATES[run.get("state_dtype", "bfloat16")]
+  if run.get("optax_storage"):
+    states += " (embedding too)"
+  return f"{weights} / {states}"
 
 
 def step_key(run) -> tuple:

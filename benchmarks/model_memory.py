@@ -12,6 +12,10 @@ through ``fj.TrainState(max_grad_norm=..., clip='exact' | 'delayed')`` and
 ``tx`` (``'exact'``); ``--clip none`` is FORGE's ``fj.TrainState`` without
 clipping (it still reports the global norm).
 
+``--optax-storage`` trains FORGE's embedding and norms with
+``fj.optax_with_storage(optimizer)`` (the state dtype and rounding of the
+layers) instead of ``optimizer.to_optax()``.
+
 ``--profile`` adds the device time of each kernel of two more steps.
 ``--breakdown`` compiles the step with an XLA dump of that compile only (a
 temporary directory) and stores its largest temp allocations, and the temp
@@ -108,10 +112,19 @@ def main():
     help="global-norm clipping (default: the plain train step)",
   )
   parser.add_argument("--max-grad-norm", type=float, default=1.0)
+  parser.add_argument(
+    "--optax-storage",
+    action="store_true",
+    help="FORGE: train the embedding and norms with "
+    "fj.optax_with_storage(optimizer) (its state dtype and rounding) "
+    "instead of optimizer.to_optax()",
+  )
   parser.add_argument("--out", required=True)
   args = parser.parse_args()
   if args.variant == "optax" and args.clip == "delayed":
     parser.error("--clip delayed is FORGE's; optax clips exactly")
+  if args.variant == "optax" and args.optax_storage:
+    parser.error("--optax-storage is FORGE's")
   with contextlib.ExitStack() as stack:
     if args.mosaic_config:
       # pylint: disable=import-outside-toplevel
@@ -129,6 +142,8 @@ def main():
 def _state_and_step(args, model, optimizer, key, batch):
   """The train state and the jitted, donated step for ``args.clip``."""
   tx = optimizer.to_optax()
+  if args.optax_storage:
+    tx = fj.optax_with_storage(optimizer)
   if args.clip is None or (args.variant == "optax" and args.clip == "none"):
     state = jax.jit(
       lambda key: train_lib.create_train_state(model, tx, key, batch)
@@ -230,6 +245,7 @@ def measure(args):
     "weight_rounding": args.weight_rounding
     if args.variant == "forge"
     else "nearest",
+    "optax_storage": args.optax_storage,
     "num_params": config.num_params(),
     "peak_bytes_in_use": stats.get("peak_bytes_in_use"),
     "bytes_in_use_after": stats.get("bytes_in_use"),
