@@ -20,7 +20,8 @@ optimizer is stated once.
 
 Every optimizer also takes three keyword-only storage options (see
 :mod:`forge_jax.quantization`), which apply to the ForgeDense kernels it
-trains and not to ``to_optax()``:
+trains and not to ``to_optax()`` (:func:`forge_jax.optax_with_storage`
+applies them to the other parameters):
 
 * ``state_dtype``: None (the optax alias's dtypes: the kernel's, or
   ``mu_dtype``), ``'float32'``, ``'bfloat16'``, ``'float16'`` or ``'int8'``
