@@ -200,7 +200,8 @@ def test_in_place_product_applies_only_to_stacked_layers_in_their_dtype(
   monkeypatch,
 ):
   """The in-place GEMM needs a stack, one device, the compute dtype, a
-  Hopper GPU and 'auto' or 'mosaic' (off a GPU: never)."""
+  Hopper GPU, 'auto' or 'mosaic' and at most MAX_IN_PLACE_TOKENS tokens
+  (off a GPU: never)."""
   spec = fused_dense.FusedDenseSpec(fj.adamw(1e-3), dtype=jnp.bfloat16)
   layout = fj.parallel.unsharded_layout(2)
   x = jax.ShapeDtypeStruct((512, 256), jnp.bfloat16)
@@ -232,6 +233,10 @@ def test_in_place_product_applies_only_to_stacked_layers_in_their_dtype(
   assert applies(stack=stack) == jnp.bfloat16  # cast to dtype=bfloat16
   x = jnp.zeros((96, 256), jnp.bfloat16)
   assert applies(stack=stack) is None  # no tile divides 96 tokens
+  x = jax.ShapeDtypeStruct((matmul.MAX_IN_PLACE_TOKENS, 256), jnp.bfloat16)
+  assert applies(stack=stack) == jnp.bfloat16
+  x = x.update(shape=(2 * matmul.MAX_IN_PLACE_TOKENS, 256))
+  assert applies(stack=stack) is None  # XLA's GEMM is faster there
 
 
 @pytest.mark.slow

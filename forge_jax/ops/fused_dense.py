@@ -152,7 +152,8 @@ def _in_place_dtype(spec, layout, x, stack, bias, layer_index, transpose):
 
   It does on a Hopper GPU, for one device's stacks already in the compute
   dtype (a kernel cast to it is read once either way), with 'auto' or
-  'mosaic' and the default precision, where the GEMM's tiles fit.
+  'mosaic' and the default precision, where the GEMM's tiles fit and the
+  tokens are at most :data:`~forge_jax.ops.mosaic.matmul.MAX_IN_PLACE_TOKENS`.
   """
   if (
     layer_index is None
@@ -165,7 +166,10 @@ def _in_place_dtype(spec, layout, x, stack, bias, layer_index, transpose):
   compute = flax_dtypes.canonicalize_dtype(x, stack, bias, dtype=spec.dtype)
   if jnp.dtype(stack.dtype) != jnp.dtype(compute):
     return None
-  rows = jax.ShapeDtypeStruct((math.prod(x.shape[:-1]), x.shape[-1]), compute)
+  tokens = math.prod(x.shape[:-1])
+  if tokens > matmul.MAX_IN_PLACE_TOKENS:
+    return None
+  rows = jax.ShapeDtypeStruct((tokens, x.shape[-1]), compute)
   if transpose:  # x is dy: contracted with the kernel's N
     rows = jax.ShapeDtypeStruct((rows.shape[0], stack.shape[-1]), compute)
   if matmul.unsupported_reason(rows, stack, transpose) is not None:
