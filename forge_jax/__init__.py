@@ -16,7 +16,6 @@ from forge_jax.linen import (
   ForgeMemoryWarning,
   wiped_layers,
 )
-from forge_jax.losses import softmax_cross_entropy_with_integer_labels
 from forge_jax.ops.fused_dense import (
   ForgeVariables,
   FusedDenseSpec,

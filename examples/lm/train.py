@@ -13,17 +13,18 @@ from typing import Callable, Optional
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import optax
 from flax.training.train_state import TrainState
 
-import forge_jax as fj
 from forge_jax.optimizers import ForgeOptimizer
 
 
 def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
-  """Mean next-token cross entropy in float32 (optax's losses; the backward
-  holds no float32 copy of the logits)."""
-  return fj.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+  """Mean next-token cross entropy in float32."""
+  return optax.softmax_cross_entropy_with_integer_labels(
+    logits.astype(jnp.float32), targets
+  ).mean()
 
 
 def loss_fn(variables, apply_fn: Callable, batch: jax.Array) -> jax.Array:
