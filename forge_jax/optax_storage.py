@@ -41,13 +41,15 @@ class StoredOptaxState(NamedTuple):
 
   Attributes:
     count: int32, the number of steps taken.
-    per_param: the parameters' tree with each leaf's optimizer state (the
-      optimizer's state NamedTuple of 2-D leaves, int8 blocks as
-      :class:`forge_jax.quantization.QuantizedBlocks`).
+    state: the optimizer's state NamedTuple (``AdamState(mu, nu)``, ...)
+      whose leaves are trees shaped like the parameters' (of their 2-D
+      views), as optax's states are; an int8 leaf is a
+      :class:`forge_jax.quantization.QuantizedBlocks` of two such trees,
+      codes and scales.
   """
 
   count: jax.Array
-  per_param: Any
+  state: Any
 
 
 def optax_with_storage(
@@ -64,7 +66,8 @@ def optax_with_storage(
       apply_fn=model.apply, params=variables, tx=fj.optax_with_storage(opt)
     )
 
-  Stochastic rounding draws each parameter's bits from the optimizer's
+  ``fj.nnx.Optimizer(model, fj.optax_with_storage(opt), wrt=nnx.Param)``
+  takes it alike. Stochastic rounding draws each parameter's bits from the optimizer's
   ``rounding_seed``, the step and the parameter's path in the tree. A
   weight-decay ``mask`` (adamw, lion) is resolved on the parameters as
   optax does; masked parameters take the rule without decay.
@@ -75,12 +78,12 @@ def optax_with_storage(
     raise TypeError(not_elementwise_message(optimizer))
 
   def init_fn(params):
-    rules = _per_param_rules(optimizer, params)
+    leaves, params_def = jax.tree.flatten(params)
+    rules = params_def.flatten_up_to(_per_param_rules(optimizer, params))
+    per_param = [rule.init(_as_2d(p)) for rule, p in zip(rules, leaves)]
     return StoredOptaxState(
       count=jnp.zeros((), jnp.int32),
-      per_param=jax.tree.map(
-        lambda p, rule: rule.init(_as_2d(p)), params, rules
-      ),
+      state=_fields_outside(params_def, per_param, optimizer),
     )
 
   def update_fn(updates, state, params=None):
@@ -89,27 +92,55 @@ def optax_with_storage(
         "optax_with_storage's update needs params: its rule reads the "
         "parameters and computes their new values"
       )
-    grads, treedef = jax.tree.flatten(updates)
+    grads, params_def = jax.tree.flatten(updates)
     paths = [
       path for path, _ in jax.tree_util.tree_flatten_with_path(updates)[0]
     ]
-    rules = treedef.flatten_up_to(_per_param_rules(optimizer, params))
+    rules = params_def.flatten_up_to(_per_param_rules(optimizer, params))
+    per_param = _fields_inside(params_def, state.state, optimizer)
     stepped = [
       _step(rule, path, grad, param, old, state.count)
       for rule, path, grad, param, old in zip(
-        rules,
-        paths,
-        grads,
-        treedef.flatten_up_to(params),
-        treedef.flatten_up_to(state.per_param),
+        rules, paths, grads, params_def.flatten_up_to(params), per_param
       )
     ]
-    return treedef.unflatten([step for step, _ in stepped]), StoredOptaxState(
+    return params_def.unflatten(
+      [step for step, _ in stepped]
+    ), StoredOptaxState(
       count=optax.safe_increment(state.count),
-      per_param=treedef.unflatten([new for _, new in stepped]),
+      state=_fields_outside(params_def, [new for _, new in stepped], optimizer),
     )
 
   return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _state_def(optimizer: ForgeOptimizer):
+  """The treedef of one parameter's state (the same for every parameter)."""
+  return jax.tree.structure(
+    jax.eval_shape(optimizer.init, jax.ShapeDtypeStruct((1, 64), jnp.float32))
+  )
+
+
+def _fields_outside(params_def, per_param: list, optimizer: ForgeOptimizer):
+  """One state per parameter -> the state's fields, each a tree shaped like
+  the parameters: the layout of optax's states, which Flax NNX's optimizer
+  updates field by field."""
+  state_def = _state_def(optimizer)
+  if not state_def.num_leaves:  # plain SGD: an empty state
+    return state_def.unflatten([])
+  return jax.tree.transpose(
+    params_def, state_def, params_def.unflatten(per_param)
+  )
+
+
+def _fields_inside(params_def, state, optimizer: ForgeOptimizer) -> list:
+  """Inverse of :func:`_fields_outside`: one state per parameter."""
+  state_def = _state_def(optimizer)
+  if not state_def.num_leaves:
+    return [state] * params_def.num_leaves
+  return params_def.flatten_up_to(
+    jax.tree.transpose(state_def, params_def, state)
+  )
 
 
 def _as_2d(x: jax.Array) -> jax.Array:

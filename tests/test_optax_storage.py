@@ -7,7 +7,8 @@
   train like float32 states; masks, non-finite gradients and a missing
   ``params`` behave as documented.
 * ``fj.TrainState`` takes it as the layers' rule, trains an embedding with
-  it, checkpoints it bit for bit, and refuses another optimizer's.
+  it, checkpoints it bit for bit, and refuses another optimizer's;
+  ``fj.nnx.Optimizer`` trains an NNX embedding with it.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 
 import forge_jax as fj
 from forge_jax import checkpoint
@@ -122,12 +124,12 @@ def test_bf16_parameters_take_the_rules_bits(name, seed):
       new, new_state = expected[name_of]
       assert param.dtype == BF16
       assert_within_rounding(
-        (param, _at(state.per_param, path)),
+        (param, _param_state(state, path)),
         (new, new_state),
         name_of,
         identical=0.99,
       )
-      reference = _replace_at(reference, path, _at(state.per_param, path))
+      reference = _replace_at(reference, path, _param_state(state, path))
   assert int(state.count) == 3
 
 
@@ -135,6 +137,16 @@ def _at(tree, path):
   for key in path:
     tree = tree[key.key]
   return tree
+
+
+def _param_state(state, path):
+  """One parameter's state from :class:`fj.optax_storage.StoredOptaxState`
+  (whose fields are trees shaped like the parameters)."""
+  return jax.tree.map(
+    lambda tree: _at(tree, path),
+    state.state,
+    is_leaf=lambda x: isinstance(x, dict),
+  )
 
 
 def _replace_at(tree, path, value):
@@ -183,7 +195,7 @@ def test_float32_parameters_follow_the_optax_alias(opt, seed):
       assert (np.abs(a - b) <= np.spacing(largest)).all()
     params = expected
   for path, param in jax.tree_util.tree_flatten_with_path(params)[0]:
-    mine = _at(ours.per_param, path)
+    mine = _param_state(ours, path)
     for field in mine._fields:
       if getattr(mine, field) is not None:
         alias_leaf = _at(_optax_field(theirs, field), path)
@@ -213,13 +225,13 @@ def test_int8_states_take_half_of_bf16s_bytes_and_train_like_float32(seed):
   for dtype in ("float32", "bfloat16", "int8"):
     tx = fj.optax_with_storage(fj.adam(1e-2, state_dtype=dtype))
     params, state = start, tx.init(start)
-    sizes[dtype] = Q.state_bytes(state.per_param)
+    sizes[dtype] = Q.state_bytes(state.state)
     step = _stepper(tx)
     for _ in range(20):
       params, state = step(params, state, grad_of(params))
     finals[dtype] = params
   assert sizes["int8"] < 0.55 * sizes["bfloat16"]
-  assert isinstance(state.per_param["embed"].nu, Q.QuantizedSqrtBlocks)
+  assert isinstance(state.state.nu, Q.QuantizedSqrtBlocks)
   losses = {dtype: float(loss_of(p)) for dtype, p in finals.items()}
   assert losses["float32"] < 0.8 * float(loss_of(start))
   assert losses["int8"] < 1.02 * losses["float32"], losses
@@ -268,7 +280,7 @@ def test_non_finite_gradient_elements_keep_their_values(seed):
   changed = np.asarray(new["w"]) != np.asarray(params["w"])
   assert not changed[1, 2] and not changed[3, 4]
   assert changed.sum() == changed.size - 2
-  assert float(state.per_param["w"].mu[1, 2]) == 0.0
+  assert float(state.state.mu["w"][1, 2]) == 0.0
 
 
 def test_update_needs_params():
@@ -325,8 +337,8 @@ def test_train_state_trains_an_int8_embedding_and_checkpoints_it(
     state, loss = train_step(state)
     losses.append(float(loss))
   assert losses[-1] < 0.5 * losses[0], losses
-  embed_state = state.opt_state.per_param["embed"]["embedding"]
-  assert embed_state.mu.codes.dtype == Q.CODES_CONTAINER
+  embed_codes = state.opt_state.state.mu.codes["embed"]["embedding"]
+  assert embed_codes.dtype == Q.CODES_CONTAINER
 
   path = checkpoint.save(str(tmp_path / "ckpt"), state)
   restored = checkpoint.restore(path, new_state(fj.optax_with_storage(opt)))
@@ -340,3 +352,40 @@ def test_train_state_trains_an_int8_embedding_and_checkpoints_it(
   other = new_state(fj.optax_with_storage(fj.lion(1e-3)))
   with pytest.raises(ValueError, match="not the optimizer"):
     train_step(other)
+
+
+def test_nnx_optimizer_trains_an_int8_embedding(seed):
+  """fj.nnx.Optimizer steps an nnx.Embed with ``optax_with_storage(opt)``
+  beside ``opt``'s fj.nnx.Linear, jitted, step after step (NNX updates the
+  state field by field, as optax's)."""
+  opt = fj.adamw(3e-2, state_dtype="int8", weight_rounding="stochastic")
+
+  class EmbedLM(nnx.Module):
+    def __init__(self, rngs):
+      self.embed = nnx.Embed(64, 32, param_dtype=BF16, rngs=rngs)
+      self.head = fj.nnx.Linear(
+        32, 64, optimizer=opt, param_dtype=BF16, rngs=rngs
+      )
+
+    def __call__(self, tokens):
+      return self.head(nnx.gelu(self.embed(tokens)))
+
+  model = EmbedLM(nnx.Rngs(seed))
+  optimizer = fj.nnx.Optimizer(model, fj.optax_with_storage(opt), wrt=nnx.Param)
+  tokens = jax.random.randint(jax.random.key(seed), (4, 16), 0, 64)
+
+  @nnx.jit
+  def train_step(model, optimizer):
+    def loss_fn(model):
+      return optax.softmax_cross_entropy_with_integer_labels(
+        model(tokens[:, :-1]).astype(F32), tokens[:, 1:]
+      ).mean()
+
+    loss, grads = fj.nnx.value_and_grad(loss_fn)(model)
+    optimizer.update(model, grads)
+    return loss
+
+  losses = [float(train_step(model, optimizer)) for _ in range(25)]
+  assert losses[-1] < 0.5 * losses[0], losses
+  codes = nnx.as_pure(optimizer.opt_state).state.mu.codes["embed"]["embedding"]
+  assert codes.dtype == Q.CODES_CONTAINER and codes.shape == (64, 32)
