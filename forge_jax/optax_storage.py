@@ -67,10 +67,10 @@ def optax_with_storage(
     )
 
   ``fj.nnx.Optimizer(model, fj.optax_with_storage(opt), wrt=nnx.Param)``
-  takes it alike. Stochastic rounding draws each parameter's bits from the optimizer's
-  ``rounding_seed``, the step and the parameter's path in the tree. A
-  weight-decay ``mask`` (adamw, lion) is resolved on the parameters as
-  optax does; masked parameters take the rule without decay.
+  takes it alike. Stochastic rounding draws each parameter's bits from the
+  optimizer's ``rounding_seed``, the step and the parameter's path in the
+  tree. A weight-decay ``mask`` (adamw, lion) is resolved on the parameters
+  as optax does; masked parameters take the rule without decay.
 
   ``update`` needs ``params``.
   """
