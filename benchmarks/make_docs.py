@@ -139,7 +139,9 @@ def precision(run) -> str:
   if run.get("weight_rounding") == "stochastic":
     weights += " + SR"
   states = STATES[run.get("state_dtype", "bfloat16")]
-  if run.get("optax_storage"):
+  if run.get("forge_embedding"):
+    states += " (FORGE embedding)"
+  elif run.get("optax_storage"):
     states += " (embedding too)"
   return f"{weights} / {states}"
 

@@ -12,6 +12,7 @@ through ``fj.TrainState(max_grad_norm=..., clip='exact' | 'delayed')`` and
 ``tx`` (``'exact'``); ``--clip none`` is FORGE's ``fj.TrainState`` without
 clipping (it still reports the global norm).
 
+``--forge-embedding`` makes FORGE's embedding a ``fj.ForgeEmbed``;
 ``--optax-storage`` trains FORGE's embedding and norms with
 ``fj.optax_with_storage(optimizer)`` (the state dtype and rounding of the
 layers) instead of ``optimizer.to_optax()``.
@@ -113,6 +114,12 @@ def main():
   )
   parser.add_argument("--max-grad-norm", type=float, default=1.0)
   parser.add_argument(
+    "--forge-embedding",
+    action="store_true",
+    help="FORGE: the embedding is a fj.ForgeEmbed trained by the layers' "
+    "optimizer (no table-sized gradient)",
+  )
+  parser.add_argument(
     "--optax-storage",
     action="store_true",
     help="FORGE: train the embedding and norms with "
@@ -123,8 +130,8 @@ def main():
   args = parser.parse_args()
   if args.variant == "optax" and args.clip == "delayed":
     parser.error("--clip delayed is FORGE's; optax clips exactly")
-  if args.variant == "optax" and args.optax_storage:
-    parser.error("--optax-storage is FORGE's")
+  if args.variant == "optax" and (args.optax_storage or args.forge_embedding):
+    parser.error("--optax-storage and --forge-embedding are FORGE's")
   with contextlib.ExitStack() as stack:
     if args.mosaic_config:
       # pylint: disable=import-outside-toplevel
@@ -196,6 +203,7 @@ def measure(args):
     overrides["num_layers"] = args.layers
   if args.variant == "forge":
     overrides["forge_optimizer"] = optimizer
+    overrides["forge_embedding"] = args.forge_embedding
   model = llama.make_model(args.config, **overrides)
   config = model.config
 
@@ -246,6 +254,7 @@ def measure(args):
     if args.variant == "forge"
     else "nearest",
     "optax_storage": args.optax_storage,
+    "forge_embedding": args.forge_embedding,
     "num_params": config.num_params(),
     "peak_bytes_in_use": stats.get("peak_bytes_in_use"),
     "bytes_in_use_after": stats.get("bytes_in_use"),

@@ -13,6 +13,7 @@ from forge_jax.linen import (
   FORGE_COLLECTION,
   ForgeDense,
   ForgeDenseGeneral,
+  ForgeEmbed,
   ForgeMemoryWarning,
   wiped_layers,
 )

@@ -462,6 +462,88 @@ class ForgeDense(_ForgeLinear):
     )
 
 
+class ForgeEmbed(_ForgeLinear):
+  """``nn.Embed`` whose backward pass applies the optimizer step in place.
+
+  The lookup is the product of the tokens' one-hot rows with the table, so
+  the table is a ForgeDense kernel ``[num_embeddings, features]`` (at
+  ``_overwrite_with_gradient/<module>/kernel``) and its gradient, summed
+  over the tokens in float32, never exists: ``nn.Embed`` + optax hold a
+  table-sized gradient at the end of the backward pass. The one-hot input
+  ``[tokens, num_embeddings]`` in the compute dtype is kept for the
+  backward instead, so it saves memory while the tokens of a step are
+  fewer than ``features`` (``nn.remat`` around it keeps only the tokens).
+  The product costs ``2 * tokens * num_embeddings * features`` flops in
+  each direction, as a head of the same size does.
+
+  ``fj.from_dense`` and ``fj.to_dense`` move its table as a ``kernel``
+  (``nn.Embed`` calls it ``embedding``: rename that leaf). Looked-up rows
+  are the table's bits (a float32 table's product runs at
+  ``Precision.HIGHEST``). A token that appears once in a step steps its row
+  as ``nn.Embed`` + optax would; repeated tokens' gradients are summed in
+  float32 (``nn.Embed`` sums them in the table's dtype).
+
+  Attributes:
+    num_embeddings: the number of rows (the vocabulary).
+    features: the width of each row.
+    optimizer: the elementwise optimizer FORGE fuses into the backward pass.
+    dtype: the dtype of the looked-up rows (default: ``param_dtype``).
+    param_dtype: the dtype of the table and the optimizer state default.
+    embedding_init: initializer of the table (``nn.Embed``'s default).
+    implementation, layer_id, mesh, data_parallel: as for
+      :class:`ForgeDense`; ``embedding_init=nn.with_partitioning(init,
+      (None, 'model'))`` shards the features.
+  """
+
+  num_embeddings: int
+  features: int
+  optimizer: ForgeOptimizer
+  dtype: Optional[Any] = None
+  param_dtype: Any = jnp.float32
+  embedding_init: Any = nn.linear.default_embed_init
+  implementation: str = "auto"
+  layer_id: Optional[int] = None
+  mesh: Optional[Any] = None
+  data_parallel: str = "auto"
+
+  @property
+  def precision(self):
+    """HIGHEST for a float32 product (a one-hot row times the table is then
+    the row's bits); the default otherwise."""
+    if jnp.dtype(self._compute_dtype) == jnp.float32:
+      return jax.lax.Precision.HIGHEST
+    return None
+
+  @property
+  def _compute_dtype(self):
+    return self.param_dtype if self.dtype is None else self.dtype
+
+  @nn.compact
+  def __call__(self, inputs: jax.Array) -> jax.Array:
+    if not jnp.issubdtype(jnp.result_type(inputs), jnp.integer):
+      raise TypeError(
+        f"{self._where()} looks up integer tokens, got {jnp.result_type(inputs)}"
+      )
+    table_shape = (self.num_embeddings, self.features)
+    one_hot = jax.nn.one_hot(
+      inputs, self.num_embeddings, dtype=self._compute_dtype
+    )
+    return self._fused(
+      one_hot,
+      table_shape,
+      1,
+      lambda rng: self.embedding_init(rng, table_shape, self.param_dtype),
+      lambda: None,
+    )
+
+  def attend(self, query: jax.Array) -> jax.Array:
+    raise NotImplementedError(
+      f"{self._where()}.attend: a head tied to a ForgeEmbed table would "
+      "return its gradient to the table, which FORGE updates in the "
+      "lookup's backward pass alone. Use nn.Embed for tied embeddings."
+    )
+
+
 class ForgeDenseGeneral(_ForgeLinear):
   """``nn.DenseGeneral`` whose backward pass applies the optimizer step.
 

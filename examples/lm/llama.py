@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from forge_jax.linen import FORGE_COLLECTION, ForgeDense
+from forge_jax.linen import FORGE_COLLECTION, ForgeDense, ForgeEmbed
 from forge_jax.optimizers import ForgeOptimizer
 from forge_jax.scan import scan as forge_scan
 
@@ -68,6 +68,9 @@ class LlamaConfig:
     scan_layers: stack the layers with ``nn.scan`` instead of a Python loop.
     forge_optimizer: a forge_jax optimizer (``fj.adamw(...)``); when set, every
       projection is a ForgeDense trained by it, else an nn.Dense.
+    forge_embedding: with ``forge_optimizer``, the embedding is a
+      ``fj.ForgeEmbed`` trained by it too (no table-sized gradient), else
+      an ``nn.Embed`` trained by the optax transformation.
     implementation: ForgeDense's backend: 'auto', 'xla', 'triton' or 'mosaic'.
     attention_implementation: ``jax.nn.dot_product_attention``'s
       ``implementation``: None (XLA; the [T, T] scores are materialized) or
@@ -109,6 +112,7 @@ class LlamaConfig:
   remat_policy: Optional[str] = None
   scan_layers: bool = False
   forge_optimizer: Optional[ForgeOptimizer] = None
+  forge_embedding: bool = False
   implementation: str = "auto"
   attention_implementation: Optional[str] = None
   tensor_axis: Optional[str] = None
@@ -490,14 +494,23 @@ class Llama(nn.Module):
   @nn.compact
   def __call__(self, tokens):
     c = self.config
-    x = nn.Embed(
-      c.vocab_size,
-      c.dim,
+    embed_fields = dict(
       dtype=c.dtype,
       param_dtype=c.param_dtype,
       embedding_init=nn.initializers.normal(stddev=0.02),
       name="embed",
-    )(tokens)
+    )
+    if c.forge_optimizer is not None and c.forge_embedding:
+      embed = ForgeEmbed(
+        c.vocab_size,
+        c.dim,
+        optimizer=c.forge_optimizer,
+        implementation=c.implementation,
+        **embed_fields,
+      )
+    else:
+      embed = nn.Embed(c.vocab_size, c.dim, **embed_fields)
+    x = embed(tokens)
     _check_heads(c)
     x = _constrain(c, x, *_ROW_OUT)
     cos, sin = rope_tables(c, tokens.shape[-1])

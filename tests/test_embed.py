@@ -1,0 +1,191 @@
+"""``fj.ForgeEmbed``: ``nn.Embed`` whose table FORGE steps in the backward.
+
+* Same initialization and looked-up rows as ``nn.Embed`` (bit for bit, in
+  float32 and bfloat16).
+* Trained beside an ``nn.Dense`` head, it steps its table as ``nn.Embed`` +
+  optax does (tokens unique within a step), and each fused kernel as the
+  XLA reference.
+* With the fused kernel (GPU), the compiled train step holds no
+  table-sized gradient.
+* Non-integer tokens and ``attend`` (a tied head) raise.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax.training.train_state import TrainState
+
+import forge_jax as fj
+from forge_jax.ops import backends
+
+from conftest import assert_bitwise_equal
+
+OPT = fj.adamw(1e-2, weight_decay=0.1)
+
+
+class TinyLM(nn.Module):
+  vocab: int = 128
+  width: int = 128
+  forge: bool = True
+  implementation: str = "xla"
+  param_dtype: object = jnp.float32
+  dtype: object = None
+
+  @nn.compact
+  def __call__(self, tokens):
+    if self.forge:
+      embed = fj.ForgeEmbed(
+        self.vocab,
+        self.width,
+        optimizer=OPT,
+        dtype=self.dtype,
+        param_dtype=self.param_dtype,
+        implementation=self.implementation,
+        name="embed",
+      )
+    else:
+      embed = nn.Embed(
+        self.vocab,
+        self.width,
+        dtype=self.dtype,
+        param_dtype=self.param_dtype,
+        name="embed",
+      )
+    x = nn.gelu(embed(tokens))
+    return nn.Dense(self.vocab, param_dtype=self.param_dtype, name="head")(x)
+
+
+def _table(variables, forge):
+  if forge:
+    return variables[fj.FORGE_COLLECTION]["embed"]["kernel"]
+  return variables["params"]["embed"]["embedding"]
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_initialization_and_lookup_are_nn_embeds(dtype, seed):
+  tokens = jax.random.randint(jax.random.key(seed), (3, 7), 0, 128)
+  outputs, tables = [], []
+  for forge in (True, False):
+    model = TinyLM(forge=forge, param_dtype=dtype)
+    variables = model.init(jax.random.key(seed + 1), tokens)
+    tables.append(_table(variables, forge))
+    outputs.append(model.apply(variables, tokens))
+  assert_bitwise_equal(tables[0], tables[1], "table")
+  assert_bitwise_equal(outputs[0], outputs[1], "logits")
+
+
+def _train(forge, tokens, targets, implementation="xla", dtype=None, steps=3):
+  model = TinyLM(forge=forge, implementation=implementation, dtype=dtype)
+  variables = model.init(jax.random.key(0), tokens)
+  state_class = fj.TrainState if forge else TrainState
+  state = state_class.create(
+    apply_fn=model.apply, params=variables, tx=OPT.to_optax()
+  )
+
+  @jax.jit
+  def step(state):
+    def loss_fn(params):
+      logits = state.apply_fn(params, tokens)
+      return optax.softmax_cross_entropy_with_integer_labels(
+        logits, targets
+      ).mean()
+
+    loss, grads = jax.value_and_grad(loss_fn)(state.params)
+    return state.apply_gradients(grads=grads), loss
+
+  losses = []
+  for _ in range(steps):
+    state, loss = step(state)
+    losses.append(float(loss))
+  return state, losses
+
+
+def _unique_tokens(seed):
+  rng = np.random.default_rng(seed)
+  tokens = jnp.asarray(rng.permutation(128)[:64].reshape(2, 32))
+  return tokens, jnp.asarray(rng.integers(0, 128, (2, 32)))
+
+
+def test_trains_its_table_as_nn_embed_and_optax(seed):
+  """Tokens unique within the step: each row's gradient is one output
+  gradient, so the float32 table steps as nn.Embed + optax's (to the
+  rounding of the rule's multiply-adds)."""
+  tokens, targets = _unique_tokens(seed)
+  state, losses = _train(True, tokens, targets)
+  expected_state, expected = _train(False, tokens, targets)
+  np.testing.assert_allclose(losses, expected, rtol=1e-5)
+  np.testing.assert_allclose(
+    _table(state.params, True),
+    _table(expected_state.params, False),
+    rtol=1e-5,
+    atol=1e-7,
+  )
+  assert float(state.params[fj.FORGE_COLLECTION]["embed"]["count"]) == 3
+
+
+@pytest.mark.parametrize("implementation", ["triton", "mosaic"])
+def test_kernels_step_the_table_as_the_reference(implementation, seed):
+  """bfloat16 lookups (one-hot rows and output gradients in bfloat16, the
+  fused kernels' inputs): each kernel steps the table as the XLA
+  reference."""
+  tokens, targets = _unique_tokens(seed)
+  state, losses = _train(True, tokens, targets, implementation, jnp.bfloat16)
+  expected_state, expected = _train(True, tokens, targets, "xla", jnp.bfloat16)
+  np.testing.assert_allclose(losses, expected, rtol=1e-5)
+  np.testing.assert_allclose(
+    _table(state.params, True),
+    _table(expected_state.params, True),
+    rtol=1e-5,
+    atol=1e-7,
+  )
+
+
+@pytest.mark.gpu
+def test_train_step_holds_no_table_sized_gradient():
+  """An 8192 x 512 float32 table looked up in bfloat16 by 32 tokens, the
+  fused kernel stepping it: the compiled step's temp is at least 3/4 of the
+  table's float32 gradient (16 MB) below nn.Embed + optax's. (The XLA
+  reference forms the gradient: only a kernel saves it.)"""
+  if not backends.on_hopper_or_newer():
+    pytest.skip("needs the Mosaic kernel (a Hopper or newer GPU)")
+  vocab, width = 8192, 512
+  tokens = jnp.zeros((1, 32), jnp.int32)
+  temp = {}
+  for forge in (True, False):
+    model = TinyLM(
+      vocab=vocab,
+      width=width,
+      forge=forge,
+      implementation="mosaic",
+      dtype=jnp.bfloat16,
+    )
+    variables = jax.eval_shape(model.init, jax.random.key(0), tokens)
+    state_class = fj.TrainState if forge else TrainState
+    state = jax.eval_shape(
+      lambda v, state_class=state_class, model=model: state_class.create(
+        apply_fn=model.apply, params=v, tx=OPT.to_optax()
+      ),
+      variables,
+    )
+
+    def step(state, tokens):
+      loss_fn = lambda p: state.apply_fn(p, tokens).astype(jnp.float32).mean()
+      return state.apply_gradients(grads=jax.grad(loss_fn)(state.params))
+
+    compiled = jax.jit(step, donate_argnums=0).lower(state, tokens).compile()
+    temp[forge] = compiled.memory_analysis().temp_size_in_bytes
+  assert temp[True] <= temp[False] - 0.75 * vocab * width * 4, temp
+
+
+def test_tokens_must_be_integers_and_attend_is_refused():
+  model = fj.ForgeEmbed(8, 4, optimizer=OPT)
+  with pytest.raises(TypeError, match="integer"):
+    model.init(jax.random.key(0), jnp.zeros((2,), jnp.float32))
+  variables = model.init(jax.random.key(0), jnp.zeros((2,), jnp.int32))
+  with pytest.raises(NotImplementedError, match="tied"):
+    model.apply(variables, jnp.ones((2, 4)), method=fj.ForgeEmbed.attend)
