@@ -215,10 +215,15 @@ def step_pairs(runs) -> list:
 
 
 def readme_table(runs) -> str:
-  """The README's one table: default Llama-3.1-8B runs, FORGE beside optax."""
+  """The README's one table: default Llama-3.1-8B runs, FORGE beside optax
+  (the layers' options, such as a FORGE embedding, in docs/benchmarks.md)."""
   rows = []
   for o, f in step_pairs(runs):
-    if f["config"] != "llama-3.1-8b" or not is_default(f):
+    if (
+      f["config"] != "llama-3.1-8b"
+      or not is_default(f)
+      or f.get("forge_embedding")
+    ):
       continue
     rows.append(
       [
