@@ -472,8 +472,7 @@ class ForgeEmbed(_ForgeLinear):
   table-sized gradient at the end of the backward pass. The one-hot input
   ``[tokens, num_embeddings]`` in the compute dtype is kept for the
   backward instead, so it saves memory while the tokens of a step are
-  fewer than ``features`` (``nn.remat`` around it keeps only the tokens).
-  The product costs ``2 * tokens * num_embeddings * features`` flops in
+  fewer than ``features``. The product costs ``2 * tokens * num_embeddings * features`` flops in
   each direction, as a head of the same size does.
 
   ``fj.from_dense`` and ``fj.to_dense`` move its table as a ``kernel``
@@ -491,8 +490,7 @@ class ForgeEmbed(_ForgeLinear):
     param_dtype: the dtype of the table and the optimizer state default.
     embedding_init: initializer of the table (``nn.Embed``'s default).
     implementation, layer_id, mesh, data_parallel: as for
-      :class:`ForgeDense`; ``embedding_init=nn.with_partitioning(init,
-      (None, 'model'))`` shards the features.
+      :class:`ForgeDense`.
   """
 
   num_embeddings: int
