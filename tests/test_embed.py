@@ -3,14 +3,17 @@
 * Same initialization and looked-up rows as ``nn.Embed`` (bit for bit, in
   float32 and bfloat16).
 * Trained beside an ``nn.Dense`` head, it steps its table as ``nn.Embed`` +
-  optax does (tokens unique within a step), and each fused kernel as the
-  XLA reference.
+  optax does (tokens unique within a step), clipped by the global norm as
+  ``optax.clip_by_global_norm`` does, and each fused kernel as the XLA
+  reference.
 * With the fused kernel (GPU), the compiled train step holds no
   table-sized gradient.
 * Non-integer tokens and ``attend`` (a tied head) raise.
 """
 
 from __future__ import annotations
+
+import functools
 
 import flax.linen as nn
 import jax
@@ -126,6 +129,49 @@ def test_trains_its_table_as_nn_embed_and_optax(seed):
     atol=1e-7,
   )
   assert float(state.params[fj.FORGE_COLLECTION]["embed"]["count"]) == 3
+
+
+def test_clipped_training_matches_optax_clipping(seed):
+  """fj.TrainState(max_grad_norm=...) clips the table's step by the global
+  norm as optax.clip_by_global_norm does for nn.Embed (unique tokens)."""
+  tokens, targets = _unique_tokens(seed)
+  loss_of = lambda apply_fn, params: (
+    optax.softmax_cross_entropy_with_integer_labels(
+      apply_fn(params, tokens), targets
+    ).mean()
+  )
+  tables, losses = [], []
+  for forge in (True, False):
+    model = TinyLM(forge=forge)
+    variables = model.init(jax.random.key(0), tokens)
+    if forge:
+      state = fj.TrainState.create(
+        apply_fn=model.apply,
+        params=variables,
+        tx=OPT.to_optax(),
+        max_grad_norm=0.05,
+      )
+      grad_fn = state.value_and_grad
+    else:
+      tx = optax.chain(optax.clip_by_global_norm(0.05), OPT.to_optax())
+      state = TrainState.create(apply_fn=model.apply, params=variables, tx=tx)
+      grad_fn = jax.value_and_grad
+
+    @jax.jit
+    def step(state, grad_fn=grad_fn):
+      loss, grads = grad_fn(functools.partial(loss_of, state.apply_fn))(
+        state.params
+      )
+      return state.apply_gradients(grads=grads), loss
+
+    run = []
+    for _ in range(3):
+      state, loss = step(state)
+      run.append(float(loss))
+    losses.append(run)
+    tables.append(_table(state.params, forge))
+  np.testing.assert_allclose(losses[0], losses[1], rtol=1e-5)
+  np.testing.assert_allclose(tables[0], tables[1], rtol=1e-5, atol=1e-7)
 
 
 @pytest.mark.parametrize("implementation", ["triton", "mosaic"])
