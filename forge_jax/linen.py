@@ -480,7 +480,9 @@ class ForgeEmbed(_ForgeLinear):
   are the table's bits (a float32 table's product runs at
   ``Precision.HIGHEST``). A token that appears once in a step steps its row
   as ``nn.Embed`` + optax would; repeated tokens' gradients are summed in
-  float32 (``nn.Embed`` sums them in the table's dtype).
+  float32 (``nn.Embed`` sums them in the table's dtype). Tokens index as in
+  ``nn.Embed``: negative ones count from the end, others outside the table
+  look up NaN rows.
 
   Attributes:
     num_embeddings: the number of rows (the vocabulary).
@@ -523,16 +525,21 @@ class ForgeEmbed(_ForgeLinear):
         f"{self._where()} looks up integer tokens, got {jnp.result_type(inputs)}"
       )
     table_shape = (self.num_embeddings, self.features)
+    # jnp.take's indexing, as nn.Embed's: negative tokens count from the
+    # end, tokens outside the table look up NaN rows.
+    tokens = jnp.where(inputs < 0, inputs + self.num_embeddings, inputs)
     one_hot = jax.nn.one_hot(
-      inputs, self.num_embeddings, dtype=self._compute_dtype
+      tokens, self.num_embeddings, dtype=self._compute_dtype
     )
-    return self._fused(
+    rows = self._fused(
       one_hot,
       table_shape,
       1,
       lambda rng: self.embedding_init(rng, table_shape, self.param_dtype),
       lambda: None,
     )
+    inside = jnp.logical_and(tokens >= 0, tokens < self.num_embeddings)
+    return jnp.where(inside[..., None], rows, jnp.nan)
 
   def attend(self, query: jax.Array) -> jax.Array:
     raise NotImplementedError(

@@ -63,6 +63,21 @@ class TinyLM(nn.Module):
     return nn.Dense(self.vocab, param_dtype=self.param_dtype, name="head")(x)
 
 
+def test_tokens_outside_the_table_index_as_nn_embed():
+  """Negative tokens count from the end and tokens past the table look up
+  NaN rows, as nn.Embed's jnp.take does."""
+  tokens = jnp.asarray([[0, -1, 127, 128, -129, 5]])
+  outputs = []
+  for module in (
+    fj.ForgeEmbed(128, 8, optimizer=OPT, name="embed"),
+    nn.Embed(128, 8, name="embed"),
+  ):
+    variables = module.init(jax.random.key(0), tokens)
+    outputs.append(np.asarray(module.apply(variables, tokens)))
+  np.testing.assert_array_equal(outputs[0], outputs[1])
+  assert np.isnan(outputs[0][0, 3]).all() and np.isnan(outputs[0][0, 4]).all()
+
+
 def _table(variables, forge):
   if forge:
     return variables[fj.FORGE_COLLECTION]["embed"]["kernel"]
