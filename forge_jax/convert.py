@@ -1,7 +1,8 @@
 """Pretrained weights in and out of FORGE models.
 
 A FORGE model is the flax model with ``nn.Dense`` -> ``fj.ForgeDense``,
-``nn.DenseGeneral`` -> ``fj.ForgeDenseGeneral``,
+``nn.DenseGeneral`` -> ``fj.ForgeDenseGeneral``, ``nn.Embed`` ->
+``fj.ForgeEmbed`` (its ``embedding`` is a FORGE ``kernel``),
 ``nn.MultiHeadDotProductAttention`` -> ``fj.MultiHeadDotProductAttention``
 and ``nn.scan`` -> ``fj.scan``. Its variables are flax's, with two
 differences: each FORGE kernel sits at ``_overwrite_with_gradient/<path>/
@@ -15,7 +16,7 @@ leaves between paths.
 from __future__ import annotations
 
 import re
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import flax.linen as nn
 import jax
@@ -35,6 +36,7 @@ _LAYER_LEAVES = ForgeVariables._fields
 _AUTO_NAMES = (
   (re.compile(r"^ForgeDense_(\d+)$"), r"Dense_\1"),
   (re.compile(r"^ForgeDenseGeneral_(\d+)$"), r"DenseGeneral_\1"),
+  (re.compile(r"^ForgeEmbed_(\d+)$"), r"Embed_\1"),
   (re.compile(r"^ForgeScan(\w+_\d+)$"), r"Scan\1"),
 )
 
@@ -99,24 +101,34 @@ def from_dense(
 
 
 def to_dense(
-  forge_variables, rename: Optional[Callable[[tuple], tuple]] = None
+  forge_variables,
+  rename: Optional[Callable[[tuple], tuple]] = None,
+  embeddings: Iterable[tuple] = (),
 ):
   """The flax model's variables from a FORGE model's (inverse of
   :func:`from_dense` on the weights).
 
-  Every FORGE kernel goes to ``params/<path>/kernel``, its optimizer state
+  Every FORGE kernel goes to ``params/<path>/kernel``, or to
+  ``params/<path>/embedding`` for a :class:`forge_jax.ForgeEmbed` (an
+  auto-named ``ForgeEmbed_i``, or a module path in ``embeddings``: tuples
+  of names in the FORGE model, such as ``("embed",)``). Its optimizer state
   and counters are dropped, and auto-named paths take flax's names
   (``rename``, default :func:`dense_path`). The arrays are the FORGE
   variables' own.
   """
   rename = dense_path if rename is None else rename
+  embeddings = {tuple(path) for path in embeddings}
   flat = traverse_util.flatten_dict(unfreeze(forge_variables))
   out = {}
   for key, leaf in flat.items():
     collection, *path, name = key
     if collection == FORGE_COLLECTION:
       if name == "kernel":
-        out[("params",) + rename(tuple(path)) + ("kernel",)] = leaf
+        is_table = tuple(path) in embeddings or (
+          path and re.fullmatch(r"ForgeEmbed_\d+", path[-1])
+        )
+        leaf_name = "embedding" if is_table else "kernel"
+        out[("params",) + rename(tuple(path)) + (leaf_name,)] = leaf
       elif name not in _LAYER_LEAVES:
         raise ValueError(
           f"{'/'.join(map(str, key))} is not a leaf of a FORGE layer "
@@ -145,6 +157,9 @@ def _fill(fresh, dense_variables, rename):
       + tuple(rename(tuple(path)))
       + (name,)
     )
+    embedding = source[:-1] + ("embedding",)
+    if collection == FORGE_COLLECTION and source not in dense:
+      source = embedding  # an nn.Embed table for a fj.ForgeEmbed
     if source not in dense:
       missing.append(f"{'/'.join(map(str, key))} (from {'/'.join(source)})")
       continue
@@ -159,9 +174,9 @@ def _fill(fresh, dense_variables, rename):
         f"dense leaves without a place: {', '.join(unused)}; " if unused else ""
       )
       + "each FORGE layer must replace the flax layer of the same path "
-      "(auto-names ForgeDense_i, ForgeDenseGeneral_i, ForgeScan<Block>_i "
-      "stand for Dense_i, DenseGeneral_i, Scan<Block>_i); name the layers, "
-      "or pass rename=."
+      "(auto-names ForgeDense_i, ForgeDenseGeneral_i, ForgeEmbed_i, "
+      "ForgeScan<Block>_i stand for Dense_i, DenseGeneral_i, Embed_i, "
+      "Scan<Block>_i); name the layers, or pass rename=."
     )
   return traverse_util.unflatten_dict(out)
 

@@ -475,8 +475,9 @@ class ForgeEmbed(_ForgeLinear):
   fewer than ``features``. The product costs ``2 * tokens * num_embeddings * features`` flops in
   each direction, as a head of the same size does.
 
-  ``fj.from_dense`` and ``fj.to_dense`` move its table as a ``kernel``
-  (``nn.Embed`` calls it ``embedding``: rename that leaf). Looked-up rows
+  ``fj.from_dense`` takes an ``nn.Embed``'s ``embedding`` for its table;
+  ``fj.to_dense`` writes it back as ``embedding`` (auto-named, or listed in
+  its ``embeddings``). Looked-up rows
   are the table's bits (a float32 table's product runs at
   ``Precision.HIGHEST``). A token that appears once in a step steps its row
   as ``nn.Embed`` + optax would; repeated tokens' gradients are summed in

@@ -6,6 +6,7 @@
   model's optimizer and dtypes.
 * Auto-named layers (``Dense_0`` -> ``ForgeDense_0``, ``ScanBlock_0`` ->
   ``ForgeScanBlock_0``) map by name; mismatches raise and name the leaves.
+* An ``nn.Embed`` table moves into a ``fj.ForgeEmbed`` and back out.
 """
 
 from __future__ import annotations
@@ -192,3 +193,55 @@ def test_mismatches_name_the_leaves():
   wrong["params"]["Dense_0"]["kernel"] = jnp.ones((8, 5))
   with pytest.raises(ValueError, match="shape"):
     fj.from_dense(wrong, Model(fj.adam(1e-3)), x)
+
+
+def test_forge_embedding_moves_as_nn_embeds_table(seed):
+  """The nn.Dense Llama's embedding in the FORGE Llama's fj.ForgeEmbed:
+  the same logits, bit for bit; back out with ``embeddings=``, unchanged."""
+  opt = fj.adamw(1e-3)
+  config = {
+    **vars(LLAMA),
+    "vocab_size": 128,
+    "dim": 128,
+    "head_dim": 64,
+    "scan_layers": True,
+  }
+  dense_model = Llama(LlamaConfig(**config))
+  forge_model = Llama(
+    LlamaConfig(**{**config, "forge_optimizer": opt, "forge_embedding": True})
+  )
+  tokens = jax.random.randint(jax.random.key(seed), (2, 8), 0, 128)
+  dense_vars = jax.jit(dense_model.init)(jax.random.key(seed), tokens)
+  forge_vars = fj.from_dense(dense_vars, forge_model, tokens)
+  assert "embed" not in forge_vars["params"]
+  assert_bitwise_equal(
+    forge_vars[COLL]["embed"]["kernel"],
+    dense_vars["params"]["embed"]["embedding"],
+    "table",
+  )
+  apply = jax.jit(lambda model, v: model.apply(v, tokens), static_argnums=0)
+  assert_bitwise_equal(
+    apply(forge_model, forge_vars), apply(dense_model, dense_vars), "logits"
+  )
+  assert_same_bits(
+    fj.to_dense(forge_vars, embeddings=[("embed",)]), dense_vars, "round trip"
+  )
+
+
+def test_auto_named_forge_embed_round_trips():
+  """``ForgeEmbed_0`` stands for ``Embed_0``, its kernel for ``embedding``."""
+
+  class Tiny(nn.Module):
+    forge: bool
+
+    @nn.compact
+    def __call__(self, tokens):
+      if self.forge:
+        return fj.ForgeEmbed(16, 4, optimizer=fj.adam(1e-3))(tokens)
+      return nn.Embed(16, 4)(tokens)
+
+  tokens = jnp.arange(4)
+  dense_vars = Tiny(False).init(jax.random.key(0), tokens)
+  forge_vars = fj.from_dense(dense_vars, Tiny(True), tokens)
+  assert set(forge_vars[COLL]) == {"ForgeEmbed_0"}
+  assert_same_bits(fj.to_dense(forge_vars), dense_vars, "round trip")
