@@ -30,13 +30,14 @@ from forge_jax.ops.fused_dense import ForgeVariables
 #: FORGE's own (optimizer state, step count, flags).
 _LAYER_LEAVES = ForgeVariables._fields
 
+_AUTO_EMBED = re.compile(r"^ForgeEmbed_(\d+)$")
 #: Auto-names of FORGE's layers -> the names flax gives the layers they
 #: replace (``fj.scan`` names its class ``ForgeScan<Block>``, nn.scan
 #: ``Scan<Block>``).
 _AUTO_NAMES = (
   (re.compile(r"^ForgeDense_(\d+)$"), r"Dense_\1"),
   (re.compile(r"^ForgeDenseGeneral_(\d+)$"), r"DenseGeneral_\1"),
-  (re.compile(r"^ForgeEmbed_(\d+)$"), r"Embed_\1"),
+  (_AUTO_EMBED, r"Embed_\1"),
   (re.compile(r"^ForgeScan(\w+_\d+)$"), r"Scan\1"),
 )
 
@@ -125,7 +126,7 @@ def to_dense(
     if collection == FORGE_COLLECTION:
       if name == "kernel":
         is_table = tuple(path) in embeddings or (
-          path and re.fullmatch(r"ForgeEmbed_\d+", path[-1])
+          path and _AUTO_EMBED.match(path[-1])
         )
         leaf_name = "embedding" if is_table else "kernel"
         out[("params",) + rename(tuple(path)) + (leaf_name,)] = leaf
@@ -158,7 +159,7 @@ def _fill(fresh, dense_variables, rename):
       + (name,)
     )
     embedding = source[:-1] + ("embedding",)
-    if collection == FORGE_COLLECTION and source not in dense:
+    if collection == FORGE_COLLECTION and embedding in dense:
       source = embedding  # an nn.Embed table for a fj.ForgeEmbed
     if source not in dense:
       missing.append(f"{'/'.join(map(str, key))} (from {'/'.join(source)})")
