@@ -1,4 +1,5 @@
-"""FORGE for Flax NNX: ``fj.nnx.Linear``, ``fj.nnx.Optimizer``, ``fj.nnx.scan``.
+"""FORGE for Flax NNX: ``fj.nnx.Linear``, ``fj.nnx.Embed``,
+``fj.nnx.Optimizer``, ``fj.nnx.scan``.
 
 :class:`Linear` is a drop-in for ``nnx.Linear`` that calls the same fused op
 as ``fj.ForgeDense`` (:func:`forge_jax.forge_dense`). Its kernel and
@@ -329,6 +330,66 @@ class Linear(nnx.Module):
       self.data_parallel,
       where=f"fj.nnx.Linear({self.in_features}, {self.out_features})",
     )
+
+
+class Embed(Linear):
+  """``nnx.Embed`` whose table FORGE steps in the backward pass: the lookup
+  as the tokens' one-hot rows times the table, a :class:`Linear` kernel
+  ``[num_embeddings, features]`` (see ``fj.ForgeEmbed`` for what that
+  costs and saves). Same arguments as ``nnx.Embed`` plus ``optimizer`` and
+  ``implementation``; the same initialization (``embedding_init``) and
+  looked-up rows, with ``nnx.Embed``'s indexing: negative tokens count from
+  the end, tokens outside the table look up NaN rows.
+  """
+
+  def __init__(
+    self,
+    num_embeddings: int,
+    features: int,
+    *,
+    optimizer: ForgeOptimizer,
+    implementation: str = "auto",
+    dtype: Optional[Any] = None,
+    param_dtype: Any = jnp.float32,
+    embedding_init: Callable = nnx.initializers.variance_scaling(
+      1.0, "fan_in", "normal", out_axis=0
+    ),
+    rngs: nnx.Rngs,
+    layer_id: Optional[int] = None,
+  ):
+    compute = param_dtype if dtype is None else dtype
+    super().__init__(
+      num_embeddings,
+      features,
+      optimizer=optimizer,
+      implementation=implementation,
+      use_bias=False,
+      dtype=dtype,
+      param_dtype=param_dtype,
+      # A float32 one-hot row times the table is the row's bits at HIGHEST.
+      precision=(
+        jax.lax.Precision.HIGHEST if jnp.dtype(compute) == jnp.float32 else None
+      ),
+      kernel_init=embedding_init,
+      rngs=rngs,
+      layer_id=layer_id,
+    )
+    self.num_embeddings = num_embeddings
+    self.features = features
+
+  def __call__(self, inputs: jax.Array) -> jax.Array:
+    if not jnp.issubdtype(jnp.result_type(inputs), jnp.integer):
+      raise TypeError(
+        f"fj.nnx.Embed looks up integer tokens, got {jnp.result_type(inputs)}"
+      )
+    # jnp.take's indexing, as nnx.Embed's.
+    tokens = jnp.where(inputs < 0, inputs + self.num_embeddings, inputs)
+    compute = self.param_dtype if self.dtype is None else self.dtype
+    rows = super().__call__(
+      jax.nn.one_hot(tokens, self.num_embeddings, dtype=compute)
+    )
+    inside = jnp.logical_and(tokens >= 0, tokens < self.num_embeddings)
+    return jnp.where(inside[..., None], rows, jnp.nan)
 
 
 def _hashable(rules):

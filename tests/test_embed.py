@@ -9,6 +9,8 @@
 * With the fused kernel (GPU), the compiled train step holds no
   table-sized gradient.
 * Non-integer tokens and ``attend`` (a tied head) raise.
+* ``fj.nnx.Embed`` is ``nnx.Embed`` (initialization, lookups) and trains as
+  ``nnx.Embed`` + optax under ``fj.nnx.Optimizer``.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 from flax.training.train_state import TrainState
 
 import forge_jax as fj
@@ -250,3 +253,58 @@ def test_tokens_must_be_integers_and_attend_is_refused():
   variables = model.init(jax.random.key(0), jnp.zeros((2,), jnp.int32))
   with pytest.raises(NotImplementedError, match="tied"):
     model.apply(variables, jnp.ones((2, 4)), method=fj.ForgeEmbed.attend)
+
+
+class NNXLM(nnx.Module):
+  def __init__(self, forge: bool, rngs: nnx.Rngs):
+    if forge:
+      self.embed = fj.nnx.Embed(128, 128, optimizer=OPT, rngs=rngs)
+    else:
+      self.embed = nnx.Embed(128, 128, rngs=rngs)
+    self.head = nnx.Linear(128, 128, rngs=rngs)
+
+  def __call__(self, tokens):
+    return self.head(nnx.gelu(self.embed(tokens)))
+
+
+def test_nnx_embed_is_nnx_embed_and_trains_as_optax(seed):
+  """fj.nnx.Embed: nnx.Embed's initialization and lookups (indexing
+  included), and, trained by fj.nnx.Optimizer on unique tokens, nnx.Embed +
+  optax's table."""
+  probe = jnp.asarray([[0, -1, 127, 128, 5]])
+  forge, plain = NNXLM(True, nnx.Rngs(seed)), NNXLM(False, nnx.Rngs(seed))
+  np.testing.assert_array_equal(forge.embed(probe), plain.embed(probe))
+
+  tokens, targets = _unique_tokens(seed)
+  loss_fn = lambda model: optax.softmax_cross_entropy_with_integer_labels(
+    model(tokens), targets
+  ).mean()
+  optimizers = (
+    fj.nnx.Optimizer(forge, OPT.to_optax(), wrt=nnx.Param),
+    nnx.Optimizer(plain, OPT.to_optax(), wrt=nnx.Param),
+  )
+
+  @nnx.jit
+  def forge_step(model, optimizer):
+    loss, grads = fj.nnx.value_and_grad(loss_fn)(model)
+    optimizer.update(model, grads)
+    return loss
+
+  @nnx.jit
+  def plain_step(model, optimizer):
+    loss, grads = nnx.value_and_grad(loss_fn)(model)
+    optimizer.update(model, grads)
+    return loss
+
+  for _ in range(3):
+    losses = (
+      float(forge_step(forge, optimizers[0])),
+      float(plain_step(plain, optimizers[1])),
+    )
+    np.testing.assert_allclose(losses[0], losses[1], rtol=1e-5)
+  np.testing.assert_allclose(
+    forge.embed.kernel.get_value(),
+    plain.embed.embedding.get_value(),
+    rtol=1e-5,
+    atol=1e-7,
+  )
