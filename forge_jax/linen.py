@@ -27,6 +27,8 @@ from forge_jax.ops.fused_dense import (
   factor_shapes,
   forge_dense,
   init_variables,
+  one_hot_lookup,
+  one_hot_precision,
 )
 from forge_jax.optimizers import ForgeOptimizer, not_elementwise_message
 
@@ -509,11 +511,7 @@ class ForgeEmbed(_ForgeLinear):
 
   @property
   def precision(self):
-    """HIGHEST for a float32 product (a one-hot row times the table is then
-    the row's bits); the default otherwise."""
-    if jnp.dtype(self._compute_dtype) == jnp.float32:
-      return jax.lax.Precision.HIGHEST
-    return None
+    return one_hot_precision(self._compute_dtype)
 
   @property
   def _compute_dtype(self):
@@ -521,26 +519,20 @@ class ForgeEmbed(_ForgeLinear):
 
   @nn.compact
   def __call__(self, inputs: jax.Array) -> jax.Array:
-    if not jnp.issubdtype(jnp.result_type(inputs), jnp.integer):
-      raise TypeError(
-        f"{self._where()} looks up integer tokens, got {jnp.result_type(inputs)}"
-      )
     table_shape = (self.num_embeddings, self.features)
-    # jnp.take's indexing, as nn.Embed's: negative tokens count from the
-    # end, tokens outside the table look up NaN rows.
-    tokens = jnp.where(inputs < 0, inputs + self.num_embeddings, inputs)
-    one_hot = jax.nn.one_hot(
-      tokens, self.num_embeddings, dtype=self._compute_dtype
+    return one_hot_lookup(
+      inputs,
+      self.num_embeddings,
+      self._compute_dtype,
+      lambda one_hot: self._fused(
+        one_hot,
+        table_shape,
+        1,
+        lambda rng: self.embedding_init(rng, table_shape, self.param_dtype),
+        lambda: None,
+      ),
+      self._where(),
     )
-    rows = self._fused(
-      one_hot,
-      table_shape,
-      1,
-      lambda rng: self.embedding_init(rng, table_shape, self.param_dtype),
-      lambda: None,
-    )
-    inside = jnp.logical_and(tokens >= 0, tokens < self.num_embeddings)
-    return jnp.where(inside[..., None], rows, jnp.nan)
 
   def attend(self, query: jax.Array) -> jax.Array:
     raise NotImplementedError(

@@ -52,6 +52,8 @@ from forge_jax.ops.fused_dense import (
   FusedDenseSpec,
   forge_dense,
   init_variables,
+  one_hot_lookup,
+  one_hot_precision,
 )
 from forge_jax.optimizers import ForgeOptimizer, not_elementwise_message
 from forge_jax.scan import scan_stacks
@@ -357,7 +359,6 @@ class Embed(Linear):
     rngs: nnx.Rngs,
     layer_id: Optional[int] = None,
   ):
-    compute = param_dtype if dtype is None else dtype
     super().__init__(
       num_embeddings,
       features,
@@ -366,10 +367,7 @@ class Embed(Linear):
       use_bias=False,
       dtype=dtype,
       param_dtype=param_dtype,
-      # A float32 one-hot row times the table is the row's bits at HIGHEST.
-      precision=(
-        jax.lax.Precision.HIGHEST if jnp.dtype(compute) == jnp.float32 else None
-      ),
+      precision=one_hot_precision(param_dtype if dtype is None else dtype),
       kernel_init=embedding_init,
       rngs=rngs,
       layer_id=layer_id,
@@ -378,18 +376,13 @@ class Embed(Linear):
     self.features = features
 
   def __call__(self, inputs: jax.Array) -> jax.Array:
-    if not jnp.issubdtype(jnp.result_type(inputs), jnp.integer):
-      raise TypeError(
-        f"fj.nnx.Embed looks up integer tokens, got {jnp.result_type(inputs)}"
-      )
-    # jnp.take's indexing, as nnx.Embed's.
-    tokens = jnp.where(inputs < 0, inputs + self.num_embeddings, inputs)
-    compute = self.param_dtype if self.dtype is None else self.dtype
-    rows = super().__call__(
-      jax.nn.one_hot(tokens, self.num_embeddings, dtype=compute)
+    return one_hot_lookup(
+      inputs,
+      self.num_embeddings,
+      self.param_dtype if self.dtype is None else self.dtype,
+      super().__call__,
+      "fj.nnx.Embed",
     )
-    inside = jnp.logical_and(tokens >= 0, tokens < self.num_embeddings)
-    return jnp.where(inside[..., None], rows, jnp.nan)
 
 
 def _hashable(rules):

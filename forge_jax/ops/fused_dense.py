@@ -296,6 +296,31 @@ def forge_dense(
   )
 
 
+def one_hot_precision(dtype):
+  """The precision of an embedding's one-hot product in ``dtype``: HIGHEST
+  for float32 (a one-hot row times the table is then the row's bits), the
+  default otherwise."""
+  if jnp.dtype(dtype) == jnp.float32:
+    return lax.Precision.HIGHEST
+  return None
+
+
+def one_hot_lookup(tokens, num_embeddings: int, dtype, product, where: str):
+  """``nn.Embed``'s lookup of integer ``tokens`` as ``product(one_hot)``,
+  the tokens' one-hot rows ``[..., num_embeddings]`` in ``dtype`` times a
+  table; with ``jnp.take``'s indexing: negative tokens count from the end,
+  tokens outside the table look up NaN rows. ``where`` names the layer in
+  errors."""
+  if not jnp.issubdtype(jnp.result_type(tokens), jnp.integer):
+    raise TypeError(
+      f"{where} looks up integer tokens, got {jnp.result_type(tokens)}"
+    )
+  tokens = jnp.where(tokens < 0, tokens + num_embeddings, tokens)
+  rows = product(jax.nn.one_hot(tokens, num_embeddings, dtype=dtype))
+  inside = jnp.logical_and(tokens >= 0, tokens < num_embeddings)
+  return jnp.where(inside[..., None], rows, jnp.nan)
+
+
 def factor_shapes(x, kernel, bias, spec: FusedDenseSpec) -> Factors:
   """The shapes and dtypes of a layer's :class:`Factors` (``x`` ``[...,
   K]``, ``kernel`` the layer's ``[K, N]`` view, ``bias`` ``[N]`` or None;
