@@ -76,6 +76,10 @@ def optax_with_storage(
   """
   if not isinstance(optimizer, ForgeOptimizer):
     raise TypeError(not_elementwise_message(optimizer))
+  # One parameter's state treedef, the same for every parameter.
+  state_def = jax.tree.structure(
+    jax.eval_shape(optimizer.init, jax.ShapeDtypeStruct((1, 64), jnp.float32))
+  )
 
   def init_fn(params):
     leaves, params_def = jax.tree.flatten(params)
@@ -83,7 +87,7 @@ def optax_with_storage(
     per_param = [rule.init(_as_2d(p)) for rule, p in zip(rules, leaves)]
     return StoredOptaxState(
       count=jnp.zeros((), jnp.int32),
-      state=_fields_outside(params_def, per_param, optimizer),
+      state=_fields_outside(params_def, per_param, state_def),
     )
 
   def update_fn(updates, state, params=None):
@@ -97,7 +101,7 @@ def optax_with_storage(
       path for path, _ in jax.tree_util.tree_flatten_with_path(updates)[0]
     ]
     rules = params_def.flatten_up_to(_per_param_rules(optimizer, params))
-    per_param = _fields_inside(params_def, state.state, optimizer)
+    per_param = _fields_inside(params_def, state.state, state_def)
     stepped = [
       _step(rule, path, grad, param, old, state.count)
       for rule, path, grad, param, old in zip(
@@ -108,24 +112,16 @@ def optax_with_storage(
       [step for step, _ in stepped]
     ), StoredOptaxState(
       count=optax.safe_increment(state.count),
-      state=_fields_outside(params_def, [new for _, new in stepped], optimizer),
+      state=_fields_outside(params_def, [new for _, new in stepped], state_def),
     )
 
   return optax.GradientTransformation(init_fn, update_fn)
 
 
-def _state_def(optimizer: ForgeOptimizer):
-  """The treedef of one parameter's state (the same for every parameter)."""
-  return jax.tree.structure(
-    jax.eval_shape(optimizer.init, jax.ShapeDtypeStruct((1, 64), jnp.float32))
-  )
-
-
-def _fields_outside(params_def, per_param: list, optimizer: ForgeOptimizer):
+def _fields_outside(params_def, per_param: list, state_def):
   """One state per parameter -> the state's fields, each a tree shaped like
   the parameters: the layout of optax's states, which Flax NNX's optimizer
   updates field by field."""
-  state_def = _state_def(optimizer)
   if not state_def.num_leaves:  # plain SGD: an empty state
     return state_def.unflatten([])
   return jax.tree.transpose(
@@ -133,9 +129,8 @@ def _fields_outside(params_def, per_param: list, optimizer: ForgeOptimizer):
   )
 
 
-def _fields_inside(params_def, state, optimizer: ForgeOptimizer) -> list:
+def _fields_inside(params_def, state, state_def) -> list:
   """Inverse of :func:`_fields_outside`: one state per parameter."""
-  state_def = _state_def(optimizer)
   if not state_def.num_leaves:
     return [state] * params_def.num_leaves
   return params_def.flatten_up_to(
