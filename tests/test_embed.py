@@ -15,8 +15,6 @@
 
 from __future__ import annotations
 
-import functools
-
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -100,13 +98,33 @@ def test_initialization_and_lookup_are_nn_embeds(dtype, seed):
   assert_bitwise_equal(outputs[0], outputs[1], "logits")
 
 
-def _train(forge, tokens, targets, implementation="xla", dtype=None, steps=3):
+def _train(
+  forge,
+  tokens,
+  targets,
+  implementation="xla",
+  dtype=None,
+  max_grad_norm=None,
+  steps=3,
+):
+  """``(state, losses)`` of ``steps`` steps; clipped by the global norm with
+  ``fj.TrainState(max_grad_norm=...)`` (FORGE) or
+  ``optax.clip_by_global_norm`` first in ``tx`` (nn.Embed)."""
   model = TinyLM(forge=forge, implementation=implementation, dtype=dtype)
   variables = model.init(jax.random.key(0), tokens)
-  state_class = fj.TrainState if forge else TrainState
-  state = state_class.create(
-    apply_fn=model.apply, params=variables, tx=OPT.to_optax()
-  )
+  tx = OPT.to_optax()
+  if forge:
+    state = fj.TrainState.create(
+      apply_fn=model.apply,
+      params=variables,
+      tx=tx,
+      max_grad_norm=max_grad_norm,
+    )
+  else:
+    if max_grad_norm is not None:
+      tx = optax.chain(optax.clip_by_global_norm(max_grad_norm), tx)
+    state = TrainState.create(apply_fn=model.apply, params=variables, tx=tx)
+  clipped_forge = forge and max_grad_norm is not None
 
   @jax.jit
   def step(state):
@@ -116,7 +134,8 @@ def _train(forge, tokens, targets, implementation="xla", dtype=None, steps=3):
         logits, targets
       ).mean()
 
-    loss, grads = jax.value_and_grad(loss_fn)(state.params)
+    grad_fn = state.value_and_grad if clipped_forge else jax.value_and_grad
+    loss, grads = grad_fn(loss_fn)(state.params)
     return state.apply_gradients(grads=grads), loss
 
   losses = []
@@ -124,6 +143,18 @@ def _train(forge, tokens, targets, implementation="xla", dtype=None, steps=3):
     state, loss = step(state)
     losses.append(float(loss))
   return state, losses
+
+
+def _assert_trained_alike(run, reference, reference_is_forge):
+  """Losses and tables of two ``_train`` runs, the first FORGE's."""
+  (state, losses), (expected_state, expected) = run, reference
+  np.testing.assert_allclose(losses, expected, rtol=1e-5)
+  np.testing.assert_allclose(
+    _table(state.params, True),
+    _table(expected_state.params, reference_is_forge),
+    rtol=1e-5,
+    atol=1e-7,
+  )
 
 
 def _unique_tokens(seed):
@@ -137,59 +168,20 @@ def test_trains_its_table_as_nn_embed_and_optax(seed):
   gradient, so the float32 table steps as nn.Embed + optax's (to the
   rounding of the rule's multiply-adds)."""
   tokens, targets = _unique_tokens(seed)
-  state, losses = _train(True, tokens, targets)
-  expected_state, expected = _train(False, tokens, targets)
-  np.testing.assert_allclose(losses, expected, rtol=1e-5)
-  np.testing.assert_allclose(
-    _table(state.params, True),
-    _table(expected_state.params, False),
-    rtol=1e-5,
-    atol=1e-7,
-  )
-  assert float(state.params[fj.FORGE_COLLECTION]["embed"]["count"]) == 3
+  run = _train(True, tokens, targets)
+  _assert_trained_alike(run, _train(False, tokens, targets), False)
+  assert float(run[0].params[fj.FORGE_COLLECTION]["embed"]["count"]) == 3
 
 
 def test_clipped_training_matches_optax_clipping(seed):
   """fj.TrainState(max_grad_norm=...) clips the table's step by the global
   norm as optax.clip_by_global_norm does for nn.Embed (unique tokens)."""
   tokens, targets = _unique_tokens(seed)
-  loss_of = lambda apply_fn, params: (
-    optax.softmax_cross_entropy_with_integer_labels(
-      apply_fn(params, tokens), targets
-    ).mean()
+  _assert_trained_alike(
+    _train(True, tokens, targets, max_grad_norm=0.05),
+    _train(False, tokens, targets, max_grad_norm=0.05),
+    False,
   )
-  tables, losses = [], []
-  for forge in (True, False):
-    model = TinyLM(forge=forge)
-    variables = model.init(jax.random.key(0), tokens)
-    if forge:
-      state = fj.TrainState.create(
-        apply_fn=model.apply,
-        params=variables,
-        tx=OPT.to_optax(),
-        max_grad_norm=0.05,
-      )
-      grad_fn = state.value_and_grad
-    else:
-      tx = optax.chain(optax.clip_by_global_norm(0.05), OPT.to_optax())
-      state = TrainState.create(apply_fn=model.apply, params=variables, tx=tx)
-      grad_fn = jax.value_and_grad
-
-    @jax.jit
-    def step(state, grad_fn=grad_fn):
-      loss, grads = grad_fn(functools.partial(loss_of, state.apply_fn))(
-        state.params
-      )
-      return state.apply_gradients(grads=grads), loss
-
-    run = []
-    for _ in range(3):
-      state, loss = step(state)
-      run.append(float(loss))
-    losses.append(run)
-    tables.append(_table(state.params, forge))
-  np.testing.assert_allclose(losses[0], losses[1], rtol=1e-5)
-  np.testing.assert_allclose(tables[0], tables[1], rtol=1e-5, atol=1e-7)
 
 
 @pytest.mark.parametrize("implementation", ["triton", "mosaic"])
@@ -198,14 +190,10 @@ def test_kernels_step_the_table_as_the_reference(implementation, seed):
   fused kernels' inputs): each kernel steps the table as the XLA
   reference."""
   tokens, targets = _unique_tokens(seed)
-  state, losses = _train(True, tokens, targets, implementation, jnp.bfloat16)
-  expected_state, expected = _train(True, tokens, targets, "xla", jnp.bfloat16)
-  np.testing.assert_allclose(losses, expected, rtol=1e-5)
-  np.testing.assert_allclose(
-    _table(state.params, True),
-    _table(expected_state.params, True),
-    rtol=1e-5,
-    atol=1e-7,
+  _assert_trained_alike(
+    _train(True, tokens, targets, implementation, jnp.bfloat16),
+    _train(True, tokens, targets, "xla", jnp.bfloat16),
+    True,
   )
 
 
