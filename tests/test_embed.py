@@ -27,7 +27,7 @@ from flax.training.train_state import TrainState
 import forge_jax as fj
 from forge_jax.ops import backends
 
-from conftest import assert_bitwise_equal
+from conftest import assert_bitwise_equal, train_step_temp_bytes
 
 OPT = fj.adamw(1e-2, weight_decay=0.1)
 
@@ -207,30 +207,21 @@ def test_train_step_holds_no_table_sized_gradient():
     pytest.skip("needs the Mosaic kernel (a Hopper or newer GPU)")
   vocab, width = 8192, 512
   tokens = jnp.zeros((1, 64), jnp.int32)
-  temp = {}
-  for forge in (True, False):
-    model = TinyLM(
-      vocab=vocab,
-      width=width,
-      forge=forge,
-      implementation="mosaic",
-      dtype=jnp.bfloat16,
-    )
-    variables = jax.eval_shape(model.init, jax.random.key(0), tokens)
-    state_class = fj.TrainState if forge else TrainState
-    state = jax.eval_shape(
-      lambda v, state_class=state_class, model=model: state_class.create(
-        apply_fn=model.apply, params=v, tx=OPT.to_optax()
+  temp = {
+    forge: train_step_temp_bytes(
+      TinyLM(
+        vocab=vocab,
+        width=width,
+        forge=forge,
+        implementation="mosaic",
+        dtype=jnp.bfloat16,
       ),
-      variables,
+      fj.TrainState.create if forge else TrainState.create,
+      OPT.to_optax(),
+      tokens,
     )
-
-    def step(state, tokens):
-      loss_fn = lambda p: state.apply_fn(p, tokens).astype(jnp.float32).mean()
-      return state.apply_gradients(grads=jax.grad(loss_fn)(state.params))
-
-    compiled = jax.jit(step, donate_argnums=0).lower(state, tokens).compile()
-    temp[forge] = compiled.memory_analysis().temp_size_in_bytes
+    for forge in (True, False)
+  }
   assert temp[True] <= temp[False] - 0.75 * vocab * width * 4, temp
 
 

@@ -22,6 +22,8 @@ import forge_jax as fj
 from examples.lm import llama
 from examples.lm import train as train_lib
 
+from conftest import train_step_temp_bytes
+
 BATCH, SEQ = 2, 32
 CONFIG = dataclasses.replace(
   llama.CONFIGS["small"], num_layers=6, dim=128, ffn_dim=512, head_dim=32
@@ -255,28 +257,17 @@ def test_xla_backend_step_holds_one_float32_gradient_beyond_optax(dtype):
   opt = fj.adamw(1e-3, weight_decay=0.1, state_dtype=state_dtype)
   x = jnp.ones((tokens, k), jnp.bfloat16)
 
-  def temp_bytes(dense, make_state, tx):
-    variables = jax.eval_shape(dense.init, jax.random.key(0), x)
-    state = jax.eval_shape(
-      lambda v: make_state(apply_fn=dense.apply, params=v, tx=tx), variables
-    )
-
-    def step(state, x):
-      loss = lambda p: jnp.mean(jnp.square(state.apply_fn(p, x)))
-      return state.apply_gradients(grads=jax.grad(loss)(state.params))
-
-    compiled = jax.jit(step, donate_argnums=0).lower(state, x).compile()
-    return compiled.memory_analysis().temp_size_in_bytes
-
   layer = dict(use_bias=False, dtype=jnp.bfloat16, param_dtype=dtype)
-  optax_temp = temp_bytes(
+  optax_temp = train_step_temp_bytes(
     nn.Dense(n, **layer),
     train_state.TrainState.create,
     optax.adamw(1e-3, weight_decay=0.1, mu_dtype=state_dtype),
+    x,
   )
-  forge_temp = temp_bytes(
+  forge_temp = train_step_temp_bytes(
     fj.ForgeDense(n, opt, implementation="xla", **layer),
     fj.TrainState.create,
     opt.to_optax(),
+    x,
   )
   assert forge_temp <= optax_temp + 4 * k * n, (forge_temp, optax_temp)
