@@ -26,6 +26,7 @@ from flax import nnx
 import forge_jax as fj
 from forge_jax import checkpoint
 from forge_jax import quantization as Q
+from forge_jax.clipping import layer_at, with_layer
 from forge_jax.ops.update import apply_update
 
 from conftest import (
@@ -129,14 +130,15 @@ def test_bf16_parameters_take_the_rules_bits(name, seed):
         name_of,
         identical=0.99,
       )
-      reference = _replace_at(reference, path, _param_state(state, path))
+      reference = with_layer(
+        reference, tuple(key.key for key in path), _param_state(state, path)
+      )
   assert int(state.count) == 3
 
 
 def _at(tree, path):
-  for key in path:
-    tree = tree[key.key]
-  return tree
+  """The entry of a nested dict at a key path (``tree_flatten_with_path``'s)."""
+  return layer_at(tree, tuple(key.key for key in path))
 
 
 def _param_state(state, path):
@@ -147,12 +149,6 @@ def _param_state(state, path):
     state.state,
     is_leaf=lambda x: isinstance(x, dict),
   )
-
-
-def _replace_at(tree, path, value):
-  if not path:
-    return value
-  return {**tree, path[0].key: _replace_at(tree[path[0].key], path[1:], value)}
 
 
 def test_stochastic_rounding_keys_differ_between_parameters(seed):
