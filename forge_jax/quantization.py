@@ -25,7 +25,8 @@ codes and one float32 scale. The Pallas kernel's epilogue handles column
 chunks of exactly one block, so a block never straddles a tile.
 
 * Signed states (first moments, momentum traces): ``x ~ q * s`` with ``q`` in
-  ``[-127, 127]`` and ``s = absmax / 127`` (:class:`QuantizedBlocks`).
+  ``[-127, 127]`` and ``s`` the smallest bfloat16 value with
+  ``127 s >= absmax`` (:class:`QuantizedBlocks`).
 * Non-negative second moments (``nu``, ``sum_of_squares``): stored as
   ``sqrt(v) ~ L * s`` with ``L`` in ``[0, 254]`` (all 255 non-NaN codes, as
   ``q = L - 127``) and ``s >= sqrt(max v) / 254``; every ``v > 0`` keeps
@@ -45,10 +46,14 @@ The quantizer is bit-exact across backends without trusting division or
 square roots (Triton lowers float32 ``/`` to an approximate ``div.full``):
 a code is first *estimated* with ``x * (1 / s)``, then corrected by one
 step against the threshold ``(q ± 0.5) * s`` on the estimate's side, which
-uses only correctly rounded multiplies and comparisons; the sqrt-domain
-scale is the smallest value on the bfloat16 grid with ``(254 s)^2 >= max
-v``, found the same way. Any backend whose estimate errs by less than half
-a code (float32 estimates err by about 1e-5 of one) gets the same bits.
+uses only correctly rounded multiplies and comparisons; a block's scale is
+the smallest value on the bfloat16 grid with ``127 s >= absmax`` (``(254
+s)^2 >= max v`` in the sqrt domain), found the same way. Any backend whose
+estimate errs by less than half a code (float32 estimates err by about 1e-5
+of one) gets the same bits. The grid costs at most 2**-8 of a code's
+resolution and keeps a block's scale where it is when a backend's rule
+rounds the block's largest element an ulp apart (a multiply-add contracted
+differently): the scale moves only if that ulp crosses a grid threshold.
 
 Storage. JAX differentiates floating leaves only (``jax.grad`` refuses
 int8), and FORGE returns the new state as a cotangent, so the int8 codes are
@@ -112,7 +117,8 @@ class QuantizedBlocks(NamedTuple):
   Attributes:
     codes: ``[K, N]`` int8 codes (``float8_e4m3fnuz`` container in the
       variables; int8 inside the kernel).
-    scale: ``[K, ceil(N / 64)]`` float32, ``absmax / 127`` of each block.
+    scale: ``[K, ceil(N / 64)]`` float32 on the bfloat16 grid, the
+      smallest with ``127 * scale >= absmax`` of each block.
   """
 
   codes: jax.Array
@@ -386,7 +392,7 @@ def _quantize_linear(x, amax, block):
   infinite ``amax``) gets zero codes."""
   cols = x.shape[1]
   keep = jnp.logical_and(amax >= TINY, amax < jnp.inf)
-  scale = jnp.where(keep, amax * np.float32(1.0 / CODE_MAX), 0.0)
+  scale = jnp.where(keep, _grid_scale(amax, CODE_MAX, square=False), 0.0)
   inv = jnp.where(keep, 1.0 / jnp.where(keep, scale, 1.0), 0.0)
   s = _expand(scale, block, cols)
   q = _corrected_round(x, s, x * _expand(inv, block, cols), square=False)
@@ -397,15 +403,31 @@ def _quantize_linear(x, amax, block):
   return scale, jnp.where(s > 0, q, 0.0)
 
 
+def _grid_scale(peak, levels: int, square: bool):
+  """Smallest ``s`` on the bfloat16 grid with ``levels * s >= peak``
+  (``(levels * s)^2 >= peak`` when ``square``), for ``peak > 0``.
+
+  ``peak * (1 / levels)`` (its square root when ``square``) only estimates
+  it; correctly rounded multiplies and comparisons pick the result, so every
+  backend gets the same bits. On the grid, a block's scale moves only when
+  its peak crosses one of the grid's thresholds: a peak one float32 ulp
+  apart (a multiply-add contracted differently) almost never moves it.
+  """
+  levels = np.float32(levels)
+
+  def ok(s):
+    reach = s * levels
+    return (reach * reach if square else reach) >= peak
+
+  estimate = (jnp.sqrt(peak) if square else peak) * (np.float32(1) / levels)
+  below, grid, above = (_bf16_grid(estimate, d) for d in (-1, 0, 1))
+  return jnp.where(ok(below), below, jnp.where(ok(grid), grid, above))
+
+
 def _sqrt_scale(vmax):
   """Smallest ``s`` on the bfloat16 grid with ``(254 s)^2 >= vmax`` (0 where
-  ``vmax == 0``). The square root only estimates it; the result is exact."""
-  levels = np.float32(SQRT_LEVELS)
-  ok = lambda s: (s * levels) * (s * levels) >= vmax
-  estimate = jnp.sqrt(vmax) * np.float32(1.0 / SQRT_LEVELS)
-  below, grid, above = (_bf16_grid(estimate, d) for d in (-1, 0, 1))
-  s = jnp.where(ok(below), below, jnp.where(ok(grid), grid, above))
-  return jnp.where(vmax > 0, s, 0.0)
+  ``vmax == 0``)."""
+  return jnp.where(vmax > 0, _grid_scale(vmax, SQRT_LEVELS, square=True), 0.0)
 
 
 def _quantize_sqrt(mag, vmax, block):

@@ -265,15 +265,13 @@ class CompiledOnGpu:
     for step in case["steps"]:
       assert step["skipped"] == [0, 0]
       for leaf, r in step["leaves"].items():
-        # A block's scale is its absmax / 127: one first-moment element an
-        # ulp off (m = b1 m + (1 - b1) g contracts to an FMA differently in
-        # Mosaic and XLA) moves it by an ulp. Measured on the H200: ~20 % of
-        # the first moment's scales 1-2 ulps off, the codes >= 99.9995 %
-        # identical.
-        if leaf.endswith("scale"):
-          assert r.get("max_rel_diff", 0.0) <= 1e-6, (leaf, r)
-          continue
         assert r["identical"] >= 0.999, (leaf, r)
+        # A block's scale is on the bfloat16 grid: a first-moment element an
+        # ulp off (m = b1 m + (1 - b1) g contracts to an FMA differently in
+        # Mosaic and XLA) moves it only across a grid threshold, by a step.
+        if leaf.endswith("scale"):
+          assert r.get("max_rel_diff", 0.0) <= 2.0**-7, (leaf, r)
+          continue
         assert (
           r.get("beyond_one_ulp", 0) == 0 and r.get("max_code_distance", 0) <= 1
         ), (leaf, r)

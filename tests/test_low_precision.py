@@ -31,7 +31,13 @@ from forge_jax import quantization as Q
 from forge_jax.ops import backends
 from forge_jax.ops.fused_dense import FusedDenseSpec
 
-from conftest import COLL, assert_bitwise_equal, assert_same_bits, host_copy
+from conftest import (
+  COLL,
+  assert_bitwise_equal,
+  assert_same_bits,
+  bits,
+  host_copy,
+)
 
 # test_mosaic_kernel.py takes it from here.
 
@@ -239,6 +245,38 @@ def test_int8_block_quantization_error_bound_and_block_size(seed):
   linear_codes, linear_scale = quantize(jnp.asarray(v, F32))
   linear = np.asarray(dequantize(linear_codes, linear_scale))
   assert ((linear == 0) & (v > 0)).mean() > 0.2  # why v is stored as sqrt
+
+
+@pytest.mark.parametrize("sqrt", [False, True], ids=["linear", "sqrt"])
+def test_int8_scales_are_the_smallest_bf16_values_that_cover_their_block(
+  sqrt, seed
+):
+  """Each block's scale is the smallest bfloat16 ``s`` with ``127 s >=
+  absmax`` (``(254 s)^2 >= max v``), checked in float64; the largest
+  element of every block moved one float32 ulp up, as a multiply-add
+  contracted differently moves it, leaves almost every scale's bits as they
+  were."""
+  x = _heavy_tailed(seed, (64, 4096))
+  x = np.abs(x) if sqrt else x
+  _, scale = quantize(jnp.asarray(x), sqrt=sqrt)
+  scale = np.asarray(scale, np.float64)
+  peak = np.abs(x.astype(np.float64)).reshape(64, -1, 64).max(axis=2)
+  covers = (lambda s: (254 * s) ** 2) if sqrt else (lambda s: 127 * s)
+  assert (scale == scale.astype(jnp.bfloat16).astype(np.float64)).all()
+  assert (covers(scale) >= peak).all()
+  # One bfloat16 step down: the float32 bits less one in the 16th bit.
+  below = (scale.astype(np.float32).view(np.uint32) - (1 << 16)).view(
+    np.float32
+  )
+  assert (covers(below.astype(np.float64)) < peak).all()
+
+  blocks = x.reshape(64, -1, 64)
+  at = np.abs(blocks).argmax(axis=2)[..., None]
+  top = np.take_along_axis(blocks, at, axis=2)
+  nudged = blocks.copy()
+  np.put_along_axis(nudged, at, np.nextafter(top, np.sign(top) * np.inf), 2)
+  _, moved = quantize(jnp.asarray(nudged.reshape(x.shape)), sqrt=sqrt)
+  assert (bits(moved) != bits(scale.astype(np.float32))).mean() <= 1e-3
 
 
 @pytest.mark.parametrize("sqrt", [False, True], ids=["linear", "sqrt"])
