@@ -27,7 +27,11 @@ from flax.training.train_state import TrainState
 import forge_jax as fj
 from forge_jax.ops import backends
 
-from conftest import assert_bitwise_equal, train_step_temp_bytes
+from conftest import (
+  assert_bitwise_equal,
+  jaxpr_equations,
+  train_step_temp_bytes,
+)
 
 OPT = fj.adamw(1e-2, weight_decay=0.1)
 
@@ -198,6 +202,26 @@ def test_kernels_step_the_table_as_the_reference(implementation, seed):
     _train(True, tokens, targets, "xla", jnp.bfloat16),
     True,
   )
+
+
+def test_backward_forms_no_gradient_of_the_one_hot_rows():
+  """The one-hot rows are not differentiated: the backward has no
+  ``[tokens, vocab]`` product (a GEMM and a buffer for nothing), only the
+  table's update."""
+  model = TinyLM(vocab=96, width=16, outputs=8)
+  tokens = jnp.arange(40, dtype=jnp.int32).reshape(2, 20)
+  variables = model.init(jax.random.key(0), tokens)
+  grad = jax.make_jaxpr(
+    jax.grad(lambda v: jnp.sum(jnp.square(model.apply(v, tokens))))
+  )(variables)
+  products = [
+    eqn.outvars[0].aval.shape
+    for eqn in jaxpr_equations(grad.jaxpr)
+    if eqn.primitive.name == "dot_general"
+  ]
+  assert (96, 16) in products, products  # the table's gradient (XLA)
+  rows = [shape for shape in products if shape[-1] == 96]
+  assert not any(np.prod(shape[:-1]) == 40 for shape in rows), products
 
 
 @pytest.mark.gpu

@@ -415,11 +415,24 @@ def primal_values(tree):
   )
 
 
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class _InputGradient:
+  """Whether the backward forms dx: a static residual. An input that is not
+  differentiated (one-hot rows of integer tokens, a model's raw inputs)
+  needs none, and its dx would be a GEMM and a ``[tokens, K]`` buffer for
+  nothing (the update waits for dx only when there is one)."""
+
+  needed: bool
+
+
 def _forge_dense_fwd(
   spec, layout, defers, x, variables, bias, layer_index, sink
 ):
   del defers, sink  # no residual: the backward only knows it has a sink
   check_differentiated(x, variables, bias)
+  # A mesh's per-shard backward keeps one output structure: dx always.
+  needs_dx = _InputGradient(x.perturbed or layout.mesh is not None)
   x, variables, bias, layer_index = primal_values(
     (x, variables, bias, layer_index)
   )
@@ -427,7 +440,7 @@ def _forge_dense_fwd(
   # (``dots_saveable``, ...) see a dot_general and may save its output.
   return (
     _forward(spec, layout, x, variables, bias, layer_index),
-    (x, variables, bias, layer_index),
+    (x, variables, bias, layer_index, needs_dx),
   )
 
 
@@ -616,7 +629,7 @@ def _local_forward(spec, layout, x, kernel, bias, layer_index):
 
 
 def _local_backward(
-  spec, layout, gradient_pass, x, variables, bias, layer_index, dy
+  spec, layout, gradient_pass, needs_dx, x, variables, bias, layer_index, dy
 ):
   kernel = _gather_kernel(
     stacks.layer_entry(variables.kernel, layer_index), layout, dy
@@ -625,18 +638,25 @@ def _local_backward(
   dy = _all_gather(dy, layout.scatter)  # transpose of the reduce-scatter
   # dx and dbias exactly as autodiff of flax.linen.Dense, with the old
   # kernel; then dx summed over the kernel's N axes, dbias over the tokens'
-  # data axes.
+  # data axes. Without ``needs_dx`` (inputs that are not differentiated,
+  # such as ForgeEmbed's one-hot rows), only dbias.
   compute = _in_place_dtype(
     spec, layout, dy, variables.kernel, bias, layer_index, True
   )
-  if compute is None:
+  if not needs_dx:
+    dx, dbias = None, None
+    if bias is not None:
+      _, bias_vjp = jax.vjp(lambda b: _dense(x, kernel, b, spec), bias)
+      (dbias,) = bias_vjp(dy)
+  elif compute is None:
     _, dense_vjp = jax.vjp(lambda x, b: _dense(x, kernel, b, spec), x, bias)
     dx, dbias = dense_vjp(dy)
   else:
     dx, dbias = _in_place_dense_vjp(
       x, variables.kernel, bias, layer_index, dy, compute
     )
-  dx = _reduce(dx, layout.n_axes, layout.gather)
+  if dx is not None:
+    dx = _reduce(dx, layout.n_axes, layout.gather)
   if dbias is not None:
     dbias = _psum(dbias, layout.token_axes)
 
@@ -903,13 +923,15 @@ def _axis_offset(axes, local_size):
 
 
 def _forge_dense_bwd(spec, layout, defers, residuals, dy):
-  x, variables, bias, layer_index = residuals
+  x, variables, bias, layer_index, needs_dx = residuals
   stored_shape = jnp.shape(variables.kernel)
   variables = _viewed(variables, jnp.shape(x)[-1:], layer_index is not None)
   gradient_pass = layer_context.record_backward(spec.path, defers)
   if isinstance(dy, SymbolicZero):
     dy = jnp.zeros(dy.shape, dy.dtype)
-  backward = functools.partial(_local_backward, spec, layout, gradient_pass)
+  backward = functools.partial(
+    _local_backward, spec, layout, gradient_pass, needs_dx.needed
+  )
   if layout.mesh is not None:
     x_s, v_s, b_s, i_s = parallel.operand_specs(
       layout, variables, bias, layer_index is not None
