@@ -262,7 +262,8 @@ def step_section(runs) -> str:
       step_variant(r),
       precision(r),
       r.get("attention") or "xla",
-      f"{r['peak_bytes_in_use'] / GIB:.2f}",
+      f"{r['peak_bytes_in_use'] / GIB:.2f}"
+      + ("*" if r.get("compiled_before_state") else ""),
       f"{r['compiled_argument_bytes'] / GIB:.2f}",
       f"{r['compiled_temp_bytes'] / GIB:.2f}",
       f"{r['step_ms_median']:.1f} ({len(r['step_ms_all'])})",
@@ -328,7 +329,11 @@ def step_section(runs) -> str:
     "bf16 weights; each run in a fresh process. Peak: `memory_stats()` "
     "`peak_bytes_in_use`; arguments: the compiled step's argument bytes "
     "(weights, optimizer states and the batch: what stays resident between "
-    "steps, a floor under the peak); step time: the median of the timed "
+    "steps, a floor under the peak). A peak marked * is a run that "
+    "compiled the step from the state's shapes before creating it: XLA's "
+    "autotuner allocates buffers while compiling (1.32 GiB at the 8B shape), "
+    "which otherwise sit on top of the resident state and can set a FORGE "
+    "peak at 512 tokens. Step time: the median of the timed "
     "steps after two warm-up steps. A ratio within a few hundredths of 1 is "
     "a tie: one configuration's step time moves by a few percent between "
     "machines.",

@@ -227,10 +227,10 @@ def test_backward_forms_no_gradient_of_the_one_hot_rows():
 @pytest.mark.gpu
 def test_train_step_holds_no_table_sized_gradient():
   """A 131072 x 512 bfloat16 table (128 MiB) looked up by 64 tokens, a
-  small head beside it, the fused kernel stepping the table: the compiled
-  step's temp is at least 3/4 of the table below nn.Embed + optax's, whose
-  gradient is table-sized. (The XLA reference forms the gradient: only a
-  kernel saves it.)"""
+  small head beside it: nn.Embed + optax's compiled step holds the table's
+  gradient (temp >= the table), the fused kernel's no table-sized buffer
+  (temp <= half the table: the one-hot rows and their mask). (The
+  XLA reference forms the gradient: only a kernel saves it.)"""
   if not backends.on_hopper_or_newer():
     pytest.skip("needs the Mosaic kernel (a Hopper or newer GPU)")
   vocab, width = 131072, 512
@@ -252,7 +252,8 @@ def test_train_step_holds_no_table_sized_gradient():
     )
     for forge in (True, False)
   }
-  assert temp[True] <= temp[False] - 0.75 * vocab * width * 2, temp
+  table = vocab * width * 2
+  assert temp[False] >= table and temp[True] <= table / 2, temp
 
 
 def test_tokens_must_be_integers_and_attend_is_refused():
