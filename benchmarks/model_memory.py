@@ -154,11 +154,9 @@ def _init_and_step(args, model, optimizer, batch):
   tx = optimizer.to_optax()
   if args.optax_storage:
     tx = fj.optax_with_storage(optimizer)
-  if args.clip is None or (args.variant == "optax" and args.clip == "none"):
-    init = lambda key: train_lib.create_train_state(model, tx, key, batch)
-    return jax.jit(init), train_lib.make_train_step()
-  if args.variant == "optax":
+  if args.variant == "optax" and args.clip not in (None, "none"):
     tx = optax.chain(optax.clip_by_global_norm(args.max_grad_norm), tx)
+  if args.clip is None or args.variant == "optax":
     init = lambda key: train_lib.create_train_state(model, tx, key, batch)
     return jax.jit(init), train_lib.make_train_step()
   max_norm = None if args.clip == "none" else args.max_grad_norm

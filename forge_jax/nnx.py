@@ -334,6 +334,11 @@ class Linear(nnx.Module):
     )
 
 
+def _compute_dtype(dtype, param_dtype):
+  """The one-hot rows' dtype: the layer's ``dtype``, else its table's."""
+  return param_dtype if dtype is None else dtype
+
+
 class Embed(Linear):
   """``nnx.Embed`` whose table FORGE steps in the backward pass: the lookup
   as the tokens' one-hot rows times the table, a :class:`Linear` kernel
@@ -367,7 +372,7 @@ class Embed(Linear):
       use_bias=False,
       dtype=dtype,
       param_dtype=param_dtype,
-      precision=one_hot_precision(param_dtype if dtype is None else dtype),
+      precision=one_hot_precision(_compute_dtype(dtype, param_dtype)),
       kernel_init=embedding_init,
       rngs=rngs,
       layer_id=layer_id,
@@ -379,7 +384,7 @@ class Embed(Linear):
     return one_hot_lookup(
       inputs,
       self.num_embeddings,
-      self.param_dtype if self.dtype is None else self.dtype,
+      _compute_dtype(self.dtype, self.param_dtype),
       super().__call__,
       "fj.nnx.Embed",
     )

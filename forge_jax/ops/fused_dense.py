@@ -640,23 +640,22 @@ def _local_backward(
   # kernel; then dx summed over the kernel's N axes, dbias over the tokens'
   # data axes. Without ``needs_dx`` (inputs that are not differentiated,
   # such as ForgeEmbed's one-hot rows), only dbias.
-  compute = _in_place_dtype(
-    spec, layout, dy, variables.kernel, bias, layer_index, True
-  )
-  if not needs_dx:
-    dx, dbias = None, None
-    if bias is not None:
-      _, bias_vjp = jax.vjp(lambda b: _dense(x, kernel, b, spec), bias)
-      (dbias,) = bias_vjp(dy)
-  elif compute is None:
-    _, dense_vjp = jax.vjp(lambda x, b: _dense(x, kernel, b, spec), x, bias)
-    dx, dbias = dense_vjp(dy)
-  else:
-    dx, dbias = _in_place_dense_vjp(
-      x, variables.kernel, bias, layer_index, dy, compute
+  dx, dbias = None, None
+  if needs_dx:
+    compute = _in_place_dtype(
+      spec, layout, dy, variables.kernel, bias, layer_index, True
     )
-  if dx is not None:
+    if compute is None:
+      _, dense_vjp = jax.vjp(lambda x, b: _dense(x, kernel, b, spec), x, bias)
+      dx, dbias = dense_vjp(dy)
+    else:
+      dx, dbias = _in_place_dense_vjp(
+        x, variables.kernel, bias, layer_index, dy, compute
+      )
     dx = _reduce(dx, layout.n_axes, layout.gather)
+  elif bias is not None:
+    _, bias_vjp = jax.vjp(lambda b: _dense(x, kernel, b, spec), bias)
+    (dbias,) = bias_vjp(dy)
   if dbias is not None:
     dbias = _psum(dbias, layout.token_axes)
 
