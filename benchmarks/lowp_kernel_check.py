@@ -10,7 +10,8 @@ Three checks, written to ``benchmarks/results/lowp_kernel_<suite>_<commit>.json`
    quantization (signed and sqrt-encoded) and dequantization to float32
    tiles; XLA applies the same functions to the whole arrays. The inputs are
    identical, so any differing bit is the storage path's: expected 0.
-2. ``fused``: one to three fused steps (AdamW, Lion, SGD-momentum with bf16
+2. ``fused``: one to three fused steps (AdamW, Lion, SGD-momentum, RAdam on
+   both sides of its rectification, RMSprop with bias correction; bf16
    weights, stochastic rounding and int8 states) at Llama shapes, each
    kernel (Triton; Mosaic GPU where the shape divides into its tiles) vs
    the XLA reference, with x and dy small multiples of 1/4 and 1/8 so that
@@ -70,7 +71,15 @@ OPTIMIZERS = {
   "adamw": lambda **kw: fj.adamw(1e-3, weight_decay=0.1, **kw),
   "lion": lambda **kw: fj.lion(1e-4, **kw),
   "sgd_momentum": lambda **kw: fj.sgd(1e-2, momentum=0.9, **kw),
+  # b2 = 0.9 rectifies from the sixth step: its fused steps start at the
+  # fifth (FIRST_COUNT), so they take both branches.
+  "radam": lambda **kw: fj.radam(1e-3, b2=0.9, **kw),
+  "rmsprop_bias_correction": lambda **kw: fj.rmsprop(
+    1e-3, bias_correction=True, eps_in_sqrt=False, initial_scale=0.5, **kw
+  ),
 }
+#: The count of an optimizer's first fused step (0 where not listed).
+FIRST_COUNT = {"radam": 4}
 LOWP = dict(state_dtype="int8", weight_rounding="stochastic", rounding_seed=3)
 #: The fused kernels and their backend functions.
 KERNELS = {
@@ -244,7 +253,8 @@ def check_fused(name, k, n, tokens, steps, interpret, implementation="triton"):
   w = (0.02 * jax.random.normal(jax.random.key(0), (k, n))).astype(jnp.bfloat16)
   state = opt.init(w)
   results = []
-  for count in range(steps):
+  first = FIRST_COUNT.get(name, 0)
+  for count in range(first, first + steps):
     x, dy = exact_inputs(count, tokens, k, n)
     args = (x, dy, w, state, opt.scalars(jnp.int32(count)), jnp.bool_(True))
     key = Q.rounding_key(opt.rounding_seed, 5, jnp.int32(count))

@@ -246,7 +246,10 @@ class CompiledOnGpu:
       "the kernels to one bf16 ulp or one int8 code"
     )
 
-  @pytest.mark.parametrize("name", ["adamw", "lion", "sgd_momentum"])
+  @pytest.mark.parametrize(
+    "name",
+    ["adamw", "lion", "sgd_momentum", "radam", "rmsprop_bias_correction"],
+  )
   def test_compiled_lowp_kernel_matches_reference(self, name):
     """Fused steps with exact dW: only the rule's float32 arithmetic may
     differ (FMA contraction, Triton's division, Mosaic's sqrt), moving a
