@@ -335,8 +335,18 @@ def main(argv=None):
     default="h200" if jax.default_backend() == "gpu" else "tiny",
     choices=sorted(SUITES),
   )
+  p.add_argument(
+    "--optimizers",
+    default=",".join(OPTIMIZERS),
+    help="comma-separated optimizers of the fused check (default: all)",
+  )
+  p.add_argument("--no-speed", action="store_true", help="skip the speed check")
   p.add_argument("--out", default=None)
   args = p.parse_args(argv)
+  names = args.optimizers.split(",")
+  unknown = sorted(set(names) - set(OPTIMIZERS))
+  if unknown:
+    p.error(f"unknown optimizers {unknown}; choose from {sorted(OPTIMIZERS)}")
   suite = SUITES[args.suite]
   interpret = jax.default_backend() != "gpu"
   meta = metadata()
@@ -358,7 +368,7 @@ def main(argv=None):
   )
   save()
   result["fused"] = []
-  for name in OPTIMIZERS:
+  for name in names:
     for (k, n, tokens), implementation in itertools.product(
       suite["fused"], KERNELS
     ):
@@ -390,7 +400,7 @@ def main(argv=None):
       )
       save()
   result["speed"] = []
-  for k, n, tokens in suite["speed"]:
+  for k, n, tokens in [] if args.no_speed else suite["speed"]:
     case = speed_case(k, n, tokens)
     case.update(speed_case(k, n, tokens, "mosaic"))
     result["speed"].append(case)
