@@ -19,8 +19,11 @@ Three checks, written to ``benchmarks/results/lowp_kernel_<suite>_<commit>.json`
    float32 arithmetic (Triton contracts multiply-adds into FMAs and lowers
    ``/`` to an approximate division; Mosaic's sqrt is ``x * rsqrt(x)`` and
    a Newton step; XLA may do neither): reported as the fraction of identical
-   bits per leaf, the largest bf16 ulp / int8 code distance, and the largest
-   relative scale difference. In interpret mode (CPU) every bit must match.
+   bits per leaf, the largest bf16 ulp / int8 code distance, the largest
+   relative scale difference, and the largest distance of what the codes
+   encode, in code steps (a block whose scale moved one grid step re-rounds
+   all its codes, up to two apart near the top of the sqrt encoding). In
+   interpret mode (CPU) every bit must match.
 3. ``speed`` (GPU only): the fused AdamW step with float32 weights and
    states vs bf16 weights + SR + int8 states, device time, per kernel.
 """
@@ -125,6 +128,26 @@ def _compare(a, b):
     beyond = finite & (ulps > 1) & (np.abs(fa - fb) > scale_ulp)
     out["beyond_one_ulp"] = int(beyond.sum())
   return out
+
+
+def _compare_encoded(a, b):
+  """Distances between two int8 leaves' codes read with their scales: the
+  codes' largest distance where the two blocks' scales agree, and that of
+  the values they encode, in code steps of the larger scale."""
+  value_a, step_a = map(np.asarray, Q.encoded_value(a))
+  value_b, step_b = map(np.asarray, Q.encoded_value(b))
+  codes = lambda leaf: np.asarray(Q.int8_codes(leaf.codes), np.int32)
+  same = step_a == step_b
+  compared = np.isfinite(value_a) & np.isfinite(value_b) & (step_b > 0)
+  steps = np.abs(value_a - value_b)[compared] / np.maximum(step_a, step_b)[
+    compared
+  ]
+  return {
+    "max_code_distance_same_scale": int(
+      np.abs(codes(a) - codes(b))[same].max(initial=0)
+    ),
+    "max_step_distance": float(steps.max(initial=0)),
+  }
 
 
 # ---------------------------------------------------------------------------
@@ -261,14 +284,24 @@ def check_fused(name, k, n, tokens, steps, interpret, implementation="triton"):
     expected = jax.device_get(reference(*args, rounding_key=key))
     actual = jax.device_get(kernel(*args, rounding_key=key))
     leaves = jax.tree_util.tree_flatten_with_path(expected[:2])[0]
+    compared = {
+      jax.tree_util.keystr(p): _compare(a, e)
+      for (p, e), a in zip(leaves, jax.tree.leaves(actual[:2]))
+    }
+    quantized = jax.tree_util.tree_flatten_with_path(
+      expected[1], is_leaf=Q.is_quantized
+    )[0]
+    actual_quantized = jax.tree.leaves(actual[1], is_leaf=Q.is_quantized)
+    for (p, e), a in zip(quantized, actual_quantized):
+      if Q.is_quantized(e):
+        compared[f"[1]{jax.tree_util.keystr(p)}.codes"].update(
+          _compare_encoded(a, e)
+        )
     results.append(
       {
         "count": count,
         "skipped": [int(actual[2]), int(expected[2])],
-        "leaves": {
-          jax.tree_util.keystr(p): _compare(a, e)
-          for (p, e), a in zip(leaves, jax.tree.leaves(actual[:2]))
-        },
+        "leaves": compared,
       }
     )
     w, state = jax.tree.map(

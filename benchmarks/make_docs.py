@@ -745,6 +745,14 @@ def lowp_section(runs) -> str:
       f["tokens"],
     ),
   )
+  def encoded(leaves):
+    steps = [
+      leaf["max_step_distance"]
+      for _, leaf in leaves
+      if "max_step_distance" in leaf
+    ]
+    return f"{max(steps):.3f}" if steps else "-"
+
   rows = []
   for f in latest.values():
     leaves = [
@@ -767,6 +775,7 @@ def lowp_section(runs) -> str:
         pct(worst(lambda p: p.endswith("codes"))),
         pct(worst(lambda p: p.endswith("scale"))),
         max(leaf.get("max_ulp", 0) for _, leaf in leaves),
+        encoded(leaves),
         f"`{commit(f['_run'])}`",
       ]
     )
@@ -781,6 +790,7 @@ def lowp_section(runs) -> str:
       "codes identical (%)",
       "scales identical (%)",
       "largest bf16 ulp apart",
+      "codes' values apart (code steps)",
       "commit",
     ],
     rows,
@@ -825,7 +835,9 @@ def lowp_section(runs) -> str:
     "and leaf), with x and dY chosen so that dW is exact in any summation "
     "order. What differs is the rule's float32 arithmetic (FMA "
     "contraction, approximate division and square root); in interpret "
-    "mode every bit matches.",
+    "mode every bit matches. A block whose scale moves one grid step "
+    "re-rounds all its codes; the values the codes encode (sqrt(v) for "
+    "second moments) stay within one code step of the reference's.",
     body,
     "python benchmarks/run.py lowp",
     [f["_run"] for f in latest.values()] + [s["_run"] for s in speed],

@@ -492,6 +492,22 @@ def load(leaf) -> jax.Array:
   return leaf.astype(jnp.float32)
 
 
+def encoded_value(leaf) -> tuple[jax.Array, jax.Array]:
+  """``(value, step)`` of an int8 state leaf, both ``[K, N]`` float32.
+
+  ``value`` is what the codes encode linearly (the value itself; ``sqrt(v)``
+  for the sqrt encoding) and ``step`` one code's size there, the block's
+  scale. Nearly equal values encoded at scales one grid step apart can get
+  codes ``levels * 2**-8`` apart (two near the top of the sqrt encoding's
+  254 levels), but their ``value``s stay within one ``step``.
+  """
+  q = int8_codes(leaf.codes).astype(jnp.float32)
+  if isinstance(leaf, QuantizedSqrtBlocks):
+    q = q + float(CODE_MAX)
+  step = jnp.broadcast_to(_expand(leaf.scale, BLOCK_SIZE, q.shape[1]), q.shape)
+  return q * step, step
+
+
 def load_state(state):
   """:func:`load` over a state NamedTuple."""
   return jax.tree.map(load, state, is_leaf=is_quantized)

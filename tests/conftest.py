@@ -415,30 +415,55 @@ def assert_within_rounding(actual, expected, what, identical):
   reference's (FMA contraction: XLA's fusion of the interpreter's tile, or
   Mosaic's code on the GPU), moving a rare element across a stochastic-
   rounding or int8 boundary: at least ``identical`` of each leaf's bits
-  match, the rest one int8 code or one bf16 ulp away, at the element's own
-  magnitude or at the leaf's scale (:func:`beyond_one_ulp`: where the
-  update cancels to near zero); float32 block scales (on the bfloat16 grid:
-  such an element moves its block's only across a grid threshold) one
-  bfloat16 step."""
-  for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected)):
+  match, the rest one bf16 ulp away, at the element's own magnitude or at
+  the leaf's scale (:func:`beyond_one_ulp`: where the update cancels to
+  near zero). An int8 leaf's block scales (on the bfloat16 grid: such an
+  element moves its block's only across a grid threshold) are one bfloat16
+  step apart at most, its codes one code apart where the scales agree, and
+  what they encode within one code step everywhere (a block whose scale
+  moved re-rounds all its codes: :func:`quantization.encoded_value`)."""
+  leaves = lambda tree: jax.tree.leaves(tree, is_leaf=quantization.is_quantized)
+  for a, e in zip(leaves(actual), leaves(expected)):
+    if quantization.is_quantized(e):
+      _assert_int8_within_rounding(a, e, what, identical)
+      continue
     a, e = np.asarray(a), np.asarray(e)
     assert (bits(a) == bits(e)).mean() >= identical, (what, a.dtype)
     if a.dtype == np.float32:
       np.testing.assert_allclose(a, e, rtol=2.0**-7, err_msg=what)
       continue
-    if a.dtype == quantization.CODES_CONTAINER:
-      distance = np.abs(
-        np.asarray(quantization.int8_codes(a), np.int32)
-        - np.asarray(quantization.int8_codes(e), np.int32)
-      )
-      assert distance.max() <= 1, what
-    else:
-      beyond = beyond_one_ulp(a, e)
-      assert not beyond.any(), (
-        what,
-        f"{beyond.sum()} elements beyond one ulp, up to "
-        f"{ulp_distance(a, e)[beyond].max()} ulps",
-      )
+    beyond = beyond_one_ulp(a, e)
+    assert not beyond.any(), (
+      what,
+      f"{beyond.sum()} elements beyond one ulp, up to "
+      f"{ulp_distance(a, e)[beyond].max()} ulps",
+    )
+
+
+def _assert_int8_within_rounding(actual, expected, what, identical):
+  codes_a, codes_e = (
+    np.asarray(quantization.int8_codes(leaf.codes), np.int32)
+    for leaf in (actual, expected)
+  )
+  scale_a, scale_e = np.asarray(actual.scale), np.asarray(expected.scale)
+  assert (codes_a == codes_e).mean() >= identical, (what, "codes")
+  assert (bits(scale_a) == bits(scale_e)).mean() >= identical, (what, "scale")
+  np.testing.assert_allclose(scale_a, scale_e, rtol=2.0**-7, err_msg=what)
+  value_a, step_a = map(np.asarray, quantization.encoded_value(actual))
+  value_e, step_e = map(np.asarray, quantization.encoded_value(expected))
+  same_scale = step_a == step_e
+  assert (np.abs(codes_a - codes_e)[same_scale] <= 1).all(), (what, "codes")
+  np.testing.assert_array_equal(
+    np.isfinite(value_a), np.isfinite(value_e), err_msg=str(what)
+  )
+  compared = np.isfinite(value_e) & (step_e > 0)
+  steps = (
+    np.abs(value_a - value_e)[compared] / np.maximum(step_a, step_e)[compared]
+  )
+  assert (steps <= 1 + 2.0**-10).all(), (
+    what,
+    f"encoded values up to {steps.max()} code steps apart",
+  )
 
 
 def poison(x, where=None, value=np.nan):

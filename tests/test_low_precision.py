@@ -279,6 +279,30 @@ def test_int8_scales_are_the_smallest_bf16_values_that_cover_their_block(
   assert (bits(moved) != bits(scale.astype(np.float32))).mean() <= 1e-3
 
 
+def test_a_scale_one_grid_step_up_moves_codes_but_not_what_they_encode():
+  """Second moments whose block peaks differ by one float32 ulp across a
+  grid threshold: the scale moves one bfloat16 step, every code of the
+  block re-rounds (two apart near the top of the 254 levels), and what the
+  codes encode (``sqrt(v)``) stays within one code step."""
+  s = 2.0**-10
+  v = np.full((1, 64), (250 * s) ** 2, np.float32)
+  v[0, 0] = (254 * s) ** 2  # the peak exactly at 254 levels of s
+  nudged = v.copy()
+  nudged[0, 0] = np.nextafter(v[0, 0], np.float32(np.inf))
+  at, above = (Q.store(jnp.asarray(x), "int8", True) for x in (v, nudged))
+  np.testing.assert_array_equal(np.asarray(at.scale), [[s]])
+  np.testing.assert_array_equal(np.asarray(above.scale), [[s * (1 + 2**-7)]])
+  codes = lambda leaf: np.asarray(Q.int8_codes(leaf.codes), np.int32)
+  assert np.abs(codes(at) - codes(above)).max() == 2
+  (value_at, step_at), (value_above, step_above) = (
+    map(np.asarray, Q.encoded_value(leaf)) for leaf in (at, above)
+  )
+  np.testing.assert_allclose(value_at, np.sqrt(v), rtol=1e-6)
+  assert (
+    np.abs(value_at - value_above) <= np.maximum(step_at, step_above)
+  ).all()
+
+
 @pytest.mark.parametrize("sqrt", [False, True], ids=["linear", "sqrt"])
 def test_int8_codes_are_nearest_by_their_thresholds_at_ties(sqrt, seed):
   """Values on a rounding threshold ``t(q) = (q + 0.5) * s`` (squared for
