@@ -779,6 +779,7 @@ def lowp_section(runs) -> str:
         f"`{commit(f['_run'])}`",
       ]
     )
+  rows.sort(key=lambda row: (row[0] != "triton", row[1]))
   body = table(
     [
       "kernel",
