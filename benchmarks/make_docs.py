@@ -745,6 +745,7 @@ def lowp_section(runs) -> str:
       f["tokens"],
     ),
   )
+
   def encoded(leaves):
     steps = [
       leaf["max_step_distance"]

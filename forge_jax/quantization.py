@@ -497,9 +497,9 @@ def encoded_value(leaf) -> tuple[jax.Array, jax.Array]:
 
   ``value`` is what the codes encode linearly (the value itself; ``sqrt(v)``
   for the sqrt encoding) and ``step`` one code's size there, the block's
-  scale. Nearly equal values encoded at scales one grid step apart can get
-  codes ``levels * 2**-8`` apart (two near the top of the sqrt encoding's
-  254 levels), but their ``value``s stay within one ``step``.
+  scale. Nearly equal values encoded at scales one grid step apart (a
+  relative 2**-8 to 2**-7) can get codes up to two apart near the top of the
+  sqrt encoding's 254 levels, but their ``value``s stay within one ``step``.
   """
   q = int8_codes(leaf.codes).astype(jnp.float32)
   if isinstance(leaf, QuantizedSqrtBlocks):

@@ -243,7 +243,7 @@ class CompiledOnGpu:
       "compiled, the rule's float32 arithmetic may round as XLA's "
       "does not (FMA contraction, Triton's division, Mosaic's "
       "sqrt): test_compiled_lowp_kernel_matches_reference holds "
-      "the kernels to one bf16 ulp or one int8 code"
+      "the kernels to one bf16 ulp or one int8 code step"
     )
 
   @pytest.mark.parametrize(
