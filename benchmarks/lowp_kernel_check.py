@@ -139,9 +139,9 @@ def _compare_encoded(a, b):
   codes = lambda leaf: np.asarray(Q.int8_codes(leaf.codes), np.int32)
   same = step_a == step_b
   compared = np.isfinite(value_a) & np.isfinite(value_b) & (step_b > 0)
-  steps = np.abs(value_a - value_b)[compared] / np.maximum(step_a, step_b)[
-    compared
-  ]
+  steps = (
+    np.abs(value_a - value_b)[compared] / np.maximum(step_a, step_b)[compared]
+  )
   return {
     "max_code_distance_same_scale": int(
       np.abs(codes(a) - codes(b))[same].max(initial=0)
