@@ -130,22 +130,14 @@ def _compare(a, b):
   return out
 
 
-def _compare_encoded(a, b):
-  """Distances between two int8 leaves' codes read with their scales: the
-  codes' largest distance where the two blocks' scales agree, and that of
-  the values they encode, in code steps of the larger scale."""
-  value_a, step_a = map(np.asarray, Q.encoded_value(a))
-  value_b, step_b = map(np.asarray, Q.encoded_value(b))
-  codes = lambda leaf: np.asarray(Q.int8_codes(leaf.codes), np.int32)
-  same = step_a == step_b
-  compared = np.isfinite(value_a) & np.isfinite(value_b) & (step_b > 0)
-  steps = (
-    np.abs(value_a - value_b)[compared] / np.maximum(step_a, step_b)[compared]
-  )
+def _compare_int8(a, b):
+  """:func:`_compare` of the codes, with the codes' largest distance where
+  the two blocks' scales agree and that of the values they encode, in code
+  steps (:func:`forge_jax.quantization.encoded_distance`)."""
+  codes, steps = map(np.asarray, Q.encoded_distance(a, b))
   return {
-    "max_code_distance_same_scale": int(
-      np.abs(codes(a) - codes(b))[same].max(initial=0)
-    ),
+    **_compare(a.codes, b.codes),
+    "max_code_distance_same_scale": int(codes.max(initial=0)),
     "max_step_distance": float(steps.max(initial=0)),
   }
 
@@ -283,20 +275,19 @@ def check_fused(name, k, n, tokens, steps, interpret, implementation="triton"):
     key = Q.rounding_key(opt.rounding_seed, 5, jnp.int32(count))
     expected = jax.device_get(reference(*args, rounding_key=key))
     actual = jax.device_get(kernel(*args, rounding_key=key))
-    leaves = jax.tree_util.tree_flatten_with_path(expected[:2])[0]
-    compared = {
-      jax.tree_util.keystr(p): _compare(a, e)
-      for (p, e), a in zip(leaves, jax.tree.leaves(actual[:2]))
-    }
-    quantized = jax.tree_util.tree_flatten_with_path(
-      expected[1], is_leaf=Q.is_quantized
+    leaves = jax.tree_util.tree_flatten_with_path(
+      expected[:2], is_leaf=Q.is_quantized
     )[0]
-    actual_quantized = jax.tree.leaves(actual[1], is_leaf=Q.is_quantized)
-    for (p, e), a in zip(quantized, actual_quantized):
+    compared = {}
+    for (p, e), a in zip(
+      leaves, jax.tree.leaves(actual[:2], is_leaf=Q.is_quantized)
+    ):
+      path = jax.tree_util.keystr(p)
       if Q.is_quantized(e):
-        compared[f"[1]{jax.tree_util.keystr(p)}.codes"].update(
-          _compare_encoded(a, e)
-        )
+        compared[f"{path}.codes"] = _compare_int8(a, e)
+        compared[f"{path}.scale"] = _compare(a.scale, e.scale)
+      else:
+        compared[path] = _compare(a, e)
     results.append(
       {
         "count": count,

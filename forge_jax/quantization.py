@@ -508,6 +508,26 @@ def encoded_value(leaf) -> tuple[jax.Array, jax.Array]:
   return q * step, step
 
 
+def encoded_distance(a, b) -> tuple[jax.Array, jax.Array]:
+  """``(codes, steps)`` between two int8 leaves of one shape, both ``[K, N]``:
+  how many codes apart each element is where the two blocks' scales agree
+  (0 elsewhere), and how far apart what they encode is (:func:`encoded_value`)
+  in code steps of the larger scale (0 where either value is not finite or
+  ``b``'s block is all zero)."""
+  value_a, step_a = encoded_value(a)
+  value_b, step_b = encoded_value(b)
+  codes = jnp.abs(
+    int8_codes(a.codes).astype(jnp.int32)
+    - int8_codes(b.codes).astype(jnp.int32)
+  )
+  compared = jnp.isfinite(value_a) & jnp.isfinite(value_b) & (step_b > 0)
+  steps = jnp.abs(value_a - value_b) / jnp.maximum(step_a, step_b)
+  return (
+    jnp.where(step_a == step_b, codes, 0),
+    jnp.where(compared, steps, 0.0),
+  )
+
+
 def load_state(state):
   """:func:`load` over a state NamedTuple."""
   return jax.tree.map(load, state, is_leaf=is_quantized)

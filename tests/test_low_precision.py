@@ -301,6 +301,10 @@ def test_a_scale_one_grid_step_up_moves_codes_but_not_what_they_encode():
   assert (
     np.abs(value_at - value_above) <= np.maximum(step_at, step_above)
   ).all()
+  # The scales differ, so encoded_distance counts no code distance there.
+  codes_apart, steps_apart = map(np.asarray, Q.encoded_distance(above, at))
+  assert not codes_apart.any()
+  assert 0 < steps_apart.max() <= 1
 
 
 @pytest.mark.parametrize("sqrt", [False, True], ids=["linear", "sqrt"])
