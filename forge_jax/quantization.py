@@ -554,16 +554,17 @@ def nan_where_blocks_not_finite(state, cols: int) -> Optional[jax.Array]:
 def update(
   new: jax.Array, old, ok: jax.Array, valid: Optional[jax.Array] = None
 ):
-  """The stored form of a step's new float32 state leaf ``new``.
+  """The stored form of a step's new state leaf ``new`` (float32, or a
+  float leaf's :func:`stored_candidates` entry).
 
-  Elements where ``ok`` is false keep their old value: bit for bit for
-  float leaves; for int8 leaves a block in which no (valid) element is
-  ``ok`` keeps its codes and scale bit for bit, and in a partly skipped block
-  the skipped elements keep their old value re-quantized in the block's new
-  scale (the same codes while the scale stays).
+    Elements where ``ok`` is false keep their old value: bit for bit for
+    float leaves; for int8 leaves a block in which no (valid) element is
+    ``ok`` keeps its codes and scale bit for bit, and in a partly skipped block
+    the skipped elements keep their old value re-quantized in the block's new
+    scale (the same codes while the scale stays).
   """
   if not is_quantized(old):
-    return jnp.where(ok, new, old.astype(jnp.float32)).astype(old.dtype)
+    return jnp.where(ok, new.astype(old.dtype), old)
   sqrt = isinstance(old, QuantizedSqrtBlocks)
   rows_1d = old.scale.ndim == 1  # a Mosaic GPU tile's scales
   values = jnp.where(ok, new, load(old))
@@ -581,6 +582,17 @@ def update(
   ).astype(jnp.int8)
   scale = jnp.where(changed, scale, old.scale)
   return type(old)(codes=_codes_like(codes, old.codes), scale=scale)
+
+
+def stored_candidates(new_state, old_state):
+  """The float32 ``new_state`` as :func:`update` would store it where every
+  element is kept: float leaves in their storage dtype, int8 leaves still
+  float32 (a block's scale depends on which of its elements are kept)."""
+  return jax.tree.map(
+    lambda n, o: n if is_quantized(o) else n.astype(o.dtype),
+    new_state,
+    old_state,
+  )
 
 
 def update_state(new_state, old_state, ok, valid=None):

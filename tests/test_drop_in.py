@@ -819,6 +819,69 @@ def test_overflowing_fused_update_is_skipped_and_counted(implementation):
   assert float(new.skipped) == kernel.size
 
 
+BF16_MAX = float(jnp.finfo(jnp.bfloat16).max)  # (2 - 2**-7) * 2**127
+
+
+def _fused_step(optimizer, kernel, x, implementation, state=None):
+  """The layer's variables after one fused step of ``kernel`` with input
+  ``x`` and a cotangent of ones (``dW`` sums ``x`` over its tokens)."""
+  variables = fused_dense.init_variables(optimizer, kernel)
+  if state is not None:
+    variables = variables._replace(opt_state=state)
+  spec = fused_dense.FusedDenseSpec(
+    optimizer=optimizer, implementation=implementation, dtype=jnp.bfloat16
+  )
+  return jax.grad(
+    lambda v: jnp.sum(
+      fused_dense.forge_dense(x, v, None, spec).astype(jnp.float32)
+    )
+  )(variables)
+
+
+@pytest.mark.parametrize(
+  "implementation", ["triton", pytest.param("mosaic", marks=pytest.mark.slow)]
+)
+def test_weights_rounded_up_to_infinity_are_skipped_and_counted(
+  implementation,
+):
+  """A float32 weight a quarter of bfloat16's last step above its largest
+  value rounds to that value to nearest, and to infinity a quarter of the
+  time stochastically. The check reads the weights as stored: those
+  elements keep their old value and count as skipped."""
+  optimizer = fj.sgd(1.0, weight_rounding="stochastic")
+  kernel = jnp.full((128, 128), BF16_MAX, jnp.bfloat16)
+  x = jnp.full((64, 128), -(2.0**112), jnp.bfloat16)  # dW = -2**118
+  new = _fused_step(optimizer, kernel, x, implementation)
+  np.testing.assert_array_equal(new.kernel, kernel)
+  # Each element rounds up with probability 1/4: 4096 of 16384 expected.
+  assert 3500 < float(new.skipped) < 4700, float(new.skipped)
+
+
+@pytest.mark.parametrize(
+  "implementation", ["triton", pytest.param("mosaic", marks=pytest.mark.slow)]
+)
+def test_state_overflowing_its_bfloat16_storage_is_skipped_and_counted(
+  implementation,
+):
+  """A momentum trace that float32 holds but bfloat16 rounds to infinity
+  is not written: the elements keep their old kernel and trace."""
+  optimizer = fj.sgd(1e-3, momentum=0.5, state_dtype="bfloat16")
+  kernel = jnp.ones((128, 128), jnp.bfloat16)
+  trace = jnp.full((128, 128), BF16_MAX, jnp.bfloat16)
+  # dW = 2**127 + 2**118 (64 tokens of 2**121, one of 2**118), so the new
+  # trace 0.5 * BF16_MAX + dW = 2**128 - 2**118.
+  x = jnp.zeros((128, 128), jnp.bfloat16).at[:64].set(2.0**121)
+  x = x.at[64].set(2.0**118)
+  new_trace = np.float32(0.5 * BF16_MAX) + np.float32(2.0**127 + 2.0**118)
+  assert np.isfinite(new_trace), "precondition"
+  assert np.isinf(new_trace.astype(jnp.bfloat16)), "precondition"
+  state = optimizer.init(kernel)._replace(trace=trace)
+  new = _fused_step(optimizer, kernel, x, implementation, state)
+  np.testing.assert_array_equal(new.kernel, kernel)
+  np.testing.assert_array_equal(new.opt_state.trace, trace)
+  assert float(new.skipped) == kernel.size
+
+
 def test_triton_kernel_refuses_stacks_of_2_31_elements():
   """The Triton kernel's element offsets are 32-bit: a Qwen3-14B-shaped
   scanned model (stacks of 40 x 5120 x 17408 elements) trained to NaN

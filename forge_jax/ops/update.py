@@ -45,11 +45,11 @@ def apply_update(
   reads this step's new state in float32, before it is rounded or quantized
   for storage (as optax does), and every backend computes the same bits.
   Elements whose gradient is not finite, whose new kernel or state would not
-  be finite (:func:`finite_result`; with ``guard_results``, which the fused
-  kernels set: in registers the check costs no memory, while over whole
-  arrays it makes XLA keep a kernel-sized temporary), and every element when
-  ``apply`` is false, keep their old kernel and state bit for bit (int8 states: see
-  :func:`forge_jax.quantization.update`).
+  be finite as stored (:func:`finite_result`; with ``guard_results``, which
+  the fused kernels set: in registers the check costs no memory, while over
+  whole arrays it makes XLA keep a kernel-sized temporary), and every
+  element when ``apply`` is false, keep their old kernel and state bit for
+  bit (int8 states: see :func:`forge_jax.quantization.update`).
 
   Storage (:mod:`forge_jax.quantization`, the one place that rounds,
   quantizes and dequantizes): state leaves are read with ``load`` and written
@@ -78,17 +78,27 @@ def apply_update(
   grad = grad.astype(jnp.float32)
 
   def rule(grad, kernel_f32, old_state, stored_state):
-    """The stepped kernel (float32), the new state and where to keep them."""
+    """The new kernel and state as they would be stored (state leaves kept
+    in float32 where int8 blocks quantize them after the selection) and
+    where to keep them."""
     new_state_f32 = optimizer.update_state(grad, kernel_f32, old_state, scalars)
     read = old_state if optimizer.kernel_reads_old_state else new_state_f32
     stepped = optimizer.update_kernel(grad, kernel_f32, read, scalars)
+    new_kernel = quantization.round_weights(
+      stepped,
+      kernel.dtype,
+      rounding=optimizer.weight_rounding,
+      key=rounding_key,
+      indices=indices,
+    )
+    new_state = quantization.stored_candidates(new_state_f32, stored_state)
     ok = jnp.logical_and(jnp.isfinite(grad), apply)
     if guard_results:
       ok = jnp.logical_and(
         ok,
         finite_result(
-          stepped.astype(kernel.dtype),
-          new_state_f32,
+          new_kernel,
+          new_state,
           kernel_f32,
           old_state,
           stored_state,
@@ -96,20 +106,19 @@ def apply_update(
           multiply_add=not quantization.has_quantized(state),
         ),
       )
-    return stepped, new_state_f32, ok
+    return new_kernel, new_state, ok
 
-  kernel_f32 = stacks.layer_entry(kernel, layer_index).astype(jnp.float32)
+  stored_kernel = stacks.layer_entry(kernel, layer_index)
   stored = stacks.layer_entries(state, layer_index)
-  stepped, new_state_f32, ok = rule(
-    grad, kernel_f32, quantization.load_state(stored), stored
+  new_kernel, new_state, ok = rule(
+    grad,
+    stored_kernel.astype(jnp.float32),
+    quantization.load_state(stored),
+    stored,
   )
-  new_kernel = quantization.round_weights(
-    jnp.where(ok, stepped, kernel_f32),
-    kernel.dtype,
-    rounding=optimizer.weight_rounding,
-    key=rounding_key,
-    indices=indices,
-  )
+  # The old stored bits where skipped: rounding them again would give the
+  # same bits (stochastic rounding adds bits below a bfloat16's mantissa).
+  new_kernel = jnp.where(ok, new_kernel, stored_kernel)
   store_ok, store_index, stored_at_store = ok, layer_index, stored
   if order_in_place:
     # The kernel's fusion reads the old state; the state's fusions overwrite
@@ -134,10 +143,10 @@ def apply_update(
         quantization.load_state(stored_at_store),
       )
     )
-    _, new_state_f32, ok_s = rule(grad_s, kernel_s, old_s, stored_at_store)
+    _, new_state, ok_s = rule(grad_s, kernel_s, old_s, stored_at_store)
     store_ok = jnp.logical_and(ok_s, after_kernel)
   new_state = quantization.update_state(
-    new_state_f32, stored_at_store, store_ok, valid
+    new_state, stored_at_store, store_ok, valid
   )
   return new_kernel, new_state, ok
 
@@ -154,6 +163,12 @@ def finite_result(
 ) -> jax.Array:
   """False where the rule made a non-finite kernel or state element from a
   finite one.
+
+  ``new_kernel`` and ``new_state`` are the values as they would be stored
+  (:func:`forge_jax.quantization.stored_candidates`): a float32 result that
+  overflows its bfloat16 storage, or that stochastic rounding rounds up past
+  bfloat16's largest value, counts as not finite. The rounded values are
+  the ones stored where the element is kept, so the check adds no rounding.
 
   Such an element keeps its old values and counts as skipped, like one with
   a non-finite gradient: no update writes a NaN or an infinity from finite
@@ -181,7 +196,7 @@ def finite_result(
   def nan_where_not_finite(first, rest):
     total = term(first.astype(jnp.float32))
     for leaf in rest:
-      total = total + term(leaf)
+      total = total + term(leaf.astype(jnp.float32))
     return total
 
   made = nan_where_not_finite(new_kernel, jax.tree.leaves(new_state))
