@@ -564,7 +564,7 @@ def update(
     scale (the same codes while the scale stays).
   """
   if not is_quantized(old):
-    return jnp.where(ok, new.astype(old.dtype), old)
+    return jnp.where(ok, new, old.astype(jnp.float32)).astype(old.dtype)
   sqrt = isinstance(old, QuantizedSqrtBlocks)
   rows_1d = old.scale.ndim == 1  # a Mosaic GPU tile's scales
   values = jnp.where(ok, new, load(old))
@@ -584,15 +584,25 @@ def update(
   return type(old)(codes=_codes_like(codes, old.codes), scale=scale)
 
 
-def stored_candidates(new_state, old_state):
-  """The float32 ``new_state`` as :func:`update` would store it where every
-  element is kept: float leaves in their storage dtype, int8 leaves still
-  float32 (a block's scale depends on which of its elements are kept)."""
-  return jax.tree.map(
-    lambda n, o: n if is_quantized(o) else n.astype(o.dtype),
-    new_state,
-    old_state,
-  )
+def storage_dtypes(state) -> list:
+  """Each leaf's storage dtype, in ``jax.tree.leaves`` order of its float32
+  state: float32 for int8 leaves (a NaN or infinity becomes a block's NaN
+  scale)."""
+  return [
+    jnp.dtype(jnp.float32) if is_quantized(leaf) else leaf.dtype
+    for leaf in jax.tree.leaves(state, is_leaf=is_quantized)
+  ]
+
+
+def rounds_to_finite(x: jax.Array, dtype) -> jax.Array:
+  """True where float32 ``x`` rounds to nearest to a finite ``dtype`` value:
+  ``|x|`` below the largest value plus half its step (a tie rounds to the
+  even infinity). False where ``x`` is NaN or infinite."""
+  if jnp.dtype(dtype) == jnp.float32:
+    return jnp.isfinite(x)
+  finfo = jnp.finfo(dtype)
+  half_step = float(finfo.eps) * 2.0 ** (finfo.maxexp - 2)
+  return jnp.abs(x) < np.float32(float(finfo.max) + half_step)
 
 
 def update_state(new_state, old_state, ok, valid=None):

@@ -77,28 +77,39 @@ def apply_update(
   """
   grad = grad.astype(jnp.float32)
 
+  stochastic = optimizer.weight_rounding == "stochastic"
+
   def rule(grad, kernel_f32, old_state, stored_state):
-    """The new kernel and state as they would be stored (state leaves kept
-    in float32 where int8 blocks quantize them after the selection) and
-    where to keep them."""
+    """The stepped kernel (float32), its stochastically rounded form (None
+    when rounding to nearest), the new state (float32) and where to keep
+    them."""
     new_state_f32 = optimizer.update_state(grad, kernel_f32, old_state, scalars)
     read = old_state if optimizer.kernel_reads_old_state else new_state_f32
     stepped = optimizer.update_kernel(grad, kernel_f32, read, scalars)
-    new_kernel = quantization.round_weights(
-      stepped,
-      kernel.dtype,
-      rounding=optimizer.weight_rounding,
-      key=rounding_key,
-      indices=indices,
-    )
-    new_state = quantization.stored_candidates(new_state_f32, stored_state)
+    rounded = None
+    if stochastic:
+      rounded = quantization.round_weights(
+        stepped,
+        kernel.dtype,
+        rounding=optimizer.weight_rounding,
+        key=rounding_key,
+        indices=indices,
+      )
     ok = jnp.logical_and(jnp.isfinite(grad), apply)
     if guard_results:
+      new_values = [
+        (stepped, kernel.dtype)
+        if rounded is None
+        else (rounded.astype(jnp.float32), jnp.float32),
+        *zip(
+          jax.tree.leaves(new_state_f32),
+          quantization.storage_dtypes(stored_state),
+        ),
+      ]
       ok = jnp.logical_and(
         ok,
         finite_result(
-          new_kernel,
-          new_state,
+          new_values,
           kernel_f32,
           old_state,
           stored_state,
@@ -106,19 +117,21 @@ def apply_update(
           multiply_add=not quantization.has_quantized(state),
         ),
       )
-    return new_kernel, new_state, ok
+    return stepped, rounded, new_state_f32, ok
 
   stored_kernel = stacks.layer_entry(kernel, layer_index)
+  kernel_f32 = stored_kernel.astype(jnp.float32)
   stored = stacks.layer_entries(state, layer_index)
-  new_kernel, new_state, ok = rule(
-    grad,
-    stored_kernel.astype(jnp.float32),
-    quantization.load_state(stored),
-    stored,
+  stepped, rounded, new_state, ok = rule(
+    grad, kernel_f32, quantization.load_state(stored), stored
   )
-  # The old stored bits where skipped: rounding them again would give the
-  # same bits (stochastic rounding adds bits below a bfloat16's mantissa).
-  new_kernel = jnp.where(ok, new_kernel, stored_kernel)
+  if rounded is None:
+    new_kernel = jnp.where(ok, stepped, kernel_f32).astype(kernel.dtype)
+  else:
+    # The old bits where skipped, without hashing again (rounding them
+    # would give them back: stochastic rounding adds bits below a
+    # bfloat16's mantissa).
+    new_kernel = jnp.where(ok, rounded, stored_kernel)
   store_ok, store_index, stored_at_store = ok, layer_index, stored
   if order_in_place:
     # The kernel's fusion reads the old state; the state's fusions overwrite
@@ -143,7 +156,7 @@ def apply_update(
         quantization.load_state(stored_at_store),
       )
     )
-    _, new_state, ok_s = rule(grad_s, kernel_s, old_s, stored_at_store)
+    _, _, new_state, ok_s = rule(grad_s, kernel_s, old_s, stored_at_store)
     store_ok = jnp.logical_and(ok_s, after_kernel)
   new_state = quantization.update_state(
     new_state, stored_at_store, store_ok, valid
@@ -152,8 +165,7 @@ def apply_update(
 
 
 def finite_result(
-  new_kernel,
-  new_state,
+  new_values,
   kernel,
   state,
   stored_state,
@@ -162,13 +174,7 @@ def finite_result(
   multiply_add=False,
 ) -> jax.Array:
   """False where the rule made a non-finite kernel or state element from a
-  finite one.
-
-  ``new_kernel`` and ``new_state`` are the values as they would be stored
-  (:func:`forge_jax.quantization.stored_candidates`): a float32 result that
-  overflows its bfloat16 storage, or that stochastic rounding rounds up past
-  bfloat16's largest value, counts as not finite. The rounded values are
-  the ones stored where the element is kept, so the check adds no rounding.
+  finite one, as stored.
 
   Such an element keeps its old values and counts as skipped, like one with
   a non-finite gradient: no update writes a NaN or an infinity from finite
@@ -176,14 +182,22 @@ def finite_result(
   learning rate (a wiped layer's poison, see ``fused_dense.step_scalars``)
   is let through on purpose.
 
+  ``new_values`` pairs each new kernel or state value (float32) with the
+  dtype it is stored in: float32 for float32 leaves, for int8 leaves (a NaN
+  or infinity becomes a block's NaN scale) and for the stochastically
+  rounded kernel, passed rounded (it may round up past bfloat16's largest
+  value). A value rounded to nearest into a narrower float is compared with
+  that dtype's overflow threshold
+  (:func:`forge_jax.quantization.rounds_to_finite`) instead of rounded.
+
   ``state`` is the old state as read (float32), ``stored_state`` as stored:
   an int8 leaf holds a NaN or an infinity only as a block's NaN scale (how
   quantization stores such a block), so its scales are checked, one value a
   block, instead of its elements.
 
-  Each leaf's ``x - x`` (or, with ``multiply_add``, ``x * 0``) is zero where
-  ``x`` is finite and NaN where it is not; the leaves' terms are summed and
-  compared once (Mosaic GPU lowers no negation of boolean vectors). The
+  Each float32 value's ``x - x`` (or, with ``multiply_add``, ``x * 0``) is
+  zero where ``x`` is finite and NaN where it is not; the terms are summed
+  and compared once (Mosaic GPU lowers no negation of boolean vectors). The
   ``x * 0`` terms accumulate in one multiply-add a leaf instead of a
   subtraction and an add: fewer instructions in an issue-bound epilogue, the
   same mask. The int8 update keeps the subtractions, with which its
@@ -193,27 +207,36 @@ def finite_result(
   def term(x):
     return x * 0.0 if multiply_add else x - x
 
-  def nan_where_not_finite(first, rest):
-    total = term(first.astype(jnp.float32))
-    for leaf in rest:
-      total = total + term(leaf.astype(jnp.float32))
+  def nan_where_not_finite(values):
+    total = None
+    for value in values:
+      value = term(value.astype(jnp.float32))
+      total = value if total is None else total + value
     return total
 
-  made = nan_where_not_finite(new_kernel, jax.tree.leaves(new_state))
+  made = nan_where_not_finite(
+    v for v, dtype in new_values if dtype == jnp.float32
+  )
+  made_ok = True if made is None else made == made
+  for value, dtype in new_values:
+    if dtype != jnp.float32:
+      made_ok = jnp.logical_and(
+        made_ok, quantization.rounds_to_finite(value, dtype)
+      )
   unquantized = jax.tree.map(
     lambda stored, read: None if quantization.is_quantized(stored) else read,
     stored_state,
     state,
     is_leaf=quantization.is_quantized,
   )
-  given = nan_where_not_finite(kernel, jax.tree.leaves(unquantized))
+  given = nan_where_not_finite([kernel, *jax.tree.leaves(unquantized)])
   blocks = quantization.nan_where_blocks_not_finite(
     stored_state, kernel.shape[-1]
   )
   if blocks is not None:
     given = given + blocks
   return jnp.logical_or(
-    made == made,
+    made_ok,
     jnp.logical_or(jnp.isnan(given), jnp.isnan(scalars.neg_lr)),
   )
 
