@@ -554,14 +554,13 @@ def nan_where_blocks_not_finite(state, cols: int) -> Optional[jax.Array]:
 def update(
   new: jax.Array, old, ok: jax.Array, valid: Optional[jax.Array] = None
 ):
-  """The stored form of a step's new state leaf ``new`` (float32, or a
-  float leaf's :func:`stored_candidates` entry).
+  """The stored form of a step's new float32 state leaf ``new``.
 
-    Elements where ``ok`` is false keep their old value: bit for bit for
-    float leaves; for int8 leaves a block in which no (valid) element is
-    ``ok`` keeps its codes and scale bit for bit, and in a partly skipped block
-    the skipped elements keep their old value re-quantized in the block's new
-    scale (the same codes while the scale stays).
+  Elements where ``ok`` is false keep their old value: bit for bit for
+  float leaves; for int8 leaves a block in which no (valid) element is
+  ``ok`` keeps its codes and scale bit for bit, and in a partly skipped block
+  the skipped elements keep their old value re-quantized in the block's new
+  scale (the same codes while the scale stays).
   """
   if not is_quantized(old):
     return jnp.where(ok, new, old.astype(jnp.float32)).astype(old.dtype)

@@ -154,6 +154,31 @@ def test_updates_below_half_an_ulp_vanish_when_rounding_to_nearest_and_accumulat
   assert len(np.unique(sr)) > 3  # elements draw independently
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
+def test_rounds_to_finite_is_the_cast_finiteness(dtype):
+  """The fused kernels' overflow test of a value stored rounded to nearest
+  agrees with the cast itself at the threshold (a tie rounds to infinity),
+  next to it, and for NaN and infinities."""
+  finfo = jnp.finfo(dtype)
+  with np.errstate(over="ignore"):  # float32's threshold is infinite
+    threshold = np.float32(
+      float(finfo.max) + float(finfo.eps) * 2.0 ** (finfo.maxexp - 2)
+    )
+  near = [threshold, np.nextafter(threshold, np.float32(0))]
+  near = near if np.isfinite(threshold) else []
+  values = np.array(
+    [0.0, 1.0, float(finfo.max), np.finfo(np.float32).max, np.inf, np.nan]
+    + near,
+    np.float32,
+  )
+  values = np.concatenate([values, -values])
+  expected = np.isfinite(np.asarray(jnp.asarray(values).astype(dtype)))
+  np.testing.assert_array_equal(
+    Q.rounds_to_finite(jnp.asarray(values), dtype), expected
+  )
+  assert expected.any() and not expected.all()
+
+
 def test_stochastic_rounding_options_are_checked():
   with pytest.raises(ValueError, match="weight_rounding"):
     fj.adamw(1e-3, weight_rounding="up")
