@@ -882,6 +882,25 @@ def test_state_overflowing_its_bfloat16_storage_is_skipped_and_counted(
   assert float(new.skipped) == kernel.size
 
 
+def test_float16_second_moment_overflowing_is_skipped_and_counted():
+  """AdamW's float16 second moment overflows from gradients above about
+  8,000 (0.001 g**2 > 65504) while float32 holds it: those elements keep
+  their old values and count as skipped instead of storing an infinite
+  moment that would stall their weights. (The Mosaic kernel takes no
+  float16 states.)"""
+  optimizer = fj.adamw(1e-3, state_dtype="float16")
+  kernel = jnp.ones((128, 128), jnp.bfloat16)
+  x = jnp.full((64, 128), 2.0**8, jnp.bfloat16)  # dW = 2**14 everywhere
+  new = _fused_step(optimizer, kernel, x, "triton")
+  np.testing.assert_array_equal(new.kernel, kernel)
+  old_state = optimizer.init(kernel)
+  for new_leaf, old_leaf in zip(
+    jax.tree.leaves(new.opt_state), jax.tree.leaves(old_state)
+  ):
+    np.testing.assert_array_equal(new_leaf, old_leaf)
+  assert float(new.skipped) == kernel.size
+
+
 def test_triton_kernel_refuses_stacks_of_2_31_elements():
   """The Triton kernel's element offsets are 32-bit: a Qwen3-14B-shaped
   scanned model (stacks of 40 x 5120 x 17408 elements) trained to NaN
