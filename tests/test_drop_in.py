@@ -792,33 +792,6 @@ def test_optax_alias_as_layer_optimizer_names_its_twin(tx, twin):
 # No update writes a non-finite value from finite inputs unreported.
 
 
-@pytest.mark.parametrize(
-  "implementation",
-  # Mosaic's overflowing elements are skipped and counted by default in
-  # test_mosaic_kernel.py::test_mosaic_counts_skipped_elements_per_warpgroup.
-  ["triton", pytest.param("mosaic", marks=pytest.mark.slow)],
-)
-def test_overflowing_fused_update_is_skipped_and_counted(implementation):
-  """A step that overflows from finite inputs keeps the old values and counts
-  them as skipped (the XLA reference, like optax, writes what the rule
-  computes)."""
-  optimizer = fj.sgd(3e38)
-  kernel = jnp.full((128, 128), 1e38, jnp.float32)
-  variables = fused_dense.init_variables(optimizer, kernel)
-  spec = fused_dense.FusedDenseSpec(
-    optimizer=optimizer, implementation=implementation, dtype=jnp.bfloat16
-  )
-  x = -jnp.ones((64, 128), jnp.bfloat16)
-  new = jax.grad(
-    lambda v: jnp.sum(
-      fused_dense.forge_dense(x, v, None, spec).astype(jnp.float32)
-    )
-  )(variables)
-  assert np.all(np.isfinite(new.kernel))
-  np.testing.assert_array_equal(new.kernel, kernel)
-  assert float(new.skipped) == kernel.size
-
-
 BF16_MAX = float(jnp.finfo(jnp.bfloat16).max)  # (2 - 2**-7) * 2**127
 
 
@@ -836,6 +809,25 @@ def _fused_step(optimizer, kernel, x, implementation, state=None):
       fused_dense.forge_dense(x, v, None, spec).astype(jnp.float32)
     )
   )(variables)
+
+
+@pytest.mark.parametrize(
+  "implementation",
+  # Mosaic's overflowing elements are skipped and counted by default in
+  # test_mosaic_kernel.py::test_mosaic_counts_skipped_elements_per_warpgroup.
+  ["triton", pytest.param("mosaic", marks=pytest.mark.slow)],
+)
+def test_overflowing_fused_update_is_skipped_and_counted(implementation):
+  """A step that overflows from finite inputs keeps the old values and counts
+  them as skipped (the XLA reference, like optax, writes what the rule
+  computes)."""
+  optimizer = fj.sgd(3e38)
+  kernel = jnp.full((128, 128), 1e38, jnp.float32)
+  x = -jnp.ones((64, 128), jnp.bfloat16)
+  new = _fused_step(optimizer, kernel, x, implementation)
+  assert np.all(np.isfinite(new.kernel))
+  np.testing.assert_array_equal(new.kernel, kernel)
+  assert float(new.skipped) == kernel.size
 
 
 @pytest.mark.parametrize(
