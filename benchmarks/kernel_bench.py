@@ -111,11 +111,16 @@ def fused_step(optimizer, config, interpret=None):
 
 def reference_step(optimizer):
   spec = FusedDenseSpec(optimizer=optimizer, implementation="xla")
+  # The fused steps here pass no rounding key: their kernels draw stochastic
+  # rounding's bits from key 0, and so does the reference.
+  key = jnp.uint32(0) if optimizer.weight_rounding == "stochastic" else None
 
   def step(w, state, count, x, dy):
     scalars = optimizer.scalars(count)
     apply = jnp.all(jnp.isfinite(dy))
-    return backends.xla_update(spec, x, dy, w, state, scalars, apply)[:3]
+    return backends.xla_update(
+      spec, x, dy, w, state, scalars, apply, rounding_key=key
+    )[:3]
 
   return jax.jit(step)
 
