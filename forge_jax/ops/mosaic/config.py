@@ -47,7 +47,7 @@ SHARED_MEMORY_BUDGET = 220 * 1024
 MAX_BARRIERS = 32
 
 #: How a CTA's warpgroups share a tile's main loop and its epilogue.
-SCHEDULES = ("inline", "pingpong", "deferred")
+SCHEDULES = ("inline", "pingpong")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,10 +74,6 @@ class MosaicConfig:
     CTA's tiles in turn, so one updates its tile while the other's wgmma
     run. A loader warpgroup fills each one's ring of ``epilogue_slots``
     buffers ahead, across its tiles (``prefetch_step`` does not apply).
-  - ``'deferred'`` (:mod:`forge_jax.ops.mosaic.deferred`): the inline
-    schedule's tiles, each part stashed in shared memory after its main
-    loop and updated during the next tile's, while the wgmma of up to
-    ``wgmma_ahead`` steps run (0: as many as the ring holds).
   """
 
   tile_k: int = 128
@@ -93,7 +89,6 @@ class MosaicConfig:
   prefetch_step: int = 0
   ctas_per_sm: int = 1
   schedule: str = "inline"
-  wgmma_ahead: int = 0
 
   def __post_init__(self):
     for name in ("tile_k", "tile_n", "tile_t", "epilogue_k", "epilogue_n"):
@@ -157,8 +152,6 @@ class MosaicConfig:
           f"of each of {self.compute_wgs} compute warpgroups "
           "(schedule='pingpong')"
         )
-    if self.wgmma_ahead < 0:
-      raise ValueError(f"wgmma_ahead={self.wgmma_ahead} must be >= 0")
     if self.prefetch_step < 0:
       raise ValueError(f"prefetch_step={self.prefetch_step} must be >= 0")
     if self.max_concurrent_steps < 2:
@@ -245,8 +238,7 @@ def epilogue_buffers(config: MosaicConfig) -> int:
 def shared_memory_bytes(
   config: MosaicConfig, activation_itemsize: int, storage_itemsizes
 ) -> int:
-  """A CTA's pipeline buffers + its epilogue buffers (+ the deferred
-  schedule's float32 stash of its parts)."""
+  """A CTA's pipeline buffers + its epilogue buffers."""
   pipeline = (
     config.max_concurrent_steps
     * config.tile_t
@@ -259,12 +251,7 @@ def shared_memory_bytes(
     * config.epilogue_n
     * sum(storage_itemsizes)
   )
-  stash = (
-    config.compute_wgs * config.tile_k * config.tile_n * 4
-    if config.schedule == "deferred"
-    else 0
-  )
-  return pipeline + epilogue + stash
+  return pipeline + epilogue
 
 
 #: Defaults, fastest first: the first whose buffers fit in shared memory and

@@ -80,7 +80,6 @@ from forge_jax.ops.mosaic.config import (
   shared_memory_bytes,
   storage_itemsizes,
 )
-from forge_jax.ops.mosaic.deferred import deferred_schedule
 from forge_jax.ops.mosaic.inline import inline_schedule
 from forge_jax.ops.mosaic.pingpong import pingpong_schedule
 from forge_jax.ops.mosaic.pipeline import Pipeline
@@ -224,12 +223,9 @@ def _fused_kernel(
     stacked=stacked,
     is_scale=is_scale,
   )
-  schedules = {
-    "inline": inline_schedule,
-    "pingpong": pingpong_schedule,
-    "deferred": deferred_schedule,
-  }
-  schedules[config.schedule](pipeline)
+  {"inline": inline_schedule, "pingpong": pingpong_schedule}[config.schedule](
+    pipeline
+  )
   plgpu.wait_smem_to_gmem(0, wait_read_only=False)
 
 
