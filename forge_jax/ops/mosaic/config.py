@@ -48,9 +48,6 @@ MAX_BARRIERS = 32
 
 #: How a CTA's warpgroups share a tile's main loop and its epilogue.
 SCHEDULES = ("inline", "pingpong")
-#: Where the parts of warpgroups sharing a CTA tile sit: side by side along
-#: N, or stacked along K.
-PART_AXES = ("n", "k")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,13 +65,8 @@ class MosaicConfig:
   ``schedule``:
 
   - ``'inline'`` (:mod:`forge_jax.ops.mosaic.inline`): the compute
-    warpgroups share a CTA tile and each updates its part right after the
-    tile's main loop. ``parts_along='n'`` puts their parts side by side (a
-    CTA tile of ``tile_k x (compute_wgs * tile_n)``: they share the x
-    block, each reads its columns of the dy block); ``'k'`` stacks them
-    (``(compute_wgs * tile_k) x tile_n``: each reads its rows of the x
-    block and the whole dy block), so a part ``tile_n`` wide takes one
-    ``m64 x tile_n`` wgmma per 64 rows. ``ctas_per_sm``
+    warpgroups share a CTA tile of ``tile_k x (compute_wgs * tile_n)`` and
+    each updates its part right after the tile's main loop. ``ctas_per_sm``
     persistent CTAs share an SM (2: one's epilogue overlaps the other's
     main loop, if both fit).
   - ``'pingpong'`` (:mod:`forge_jax.ops.mosaic.pingpong`): a CTA tile is
@@ -97,7 +89,6 @@ class MosaicConfig:
   prefetch_step: int = 0
   ctas_per_sm: int = 1
   schedule: str = "inline"
-  parts_along: str = "n"
 
   def __post_init__(self):
     for name in ("tile_k", "tile_n", "tile_t", "epilogue_k", "epilogue_n"):
@@ -128,16 +119,7 @@ class MosaicConfig:
     # 2048 tokens); with 128 x 64 parts their registers spill.
     if self.compute_wgs not in (1, 2):
       raise ValueError(f"compute_wgs={self.compute_wgs} must be 1 or 2")
-    if self.parts_along not in PART_AXES:
-      raise ValueError(
-        f"parts_along={self.parts_along!r} must be one of {PART_AXES}"
-      )
-    if self.parts_along == "k" and self.schedule != "inline":
-      raise ValueError(
-        f"parts_along='k' needs schedule='inline' (with "
-        f"schedule={self.schedule!r} a CTA tile is one warpgroup's part)"
-      )
-    if self.parts_per_tile > 1 and self.parts_along == "n" and self.tile_n < 64:
+    if self.parts_per_tile > 1 and self.tile_n < 64:
       raise ValueError(
         f"tile_n={self.tile_n} must be at least 64 when "
         f"{self.parts_per_tile} compute warpgroups share a tile: each "
@@ -183,16 +165,12 @@ class MosaicConfig:
     return 1 if self.schedule == "pingpong" else self.compute_wgs
 
   @property
-  def cta_tile_k(self) -> int:
-    return self.tile_k * (self.parts_per_tile if self.parts_along == "k" else 1)
-
-  @property
   def cta_tile_n(self) -> int:
-    return self.tile_n * (self.parts_per_tile if self.parts_along == "n" else 1)
+    return self.parts_per_tile * self.tile_n
 
   def num_tiles(self, k: int, n: int) -> int:
     """CTA tiles of a ``k x n`` kernel (the persistent grid's work items)."""
-    return (k // self.cta_tile_k) * (n // self.cta_tile_n)
+    return (k // self.tile_k) * (n // self.cta_tile_n)
 
   @property
   def epilogue_subtiles(self) -> int:
@@ -264,7 +242,7 @@ def shared_memory_bytes(
   pipeline = (
     config.max_concurrent_steps
     * config.tile_t
-    * (config.cta_tile_k + config.cta_tile_n)
+    * (config.tile_k + config.cta_tile_n)
     * activation_itemsize
   )
   epilogue = (
@@ -364,7 +342,7 @@ def fitting_config(
     if (
       shared_memory_bytes(config, activation_itemsize, itemsizes)
       <= SHARED_MEMORY_BUDGET
-      and not k % config.cta_tile_k
+      and not k % config.tile_k
       and not n % config.cta_tile_n
       and not tokens % config.tile_t
     ):

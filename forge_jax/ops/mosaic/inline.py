@@ -106,7 +106,8 @@ def inline_schedule(pipeline: Pipeline):
       @plgpu.nd_loop((num_tiles,), collective_axes="sm")
       def _tile_loop(loop_info: plgpu.NDLoopInfo):
         (linear,) = loop_info.index
-        k0, n0 = pipeline.part_origin(linear, wg)
+        k0, cta_n0 = pipeline.tile_origin(linear)
+        n0 = cta_n0 + wg * tn
 
         def prefetch(t):
           # After this step's wgmma: the tensor cores work while the

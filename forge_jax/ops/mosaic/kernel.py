@@ -126,7 +126,7 @@ def unsupported_reason(
       f"{config.epilogue_n} must be {quantization.BLOCK_SIZE}"
     )
   for name, size, tile in (
-    ("in_features", k, config.cta_tile_k),
+    ("in_features", k, config.tile_k),
     ("features", n, config.cta_tile_n),
     ("tokens", tokens, config.tile_t),
   ):

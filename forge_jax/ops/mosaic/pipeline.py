@@ -83,25 +83,19 @@ class Pipeline:
     self.tk, self.tn, self.tt = tk, tn, tt
     ek, en = config.epilogue_k, config.epilogue_n
     self.ek, self.en = ek, en
-    self.cta_tk, self.cta_tn = config.cta_tile_k, config.cta_tile_n
-    self.k_iters, self.n_iters = k // self.cta_tk, n // self.cta_tn
-    self.parts_along = config.parts_along
+    self.cta_tn = config.cta_tile_n
+    self.k_iters, self.n_iters = k // tk, n // self.cta_tn
     self.num_tiles = self.k_iters * self.n_iters
     self.num_steps = tokens // tt
     self.slots = config.epilogue_slots
-    # x's block of the CTA tile at k0, pipeline step t (transposed in
-    # interpret mode).
-    cta_tk = self.cta_tk
+    # x's block of the tile at k0, pipeline step t (transposed in interpret
+    # mode).
     if interpret:
-      self.x_block = (cta_tk, tt)
-      self.x_window = lambda k0, t: x_gmem.at[
-        pl.ds(k0, cta_tk), pl.ds(t * tt, tt)
-      ]
+      self.x_block = (tk, tt)
+      self.x_window = lambda k0, t: x_gmem.at[pl.ds(k0, tk), pl.ds(t * tt, tt)]
     else:
-      self.x_block = (tt, cta_tk)
-      self.x_window = lambda k0, t: x_gmem.at[
-        pl.ds(t * tt, tt), pl.ds(k0, cta_tk)
-      ]
+      self.x_block = (tt, tk)
+      self.x_window = lambda k0, t: x_gmem.at[pl.ds(t * tt, tt), pl.ds(k0, tk)]
     self.x_transforms = swizzled(self.x_block[1], x_gmem.dtype)
     self.dy_transforms = swizzled(self.cta_tn, dy_gmem.dtype)
     self.tma_refs = [
@@ -116,26 +110,13 @@ class Pipeline:
     k_idx, n_idx = plgpu.planar_snake(
       linear, (self.k_iters, self.n_iters), 1, self.config.grid_tile_width
     )
-    return k_idx * self.cta_tk, n_idx * self.cta_tn
-
-  def part_origin(self, linear, part):
-    """The origin of part ``part`` of CTA tile ``linear``."""
-    k0, n0 = self.tile_origin(linear)
-    if self.parts_along == "k":
-      return k0 + part * self.tk, n0
-    return k0, n0 + part * self.tn
+    return k_idx * self.tk, n_idx * self.cta_tn
 
   def wgmma(self, acc_ref, x_smem, dy_smem, part):
-    """Accumulates part ``part``'s product of one step's blocks."""
-    if self.parts_along == "k":  # its rows of x, all of dy
-      rows = pl.ds(part * self.tk, self.tk)
-      x_smem = x_smem.at[rows, :] if self.interpret else x_smem.at[:, rows]
-    else:  # all of x, its columns of dy
-      dy_smem = dy_smem.at[:, pl.ds(part * self.tn, self.tn)]
     # The interpreter's wgmma takes no transposed operand: there x arrives
     # transposed (the GPU tests check the transposed path).
     lhs = x_smem if self.interpret else x_smem.transpose((1, 0))
-    plgpu.wgmma(acc_ref, lhs, dy_smem)
+    plgpu.wgmma(acc_ref, lhs, dy_smem.at[:, pl.ds(part * self.tn, self.tn)])
 
   def epilogue(self, smem, barriers) -> Epilogue:
     """The epilogue of this call's optimizer, on the buffers ``smem`` (one
