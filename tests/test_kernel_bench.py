@@ -39,3 +39,9 @@ def test_reference_step_rounds_stochastically_as_the_fused_step():
   np.testing.assert_array_equal(
     np.asarray(fused[0]).view(np.uint16), expected_bits
   )
+  for actual, reference in zip(
+    jax.tree.leaves(fused[1]), jax.tree.leaves(expected[1])
+  ):
+    np.testing.assert_array_equal(
+      np.asarray(actual).view(np.uint16), np.asarray(reference).view(np.uint16)
+    )
