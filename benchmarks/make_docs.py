@@ -1168,6 +1168,61 @@ def list_flags_command(script: str, config, names) -> str:
   return f"python benchmarks/{script} " + " ".join(flags) + " --out FILE"
 
 
+def schedule_speed_section(run) -> str:
+  """The inline and pingpong schedules per optimizer, storage and call, and
+  the one the default config takes."""
+  rows = []
+  for c in run["cases"]:
+    if "error" in c:
+      cells = ["failed", "-", "-", "-", "-"]
+    else:
+      ms = c["ms"]
+      cells = [
+        f"{ms['inline']:.3f}" if "inline" in ms else "-",
+        f"{ms['pingpong']:.3f}" if "pingpong" in ms else "does not fit",
+        f"{c['pingpong_over_inline']:.3f}"
+        if "pingpong_over_inline" in c
+        else "-",
+        {True: "yes", False: "**no**"}.get(c.get("same_bits"), "-"),
+        c["default"],
+      ]
+    rows.append(
+      [
+        f"{c['optimizer']} / {c['storage']}",
+        c["tokens"],
+        f"{c['k']} x {c['n']}",
+        *cells,
+      ]
+    )
+  return section(
+    "The Mosaic kernel's schedules",
+    "One fused update through the first inline config that fits and through "
+    "the first pingpong config, bf16 activations; device ms of one call "
+    "(medians), side by side in one process. `same bits`: the two "
+    "schedules' first steps from the same state agree bit for bit. "
+    "`default`: the schedule `mosaic.default_config` takes for the call.",
+    table(
+      [
+        "optimizer / storage",
+        "tokens",
+        "shape",
+        "inline",
+        "pingpong",
+        "pingpong / inline",
+        "same bits",
+        "default",
+      ],
+      rows,
+    ),
+    list_flags_command(
+      "schedule_speed.py",
+      run["config"],
+      ("tokens", "shapes", "optimizers", "storages"),
+    ),
+    [run],
+  )
+
+
 def compile_time_cells(r) -> tuple:
   """A run's lower, compile and first-step seconds: its error, or how long
   it ran without finishing."""
@@ -1569,6 +1624,7 @@ SECTIONS = (
   ("stacked_gemm_*.json", stacked_gemm_section, True),
   ("lowp_speed_*.json", lowp_speed_section, True),
   ("lowp_sweep_*.json", lowp_sweep_section, True),
+  ("schedule_speed_*.json", schedule_speed_section, True),
   ("compile_time_*.json", compile_time_section, False),
 )
 

@@ -401,9 +401,12 @@ def test_default_config_fits_dtypes_and_shape():
     )
 
   inline = mosaic.INLINE_CONFIGS
-  # bf16 W, m and v: the inline schedule at every token count.
-  for tokens in (512, 1024, 2048, 8192):
+  # bf16 W, m and v: the inline schedule below PINGPONG_MIN_TOKENS, the
+  # pingpong schedule from there.
+  for tokens in (512, 1024):
     assert default(tokens, 4096, BF16) == inline[0]
+  for tokens in (2048, 8192):
+    assert default(tokens, 4096, BF16) == mosaic.PINGPONG_CONFIGS[0]
   # float32 W, m and v fit one epilogue buffer per warpgroup beside the
   # five-stage pipeline (no pingpong config fits); four float32 state
   # tensors a shallower pipeline.

@@ -273,14 +273,13 @@ INLINE_CONFIGS = (
   MosaicConfig(max_concurrent_steps=3, epilogue_slots=1),
   MosaicConfig(max_concurrent_steps=2, epilogue_slots=1),
 )
-#: The pingpong schedule's configs, not ranked by default. Their update runs
-#: on one warpgroup whose rule, with the finiteness guard and the gradient
-#: norm's sums, is slower than the inline schedule's at every token count
-#: measured on the H200 (bf16 W, m, v, AdamW): one unstacked layer's fused
-#: call at 2048 tokens 1.066 against 0.546 ms (4096 x 14336), 0.302 against
-#: 0.163 ms (4096 x 4096); the whole Llama-3.1-8B step at 2048 tokens 367.8
-#: against 322.2 ms. With 128 x 64 parts (a 64-register accumulator) it is
-#: 5-14 % slower than inline at 2048 tokens.
+#: The pingpong schedule's configs. One warpgroup's update runs under the
+#: other's wgmma, which pays off once the token loop is long: on the H200
+#: (bf16 W, m, v, AdamW, one call) the first takes 0.523 against inline's
+#: 0.537 ms at 2048 tokens (4096 x 14336), 1.490 against 1.541 at 8192, but
+#: 0.458 against 0.303 at 512, where a tile's update on one warpgroup's four
+#: warps cannot hide the rule's latencies. The second is slower than the
+#: first at every token count measured.
 PINGPONG_CONFIGS = (
   MosaicConfig(
     schedule="pingpong", tile_n=128, max_concurrent_steps=4, epilogue_slots=3
@@ -308,11 +307,19 @@ QUANTIZED_CONFIGS = (
 ) + INLINE_CONFIGS
 
 
+#: Unquantized calls with at least this many tokens rank the first pingpong
+#: config first (it does not fit float32 states; those stay inline).
+PINGPONG_MIN_TOKENS = 2048
+
+
 def ranked_configs(tokens: int, quantized: bool = False) -> tuple:
   """The default configs for a call with ``tokens`` rows of x, fastest
   first (before :func:`fitting_config` makes int8 sub-tiles a block wide)."""
-  del tokens  # one ranking serves every token count measured
-  return QUANTIZED_CONFIGS if quantized else INLINE_CONFIGS
+  if quantized:
+    return QUANTIZED_CONFIGS
+  if tokens >= PINGPONG_MIN_TOKENS:
+    return PINGPONG_CONFIGS[:1] + INLINE_CONFIGS
+  return INLINE_CONFIGS
 
 
 def storage_itemsizes(kernel, state) -> list:
