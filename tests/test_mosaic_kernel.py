@@ -401,12 +401,14 @@ def test_default_config_fits_dtypes_and_shape():
     )
 
   inline = mosaic.INLINE_CONFIGS
-  # bf16 W, m and v: the inline schedule below PINGPONG_MIN_TOKENS, the
-  # pingpong schedule from there.
-  for tokens in (512, 1024):
+  # bf16 W, m and v: the pingpong schedule from 2048 tokens where every SM
+  # walks at least 16 tiles (4096 x 14336: 3584 tiles), inline otherwise.
+  for tokens in (512, 1024, 2048, 8192):
     assert default(tokens, 4096, BF16) == inline[0]
-  for tokens in (2048, 8192):
-    assert default(tokens, 4096, BF16) == mosaic.PINGPONG_CONFIGS[0]
+    assert default(tokens, 1024, BF16) == inline[0]
+  for tokens, schedule in ((1024, "inline"), (2048, "pingpong")):
+    assert default(tokens, 14336, BF16).schedule == schedule
+  assert default(8192, 14336, BF16) == mosaic.PINGPONG_CONFIGS[0]
   # float32 W, m and v fit one epilogue buffer per warpgroup beside the
   # five-stage pipeline (no pingpong config fits); four float32 state
   # tensors a shallower pipeline.
@@ -1095,7 +1097,7 @@ def test_compiled_kernel_bits_do_not_depend_on_config_or_run(tokens, seed):
     pytest.skip("needs a Hopper or newer GPU")
   opt = fj.adamw(1e-3, weight_decay=0.1)
   inputs = random_inputs(seed, opt, (tokens, 4096), 4096, (BF16, BF16, BF16))
-  configs = set(mosaic.ranked_configs(tokens))
+  configs = set(mosaic.ranked_configs(tokens)) | set(mosaic.PINGPONG_CONFIGS)
   configs |= {
     mosaic.MosaicConfig(epilogue_n=64),
     mosaic.MosaicConfig(epilogue_slots=4, prefetch_step=4),

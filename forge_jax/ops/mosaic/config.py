@@ -274,12 +274,15 @@ INLINE_CONFIGS = (
   MosaicConfig(max_concurrent_steps=2, epilogue_slots=1),
 )
 #: The pingpong schedule's configs. One warpgroup's update runs under the
-#: other's wgmma, which pays off once the token loop is long: on the H200
-#: (bf16 W, m, v, AdamW, one call) the first takes 0.523 against inline's
-#: 0.537 ms at 2048 tokens (4096 x 14336), 1.490 against 1.541 at 8192, but
-#: 0.458 against 0.303 at 512, where a tile's update on one warpgroup's four
-#: warps cannot hide the rule's latencies. The second is slower than the
-#: first at every token count measured.
+#: other's wgmma, which pays off once the token loop is long and each CTA
+#: walks many tiles; a tile's update on one warpgroup's four warps cannot
+#: hide the rule's latencies otherwise. On the H200 (bf16 storage, one
+#: call, ``benchmarks/schedule_speed.py``), 4096 x 14336 at 2048 tokens:
+#: AdamW 0.520 against inline's 0.538 ms, Lion, SGD with and without
+#: momentum 8-10 % faster; at 8192 tokens 1-2 % faster; at 512 tokens 0.458
+#: against 0.303 (AdamW); at 1024 AdamW 3 % slower. 4096 x 1024 (two tiles
+#: a CTA) at 2048 tokens: AdamW 0.064 against 0.045. The second config is
+#: slower than the first at every token count measured.
 PINGPONG_CONFIGS = (
   MosaicConfig(
     schedule="pingpong", tile_n=128, max_concurrent_steps=4, epilogue_slots=3
@@ -307,17 +310,24 @@ QUANTIZED_CONFIGS = (
 ) + INLINE_CONFIGS
 
 
-#: Unquantized calls with at least this many tokens rank the first pingpong
-#: config first (it does not fit float32 states; those stay inline).
+#: Unquantized calls with at least this many tokens, and at least
+#: PINGPONG_MIN_TILES_PER_SM 128 x 128 tiles for every SM, rank the first
+#: pingpong config first (it does not fit float32 AdamW or Lion states;
+#: those stay inline).
 PINGPONG_MIN_TOKENS = 2048
+PINGPONG_MIN_TILES_PER_SM = 16
 
 
-def ranked_configs(tokens: int, quantized: bool = False) -> tuple:
-  """The default configs for a call with ``tokens`` rows of x, fastest
-  first (before :func:`fitting_config` makes int8 sub-tiles a block wide)."""
+def ranked_configs(tokens: int, quantized: bool = False, tiles: int = 0):
+  """The default configs for a call with ``tokens`` rows of x and ``tiles``
+  128 x 128 tiles of dW, fastest first (before :func:`fitting_config` makes
+  int8 sub-tiles a block wide)."""
   if quantized:
     return QUANTIZED_CONFIGS
-  if tokens >= PINGPONG_MIN_TOKENS:
+  if (
+    tokens >= PINGPONG_MIN_TOKENS
+    and tiles >= PINGPONG_MIN_TILES_PER_SM * num_sms()
+  ):
     return PINGPONG_CONFIGS[:1] + INLINE_CONFIGS
   return INLINE_CONFIGS
 
@@ -340,7 +350,7 @@ def fitting_config(
   fit in shared memory (else the last: ``unsupported_reason`` says why);
   ``itemsizes`` are :func:`storage_itemsizes`. With int8 states an epilogue
   sub-tile is one quantization block wide."""
-  configs = ranked_configs(tokens, quantized)
+  configs = ranked_configs(tokens, quantized, (k // 128) * (n // 128))
   if quantized:
     configs = tuple(
       dataclasses.replace(config, epilogue_n=quantization.BLOCK_SIZE)
