@@ -1168,39 +1168,35 @@ def list_flags_command(script: str, config, names) -> str:
   return f"python benchmarks/{script} " + " ".join(flags) + " --out FILE"
 
 
-def schedule_speed_section(run) -> str:
-  """The inline and pingpong schedules per optimizer, storage and call, and
-  the one the default config takes."""
+def schedule_speed_section(runs) -> str:
+  """The inline and pingpong schedules per optimizer, storage and call,
+  every kept run (each measured a different set of calls)."""
   rows = []
-  for c in run["cases"]:
-    if "error" in c:
-      cells = ["failed", "-", "-", "-", "-"]
-    else:
-      ms = c["ms"]
-      cells = [
-        f"{ms['inline']:.3f}" if "inline" in ms else "-",
-        f"{ms['pingpong']:.3f}" if "pingpong" in ms else "does not fit",
-        f"{c['pingpong_over_inline']:.3f}"
-        if "pingpong_over_inline" in c
-        else "-",
-        {True: "yes", False: "**no**"}.get(c.get("same_bits"), "-"),
-        c["default"],
-      ]
-    rows.append(
-      [
-        f"{c['optimizer']} / {c['storage']}",
-        c["tokens"],
-        f"{c['k']} x {c['n']}",
-        *cells,
-      ]
-    )
+  for run in sorted(runs, key=lambda run: meta(run)["date"]):
+    for c in run["cases"]:
+      ms = c.get("ms", {})
+      rows.append(
+        [
+          f"{c['optimizer']} / {c['storage']}",
+          c["tokens"],
+          f"{c['k']} x {c['n']}",
+          f"{ms['inline']:.3f}" if "inline" in ms else "failed",
+          f"{ms['pingpong']:.3f}" if "pingpong" in ms else "does not fit",
+          f"{c['pingpong_over_inline']:.3f}"
+          if "pingpong_over_inline" in c
+          else "-",
+          {True: "yes", False: "**no**"}.get(c.get("same_bits"), "-"),
+          f"`{commit(run)}`",
+        ]
+      )
   return section(
     "The Mosaic kernel's schedules",
     "One fused update through the first inline config that fits and through "
     "the first pingpong config, bf16 activations; device ms of one call "
     "(medians), side by side in one process. `same bits`: the two "
     "schedules' first steps from the same state agree bit for bit. "
-    "`default`: the schedule `mosaic.default_config` takes for the call.",
+    "`mosaic.ranked_configs` ranks pingpong first where these runs show it "
+    "faster (docs/kernels.md).",
     table(
       [
         "optimizer / storage",
@@ -1210,15 +1206,48 @@ def schedule_speed_section(run) -> str:
         "pingpong",
         "pingpong / inline",
         "same bits",
-        "default",
+        "commit",
       ],
       rows,
     ),
     list_flags_command(
       "schedule_speed.py",
-      run["config"],
+      runs[0]["config"],
       ("tokens", "shapes", "optimizers", "storages"),
     ),
+    runs,
+  )
+
+
+def cluster_gemm_section(run) -> str:
+  """JAX's Hopper GEMM with the fused kernel's tiling, with and without
+  2-CTA clusters, beside XLA's GEMM."""
+  header, rows = None, []
+  for r in run["rows"]:
+    cells = {}
+    for c in r["configs"]:
+      name = (
+        f"{int(c['tile_m'])} x {2 * int(c['tile_n'])}, "
+        f"{c['max_concurrent_steps']} stages, cluster "
+        f"{'none' if c['cluster_dimension'] == 'None' else c['cluster_dimension']}"
+      )
+      cells[name] = f"{c['ms']:.4f}" if "ms" in c else "failed"
+    cells["XLA's GEMM"] = f"{r['xla_ms']:.4f}"
+    header = header or list(cells)
+    m, n, k = r["shape"]
+    rows.append([f"{m} x {n}, T = {k}", *(cells.get(h, "-") for h in header)])
+  transposed = [
+    [h, *(row[i + 1] for row in rows)] for i, h in enumerate(header)
+  ]
+  return section(
+    "TMA multicast in 2-CTA clusters: JAX's Hopper GEMM",
+    "`hopper_matmul_mgpu` with the fused kernel's tiling (two 128 x 64 "
+    "warpgroup parts of a 128 x 128 CTA tile, 64-token steps) and a "
+    "128 x 256 CTA tile, without a cluster and with 2-CTA clusters along M "
+    "(the kernel's K) or N that multicast the shared block; device ms "
+    "(medians), bf16, one process. The rows' T is the GEMM's contraction.",
+    table(["CTA tile, ring, cluster", *(row[0] for row in rows)], transposed),
+    "python benchmarks/cluster_gemm.py --out FILE",
     [run],
   )
 
@@ -1624,7 +1653,8 @@ SECTIONS = (
   ("stacked_gemm_*.json", stacked_gemm_section, True),
   ("lowp_speed_*.json", lowp_speed_section, True),
   ("lowp_sweep_*.json", lowp_sweep_section, True),
-  ("schedule_speed_*.json", schedule_speed_section, True),
+  ("schedule_speed_*.json", schedule_speed_section, False),
+  ("cluster_gemm_*.json", cluster_gemm_section, True),
   ("compile_time_*.json", compile_time_section, False),
 )
 

@@ -7,12 +7,13 @@ arriving on its owner's barrier. A loader warpgroup keeps each compute
 warpgroup's ring of ``epilogue_slots`` buffers full, running ahead into its
 next tile (``prefetch_step`` does not apply).
 
-On the H200 (AdamW, bf16 storage) it is slower than the inline schedule at
-512 and 2048 tokens: a tile's update runs on one warpgroup's four warps, one
-a scheduler, which cannot hide the rule's latencies, and with 216 registers
-a thread a ``128 x 128`` accumulator and AdamW's rule spill. So
-:func:`forge_jax.ops.mosaic.config.ranked_configs` does not rank it; a
-``MosaicConfig(schedule='pingpong', ...)`` passed in selects it.
+It pays off once the token loop is long and every SM walks many tiles: a
+tile's update on one warpgroup's four warps, one a scheduler, cannot hide
+the rule's latencies unless the other warpgroup's main loop runs beside it.
+:func:`forge_jax.ops.mosaic.config.ranked_configs` ranks it first from
+``PINGPONG_MIN_TOKENS`` tokens and ``PINGPONG_MIN_TILES_PER_SM`` tiles an
+SM; a ``MosaicConfig(schedule='pingpong', ...)`` passed in selects it
+anywhere.
 """
 
 from __future__ import annotations
