@@ -414,6 +414,7 @@ def test_default_config_fits_dtypes_and_shape():
   # tensors a shallower pipeline.
   four = fj.rmsprop(1e-3, centered=True, momentum=0.9)
   assert default(2048, 4096, F32) == inline[1]
+  assert default(2048, 14336, F32) == inline[1]
   assert default(2048, 4096, F32, four) == inline[2]
   # int8 states: 64 x 64 parts (a 128-row accumulator spills beside the
   # quantizer), one block-wide sub-tile each, at every token count.

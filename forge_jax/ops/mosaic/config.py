@@ -319,9 +319,9 @@ PINGPONG_MIN_TILES_PER_SM = 16
 
 
 def ranked_configs(tokens: int, quantized: bool = False, tiles: int = 0):
-  """The default configs for a call with ``tokens`` rows of x and ``tiles``
-  128 x 128 tiles of dW, fastest first (before :func:`fitting_config` makes
-  int8 sub-tiles a block wide)."""
+  """The default configs for a call with ``tokens`` rows of x whose dW
+  holds ``tiles`` 128 x 128 tiles (the pingpong config's), fastest first
+  (before :func:`fitting_config` makes int8 sub-tiles a block wide)."""
   if quantized:
     return QUANTIZED_CONFIGS
   if (
@@ -350,7 +350,9 @@ def fitting_config(
   fit in shared memory (else the last: ``unsupported_reason`` says why);
   ``itemsizes`` are :func:`storage_itemsizes`. With int8 states an epilogue
   sub-tile is one quantization block wide."""
-  configs = ranked_configs(tokens, quantized, (k // 128) * (n // 128))
+  configs = ranked_configs(
+    tokens, quantized, PINGPONG_CONFIGS[0].num_tiles(k, n)
+  )
   if quantized:
     configs = tuple(
       dataclasses.replace(config, epilogue_n=quantization.BLOCK_SIZE)
