@@ -280,9 +280,10 @@ INLINE_CONFIGS = (
 #: call, ``benchmarks/schedule_speed.py``), 4096 x 14336 at 2048 tokens:
 #: AdamW 0.520 against inline's 0.538 ms, Lion, SGD with and without
 #: momentum 8-10 % faster; at 8192 tokens 1-2 % faster; at 512 tokens 0.458
-#: against 0.303 (AdamW); at 1024 AdamW 3 % slower. 4096 x 1024 (two tiles
-#: a CTA) at 2048 tokens: AdamW 0.064 against 0.045. The second config is
-#: slower than the first at every token count measured.
+#: against 0.303 (AdamW); at 1024 AdamW 3 % slower (the others 10 %
+#: faster). With fewer tiles a CTA, at 2048 tokens: 4096 x 1024 (two) AdamW
+#: 0.064 against 0.045, 4096 x 4096 (eight) 0.180 against 0.162. The second
+#: config is slower than the first at every token count measured.
 PINGPONG_CONFIGS = (
   MosaicConfig(
     schedule="pingpong", tile_n=128, max_concurrent_steps=4, epilogue_slots=3
@@ -318,7 +319,9 @@ PINGPONG_MIN_TOKENS = 2048
 PINGPONG_MIN_TILES_PER_SM = 16
 
 
-def ranked_configs(tokens: int, quantized: bool = False, tiles: int = 0):
+def ranked_configs(
+  tokens: int, quantized: bool = False, tiles: int = 0
+) -> tuple:
   """The default configs for a call with ``tokens`` rows of x whose dW
   holds ``tiles`` 128 x 128 tiles (the pingpong config's), fastest first
   (before :func:`fitting_config` makes int8 sub-tiles a block wide)."""
