@@ -1193,8 +1193,9 @@ def schedule_speed_section(runs) -> str:
     "The Mosaic kernel's schedules",
     "One fused update through the first inline config that fits and through "
     "the first pingpong config, bf16 activations; device ms of one call "
-    "(medians), side by side in one process. `same bits`: the two "
-    "schedules' first steps from the same state agree bit for bit. "
+    "(medians), side by side in one process. `same bits`: the kernels the "
+    "two schedules' first steps write from the same state agree bit for "
+    "bit. "
     "`mosaic.ranked_configs` ranks pingpong first where these runs show it "
     "faster (docs/kernels.md).",
     table(

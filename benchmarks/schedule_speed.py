@@ -4,8 +4,9 @@ For each optimizer, storage, token count and Llama-3.1-8B shape, one fused
 update through the first inline config that fits and through the first
 pingpong config (device time, medians, one process), and the schedule the
 default config (``mosaic.default_config``) takes for that call. Both
-schedules accumulate each tile in the same order, so their first steps
-from the same state must agree bit for bit: ``same_bits`` records it.
+schedules accumulate each tile in the same order, so the kernels their
+first steps from the same state write must agree bit for bit: ``same_bits``
+records it.
 
   python benchmarks/schedule_speed.py --out benchmarks/results/schedule_speed.json
 """
