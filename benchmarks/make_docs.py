@@ -1211,10 +1211,13 @@ def schedule_speed_section(runs) -> str:
       ],
       rows,
     ),
-    list_flags_command(
-      "schedule_speed.py",
-      runs[0]["config"],
-      ("tokens", "shapes", "optimizers", "storages"),
+    "`; `".join(
+      list_flags_command(
+        "schedule_speed.py",
+        run["config"],
+        ("tokens", "shapes", "optimizers", "storages"),
+      )
+      for run in sorted(runs, key=lambda run: meta(run)["date"])
     ),
     runs,
   )
