@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import os
 import sys
@@ -61,8 +62,8 @@ def _args(argv=None):
 
 def _first_fitting(configs, x, w, optimizer):
   """The first of ``configs`` the kernel can run for this call, or None."""
+  dy = jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), x.dtype)
   for config in configs:
-    dy = jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), x.dtype)
     if mosaic.unsupported_reason(x, dy, w, optimizer, config) is None:
       return config
   return None
@@ -102,32 +103,32 @@ def main(argv=None):
   args = _args(argv)
   started = time.perf_counter()
   result = {"meta": metadata(), "config": vars(args), "cases": []}
-  for storage in args.storages:
-    for opt_name in args.optimizers:
-      optimizer = OPTIMIZERS[opt_name](STORAGES[storage])
-      for tokens in args.tokens:
-        for shape in args.shapes:
-          if args.time_budget_s and (
-            time.perf_counter() - started > args.time_budget_s
-          ):
-            result["stopped_early"] = True
-            break
-          k, n = (int(d) for d in shape.split("x"))
-          case = {
-            "optimizer": opt_name,
-            "storage": storage,
-            "tokens": tokens,
-            "k": k,
-            "n": n,
-          }
-          try:
-            case.update(run_case(optimizer, tokens, k, n, STORAGES[storage]))
-          except Exception as e:  # a case the kernel cannot run
-            case["error"] = f"{type(e).__name__}: {e}"[:300]
-          result["cases"].append(case)
-          print(json.dumps(case), flush=True)
-          with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+  cases = itertools.product(
+    args.storages, args.optimizers, args.tokens, args.shapes
+  )
+  for storage, opt_name, tokens, shape in cases:
+    if args.time_budget_s and (
+      time.perf_counter() - started > args.time_budget_s
+    ):
+      result["stopped_early"] = True
+      break
+    optimizer = OPTIMIZERS[opt_name](STORAGES[storage])
+    k, n = (int(d) for d in shape.split("x"))
+    case = {
+      "optimizer": opt_name,
+      "storage": storage,
+      "tokens": tokens,
+      "k": k,
+      "n": n,
+    }
+    try:
+      case.update(run_case(optimizer, tokens, k, n, STORAGES[storage]))
+    except Exception as e:  # a case the kernel cannot run
+      case["error"] = f"{type(e).__name__}: {e}"[:300]
+    result["cases"].append(case)
+    print(json.dumps(case), flush=True)
+    with open(args.out, "w") as f:
+      json.dump(result, f, indent=1)
 
 
 if __name__ == "__main__":
