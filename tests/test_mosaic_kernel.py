@@ -77,14 +77,6 @@ CONFIGS = {
   "one-warpgroup": mosaic.MosaicConfig(
     **SMALL, epilogue_n=32, epilogue_slots=2, compute_wgs=1
   ),
-  # The accumulator stashed in shared memory: four 64 x 16 sub-tiles a
-  # part, updated in a rolled loop through two buffers.
-  "stashed": mosaic.MosaicConfig(
-    **SMALL,
-    epilogue_n=16,
-    epilogue_slots=2,
-    stash_accumulator=True,
-  ),
   # A 64 x 64 tile per warpgroup, in turns: four tiles a CTA, two steps
   # each; two 64 x 32 sub-tiles per tile in two buffers per warpgroup,
   # loaded ahead across tiles.
@@ -101,8 +93,7 @@ X_SHAPE, N = (2, 64, 128), 256
 # int8 states: epilogue sub-tiles of one quantization block (64 columns).
 # 'int8': 2 x 2 tiles of 64 x 128, one sub-tile per part; 'int8-two-rows':
 # one row of 128 x 128 tiles, two sub-tiles per part (double-buffered);
-# 'int8-pingpong': eight 64 x 64 tiles, one sub-tile each; 'int8-stashed':
-# as 'int8-two-rows', one buffer, the sub-tiles in a rolled loop.
+# 'int8-pingpong': eight 64 x 64 tiles, one sub-tile each.
 INT8_CONFIGS = {
   "int8": mosaic.MosaicConfig(**SMALL, epilogue_n=64, epilogue_slots=1),
   "int8-pingpong": mosaic.MosaicConfig(
@@ -110,12 +101,6 @@ INT8_CONFIGS = {
   ),
   "int8-two-rows": mosaic.MosaicConfig(
     **{**SMALL, "tile_k": 128}, epilogue_n=64, epilogue_slots=2
-  ),
-  "int8-stashed": mosaic.MosaicConfig(
-    **{**SMALL, "tile_k": 128},
-    epilogue_n=64,
-    epilogue_slots=1,
-    stash_accumulator=True,
   ),
 }
 #: One config per schedule (inline, pingpong): the per-optimizer tests run
@@ -375,7 +360,6 @@ def test_mosaic_config_errors_name_the_bad_field():
   [
     pytest.param("all-prefetched", 128, 2, id="all-prefetched-128-2"),
     pytest.param("pingpong", 64, 2, id="pingpong-64-2", marks=pytest.mark.slow),
-    pytest.param("stashed", 128, 2, id="stashed-128-2", marks=pytest.mark.slow),
   ],
 )
 def test_mosaic_hand_written_pipelines_with_uneven_tiles_and_steps(

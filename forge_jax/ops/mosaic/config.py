@@ -62,13 +62,6 @@ class MosaicConfig:
   (the last step if the loop is shorter); with as many slots as sub-tiles
   the whole part's kernel and state are loaded under the main loop.
 
-  ``stash_accumulator`` (inline schedule): each compute warpgroup stores its
-  float32 part of dW in shared memory after the main loop and walks the
-  sub-tiles in a rolled loop, reading each back. The update's code is one
-  sub-tile's instead of one per sub-tile (an unrolled 128 x 64 int8 update
-  misses the instruction cache) and no accumulator registers stay live
-  beside the rule.
-
   ``schedule``:
 
   - ``'inline'`` (:mod:`forge_jax.ops.mosaic.inline`): the compute
@@ -96,7 +89,6 @@ class MosaicConfig:
   prefetch_step: int = 0
   ctas_per_sm: int = 1
   schedule: str = "inline"
-  stash_accumulator: bool = False
 
   def __post_init__(self):
     for name in ("tile_k", "tile_n", "tile_t", "epilogue_k", "epilogue_n"):
@@ -139,11 +131,6 @@ class MosaicConfig:
         f"ctas_per_sm={self.ctas_per_sm} must be 1 with "
         f"schedule={self.schedule!r} (its warpgroups take the "
         "SM's registers)"
-      )
-    if self.schedule != "inline" and self.stash_accumulator:
-      raise ValueError(
-        f"stash_accumulator applies to schedule='inline' only, not "
-        f"{self.schedule!r}"
       )
     if self.schedule != "inline" and self.prefetch_step:
       raise ValueError(
@@ -251,8 +238,7 @@ def epilogue_buffers(config: MosaicConfig) -> int:
 def shared_memory_bytes(
   config: MosaicConfig, activation_itemsize: int, storage_itemsizes
 ) -> int:
-  """A CTA's pipeline buffers + its epilogue buffers (+ the stashed float32
-  accumulators)."""
+  """A CTA's pipeline buffers + its epilogue buffers."""
   pipeline = (
     config.max_concurrent_steps
     * config.tile_t
@@ -265,13 +251,7 @@ def shared_memory_bytes(
     * config.epilogue_n
     * sum(storage_itemsizes)
   )
-  stash = (
-    config.stash_accumulator
-    * config.compute_wgs
-    * config.tile_k
-    * config.tile_n
-  ) * 4
-  return pipeline + epilogue + stash
+  return pipeline + epilogue
 
 
 #: Defaults, fastest first: the first whose buffers fit in shared memory and

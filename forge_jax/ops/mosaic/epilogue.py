@@ -114,8 +114,7 @@ class Epilogue:
   def update(self, buffer, k0, n0, grad, release=None):
     """Waits for ``buffer``'s loads, applies the rule with ``grad`` and
     stores the new values (asynchronously). ``release()``, if given, runs
-    once the stores are issued (a refill of the buffer waits for them to
-    read it: :meth:`issue_loads`).
+    once the TMA stores have read the buffer, which may then be refilled.
     Returns each row's skipped count and sum of squared ``grad`` elements
     (:meth:`apply`)."""
     for leaf in range(len(self.tma_gmem)):
@@ -142,5 +141,6 @@ class Epilogue:
     for gmem, smem in zip(self.tma_out, self.smem):
       plgpu.copy_smem_to_gmem(smem.at[buffer], self._window(gmem, k0, n0))
     if release is not None:
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
       release()
     return skipped, grad_sq

@@ -13,12 +13,8 @@ under the next tile's main loop, while the memory warpgroup's ring runs on
 into the next tile. ``ctas_per_sm=2`` puts two CTAs on an SM, so one's
 epilogue overlaps the other's main loop where both fit.
 
-With ``stash_accumulator`` each compute warpgroup stores its accumulator
-in shared memory after the main loop and updates the sub-tiles in a rolled
-loop (:class:`~forge_jax.ops.mosaic.config.MosaicConfig`).
-
 This is the default schedule below 2048 tokens or with few tiles an SM,
-and for int8 states
+and with 64 x 64 parts for int8 states
 (:func:`forge_jax.ops.mosaic.config.ranked_configs`).
 """
 
@@ -52,70 +48,39 @@ def inline_schedule(pipeline: Pipeline):
   compute_registers = compute_warpgroup_registers(config)
   prefetch_step = min(config.prefetch_step, num_steps - 1)
 
-  subtile_cols = tn // en
-
-  def subtile_origin(index):
-    """Sub-tile ``index``'s offset in its part (``index`` may be traced)."""
-    if isinstance(index, int):
-      return part_subtiles[index]
-    return index // subtile_cols * ek, lax.rem(index, subtile_cols) * en
-
-  def buffer_of(wg, index):
-    return wg * slots + (
-      index % slots if isinstance(index, int) else lax.rem(index, slots)
-    )
-
-  def load_subtile(ep, wg, index, k0, n0):
+  def load_subtile(ep, wg, index, k0, n0, after_stores=True):
     """Loads sub-tile ``index`` of the part at ``(k0, n0)`` into one of
-    warpgroup ``wg``'s ``slots`` buffers, once its stores have read it."""
-    di, dj = subtile_origin(index)
-    ep.issue_loads(buffer_of(wg, index), k0 + di, n0 + dj)
+    warpgroup ``wg``'s ``slots`` buffers."""
+    di, dj = part_subtiles[index]
+    ep.issue_loads(wg * slots + index % slots, k0 + di, n0 + dj, after_stores)
 
-  def update_subtile(ep, wg, index, k0, n0, grad, totals):
-    """Updates sub-tile ``index`` of the part at ``(k0, n0)`` with its
-    ``grad`` once its buffer's loads land; the buffer, once released, takes
-    the sub-tile ``slots`` on. Adds the sub-tile's per-row skipped counts and
-    sums of squared ``dW`` elements to ``totals``."""
-    following = index + slots
-    refill = functools.partial(load_subtile, ep, wg, following, k0, n0)
-    if isinstance(following, int):
-      release = refill if following < len(part_subtiles) else None
-    else:
-
-      def release():
-        pl.when(following < len(part_subtiles))(refill)
-
-    di, dj = subtile_origin(index)
-    sub_skipped, sub_grad_sq = ep.update(
-      buffer_of(wg, index), k0 + di, n0 + dj, grad, release
-    )
-    return totals[0] + sub_skipped, totals[1] + sub_grad_sq
-
-  def update_part(ep, wg, k0, n0, acc, stash):
+  def update_part(ep, wg, k0, n0, acc):
     """Updates the part at ``(k0, n0)`` with its accumulated ``acc``,
     sub-tile by sub-tile through warpgroup ``wg``'s buffers, whose first
-    loads were issued under the main loop. With a ``stash`` (shared memory
-    for the part's sub-tiles) the sub-tiles of ``acc`` are stored there and
-    updated in a rolled loop. Returns the per-row skipped counts and sums of
-    squared ``dW`` elements."""
-    totals = (jnp.zeros((ek,), jnp.float32), jnp.zeros((ek,), jnp.float32))
-    if stash is None:
-      for index, (di, dj) in enumerate(part_subtiles):
-        grad = acc[di : di + ek, dj : dj + en]
-        totals = update_subtile(ep, wg, index, k0, n0, grad, totals)
-      return totals
-    # Each thread reads back the elements it stored (the same layout): no
-    # barrier between the stores and the loads.
+    loads were issued under the main loop; each buffer, once released,
+    takes the sub-tile ``slots`` on. Returns the per-row skipped counts and
+    sums of squared ``dW`` elements."""
+    skipped = jnp.zeros((ek,), jnp.float32)
+    grad_sq = jnp.zeros((ek,), jnp.float32)
     for index, (di, dj) in enumerate(part_subtiles):
-      stash[index] = acc[di : di + ek, dj : dj + en]
-    return lax.fori_loop(
-      0,
-      len(part_subtiles),
-      lambda index, totals: update_subtile(
-        ep, wg, index, k0, n0, stash[index], totals
-      ),
-      totals,
-    )
+      following = index + slots
+      release = (
+        functools.partial(
+          load_subtile, ep, wg, following, k0, n0, after_stores=False
+        )
+        if following < len(part_subtiles)
+        else None
+      )
+      sub_skipped, sub_grad_sq = ep.update(
+        wg * slots + index % slots,
+        k0 + di,
+        n0 + dj,
+        acc[di : di + ek, dj : dj + en],
+        release,
+      )
+      skipped += sub_skipped
+      grad_sq += sub_grad_sq
+    return skipped, grad_sq
 
   @functools.partial(
     pl.run_scoped,
@@ -123,18 +88,9 @@ def inline_schedule(pipeline: Pipeline):
     loaded=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
     consumed=plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),
     **pipeline.epilogue_allocations(),
-    **pipeline.stash_allocations(),
     collective_axes="wg",
   )
-  def _scope(
-    x_smem,
-    dy_smem,
-    loaded,
-    consumed,
-    epilogue_smem,
-    load_barriers,
-    stash_smem=None,
-  ):
+  def _scope(x_smem, dy_smem, loaded, consumed, epilogue_smem, load_barriers):
     wg = lax.axis_index("wg")
 
     @pl.when(wg == wgs)
@@ -177,10 +133,6 @@ def inline_schedule(pipeline: Pipeline):
             wg,
             prefetch,
           )
-          stash = None
-          if stash_smem is not None:
-            subtiles = len(part_subtiles)
-            stash = stash_smem.at[pl.ds(wg * subtiles, subtiles)]
-          skipped, grad_sq = update_part(ep, wg, k0, n0, acc, stash)
+          skipped, grad_sq = update_part(ep, wg, k0, n0, acc)
           skipped_gmem[wgs * linear + wg] = skipped
           grad_sq_gmem[wgs * linear + wg] = grad_sq

@@ -173,20 +173,6 @@ class Pipeline:
       load_barriers=plgpu.Barrier(num_barriers=num_buffers * len(tma_refs)),
     )
 
-  def stash_allocations(self):
-    """The compute warpgroups' float32 accumulators in shared memory, one
-    ``epilogue_k x epilogue_n`` sub-tile after another, for
-    ``pl.run_scoped`` (none without ``stash_accumulator``)."""
-    if not self.config.stash_accumulator:
-      return {}
-    return dict(
-      stash_smem=plgpu.SMEM(
-        (self.config.compute_wgs * len(self.part_subtiles), self.ek, self.en),
-        jnp.float32,
-        transforms=swizzled(self.en, jnp.float32),
-      )
-    )
-
   def ring_buffers(self, stages):
     """The x and dy blocks of a ring of ``stages`` pipeline steps."""
     return dict(
