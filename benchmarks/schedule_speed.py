@@ -37,6 +37,8 @@ OPTIMIZERS = {
   "lion": lambda dtype: fj.lion(1e-4, state_dtype=dtype),
   "sgd_momentum": lambda dtype: fj.sgd(1e-2, momentum=0.9, state_dtype=dtype),
   "sgd": lambda dtype: fj.sgd(1e-2, state_dtype=dtype),
+  "rmsprop": lambda dtype: fj.rmsprop(1e-3, state_dtype=dtype),
+  "adagrad": lambda dtype: fj.adagrad(1e-2, state_dtype=dtype),
 }
 STORAGES = {"bf16": jnp.bfloat16, "fp32": jnp.float32}
 
@@ -50,7 +52,10 @@ def _args(argv=None):
     "--shapes", nargs="+", default=["4096x14336", "14336x4096", "4096x1024"]
   )
   parser.add_argument(
-    "--optimizers", nargs="+", default=list(OPTIMIZERS), choices=OPTIMIZERS
+    "--optimizers",
+    nargs="+",
+    default=["adamw", "lion", "sgd_momentum", "sgd"],
+    choices=OPTIMIZERS,
   )
   parser.add_argument(
     "--storages", nargs="+", default=["bf16"], choices=STORAGES

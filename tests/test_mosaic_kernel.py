@@ -409,6 +409,16 @@ def test_default_config_fits_dtypes_and_shape():
   for tokens, schedule in ((1024, "inline"), (2048, "pingpong")):
     assert default(tokens, 14336, BF16).schedule == schedule
   assert default(8192, 14336, BF16) == mosaic.PINGPONG_CONFIGS[0]
+  # A light update (a bf16 W and at most one bf16 state: Lion, SGD) takes
+  # it from 1024 tokens where every SM walks at least 4 tiles (4096 x 4096:
+  # 1024 tiles); a float32 state makes Lion's update heavy.
+  for opt in (fj.lion(1e-4), fj.sgd(1e-2, momentum=0.9), fj.sgd(1e-2)):
+    assert default(512, 14336, BF16, opt) == inline[0]
+    assert default(1024, 14336, BF16, opt) == mosaic.PINGPONG_CONFIGS[0]
+    assert default(1024, 4096, BF16, opt) == mosaic.PINGPONG_CONFIGS[0]
+    assert default(2048, 1024, BF16, opt) == inline[0]
+  lion_f32 = fj.lion(1e-4, state_dtype=F32)
+  assert default(1024, 14336, BF16, lion_f32).schedule == "inline"
   # float32 W, m and v fit one epilogue buffer per warpgroup beside the
   # five-stage pipeline (no pingpong config fits); four float32 state
   # tensors a shallower pipeline.

@@ -317,20 +317,41 @@ QUANTIZED_CONFIGS = (
 #: those stay inline).
 PINGPONG_MIN_TOKENS = 2048
 PINGPONG_MIN_TILES_PER_SM = 16
+#: A light update (at most LIGHT_UPDATE_BYTES of kernel and state a
+#: parameter: a bf16 kernel with one bf16 state, as Lion's or SGD's with
+#: momentum, or none) leaves one warpgroup's epilogue short enough to hide
+#: under the other's wgmma with shorter token loops and fewer tiles. On the
+#: H200 (bf16, one call each, ``benchmarks/schedule_speed.py``), Lion and SGD
+#: with and without momentum at 1024 tokens: pingpong 10-12 % faster at
+#: 4096 x 14336 and 14336 x 4096, 3-9 % at 4096 x 4096 (eight tiles an SM);
+#: at 512 tokens within 3 % either way; at 4096 x 1024 (two tiles an SM)
+#: up to 11 % slower. AdamW (6 bytes) at 1024 tokens: 2-4 % slower, 24 %
+#: at 4096 x 4096.
+LIGHT_UPDATE_BYTES = 4
+LIGHT_PINGPONG_MIN_TOKENS = 1024
+LIGHT_PINGPONG_MIN_TILES_PER_SM = 4
 
 
 def ranked_configs(
-  tokens: int, quantized: bool = False, tiles: int = 0
+  tokens: int,
+  quantized: bool = False,
+  tiles: int = 0,
+  update_bytes: int | None = None,
 ) -> tuple:
   """The default configs for a call with ``tokens`` rows of x whose dW
-  holds ``tiles`` 128 x 128 tiles (the pingpong config's), fastest first
+  holds ``tiles`` 128 x 128 tiles (the pingpong config's) and whose update
+  moves ``update_bytes`` of kernel and state a parameter through shared
+  memory (None: not known, ranked as a heavy update), fastest first
   (before :func:`fitting_config` makes int8 sub-tiles a block wide)."""
   if quantized:
     return QUANTIZED_CONFIGS
-  if (
-    tokens >= PINGPONG_MIN_TOKENS
-    and tiles >= PINGPONG_MIN_TILES_PER_SM * num_sms()
-  ):
+  light = update_bytes is not None and update_bytes <= LIGHT_UPDATE_BYTES
+  min_tokens, min_tiles_per_sm = (
+    (LIGHT_PINGPONG_MIN_TOKENS, LIGHT_PINGPONG_MIN_TILES_PER_SM)
+    if light
+    else (PINGPONG_MIN_TOKENS, PINGPONG_MIN_TILES_PER_SM)
+  )
+  if tokens >= min_tokens and tiles >= min_tiles_per_sm * num_sms():
     return PINGPONG_CONFIGS[:1] + INLINE_CONFIGS
   return INLINE_CONFIGS
 
@@ -354,7 +375,7 @@ def fitting_config(
   ``itemsizes`` are :func:`storage_itemsizes`. With int8 states an epilogue
   sub-tile is one quantization block wide."""
   configs = ranked_configs(
-    tokens, quantized, PINGPONG_CONFIGS[0].num_tiles(k, n)
+    tokens, quantized, PINGPONG_CONFIGS[0].num_tiles(k, n), sum(itemsizes)
   )
   if quantized:
     configs = tuple(

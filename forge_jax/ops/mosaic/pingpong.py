@@ -12,8 +12,10 @@ tile's update on one warpgroup's four warps, one a scheduler, cannot hide
 the rule's latencies unless the other warpgroup's main loop runs beside it.
 :func:`forge_jax.ops.mosaic.config.ranked_configs` ranks it first from
 ``PINGPONG_MIN_TOKENS`` tokens and ``PINGPONG_MIN_TILES_PER_SM`` tiles an
-SM; a ``MosaicConfig(schedule='pingpong', ...)`` passed in selects it
-anywhere.
+SM, and for light updates (``LIGHT_UPDATE_BYTES``) from
+``LIGHT_PINGPONG_MIN_TOKENS`` tokens and ``LIGHT_PINGPONG_MIN_TILES_PER_SM``
+tiles an SM; a ``MosaicConfig(schedule='pingpong', ...)`` passed in
+selects it anywhere.
 """
 
 from __future__ import annotations
