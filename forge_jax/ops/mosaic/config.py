@@ -303,9 +303,11 @@ PINGPONG_CONFIGS = (
 #: (2.49 / 2.75 ms with 128 x 64), faster than the Triton kernel (1.41 /
 #: 2.12 ms); one warpgroup per CTA with 232 registers is slower (2.54 /
 #: 3.46 ms), and so are the pingpong schedules (2.30 / 2.81 ms). With the
-#: current quantizer 128 x 64 parts still take 1.8-2.2x the time (1.7x with
-#: the accumulator's second sub-tile stashed in shared memory), and six or
-#: seven stages are no faster.
+#: current quantizer 128 x 64 parts still take 1.8-2.2x the time: their
+#: unrolled update of two sub-tiles misses the instruction cache. With the
+#: whole accumulator stashed in shared memory and the sub-tiles updated in a
+#: rolled loop they tie at 2048 tokens and are 11 % slower at 512 (the stash
+#: takes a pipeline stage). Six or seven stages are no faster.
 QUANTIZED_CONFIGS = (
   MosaicConfig(tile_k=64, max_concurrent_steps=5, epilogue_slots=1),
 ) + INLINE_CONFIGS
@@ -321,12 +323,12 @@ PINGPONG_MIN_TILES_PER_SM = 16
 #: parameter: a bf16 kernel with one bf16 state, as Lion's or SGD's with
 #: momentum, or none) leaves one warpgroup's epilogue short enough to hide
 #: under the other's wgmma with shorter token loops and fewer tiles. On the
-#: H200 (bf16, one call each, ``benchmarks/schedule_speed.py``), Lion and SGD
-#: with and without momentum at 1024 tokens: pingpong 10-12 % faster at
-#: 4096 x 14336 and 14336 x 4096, 3-9 % at 4096 x 4096 (eight tiles an SM);
-#: at 512 tokens within 3 % either way; at 4096 x 1024 (two tiles an SM)
-#: up to 11 % slower. AdamW (6 bytes) at 1024 tokens: 2-4 % slower, 24 %
-#: at 4096 x 4096.
+#: H200 (bf16, one call, ``benchmarks/schedule_speed.py``), Lion, SGD with
+#: and without momentum, RMSprop and AdaGrad at 1024 tokens: pingpong 9-12 %
+#: faster at 4096 x 14336 and 14336 x 4096, 2-8 % at 4096 x 4096 (eight
+#: tiles an SM); at 512 tokens 3 % faster to 6 % slower; at 4096 x 1024 (two
+#: tiles an SM) up to 11 % slower. AdamW (6 bytes) at 1024 tokens: 3-4 %
+#: slower, 25 % at 4096 x 4096.
 LIGHT_UPDATE_BYTES = 4
 LIGHT_PINGPONG_MIN_TOKENS = 1024
 LIGHT_PINGPONG_MIN_TILES_PER_SM = 4
