@@ -328,7 +328,8 @@ PINGPONG_MIN_TILES_PER_SM = 16
 #: faster at 4096 x 14336 and 14336 x 4096, 2-8 % at 4096 x 4096 (eight
 #: tiles an SM); at 512 tokens 3 % faster to 6 % slower; at 4096 x 1024 (two
 #: tiles an SM) up to 11 % slower. AdamW (6 bytes) at 1024 tokens: 3-4 %
-#: slower, 25 % at 4096 x 4096.
+#: slower, 25 % at 4096 x 4096. A float32 kernel without state (4 bytes)
+#: counts as light too; it was not timed on its own.
 LIGHT_UPDATE_BYTES = 4
 LIGHT_PINGPONG_MIN_TOKENS = 1024
 LIGHT_PINGPONG_MIN_TILES_PER_SM = 4

@@ -14,8 +14,7 @@ into the next tile. ``ctas_per_sm=2`` puts two CTAs on an SM, so one's
 epilogue overlaps the other's main loop where both fit.
 
 This is the default schedule below 2048 tokens (1024 for light updates) or
-with few tiles an SM,
-and with 64 x 64 parts for int8 states
+with few tiles an SM, and with 64 x 64 parts for int8 states
 (:func:`forge_jax.ops.mosaic.config.ranked_configs`).
 """
 
