@@ -24,10 +24,10 @@ than optax).
 from __future__ import annotations
 
 import argparse
-import json
+import functools
+import itertools
 import os
 import sys
-import time
 
 import flax.linen as nn
 import jax
@@ -37,7 +37,12 @@ from flax.training import train_state
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from timing import device_time_ms, kernel_profile, metadata  # noqa: E402
+from timing import (  # noqa: E402
+  device_time_ms,
+  kernel_profile,
+  metadata,
+  run_cases,
+)
 
 import forge_jax as fj  # noqa: E402
 from forge_jax.ops import backends  # noqa: E402
@@ -182,54 +187,46 @@ def _args(argv=None):
   return parser.parse_args(argv)
 
 
+def measure(args, compute, storage, tokens, shape) -> dict:
+  """One case's record: each variant's device time (or the error it
+  raised), the backend 'auto' takes, and the speedups over optax."""
+  k, n = (int(d) for d in shape.split("x"))
+  case = {
+    "compute": compute,
+    "storage": storage,
+    "tokens": tokens,
+    "k": k,
+    "n": n,
+    "auto": auto_choice(tokens, k, n, storage, compute),
+    "ms": {},
+  }
+  for variant in args.variants:
+    try:
+      run = make_runner(variant, tokens, k, n, storage, compute)
+      timing = device_time_ms(run, calls=args.calls, repeats=args.repeats)
+      case["ms"][variant] = timing["ms"]
+      if args.profile:
+        case.setdefault("profile", {})[variant] = kernel_profile(run)
+    except Exception as e:  # a backend that cannot run the case
+      case.setdefault("errors", {})[variant] = f"{type(e).__name__}: {e}"[:300]
+  if "optax" in case["ms"]:
+    case["speedup"] = {
+      v: case["ms"]["optax"] / ms for v, ms in case["ms"].items()
+    }
+  return case
+
+
 def main(argv=None):
   args = _args(argv)
   if args.cpu:
     jax.config.update("jax_platforms", "cpu")
-  started = time.perf_counter()
-  result = {"meta": metadata(), "config": vars(args), "cases": []}
-  cases = [
-    (compute, storage, tokens, shape)
-    for compute in args.compute
-    for storage in args.storage
-    for tokens in args.tokens
-    for shape in args.shapes
-  ]
-  for compute, storage, tokens, shape in cases:
-    if (
-      args.time_budget_s and time.perf_counter() - started > args.time_budget_s
-    ):
-      result["stopped_early"] = True
-      break
-    k, n = (int(d) for d in shape.split("x"))
-    case = {
-      "compute": compute,
-      "storage": storage,
-      "tokens": tokens,
-      "k": k,
-      "n": n,
-      "auto": auto_choice(tokens, k, n, storage, compute),
-      "ms": {},
-    }
-    for variant in args.variants:
-      try:
-        run = make_runner(variant, tokens, k, n, storage, compute)
-        timing = device_time_ms(run, calls=args.calls, repeats=args.repeats)
-        case["ms"][variant] = timing["ms"]
-        if args.profile:
-          case.setdefault("profile", {})[variant] = kernel_profile(run)
-      except Exception as e:  # a backend that cannot run the case
-        case.setdefault("errors", {})[variant] = f"{type(e).__name__}: {e}"[
-          :300
-        ]
-    if "optax" in case["ms"]:
-      case["speedup"] = {
-        v: case["ms"]["optax"] / ms for v, ms in case["ms"].items()
-      }
-    result["cases"].append(case)
-    print(json.dumps(case), flush=True)
-    with open(args.out, "w") as f:
-      json.dump(result, f, indent=1)
+  run_cases(
+    {"meta": metadata(), "config": vars(args), "cases": []},
+    itertools.product(args.compute, args.storage, args.tokens, args.shapes),
+    functools.partial(measure, args),
+    args.out,
+    args.time_budget_s,
+  )
 
 
 if __name__ == "__main__":

@@ -14,10 +14,11 @@ backend's bf16 time.
 from __future__ import annotations
 
 import argparse
+import functools
+import itertools
 import json
 import os
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -30,7 +31,7 @@ from kernel_bench import (  # noqa: E402
   reference_step,
   unfused_runner,
 )
-from timing import device_time_ms, metadata  # noqa: E402
+from timing import device_time_ms, metadata, run_cases  # noqa: E402
 
 import forge_jax as fj  # noqa: E402
 from forge_jax.ops import mosaic  # noqa: E402
@@ -71,78 +72,75 @@ def _args(argv=None):
   return parser.parse_args(argv)
 
 
+def measure(args, tokens, shape) -> dict:
+  """One case's record: GEMM + optax, then each storage through each
+  backend and each of ``args.mosaic_configs`` (or the error it raised),
+  and each time over the same backend's bf16 time."""
+  k, n = (int(d) for d in shape.split("x"))
+  x, dy, w = make_inputs(jax.random.key(tokens), tokens, k, n)
+  w = w.astype(jnp.bfloat16)
+  case = {"tokens": tokens, "k": k, "n": n, "ms": {}}
+  base = fj.adamw(1e-3, weight_decay=0.1, state_dtype=jnp.bfloat16)
+  case["ms"]["gemm+optax"] = device_time_ms(
+    unfused_runner(base, w, x, dy), calls=10, repeats=3
+  )["ms"]
+  for storage in args.storages:
+    optimizer = fj.adamw(
+      1e-3,
+      weight_decay=0.1,
+      **{"state_dtype": jnp.bfloat16, **STORAGES[storage]},
+    )
+    for backend in args.backends:
+      name = f"{backend}/{storage}"
+      try:
+        if backend == "xla":
+          run = reference_runner(optimizer, w, x, dy)
+        else:
+          config = (
+            mosaic.default_config(x, w, optimizer)
+            if backend == "mosaic"
+            else None
+          )
+          run = fused_runner(optimizer, config, w, x, dy)
+        case["ms"][name] = device_time_ms(run, calls=10, repeats=3)["ms"]
+      except Exception as e:  # a backend that cannot run the case
+        case.setdefault("errors", {})[name] = f"{type(e).__name__}: {e}"[:300]
+    reference = None  # the XLA reference's first step, made once
+    for fields in args.mosaic_configs:
+      name = f"mosaic[{fields}]/{storage}"
+      try:
+        config = mosaic.MosaicConfig(**json.loads(fields))
+        run = fused_runner(optimizer, config, w, x, dy)
+        # The first step, from the fresh state (a copy: the next call
+        # donates the kernel it returns).
+        fused = run().astype(jnp.float32)
+        if reference is None:
+          reference = reference_runner(optimizer, w, x, dy)().astype(
+            jnp.float32
+          )
+        case.setdefault("max_abs_diff_to_xla", {})[name] = float(
+          jnp.max(jnp.abs(fused - reference))
+        )
+        case["ms"][name] = device_time_ms(run, calls=10, repeats=3)["ms"]
+      except Exception as e:  # a config that cannot run the case
+        case.setdefault("errors", {})[name] = f"{type(e).__name__}: {e}"[:300]
+  case["ratio_to_bf16"] = {
+    name: ms / case["ms"][name.split("/")[0] + "/bf16"]
+    for name, ms in case["ms"].items()
+    if "/" in name and name.split("/")[0] + "/bf16" in case["ms"]
+  }
+  return case
+
+
 def main(argv=None):
   args = _args(argv)
-  started = time.perf_counter()
-  result = {"meta": metadata(), "config": vars(args), "cases": []}
-  for tokens in args.tokens:
-    for shape in args.shapes:
-      if args.time_budget_s and time.perf_counter() - started > (
-        args.time_budget_s
-      ):
-        result["stopped_early"] = True
-        break
-      k, n = (int(d) for d in shape.split("x"))
-      x, dy, w = make_inputs(jax.random.key(tokens), tokens, k, n)
-      w = w.astype(jnp.bfloat16)
-      case = {"tokens": tokens, "k": k, "n": n, "ms": {}}
-      base = fj.adamw(1e-3, weight_decay=0.1, state_dtype=jnp.bfloat16)
-      case["ms"]["gemm+optax"] = device_time_ms(
-        unfused_runner(base, w, x, dy), calls=10, repeats=3
-      )["ms"]
-      for storage in args.storages:
-        optimizer = fj.adamw(
-          1e-3,
-          weight_decay=0.1,
-          **{"state_dtype": jnp.bfloat16, **STORAGES[storage]},
-        )
-        for backend in args.backends:
-          name = f"{backend}/{storage}"
-          try:
-            if backend == "xla":
-              run = reference_runner(optimizer, w, x, dy)
-            else:
-              config = (
-                mosaic.default_config(x, w, optimizer)
-                if backend == "mosaic"
-                else None
-              )
-              run = fused_runner(optimizer, config, w, x, dy)
-            case["ms"][name] = device_time_ms(run, calls=10, repeats=3)["ms"]
-          except Exception as e:  # a backend that cannot run the case
-            case.setdefault("errors", {})[name] = f"{type(e).__name__}: {e}"[
-              :300
-            ]
-        reference = None  # the XLA reference's first step, made once
-        for fields in args.mosaic_configs:
-          name = f"mosaic[{fields}]/{storage}"
-          try:
-            config = mosaic.MosaicConfig(**json.loads(fields))
-            run = fused_runner(optimizer, config, w, x, dy)
-            # The first step, from the fresh state (a copy: the next call
-            # donates the kernel it returns).
-            fused = run().astype(jnp.float32)
-            if reference is None:
-              reference = reference_runner(optimizer, w, x, dy)().astype(
-                jnp.float32
-              )
-            case.setdefault("max_abs_diff_to_xla", {})[name] = float(
-              jnp.max(jnp.abs(fused - reference))
-            )
-            case["ms"][name] = device_time_ms(run, calls=10, repeats=3)["ms"]
-          except Exception as e:  # a config that cannot run the case
-            case.setdefault("errors", {})[name] = f"{type(e).__name__}: {e}"[
-              :300
-            ]
-      case["ratio_to_bf16"] = {
-        name: ms / case["ms"][name.split("/")[0] + "/bf16"]
-        for name, ms in case["ms"].items()
-        if "/" in name and name.split("/")[0] + "/bf16" in case["ms"]
-      }
-      result["cases"].append(case)
-      print(json.dumps(case), flush=True)
-      with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
+  run_cases(
+    {"meta": metadata(), "config": vars(args), "cases": []},
+    itertools.product(args.tokens, args.shapes),
+    functools.partial(measure, args),
+    args.out,
+    args.time_budget_s,
+  )
 
 
 if __name__ == "__main__":

@@ -16,10 +16,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import itertools
-import json
 import os
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -27,7 +25,7 @@ import jax.numpy as jnp
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from kernel_bench import fused_runner, make_inputs  # noqa: E402
-from timing import device_time_ms, metadata  # noqa: E402
+from timing import device_time_ms, metadata, run_cases  # noqa: E402
 
 import forge_jax as fj  # noqa: E402
 from forge_jax.ops import mosaic  # noqa: E402
@@ -104,36 +102,33 @@ def run_case(optimizer, tokens, k, n, dtype) -> dict:
   return case
 
 
+def measure(storage, opt_name, tokens, shape) -> dict:
+  """One case's record: :func:`run_case`, or the error it raised."""
+  k, n = (int(d) for d in shape.split("x"))
+  case = {
+    "optimizer": opt_name,
+    "storage": storage,
+    "tokens": tokens,
+    "k": k,
+    "n": n,
+  }
+  optimizer = OPTIMIZERS[opt_name](STORAGES[storage])
+  try:
+    case.update(run_case(optimizer, tokens, k, n, STORAGES[storage]))
+  except Exception as e:  # a case the kernel cannot run
+    case["error"] = f"{type(e).__name__}: {e}"[:300]
+  return case
+
+
 def main(argv=None):
   args = _args(argv)
-  started = time.perf_counter()
-  result = {"meta": metadata(), "config": vars(args), "cases": []}
-  cases = itertools.product(
-    args.storages, args.optimizers, args.tokens, args.shapes
+  run_cases(
+    {"meta": metadata(), "config": vars(args), "cases": []},
+    itertools.product(args.storages, args.optimizers, args.tokens, args.shapes),
+    measure,
+    args.out,
+    args.time_budget_s,
   )
-  for storage, opt_name, tokens, shape in cases:
-    if args.time_budget_s and (
-      time.perf_counter() - started > args.time_budget_s
-    ):
-      result["stopped_early"] = True
-      break
-    optimizer = OPTIMIZERS[opt_name](STORAGES[storage])
-    k, n = (int(d) for d in shape.split("x"))
-    case = {
-      "optimizer": opt_name,
-      "storage": storage,
-      "tokens": tokens,
-      "k": k,
-      "n": n,
-    }
-    try:
-      case.update(run_case(optimizer, tokens, k, n, STORAGES[storage]))
-    except Exception as e:  # a case the kernel cannot run
-      case["error"] = f"{type(e).__name__}: {e}"[:300]
-    result["cases"].append(case)
-    print(json.dumps(case), flush=True)
-    with open(args.out, "w") as f:
-      json.dump(result, f, indent=1)
 
 
 if __name__ == "__main__":

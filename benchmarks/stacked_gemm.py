@@ -25,7 +25,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import json
+import itertools
 import os
 import sys
 
@@ -35,7 +35,12 @@ from jax import lax
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from timing import device_time_ms, kernel_profile, metadata  # noqa: E402
+from timing import (  # noqa: E402
+  device_time_ms,
+  kernel_profile,
+  metadata,
+  run_cases,
+)
 
 from forge_jax.ops.mosaic import matmul  # noqa: E402
 
@@ -108,15 +113,17 @@ def main(argv=None):
   parser.add_argument("--layers", type=int, default=4)
   parser.add_argument("--out", required=True)
   args = parser.parse_args(argv)
-  result = {"meta": metadata(), "config": vars(args), "cases": []}
-  for tokens in args.tokens:
-    for shape in args.shapes:
-      k, n = (int(d) for d in shape.split("x"))
-      for kind in args.kinds:
-        result["cases"].append(c := case(tokens, k, n, kind, args.layers))
-        print(json.dumps(c), flush=True)
-        with open(args.out, "w") as f:
-          json.dump(result, f, indent=1)
+
+  def measure(tokens, shape, kind):
+    k, n = (int(d) for d in shape.split("x"))
+    return case(tokens, k, n, kind, args.layers)
+
+  run_cases(
+    {"meta": metadata(), "config": vars(args), "cases": []},
+    itertools.product(args.tokens, args.shapes, args.kinds),
+    measure,
+    args.out,
+  )
 
 
 if __name__ == "__main__":

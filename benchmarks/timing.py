@@ -4,6 +4,8 @@
 durations of the GPU kernels and copies it launched, per call: launch gaps
 and host overhead are excluded. Off-GPU (no device events) it falls back to
 wall-clock time of back-to-back dispatch, and says so in the result.
+``run_cases`` is the benchmarks' case loop: a time budget, and every case
+printed and saved as soon as it is measured.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import collections
 import datetime
 import glob
+import json
 import os
 import platform
 import statistics
@@ -155,4 +158,28 @@ def device_time_ms(
     )
   else:
     result["ms"] = result["wall_ms"]
+  return result
+
+
+def run_cases(result: dict, cases, measure, out: str, time_budget_s=0.0):
+  """Appends ``measure(*case)`` to ``result['cases']`` for each of
+  ``cases`` in order, printing each record and saving ``result`` to ``out``
+  after each, so a run cut short keeps what it measured. No case starts
+  after ``time_budget_s`` seconds (0: no budget); ``result['stopped_early']``
+  then says so. Returns ``result``."""
+
+  def save():
+    with open(out, "w") as f:
+      json.dump(result, f, indent=1)
+
+  started = time.perf_counter()
+  for case in cases:
+    if time_budget_s and time.perf_counter() - started > time_budget_s:
+      result["stopped_early"] = True
+      save()
+      break
+    record = measure(*case)
+    result["cases"].append(record)
+    print(json.dumps(record), flush=True)
+    save()
   return result

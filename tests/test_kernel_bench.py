@@ -1,8 +1,10 @@
-"""The kernel benchmarks' steps: the XLA reference they check and time
-against computes the fused steps' bits."""
+"""The kernel benchmarks' steps (the XLA reference they check and time
+against computes the fused steps' bits) and their case loop."""
 
+import json
 import os
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +16,7 @@ from conftest import assert_same_bits, bits
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import kernel_bench  # noqa: E402  (benchmarks/ is on sys.path only now)
+import timing  # noqa: E402
 
 
 def test_reference_step_rounds_stochastically_as_the_fused_step():
@@ -37,3 +40,28 @@ def test_reference_step_rounds_stochastically_as_the_fused_step():
   )
   assert (bits(expected[0]) != bits(w)).mean() > 0.5
   assert_same_bits(fused[:2], expected[:2], "fused step")
+
+
+def test_run_cases_saves_each_case_and_stops_at_its_budget(tmp_path):
+  """Every measured case is on disk before the next starts; past the time
+  budget no case starts, and the saved result says it stopped early."""
+  out = str(tmp_path / "cases.json")
+  seen_on_disk = []
+
+  def measure(i):
+    if i:  # the previous case is saved before this one runs
+      with open(out) as f:
+        seen_on_disk.append(len(json.load(f)["cases"]))
+    time.sleep(0.05)
+    return {"i": i}
+
+  result = timing.run_cases({"cases": []}, [(0,), (1,), (2,)], measure, out)
+  assert [c["i"] for c in result["cases"]] == [0, 1, 2]
+  assert seen_on_disk == [1, 2]
+  assert "stopped_early" not in result
+
+  timing.run_cases({"cases": []}, [(0,), (1,), (2,)], measure, out, 0.01)
+  with open(out) as f:
+    saved = json.load(f)
+  assert [c["i"] for c in saved["cases"]] == [0]
+  assert saved["stopped_early"] is True
