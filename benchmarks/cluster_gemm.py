@@ -64,27 +64,19 @@ def main(argv=None):
       "configs": [],
     }
     for tile_n, stages, cluster in configs():
-      entry = {
-        "tile_m": "128",
-        "tile_n": str(tile_n),
-        "tile_k": "64",
-        "max_concurrent_steps": str(stages),
-        "wg_dimension": "N",
-        "cluster_dimension": str(cluster),
-        "grid_minor_dim": "N",
-        "grid_tile_width": "8",
-      }
+      fields = dict(
+        tile_m=128,
+        tile_n=tile_n,
+        tile_k=64,
+        max_concurrent_steps=stages,
+        wg_dimension=hm.MatmulDimension.N,
+        cluster_dimension=cluster,
+        grid_minor_dim=hm.MatmulDimension.N,
+        grid_tile_width=8,
+      )
+      entry = {name: str(value) for name, value in fields.items()}
       try:
-        config = hm.TuningConfig(
-          tile_m=128,
-          tile_n=tile_n,
-          tile_k=64,
-          max_concurrent_steps=stages,
-          wg_dimension=hm.MatmulDimension.N,
-          cluster_dimension=cluster,
-          grid_minor_dim=hm.MatmulDimension.N,
-          grid_tile_width=8,
-        )
+        config = hm.TuningConfig(**fields)
         gemm = jax.jit(
           lambda a, b, config=config: hm.matmul(a, b, None, config)
         )
