@@ -867,10 +867,10 @@ class FusedDenseTestBase:
     return [Case(shape_id(shape), (shape,))]
 
   def test_fused_op_with_nonfinite_dy_does_not_step(self, case, seed):
-    """Through the custom_vjp: any non-finite dy -> apply=False, so the
-    layer's variables come back bit for bit, count does not increment, and
-    skipped is the kernel size. A finite dy steps the layer and increments
-    count."""
+    """Through the custom_vjp: any non-finite dy (or a dx that overflows)
+    -> apply=False, so the layer's variables come back bit for bit, count
+    does not increment, and skipped is the kernel size. A finite dy steps
+    the layer and increments count."""
     opt = fj.adam(0.05)
     ((x_shape, n),) = case.args
     x, dy, kernel, _ = random_inputs(
@@ -888,15 +888,31 @@ class FusedDenseTestBase:
     assert float(stepped.skipped) == 0.0
     assert (np.asarray(stepped.kernel) != np.asarray(kernel)).all()
 
-    (skipped,) = vjp(poison_tokens(dy, [(15, n - 1)]))
-    assert float(skipped.count) == 4.0
-    assert float(skipped.skipped) == kernel.size
-    assert float(skipped.intact) == 1.0
-    assert_bitwise_equal(skipped.kernel, kernel, "kernel")
-    for a, e in zip(
-      jax.tree.leaves(skipped.opt_state), jax.tree.leaves(variables.opt_state)
+    # A non-finite dy, with x a constant (no dx: the flag reads dy) and
+    # differentiated (the flag reads dx's first column); then a finite dy
+    # whose dx = dy @ kernel.T overflows float32 while dW stays finite.
+    def vjp_with_dx(variables):
+      _, vjp = jax.vjp(
+        lambda v, x: fj.forge_dense(x, v, bias, spec), variables, x
+      )
+      return lambda dy: vjp(dy)[:1]
+
+    huge = variables._replace(kernel=kernel * 1e30)
+    for vjp, variables, dy in (
+      (vjp, variables, poison_tokens(dy, [(15, n - 1)])),
+      (vjp_with_dx(variables), variables, poison_tokens(dy, [(15, n - 1)])),
+      (vjp_with_dx(huge), huge, dy * 1e10),
     ):
-      assert_bitwise_equal(a, e, "state")
+      (skipped,) = vjp(dy)
+      assert float(skipped.count) == 4.0
+      assert float(skipped.skipped) == kernel.size
+      assert float(skipped.intact) == 1.0
+      assert_bitwise_equal(skipped.kernel, variables.kernel, "kernel")
+      for a, e in zip(
+        jax.tree.leaves(skipped.opt_state),
+        jax.tree.leaves(variables.opt_state),
+      ):
+        assert_bitwise_equal(a, e, "state")
 
   # -------------------------------------------------------------------------
   # bf16 weights with stochastic rounding and int8 states: the same bits.

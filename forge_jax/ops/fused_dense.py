@@ -456,6 +456,23 @@ def order_after(dx):
   return true_after(dx.reshape(-1)[0])
 
 
+def backward_finite(dy, dx=None):
+  """Whether ``dy`` is finite, read from the first column of ``dx`` when
+  the layer computed one (else from all of ``dy``).
+
+  A row of dY with a non-finite element makes its row of ``dx = dY Wᵀ``
+  non-finite in every column (infinity times anything is infinite or NaN,
+  NaN spreads, and inf - inf is NaN), so one column of dx, a value a
+  token, stands for a pass over all of dY. A finite dY whose dx overflowed
+  reads as not finite too: the layer skips a step whose backward
+  overflowed. An update that depends on the flag also runs after dx, the
+  last reader of the old kernel, as :func:`order_after` arranges.
+  """
+  if dx is None:
+    return jnp.all(jnp.isfinite(dy))
+  return jnp.all(jnp.isfinite(dx[..., 0]))
+
+
 def step_scalars(
   spec: FusedDenseSpec, variables: ForgeVariables, layer_index=None
 ):
@@ -672,11 +689,9 @@ def _local_backward(
     grad_sq_norm = _psum(grad_sq_norm, layout.kernel_axes)
     return dx, measured(variables, grad_sq_norm, layer_index), dbias
 
-  after_dx = order_after(dx)
   # One decision for the whole layer: skip it when any shard's dY is not
-  # finite.
-  finite = _on_every_shard(jnp.all(jnp.isfinite(dy)), layout.mesh_axes)
-  apply = jnp.logical_and(finite, after_dx)
+  # finite. Read from dx, it also orders the update after dx.
+  apply = _on_every_shard(backward_finite(dy, dx), layout.mesh_axes)
   scalars = step_scalars(spec, variables, layer_index)
   key = layer_rounding_key(spec, variables, layer_index)
   offset = _shard_offset(layout, local_shape)
