@@ -1079,6 +1079,88 @@ def layer_step_table(run) -> str:
   )
 
 
+#: A kernel under this many milliseconds a launch counts as small: a
+#: scalar, a reduction of counts or norms, a flag.
+SMALL_KERNEL_MS = 0.010
+
+
+def step_breakdown(profile) -> dict:
+  """One profiled step's device time (µs) by kind of kernel: the fused
+  update, XLA's GEMMs, other kernels of 10 µs or more a launch, and the
+  small ones (with their count)."""
+  parts = {"fused": 0.0, "gemm": 0.0, "large": 0.0}
+  large_launches = 0
+  for k in profile["top"]:
+    name = k["name"]
+    if name.startswith("forge_fused"):
+      kind = "fused"
+    elif "nvjet" in name or "gemm" in name or "cublas" in name:
+      kind = "gemm"
+    elif k["ms"] / max(k["launches"], 1) >= SMALL_KERNEL_MS:
+      kind = "large"
+    else:
+      continue
+    parts[kind] += k["ms"] * 1e3
+    large_launches += k["launches"]
+  device = profile["device_ms"] * 1e3
+  return {
+    **parts,
+    "device": device,
+    "small": device - sum(parts.values()),
+    "small_launches": round(profile["kernels_per_call"]) - large_launches,
+  }
+
+
+def layer_step_breakdown(run) -> str:
+  """Where each profiled case's step goes, optax beside the backend
+  'auto' takes."""
+  rows = []
+  for c in run["cases"]:
+    auto = c["auto"].split(".")[-1].replace("_update", "")
+    for variant in ("optax", auto):
+      if variant not in c.get("profile", {}):
+        continue
+      b = step_breakdown(c["profile"][variant])
+      rows.append(
+        [
+          c["storage"],
+          c["tokens"],
+          f"{c['k']} x {c['n']}",
+          variant,
+          f"{b['device']:.0f}",
+          f"{b['gemm']:.0f}",
+          f"{b['fused']:.0f}" if b["fused"] else "-",
+          f"{b['large']:.0f}",
+          f"{b['small']:.0f} ({b['small_launches']})",
+        ]
+      )
+  if not rows:
+    return ""
+  return (
+    "Where one step's device time goes (µs, one profiled pair of steps "
+    "of the same run): XLA's GEMMs, the fused update kernel, other "
+    "kernels of 10 µs or more a launch (optax's update, the RMSNorm's and "
+    "the loss's passes over the activations, float32 weights' "
+    "conversions) and the small ones "
+    "(their launches in brackets: scalars, flags, the reductions of the "
+    "kernel's skipped counts and norm sums).\n\n"
+    + table(
+      [
+        "W / m / v",
+        "T",
+        "K x N",
+        "step",
+        "device",
+        "GEMMs",
+        "fused kernel",
+        "other ≥ 10 µs",
+        "small kernels (launches)",
+      ],
+      rows,
+    )
+  )
+
+
 def layer_step_command(run) -> str:
   return list_flags_command(
     "layer_step.py",
@@ -1102,7 +1184,12 @@ def layer_step_section(runs) -> str:
     "process (device time, medians). Each FORGE "
     "column is optax's time over the backend's (> 1: faster than optax); "
     "the last column is the backend `'auto'` takes.",
-    "\n\n".join(layer_step_table(run) for run in kept),
+    "\n\n".join(
+      part
+      for run in kept
+      for part in (layer_step_table(run), layer_step_breakdown(run))
+      if part
+    ),
     "; ".join(layer_step_command(run) for run in kept),
     kept,
   )

@@ -42,6 +42,29 @@ def test_traffic_bound_is_the_gemm_when_the_traffic_hides_under_it():
   assert bound["mosaic_over_serial"] == pytest.approx(1.2 / 1.24)
 
 
+def test_step_breakdown_sorts_kernels_by_kind_and_counts_the_rest_small():
+  # 9 launches: the fused kernel, two GEMMs, a 20 µs fusion, and five small
+  # ones of which only two made the profile's top list.
+  profile = {
+    "device_ms": 0.200,
+    "kernels_per_call": 9,
+    "top": [
+      {"name": "forge_fused_dense_update_mosaic", "ms": 0.100, "launches": 1},
+      {"name": "nvjet_sm90_tst_128x128", "ms": 0.030, "launches": 1},
+      {"name": "gemm_fusion_dot_2", "ms": 0.025, "launches": 1},
+      {"name": "loop_add_fusion", "ms": 0.020, "launches": 1},
+      {"name": "input_reduce_fusion", "ms": 0.004, "launches": 1},
+      {"name": "loop_select_fusion", "ms": 0.003, "launches": 1},
+    ],
+  }
+  parts = make_docs.step_breakdown(profile)
+  assert parts["fused"] == pytest.approx(100)
+  assert parts["gemm"] == pytest.approx(55)
+  assert parts["large"] == pytest.approx(20)
+  assert parts["small"] == pytest.approx(25)
+  assert parts["small_launches"] == 5
+
+
 def _model_run(variant, step_ms, flags="", date="2026-11-30"):
   return {
     "config": "llama-3.1-8b",
