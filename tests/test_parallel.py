@@ -1088,6 +1088,34 @@ def test_forge_dense_with_a_layout_is_the_one_device_op(name, tp):
   assert float(got[1][1].count) == 1.0
 
 
+@needs_devices
+@pytest.mark.parametrize("name", sorted(OP_LAYOUTS))
+def test_nonfinite_dy_with_a_layout_skips_the_whole_layer(name):
+  """One NaN in dY, on one shard of the tokens or the columns: every shard
+  keeps its kernel and state and no count advances (the flag is read from
+  dx, reduced or scattered as the layout plans)."""
+  spec = fj.FusedDenseSpec(OPT, "xla")
+  keys = jax.random.split(jax.random.key(4), 3)
+  x = jax.random.normal(keys[0], (2, 8, 16))
+  variables = fj.init_variables(OPT, jax.random.normal(keys[1], (16, 32)))
+  dy = jax.random.normal(keys[2], (2, 8, 32)).at[1, 6, 3].set(jnp.nan)
+  layout = parallel.plan_layout(parallel.make_mesh(4), 3, **OP_LAYOUTS[name])
+
+  def step(x, variables, dy):
+    _, vjp = jax.vjp(
+      lambda *a: fj.forge_dense(*a, None, spec, layout=layout), x, variables
+    )
+    return vjp(dy)[1]
+
+  new = _host(jax.jit(step)(x, variables, dy))
+  np.testing.assert_array_equal(new.kernel, np.asarray(variables.kernel))
+  for leaf, old in zip(
+    jax.tree.leaves(new.opt_state), jax.tree.leaves(variables.opt_state)
+  ):
+    np.testing.assert_array_equal(leaf, old)
+  assert float(new.count) == 0.0
+
+
 def test_layout_errors_are_clear():
   mesh = jax.sharding.AbstractMesh((2, 2), ("data", "model"))
   with pytest.raises(

@@ -526,6 +526,14 @@ def stepped(
   change.
   """
   count = stacks.layer_entry(variables.count, layer_index)
+  if layer_index is None:
+    # Read the old values this step replaces. jit prunes the arguments a
+    # step never reads, and matches donated arguments to outputs by shape
+    # and dtype in order: with these two pruned, the layer's other donated
+    # scalars would each alias the next one's output and be copied.
+    (skipped, grad_sq_norm), _ = lax.optimization_barrier(
+      ((skipped, grad_sq_norm), (variables.skipped, variables.grad_sq_norm))
+    )
   return ForgeVariables(
     kernel=new_kernel,
     opt_state=new_state,
