@@ -444,16 +444,14 @@ def _forge_dense_fwd(
   )
 
 
-def order_after(dx):
-  """A scalar True that depends on ``dx`` (True if ``dx`` is None).
-
-  The update overwrites the kernel in place, so it must run after dx, the
-  last reader of the old kernel, or XLA copies the kernel. dx comes from a
-  dot, which XLA does not duplicate: one element of it is enough.
-  """
-  if dx is None:
+def order_after(value):
+  """A scalar True that XLA computes after ``value`` (True if ``value`` is
+  None): AND it into a predicate to order work after ``value``. One element
+  is read, enough where ``value`` comes from a dot, which XLA does not
+  duplicate."""
+  if value is None:
     return True
-  return true_after(dx.reshape(-1)[0])
+  return true_after(value.reshape(-1)[0])
 
 
 def backward_finite(dy, dx=None):
@@ -465,8 +463,9 @@ def backward_finite(dy, dx=None):
   NaN spreads, and inf - inf is NaN), so one column of dx, a value a
   token, stands for a pass over all of dY. A finite dY whose dx overflowed
   reads as not finite too: the layer skips a step whose backward
-  overflowed. An update that depends on the flag also runs after dx, the
-  last reader of the old kernel, as :func:`order_after` arranges.
+  overflowed. An update that depends on the flag runs after dx, the last
+  reader of the old kernel, so XLA updates the kernel in place instead of
+  copying it.
   """
   if dx is None:
     return jnp.all(jnp.isfinite(dy))
