@@ -898,19 +898,19 @@ class FusedDenseTestBase:
       return lambda dy: vjp(dy)[:1]
 
     huge = variables._replace(kernel=kernel * 1e30)
-    for vjp, variables, dy in (
-      (vjp, variables, poison_tokens(dy, [(15, n - 1)])),
-      (vjp_with_dx(variables), variables, poison_tokens(dy, [(15, n - 1)])),
+    poisoned = poison_tokens(dy, [(15, n - 1)])
+    for layer_vjp, before, cotangent in (
+      (vjp, variables, poisoned),
+      (vjp_with_dx(variables), variables, poisoned),
       (vjp_with_dx(huge), huge, dy * 1e10),
     ):
-      (skipped,) = vjp(dy)
+      (skipped,) = layer_vjp(cotangent)
       assert float(skipped.count) == 4.0
       assert float(skipped.skipped) == kernel.size
       assert float(skipped.intact) == 1.0
-      assert_bitwise_equal(skipped.kernel, variables.kernel, "kernel")
+      assert_bitwise_equal(skipped.kernel, before.kernel, "kernel")
       for a, e in zip(
-        jax.tree.leaves(skipped.opt_state),
-        jax.tree.leaves(variables.opt_state),
+        jax.tree.leaves(skipped.opt_state), jax.tree.leaves(before.opt_state)
       ):
         assert_bitwise_equal(a, e, "state")
 

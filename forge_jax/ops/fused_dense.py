@@ -454,7 +454,7 @@ def order_after(value):
   return true_after(value.reshape(-1)[0])
 
 
-def backward_finite(dy, dx=None):
+def backward_finite(dy, dx):
   """Whether ``dy`` is finite, read from the first column of ``dx`` when
   the layer computed one (else from all of ``dy``).
 
