@@ -1089,7 +1089,7 @@ def step_breakdown(profile) -> dict:
   update, XLA's GEMMs, other kernels of 10 µs or more a launch, and the
   small ones (with their count)."""
   parts = {"fused": 0.0, "gemm": 0.0, "large": 0.0}
-  large_launches = 0
+  sorted_launches = 0  # the launches of the three kinds above
   for k in profile["top"]:
     name = k["name"]
     if name.startswith("forge_fused"):
@@ -1101,13 +1101,13 @@ def step_breakdown(profile) -> dict:
     else:
       continue
     parts[kind] += k["ms"] * 1e3
-    large_launches += k["launches"]
+    sorted_launches += k["launches"]
   device = profile["device_ms"] * 1e3
   return {
     **parts,
     "device": device,
     "small": device - sum(parts.values()),
-    "small_launches": round(profile["kernels_per_call"]) - large_launches,
+    "small_launches": round(profile["kernels_per_call"]) - sorted_launches,
   }
 
 
@@ -1137,8 +1137,8 @@ def layer_step_breakdown(run) -> str:
   if not rows:
     return ""
   return (
-    "Where one step's device time goes (µs, one profiled pair of steps "
-    "of the same run): XLA's GEMMs, the fused update kernel, other "
+    "Where one step's device time goes (µs a step, from two profiled "
+    "steps of the same run): XLA's GEMMs, the fused update kernel, other "
     "kernels of 10 µs or more a launch (optax's update, the RMSNorm's and "
     "the loss's passes over the activations, float32 weights' "
     "conversions) and the small ones "
@@ -1149,7 +1149,7 @@ def layer_step_breakdown(run) -> str:
         "W / m / v",
         "T",
         "K x N",
-        "step",
+        "variant",
         "device",
         "GEMMs",
         "fused kernel",
