@@ -193,6 +193,35 @@ def test_matches_nn_scan_and_optax(seed):
   assert fj.wiped_layers(forge.params) == []
 
 
+def test_nonfinite_dy_skips_every_stacked_layer(seed):
+  """A NaN target in one token: the loss's cotangent, and through the
+  residual stream every layer's dY, has a NaN row, so each layer of the
+  stacks (reading the flag from its dx) keeps its kernel and state, its
+  count stays and every element counts as skipped."""
+  model = Stack("forge_scan")
+  key = jax.random.key(seed)
+  x = jax.random.normal(key, (TOKENS, WIDTH))
+  target = jax.random.normal(jax.random.fold_in(key, 1), (TOKENS, WIDTH))
+  target = target.at[5, 7].set(jnp.nan)
+  variables = model.init(key, x)
+
+  def loss_fn(variables):
+    return jnp.mean(jnp.square(model.apply(variables, x) - target))
+
+  new = jax.jit(jax.grad(loss_fn))(variables)[COLL]["layers"]
+  old = variables[COLL]["layers"]
+  for name in ("fc1", "fc2"):
+    for leaf, before in zip(
+      jax.tree.leaves((new[name]["kernel"], new[name]["opt_state"])),
+      jax.tree.leaves((old[name]["kernel"], old[name]["opt_state"])),
+    ):
+      assert_bitwise_equal(leaf, before, name)
+    np.testing.assert_array_equal(new[name]["count"], np.zeros(LAYERS))
+    np.testing.assert_array_equal(
+      new[name]["skipped"], np.full(LAYERS, WIDTH * WIDTH)
+    )
+
+
 def test_less_temporary_memory_than_nn_scan(seed):
   _, _, _, ours = _train("forge_scan", seed, steps=1)
   _, _, _, theirs = _train("forge_nn_scan", seed, steps=1)
