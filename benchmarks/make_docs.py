@@ -1055,6 +1055,12 @@ def layer_step_compute(run) -> str:
   return ", ".join(run["config"].get("compute", ["bf16"]))
 
 
+def auto_backend(case) -> str:
+  """The backend 'auto' takes for a one-layer case, as its variant is
+  named ('mosaic', 'triton', 'xla')."""
+  return case["auto"].split(".")[-1].replace("_update", "")
+
+
 def layer_step_table(run) -> str:
   variants = run["config"]["variants"]
   forge = [v for v in variants if v != "optax"]
@@ -1069,7 +1075,7 @@ def layer_step_table(run) -> str:
         ratio(c["speedup"][v]) if v in c.get("speedup", {}) else "-"
         for v in forge
       ),
-      c["auto"].split(".")[-1].replace("_update", ""),
+      auto_backend(c),
     ]
     for c in run["cases"]
   ]
@@ -1116,8 +1122,7 @@ def layer_step_breakdown(run) -> str:
   'auto' takes."""
   rows = []
   for c in run["cases"]:
-    auto = c["auto"].split(".")[-1].replace("_update", "")
-    for variant in ("optax", auto):
+    for variant in ("optax", auto_backend(c)):
       if variant not in c.get("profile", {}):
         continue
       b = step_breakdown(c["profile"][variant])
