@@ -524,7 +524,6 @@ def stepped(
   and only the layer's ``count``, ``skipped`` and ``grad_sq_norm`` entries
   change.
   """
-  count = stacks.layer_entry(variables.count, layer_index)
   if layer_index is None:
     # Read the old values this step replaces. jit prunes the arguments a
     # step never reads, and matches donated arguments to outputs by shape
@@ -536,14 +535,14 @@ def stepped(
   return ForgeVariables(
     kernel=new_kernel,
     opt_state=new_state,
-    count=stacks.with_layer_entry(
-      variables.count, count + apply.astype(jnp.float32), layer_index
+    count=stacks.add_at_layer(
+      variables.count, apply.astype(jnp.float32), layer_index
     ),
-    skipped=stacks.with_layer_entry(
+    skipped=stacks.with_layer_scalar(
       variables.skipped, skipped.astype(jnp.float32), layer_index
     ),
     intact=variables.intact,
-    grad_sq_norm=stacks.with_layer_entry(
+    grad_sq_norm=stacks.with_layer_scalar(
       variables.grad_sq_norm, grad_sq_norm.astype(jnp.float32), layer_index
     ),
   )
@@ -555,7 +554,7 @@ def measured(
   """``variables`` unchanged but for the layer's ``grad_sq_norm`` (entry):
   what a norm-only backward pass returns."""
   return variables._replace(
-    grad_sq_norm=stacks.with_layer_entry(
+    grad_sq_norm=stacks.with_layer_scalar(
       variables.grad_sq_norm, grad_sq_norm.astype(jnp.float32), layer_index
     )
   )

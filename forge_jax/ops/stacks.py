@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Optional
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 
 
@@ -32,6 +33,37 @@ def with_layer_entry(
   if layer_index is None:
     return entry
   return lax.dynamic_update_index_in_dim(stack, entry, layer_index, 0)
+
+
+def with_layer_scalar(
+  stack: jax.Array, entry: jax.Array, layer_index: Optional[jax.Array]
+) -> jax.Array:
+  """A ``[L]`` stack of per-layer scalars with entry ``layer_index``
+  replaced by ``entry`` (``entry`` itself when ``layer_index`` is None).
+
+  A select over the whole stack, not a ``dynamic_update_slice``: an
+  elementwise fusion of ``L`` elements, which XLA can merge with the
+  layer's other scalar updates, where each ``dynamic_update_slice`` is a
+  launch of its own.
+  """
+  if layer_index is None:
+    return entry
+  return jnp.where(_is_layer(stack, layer_index), entry, stack)
+
+
+def add_at_layer(
+  stack: jax.Array, value: jax.Array, layer_index: Optional[jax.Array]
+) -> jax.Array:
+  """A ``[L]`` stack of per-layer scalars with ``value`` added to entry
+  ``layer_index`` (to the scalar ``stack`` when ``layer_index`` is None),
+  without reading the entry apart (:func:`with_layer_scalar`)."""
+  if layer_index is None:
+    return stack + value
+  return stack + jnp.where(_is_layer(stack, layer_index), value, 0)
+
+
+def _is_layer(stack, layer_index):
+  return lax.broadcasted_iota(jnp.int32, stack.shape, 0) == layer_index
 
 
 def layer_entries(tree, layer_index: Optional[jax.Array]):

@@ -104,8 +104,14 @@ def inline_schedule(pipeline: Pipeline):
       pipeline.take_registers(compute_registers)
       ep = pipeline.epilogue(epilogue_smem, load_barriers)
 
-      @plgpu.nd_loop((num_tiles,), collective_axes="sm")
-      def _tile_loop(loop_info: plgpu.NDLoopInfo):
+      # Each warpgroup sums its parts' counts over the CTA's tiles and
+      # writes them once: one row per (CTA, warpgroup).
+      zeros = jnp.zeros((ek,), jnp.float32)
+
+      @plgpu.nd_loop(
+        (num_tiles,), collective_axes="sm", init_carry=(zeros,) * 2
+      )
+      def _tile_loop(loop_info: plgpu.NDLoopInfo, carry):
         (linear,) = loop_info.index
         k0, cta_n0 = pipeline.tile_origin(linear)
         n0 = cta_n0 + wg * tn
@@ -133,6 +139,11 @@ def inline_schedule(pipeline: Pipeline):
             wg,
             prefetch,
           )
-          skipped, grad_sq = update_part(ep, wg, k0, n0, acc)
-          skipped_gmem[wgs * linear + wg] = skipped
-          grad_sq_gmem[wgs * linear + wg] = grad_sq
+          return update_part(ep, wg, k0, n0, acc)
+
+        return tuple(total + part for total, part in zip(carry, _acc_scope))
+
+      skipped, grad_sq = _tile_loop
+      row = wgs * lax.axis_index("sm") + wg
+      skipped_gmem[row] = skipped
+      grad_sq_gmem[row] = grad_sq

@@ -166,12 +166,13 @@ def check_supported(x, dy, kernel, optimizer, config=None):
     raise ValueError(f"implementation='mosaic' cannot run this call: {reason}")
 
 
-def skipped_rows_shape(config: MosaicConfig, num_tiles: int) -> tuple:
-  """The kernel's skipped-element counts: for each tile, each warpgroup that
-  updates part of it writes one vector of per-row counts, summed over its
-  sub-tiles (float32, exact: an entry counts at most a tile's elements);
-  the caller sums them. Every row is written: the output needs no
-  initialization.
+def skipped_rows_shape(config: MosaicConfig, num_ctas: int) -> tuple:
+  """The kernel's skipped-element counts: each compute warpgroup of each CTA
+  sums its per-row counts over the sub-tiles of all its tiles and writes
+  them once, one vector a warpgroup (float32, exact: an entry counts at
+  most the CTA's tiles' elements in one row); the caller sums them. Every
+  row is written: the output needs no initialization, and it is small
+  enough for XLA to sum in one launch.
 
   The kernel sums no count across warps: Mosaic GPU's cross-warp reduction
   uses one shared-memory scratch at the same offset for every warpgroup, so
@@ -179,13 +180,13 @@ def skipped_rows_shape(config: MosaicConfig, num_tiles: int) -> tuple:
   schedule) could read each other's partial sums. The sums of squared
   ``dW`` elements (the layer's part of the gradient norm) come in the same
   shape, stacked with the counts in one output (:func:`counts_shape`)."""
-  return (config.parts_per_tile * num_tiles, config.epilogue_k)
+  return (config.compute_wgs * num_ctas, config.epilogue_k)
 
 
-def counts_shape(config: MosaicConfig, num_tiles: int) -> tuple:
+def counts_shape(config: MosaicConfig, num_ctas: int) -> tuple:
   """The kernel's second output: the skipped counts, then the sums of
   squares, each :func:`skipped_rows_shape`."""
-  return (2, *skipped_rows_shape(config, num_tiles))
+  return (2, *skipped_rows_shape(config, num_ctas))
 
 
 def _fused_kernel(
@@ -302,12 +303,12 @@ def mosaic_update(
     is_scale=tuple([False] + quantization.scale_leaf_mask(kernel_state)),
   )
   storage = [kernel] + state_leaves
-  num_tiles = config.num_tiles(k, n)
+  num_ctas = _num_ctas(config.num_tiles(k, n), config, interpret)
   counts_type = jax.ShapeDtypeStruct(
-    counts_shape(config, num_tiles), jnp.float32
+    counts_shape(config, num_ctas), jnp.float32
   )
   mesh = plgpu.Mesh(
-    grid=(_num_ctas(num_tiles, config, interpret),),
+    grid=(num_ctas,),
     grid_names=("sm",),
     num_threads=config.num_warpgroups,
     thread_name="wg",
