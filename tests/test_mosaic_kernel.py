@@ -1100,10 +1100,13 @@ def test_auto_selects_mosaic_on_hopper_and_triton_where_it_cannot_run():
 @pytest.mark.parametrize("tokens", [512, 2048])
 def test_compiled_kernel_bits_do_not_depend_on_config_or_run(tokens, seed):
   """Every default config (and other epilogue configs between them) gives
-  the same bits, call after call: the tiles' accumulation order does not
-  change with the epilogue, and a slot's loads never overtake the previous
-  tile's stores. 4096 x 4096 is ~8 tiles per CTA, so tiles follow each
-  other in every CTA."""
+  the same kernel, state and skipped count bits, call after call: the
+  tiles' accumulation order does not change with the epilogue, and a slot's
+  loads never overtake the previous tile's stores. 4096 x 4096 is ~8 tiles
+  per CTA, so tiles follow each other in every CTA. The sum of squares is
+  summed in an order each config sets (its tiles, a CTA's tiles in turn):
+  the same bits call after call, across configs within float32
+  rounding."""
   if not backends.on_hopper_or_newer():
     pytest.skip("needs a Hopper or newer GPU")
   opt = fj.adamw(1e-3, weight_decay=0.1)
@@ -1128,10 +1131,21 @@ def test_compiled_kernel_bits_do_not_depend_on_config_or_run(tokens, seed):
       functools.partial(mosaic.mosaic_update, spec, config=config),
       donate_argnums=(2, 3),
     )
+    config_first = None
     for _ in range(3):
       kernel, state = jax.tree.map(jnp.copy, inputs[2:])
-      out = host_copy(fn(inputs[0], inputs[1], kernel, state, scalars, apply))
+      *stepped, grad_sq_norm = host_copy(
+        fn(inputs[0], inputs[1], kernel, state, scalars, apply)
+      )
       if first is None:
-        first = out
-      for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(first)):
+        first = stepped, grad_sq_norm
+      if config_first is None:
+        config_first = grad_sq_norm
+      for a, b in zip(jax.tree.leaves(stepped), jax.tree.leaves(first[0])):
         np.testing.assert_array_equal(bits(a), bits(b), err_msg=repr(config))
+      np.testing.assert_array_equal(
+        bits(grad_sq_norm), bits(config_first), err_msg=repr(config)
+      )
+      np.testing.assert_allclose(
+        grad_sq_norm, first[1], rtol=1e-6, err_msg=repr(config)
+      )
