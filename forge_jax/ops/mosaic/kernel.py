@@ -348,17 +348,30 @@ def mosaic_update(
   return new_storage[0], new_state, skipped, grad_sq_norm
 
 
+#: The most elements XLA's GPU compiler sums to a scalar in one launch (a
+#: row reduction: 1024 threads of 16 elements); it splits a larger sum into
+#: two launches.
+SINGLE_LAUNCH_SUM = 1024 * 16
+
+
 def _sum_counts(counts):
   """``(skipped, grad_sq_norm)``: the kernel's per-row counts and sums of
-  squares summed in one variadic reduction (one pass over the output, half
-  the launches of two sums); the counts in int32, exact past float32's
-  2**24."""
-  axes = tuple(range(counts.ndim - 1))
+  squares summed in one variadic reduction (one pass over the output); the
+  counts in int32, exact past float32's 2**24. The rows are first folded
+  (slices added, which XLA fuses into the reduction) to at most
+  ``SINGLE_LAUNCH_SUM`` elements, so the sum is one launch."""
+  rows, width = counts.shape[-2:]
+  parts = -(-rows * width // SINGLE_LAUNCH_SUM)
+  height = -(-rows // parts)
+  padded = jnp.pad(counts, ((0, 0), (0, parts * height - rows), (0, 0)))
+  fold = lambda rows: sum(
+    rows[i * height : (i + 1) * height] for i in range(parts)
+  )
   return lax.reduce(
-    (counts[0].astype(jnp.int32), counts[1]),
+    (fold(padded[0].astype(jnp.int32)), fold(padded[1])),
     (jnp.int32(0), jnp.float32(0)),
     lambda a, b: (a[0] + b[0], a[1] + b[1]),
-    axes,
+    (0, 1),
   )
 
 
