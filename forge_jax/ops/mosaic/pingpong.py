@@ -122,49 +122,39 @@ def pingpong_schedule(pipeline: Pipeline):
       pipeline.take_registers(compute_registers)
       ep = pipeline.epilogue(epilogue_smem, load_barriers)
 
-      # The warpgroup's own tiles, the CTA's local tiles wg, wg + wgs, ...
-      # (nd_loop's order: local tile j is tile sm + j * num_ctas); each sums
-      # its counts over them and writes them once, one row per (CTA,
-      # warpgroup).
-      cta, num_ctas = lax.axis_index("sm"), lax.axis_size("sm")
-      own_tiles = (pipeline.local_tiles() - wg + wgs - 1) // wgs
+      @plgpu.nd_loop((num_tiles,), collective_axes="sm")
+      def _tile_loop(loop_info: plgpu.NDLoopInfo):
+        @pl.when(owner(loop_info.local_index) == wg)
+        def _own_tile():
+          (linear,) = loop_info.index
+          k0, n0 = pipeline.tile_origin(linear)
 
-      def own_tile(j, carry):
-        local_tile = wg + j * wgs
-        k0, n0 = pipeline.tile_origin(cta + local_tile * num_ctas)
-
-        @functools.partial(
-          pl.run_scoped, acc_ref=plgpu.ACC((tk, tn), jnp.float32)
-        )
-        def _acc_scope(acc_ref):
-          acc = pipeline.main_loop(
-            acc_ref,
-            x_smem,
-            dy_smem,
-            lambda slot: loaded.at[wg * stages + slot],
-            consumed,
-            stages,
-            local_tile * num_steps,
-            0,
+          @functools.partial(
+            pl.run_scoped, acc_ref=plgpu.ACC((tk, tn), jnp.float32)
           )
-          skipped, grad_sq = carry
-          for index, (di, dj) in enumerate(part_subtiles):
-            buf, _ = buffer(local_tile, index)
-            sub_skipped, sub_grad_sq = ep.update(
-              buf,
-              k0 + di,
-              n0 + dj,
-              acc[di : di + ek, dj : dj + en],
-              functools.partial(plgpu.barrier_arrive, buffer_free.at[buf]),
+          def _acc_scope(acc_ref):
+            acc = pipeline.main_loop(
+              acc_ref,
+              x_smem,
+              dy_smem,
+              lambda slot: loaded.at[wg * stages + slot],
+              consumed,
+              stages,
+              loop_info.local_index * num_steps,
+              0,
             )
-            skipped += sub_skipped
-            grad_sq += sub_grad_sq
-          return skipped, grad_sq
-
-        return _acc_scope
-
-      zeros = jnp.zeros((ek,), jnp.float32)
-      skipped, grad_sq = lax.fori_loop(0, own_tiles, own_tile, (zeros, zeros))
-      row = wgs * cta + wg
-      skipped_gmem[row] = skipped
-      grad_sq_gmem[row] = grad_sq
+            skipped = jnp.zeros((ek,), jnp.float32)
+            grad_sq = jnp.zeros((ek,), jnp.float32)
+            for index, (di, dj) in enumerate(part_subtiles):
+              buf, _ = buffer(loop_info.local_index, index)
+              sub_skipped, sub_grad_sq = ep.update(
+                buf,
+                k0 + di,
+                n0 + dj,
+                acc[di : di + ek, dj : dj + en],
+                functools.partial(plgpu.barrier_arrive, buffer_free.at[buf]),
+              )
+              skipped += sub_skipped
+              grad_sq += sub_grad_sq
+            skipped_gmem[linear] = skipped
+            grad_sq_gmem[linear] = grad_sq

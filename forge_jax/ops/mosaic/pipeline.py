@@ -44,11 +44,11 @@ class Pipeline:
   (on the GPU the same refs: in place). ``scalars_gmem`` is
   :func:`forge_jax.ops.update.pack_kernel_scalars`'s vector (``stacked``:
   the refs are ``[L, K, N]`` stacks, stepped at its layer index).
-  ``skipped_gmem[compute_wgs * cta + wg]`` takes compute warpgroup ``wg``'s
-  per-row skipped counts, summed over its tiles
-  (:func:`forge_jax.ops.mosaic.kernel.skipped_rows_shape`), and
-  ``grad_sq_gmem`` at the same index its per-row sums of squared ``dW``
-  elements.
+  ``skipped_gmem`` takes the compute warpgroups' per-row skipped counts, a
+  row for each warpgroup of each CTA (``'inline'``) or for each tile
+  (``'pingpong'``) (:func:`forge_jax.ops.mosaic.kernel.skipped_rows_shape`),
+  and ``grad_sq_gmem`` at the same index their per-row sums of squared
+  ``dW`` elements.
   """
 
   def __init__(
