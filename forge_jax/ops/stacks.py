@@ -41,10 +41,10 @@ def with_layer_scalar(
   """A ``[L]`` stack of per-layer scalars with entry ``layer_index``
   replaced by ``entry`` (``entry`` itself when ``layer_index`` is None).
 
-  A select over the whole stack, not a ``dynamic_update_slice``: an
-  elementwise fusion of ``L`` elements, which XLA can merge with the
-  layer's other scalar updates, where each ``dynamic_update_slice`` is a
-  launch of its own.
+  A select over the whole stack (an elementwise fusion of ``L`` elements),
+  not a slice read and a ``dynamic_update_slice``: when other ops read the
+  old entry too (the step's optimizer scalars read ``count[l]``), XLA
+  gives that slice read a launch of its own.
   """
   if layer_index is None:
     return entry

@@ -170,8 +170,8 @@ def skipped_rows_shape(
   config: MosaicConfig, num_tiles: int, num_ctas: int
 ) -> tuple:
   """The kernel's skipped-element counts, one float32 vector of per-row
-  counts a row (exact: an entry counts at most a few tiles' elements in one
-  row); the caller sums them. Under ``'inline'`` each compute warpgroup of
+  counts a row (exact: an entry counts at most the elements of one row of
+  the tiles it sums); the caller sums them. Under ``'inline'`` each compute warpgroup of
   each CTA sums its counts over all its tiles and writes one row. Under
   ``'pingpong'`` the warpgroup that updates a tile writes one row a tile: a
   sum carried across its tiles' main loops would hold registers that
@@ -372,8 +372,8 @@ def _sum_counts(counts):
   parts = -(-rows * width // SINGLE_LAUNCH_SUM)
   height = -(-rows // parts)
   padded = jnp.pad(counts, ((0, 0), (0, parts * height - rows), (0, 0)))
-  fold = lambda rows: sum(
-    rows[i * height : (i + 1) * height] for i in range(parts)
+  fold = lambda array: sum(
+    array[i * height : (i + 1) * height] for i in range(parts)
   )
   return lax.reduce(
     (fold(padded[0].astype(jnp.int32)), fold(padded[1])),
