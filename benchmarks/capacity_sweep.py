@@ -236,9 +236,10 @@ def _run_point(args, jax, record: dict) -> None:
         f"above --cpu-cap-mib {args.cpu_cap_mib})"
       )
     record["stage"] = "run"
-    state, loss, times = time_steps(
+    state, losses, times = time_steps(
       compiled, state, batch, args.steps, warmup=args.warmup
     )
+    loss = losses[-1]
   median = statistics.median(times)
   record.update(
     fits=True,

@@ -115,7 +115,7 @@ def measure(args) -> dict:
       apply_fn=model.apply, params=variables, tx=optimizer.to_optax()
     )
     compiled = step.lower(state, batch).compile()
-    state, loss, times = time_steps(compiled, state, batch, args.steps)
+    state, losses, times = time_steps(compiled, state, batch, args.steps)
   else:
     config = _fsdp_config(
       dataclasses.replace(config, batch_axis="data", forge_data_parallel="auto")
@@ -129,7 +129,8 @@ def measure(args) -> dict:
         apply_fn=model.apply, params=variables, tx=optimizer.to_optax()
       )
       compiled = step.lower(state, batch).compile()
-      state, loss, times = time_steps(compiled, state, batch, args.steps)
+      state, losses, times = time_steps(compiled, state, batch, args.steps)
+  loss = losses[-1]
   analysis = compiled.memory_analysis()
   hlo = compiled.as_text()
   stats = [d.memory_stats() or {} for d in jax.local_devices()[: args.dp]]

@@ -29,7 +29,10 @@ variants, AdamW. Peak memory is ``memory_stats()['peak_bytes_in_use']``
 after the timed steps; the step is compiled before the state is created
 (XLA's autotuner allocates buffers while compiling, which would otherwise
 sit on top of the state). Step time is the median wall time of jitted,
-donated steps (each blocked on), after two warm-up steps.
+donated steps (each blocked on), after two warm-up steps. Every step
+trains on the same random batch; ``step_losses`` holds each step's loss
+(warm-up steps first), so a run's trajectory can be compared with
+another's, not only its last loss.
 """
 
 from __future__ import annotations
@@ -222,7 +225,8 @@ def measure(args):
   analysis = compiled.memory_analysis()
   state = init(key)
 
-  state, loss, times = time_steps(compiled, state, batch, args.steps)
+  state, losses, times = time_steps(compiled, state, batch, args.steps)
+  loss = losses[-1]
   stats = device.memory_stats() or {}
   profile = None
   if args.profile:
@@ -266,6 +270,7 @@ def measure(args):
     "step_ms_median": 1e3 * statistics.median(times),
     "step_ms_all": [1e3 * t for t in times],
     "final_loss": loss,
+    "step_losses": losses,
     "loss_finite": bool(np.isfinite(loss)),
     "clip": args.clip,
     "max_grad_norm": args.max_grad_norm if args.clip else None,

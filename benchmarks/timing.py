@@ -61,17 +61,18 @@ def metadata() -> dict:
 def time_steps(step, state, batch, steps: int, warmup: int = 2):
   """Run ``warmup + steps`` train steps, each blocked on (``float(loss)``).
 
-  Returns ``(state, loss, seconds)``: the last state and loss, and the wall
-  time of each of the last ``steps`` steps.
+  Returns ``(state, losses, seconds)``: the last state, every step's loss
+  (warmup steps first) and the wall time of each of the last ``steps``
+  steps.
   """
-  seconds = []
+  losses, seconds = [], []
   for i in range(warmup + steps):
     start = time.perf_counter()
     state, loss = step(state, batch)
-    loss = float(loss)
+    losses.append(float(loss))
     if i >= warmup:
       seconds.append(time.perf_counter() - start)
-  return state, loss, seconds
+  return state, losses, seconds
 
 
 def _device_events(trace_dir: str):

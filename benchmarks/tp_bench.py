@@ -343,7 +343,8 @@ def measure(args) -> dict:
     compiled, breakdown = compile_step(args, step, state, batch)
     analysis = compiled.memory_analysis()
     hlo = compiled.as_text()
-    state, loss, times = time_steps(compiled, state, batch, args.steps)
+    state, losses, times = time_steps(compiled, state, batch, args.steps)
+    loss = losses[-1]
   kernels = llama.kernels(state.params)
   shapes = {tuple(k.shape) for k in kernels.values()}
   shapes |= {s[::-1] for s in shapes}
