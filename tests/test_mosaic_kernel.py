@@ -1105,7 +1105,7 @@ def test_compiled_kernel_bits_do_not_depend_on_config_or_run(tokens, seed):
   loads never overtake the previous tile's stores. 4096 x 4096 is ~8 tiles
   per CTA, so tiles follow each other in every CTA. The sum of squares is
   summed in an order each config sets (its tiles, a CTA's tiles in turn):
-  the same bits call after call, across configs within float32
+  the same bits call after call, across configs within its float32
   rounding."""
   if not backends.on_hopper_or_newer():
     pytest.skip("needs a Hopper or newer GPU")
@@ -1146,6 +1146,7 @@ def test_compiled_kernel_bits_do_not_depend_on_config_or_run(tokens, seed):
       np.testing.assert_array_equal(
         bits(grad_sq_norm), bits(config_first), err_msg=repr(config)
       )
+      # A tile summed twice or not at all would move it by about 1e-3.
       np.testing.assert_allclose(
-        grad_sq_norm, first[1], rtol=1e-6, err_msg=repr(config)
+        grad_sq_norm, first[1], rtol=1e-5, err_msg=repr(config)
       )
