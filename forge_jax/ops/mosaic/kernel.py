@@ -171,13 +171,13 @@ def skipped_rows_shape(
 ) -> tuple:
   """The kernel's skipped-element counts, one float32 vector of per-row
   counts a row (exact: an entry counts at most the elements of one row of
-  the tiles it sums); the caller sums them. Under ``'inline'`` each compute warpgroup of
-  each CTA sums its counts over all its tiles and writes one row. Under
-  ``'pingpong'`` the warpgroup that updates a tile writes one row a tile: a
-  sum carried across its tiles' main loops would hold registers that
-  schedule's compute warpgroups lack (on an H200, 4096 x 14336 at 2048
-  tokens: 0.531 ms with the carry, 0.519 without). Every row is written:
-  the output needs no initialization.
+  the tiles it sums); the caller sums them. Under ``'inline'`` each compute
+  warpgroup of each CTA sums its counts over all its tiles and writes one
+  row. Under ``'pingpong'`` the warpgroup that updates a tile writes one
+  row a tile: a sum carried across its tiles' main loops would hold
+  registers that schedule's compute warpgroups lack (on an H200, 4096 x
+  14336 at 2048 tokens: 0.531 ms with the carry, 0.519 without). Every row
+  is written: the output needs no initialization.
 
   The kernel sums no count across warps: Mosaic GPU's cross-warp reduction
   uses one shared-memory scratch at the same offset for every warpgroup, so
