@@ -80,6 +80,9 @@ OPTIMIZERS = {
   "rmsprop_bias_correction": lambda **kw: fj.rmsprop(
     1e-3, bias_correction=True, eps_in_sqrt=False, initial_scale=0.5, **kw
   ),
+  "adamw_4bit": lambda **kw: fj.adamw(
+    1e-3, weight_decay=0.1, second_moment_bits=4, **kw
+  ),
 }
 #: The count of an optimizer's first fused step (0 where not listed).
 FIRST_COUNT = {"radam": 4}
@@ -160,6 +163,7 @@ def _storage_fns(step):
     )
     codes, scale = Q.quantize(values)
     sq_codes, sq_scale = Q.quantize(jnp.abs(values), sqrt=True)
+    sq4_codes, sq4_scale = Q.quantize(jnp.abs(values), sqrt=True, bits=4)
     return (
       sr,
       codes,
@@ -168,6 +172,9 @@ def _storage_fns(step):
       sq_codes,
       sq_scale,
       Q.dequantize(sq_codes, sq_scale, sqrt=True),
+      sq4_codes,
+      sq4_scale,
+      Q.dequantize(sq4_codes, sq4_scale, sqrt=True, bits=4),
     )
 
   return fns
@@ -181,6 +188,9 @@ PRIMITIVE_NAMES = (
   "sqrt_codes",
   "sqrt_scale",
   "sqrt_dequantized",
+  "sqrt4_codes",
+  "sqrt4_scale",
+  "sqrt4_dequantized",
 )
 _FNS = _storage_fns(12345)  # a Python int step: kernels close over no arrays
 
@@ -208,12 +218,14 @@ def primitives_kernel(values, interpret):
   expected = jax.eval_shape(primitives_xla, values)
   tile = pl.BlockSpec((block_r, block_c), lambda i, j: (i, j))
   scale_tile = pl.BlockSpec((block_r, 1), lambda i, j: (i, j))
+  pair_tile = pl.BlockSpec((block_r, block_c // 2), lambda i, j: (i, j))
   return pl.pallas_call(
     kernel,
     out_shape=list(expected),
     grid=(rows // block_r, cols // block_c),
     in_specs=[tile],
-    out_specs=[tile, tile, scale_tile, tile, tile, scale_tile, tile],
+    out_specs=[tile, tile, scale_tile, tile, tile, scale_tile, tile]
+    + [pair_tile, scale_tile, tile],
     interpret=interpret,
     compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
   )(values)

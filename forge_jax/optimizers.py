@@ -18,7 +18,7 @@ definition of the math:
 parameters that FORGE does not own (biases, norms, embeddings), so the
 optimizer is stated once.
 
-Every optimizer also takes three keyword-only storage options (see
+Every optimizer also takes four keyword-only storage options (see
 :mod:`forge_jax.quantization`), which apply to the ForgeDense kernels it
 trains and not to ``to_optax()`` (:func:`forge_jax.optax_with_storage`
 applies them to the other parameters):
@@ -27,6 +27,8 @@ applies them to the other parameters):
   ``mu_dtype``), ``'float32'``, ``'bfloat16'``, ``'float16'`` or ``'int8'``
   (blocks of 64 with absmax scales; second moments stored as their square
   root).
+* ``second_moment_bits``: 8 (default) or 4: with ``state_dtype='int8'``,
+  the second moments' square roots on 15 levels, two a byte.
 * ``weight_rounding``: ``'nearest'`` (default) or ``'stochastic'`` (bfloat16
   kernels written with unbiased stochastic rounding).
 * ``rounding_seed``: the seed of the stochastic rounding (uint32).
@@ -107,12 +109,17 @@ class ForgeOptimizer(abc.ABC):
       the kernel's dtype, or ``mu_dtype``), 'float32', 'bfloat16', 'float16'
       or 'int8' (:mod:`forge_jax.quantization`: 64-element blocks along the
       output axis, an absmax scale each; second moments as ``sqrt``).
+    second_moment_bits: 8, or 4 to store int8 second moments (``nu``,
+      ``sum_of_squares``) in half a byte an element (15 levels of
+      ``sqrt(v)``; first moments stay int8). Needs ``state_dtype='int8'``
+      and a rule with a second moment.
     weight_rounding: 'nearest' (round to nearest even, the default) or
       'stochastic' (bfloat16 kernels only; float32 kernels need no rounding).
     rounding_seed: seed of the stochastic rounding's hash (0 .. 2**32 - 1).
   """
 
   state_dtype: Any = dataclasses.field(default=None, kw_only=True)
+  second_moment_bits: int = dataclasses.field(default=8, kw_only=True)
   weight_rounding: str = dataclasses.field(default="nearest", kw_only=True)
   rounding_seed: int = dataclasses.field(default=0, kw_only=True)
 
@@ -123,6 +130,20 @@ class ForgeOptimizer(abc.ABC):
     object.__setattr__(
       self, "state_dtype", quantization.canonical_state_dtype(self.state_dtype)
     )
+    if self.second_moment_bits not in quantization.SECOND_MOMENT_BITS:
+      raise ValueError(
+        f"second_moment_bits={self.second_moment_bits!r} must be one of "
+        f"{quantization.SECOND_MOMENT_BITS}"
+      )
+    if self.second_moment_bits == 4 and (
+      self.state_dtype != "int8" or not self.nonnegative_state
+    ):
+      raise ValueError(
+        "second_moment_bits=4 stores int8 second moments in 4 bits: it "
+        f"needs state_dtype='int8' (got {self.state_dtype!r}) and a rule "
+        f"with a second moment ({type(self).__name__} has "
+        f"{self.nonnegative_state or 'none'})"
+      )
     if self.weight_rounding not in quantization.WEIGHT_ROUNDINGS:
       raise ValueError(
         f"weight_rounding={self.weight_rounding!r} must be one "
@@ -147,7 +168,10 @@ class ForgeOptimizer(abc.ABC):
     return type(state)(
       **{
         name: quantization.store(
-          value, self.state_dtype, name in self.nonnegative_state
+          value,
+          self.state_dtype,
+          name in self.nonnegative_state,
+          self.second_moment_bits,
         )
         for name, value in state._asdict().items()
       }
@@ -719,6 +743,7 @@ def adam(
   *,
   nesterov: bool = False,
   state_dtype: Any = None,
+  second_moment_bits: int = 8,
   weight_rounding: str = "nearest",
   rounding_seed: int = 0,
 ) -> Adam:
@@ -732,6 +757,7 @@ def adam(
     mu_dtype,
     nesterov=nesterov,
     state_dtype=state_dtype,
+    second_moment_bits=second_moment_bits,
     weight_rounding=weight_rounding,
     rounding_seed=rounding_seed,
   )
@@ -749,6 +775,7 @@ def adamw(
   *,
   nesterov: bool = False,
   state_dtype: Any = None,
+  second_moment_bits: int = 8,
   weight_rounding: str = "nearest",
   rounding_seed: int = 0,
 ) -> Adam:
@@ -769,6 +796,7 @@ def adamw(
     nesterov=nesterov,
     decoupled=True,
     state_dtype=state_dtype,
+    second_moment_bits=second_moment_bits,
     weight_rounding=weight_rounding,
     rounding_seed=rounding_seed,
   )
@@ -790,6 +818,7 @@ def radam(
   *,
   nesterov: bool = False,
   state_dtype: Any = None,
+  second_moment_bits: int = 8,
   weight_rounding: str = "nearest",
   rounding_seed: int = 0,
 ) -> RAdam:
@@ -803,6 +832,7 @@ def radam(
     threshold,
     nesterov=nesterov,
     state_dtype=state_dtype,
+    second_moment_bits=second_moment_bits,
     weight_rounding=weight_rounding,
     rounding_seed=rounding_seed,
   )
@@ -847,6 +877,7 @@ def rmsprop(
   bias_correction: bool = False,
   *,
   state_dtype: Any = None,
+  second_moment_bits: int = 8,
   weight_rounding: str = "nearest",
   rounding_seed: int = 0,
 ) -> RMSprop:
@@ -863,6 +894,7 @@ def rmsprop(
     nesterov,
     bias_correction,
     state_dtype=state_dtype,
+    second_moment_bits=second_moment_bits,
     weight_rounding=weight_rounding,
     rounding_seed=rounding_seed,
   )
@@ -874,6 +906,7 @@ def adagrad(
   eps: float = 1e-7,
   *,
   state_dtype: Any = None,
+  second_moment_bits: int = 8,
   weight_rounding: str = "nearest",
   rounding_seed: int = 0,
 ) -> Adagrad:
@@ -884,6 +917,7 @@ def adagrad(
     initial_accumulator_value,
     eps,
     state_dtype=state_dtype,
+    second_moment_bits=second_moment_bits,
     weight_rounding=weight_rounding,
     rounding_seed=rounding_seed,
   )

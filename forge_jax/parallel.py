@@ -612,15 +612,17 @@ def _undeclared_input_message(where, unused, sizes) -> str:
 
 
 def follows_kernel(leaf_shape, kernel_shape) -> bool:
-  """Whether a state leaf is sharded like the kernel: kernel-shaped, or the
+  """Whether a state leaf is sharded like the kernel: kernel-shaped, the
   kernel's int8 block scales ``[K, ceil(N / 64)]``, whose element ``(r, b)``
-  scales the kernel's row ``r``, columns ``64 b`` to ``64 b + 63`` (so a
-  shard's scales are its own blocks when column shards hold whole blocks:
+  scales the kernel's row ``r``, columns ``64 b`` to ``64 b + 63``, or its
+  4-bit codes ``[K, ceil(N / 2)]``, two columns each (so a shard's scales
+  and codes are its own when column shards hold whole blocks:
   :func:`check_block_split`)."""
   kernel_shape = tuple(kernel_shape)
   return tuple(leaf_shape) in (
     kernel_shape,
     quantization.block_scale_shape(kernel_shape),
+    quantization.pair_codes_shape(kernel_shape),
   )
 
 
@@ -639,7 +641,8 @@ def variables_specs(variables, kernel_spec: P, stacked: bool = False):
     raise NotImplementedError(
       f"an optimizer state leaf of shape {jnp.shape(leaf)} (kernel "
       f"{shape}): only kernel-shaped, int8 block-scale "
-      f"{quantization.block_scale_shape(shape)} and scalar state leaves can "
+      f"{quantization.block_scale_shape(shape)}, 4-bit code "
+      f"{quantization.pair_codes_shape(shape)} and scalar state leaves can "
       "be sharded"
     )
 

@@ -42,6 +42,14 @@ chunks of exactly one block, so a block never straddles a tile.
   blows Adam's direction up by a factor ~1e4 (5 % of the elements read back
   as zero), the sqrt encoding errs by ~1 %; see :data:`ENCODING_NOTE`.
 
+**4-bit second moments** (``second_moment_bits=4``): the same sqrt encoding
+on 15 levels, ``sqrt(v) ~ L * s`` with ``L`` in ``[0, 14]`` and the floor at
+``L = 1``, two levels a byte (:class:`QuantizedSqrt4Blocks`): the levels of
+columns ``2j`` and ``2j + 1`` are stored as the one int8 code ``lo + 15 hi -
+112``, in ``[-112, 112]``. Second moments then take 0.53 bytes an element
+instead of 1.06; first moments stay int8. Fifteen levels rather than
+sixteen keep every code off ``-128``, the container's NaN.
+
 The quantizer is bit-exact across backends without trusting division or
 square roots (Triton lowers float32 ``/`` to an approximate ``div.full``):
 a code is first *estimated* with ``x * (1 / s)``, then corrected by one
@@ -83,6 +91,13 @@ BLOCK_SIZE = 64
 CODE_MAX = 127
 #: Levels of the sqrt-domain (non-negative) encoding: L = q + 127 in [0, 254].
 SQRT_LEVELS = 2 * CODE_MAX
+#: Levels of the 4-bit sqrt encoding: L in [0, 14], two a byte.
+SQRT4_LEVELS = 14
+#: A byte's two levels ``(lo, hi)`` are the code ``lo + 15 hi - 112``.
+_PAIR_BASE = SQRT4_LEVELS + 1
+_PAIR_OFFSET = (_PAIR_BASE**2 - 1) // 2
+#: Bits of a second moment's code: 8 (int8) or 4 (two levels a byte).
+SECOND_MOMENT_BITS = (8, 4)
 #: The floating one-byte dtype that carries int8 codes bit for bit.
 CODES_CONTAINER = jnp.dtype(jnp.float8_e4m3fnuz)
 #: Blocks whose absmax is below this are stored as zeros (1 / scale would
@@ -137,7 +152,23 @@ class QuantizedSqrtBlocks(NamedTuple):
   scale: jax.Array
 
 
-QUANTIZED_TYPES = (QuantizedBlocks, QuantizedSqrtBlocks)
+class QuantizedSqrt4Blocks(NamedTuple):
+  """A non-negative state leaf in 4 bits: ``sqrt(v) ~ L * scale`` with
+  levels ``L`` in [0, 14], two levels a byte.
+
+  Attributes:
+    codes: ``[K, ceil(N / 2)]`` int8 codes; code ``j`` of a row is ``lo +
+      15 hi - 112`` for the levels ``lo``, ``hi`` of columns ``2j`` and
+      ``2j + 1`` (``hi`` is 0 past an odd ``N``).
+    scale: ``[K, ceil(N / 64)]`` float32, on the bfloat16 grid.
+  """
+
+  codes: jax.Array
+  scale: jax.Array
+
+
+QUANTIZED_TYPES = (QuantizedBlocks, QuantizedSqrtBlocks, QuantizedSqrt4Blocks)
+SQRT_TYPES = (QuantizedSqrtBlocks, QuantizedSqrt4Blocks)
 
 
 def is_quantized(x) -> bool:
@@ -153,6 +184,12 @@ def block_scale_shape(kernel_shape) -> tuple:
   """The shape of a ``[K, N]`` leaf's block scales: ``[K, ceil(N / 64)]``."""
   rows, cols = kernel_shape
   return (rows, -(-cols // BLOCK_SIZE))
+
+
+def pair_codes_shape(kernel_shape) -> tuple:
+  """The shape of a ``[K, N]`` leaf's 4-bit codes: ``[K, ceil(N / 2)]``."""
+  rows, cols = kernel_shape
+  return (rows, -(-cols // 2))
 
 
 def canonical_state_dtype(state_dtype) -> Optional[str]:
@@ -220,12 +257,33 @@ def codes_as_container(state):
 
 def scale_leaf_mask(state) -> list[bool]:
   """For each leaf of ``jax.tree.leaves(state)``: is it a block scale?"""
-  marks = jax.tree.map(
-    lambda q: type(q)(codes=False, scale=True) if is_quantized(q) else False,
-    state,
-    is_leaf=is_quantized,
+  return [divisor == BLOCK_SIZE for divisor in column_divisors(state)]
+
+
+def column_divisors(state) -> list[int]:
+  """For each leaf of ``jax.tree.leaves(state)``: how many of the kernel's
+  columns one of its columns stands for. 1 for elementwise leaves and int8
+  codes, 2 for 4-bit codes (two a byte), :data:`BLOCK_SIZE` for block
+  scales: the columns ``[c, c + w)`` of the kernel are the columns ``[c /
+  d, (c + w) / d)`` of the leaf, for ``c`` and ``w`` multiples of ``d``."""
+
+  def divisors(q):
+    if not is_quantized(q):
+      return 1
+    codes = 2 if isinstance(q, QuantizedSqrt4Blocks) else 1
+    return type(q)(codes=codes, scale=BLOCK_SIZE)
+
+  return list(
+    jax.tree.leaves(jax.tree.map(divisors, state, is_leaf=is_quantized))
   )
-  return list(jax.tree.leaves(marks))
+
+
+def has_4bit(state) -> bool:
+  """Whether any leaf of ``state`` is a 4-bit second moment."""
+  return any(
+    isinstance(q, QuantizedSqrt4Blocks)
+    for q in jax.tree.leaves(state, is_leaf=is_quantized)
+  )
 
 
 # ---------------------------------------------------------------------------
@@ -335,6 +393,7 @@ def quantize(
   sqrt: bool = False,
   valid: Optional[jax.Array] = None,
   rows_1d: bool = False,
+  bits: int = 8,
 ):
   """Blockwise absmax int8 quantization of ``x`` along its last axis.
 
@@ -347,17 +406,23 @@ def quantize(
       tile edges); the others count as zero.
     rows_1d: ``x`` is one block per row (``C == block``) and the scale comes
       back as ``[R]`` (a Mosaic GPU tile's).
+    bits: 4 encodes ``sqrt(x)`` on 15 levels, two a byte (``sqrt`` only).
 
   Returns:
-    ``(codes, scale)``: int8 ``[R, C]`` and float32 ``[R, ceil(C / block)]``.
+    ``(codes, scale)``: int8 ``[R, C]`` (``[R, ceil(C / 2)]`` with
+    ``bits=4``) and float32 ``[R, ceil(C / block)]``.
   """
-  codes, scale = _quantize(x, block, sqrt, valid, rows_1d)
+  codes, scale = _quantize(x, block, sqrt, valid, rows_1d, bits)
   return codes.astype(jnp.int8), scale
 
 
-def _quantize(x, block, sqrt, valid, rows_1d):
+def _quantize(x, block, sqrt, valid, rows_1d, bits=8):
   """:func:`quantize` with the codes as int32."""
   _check_2d(x, "quantize's input")
+  if bits not in SECOND_MOMENT_BITS or (bits == 4 and not sqrt):
+    raise ValueError(
+      f"bits={bits} must be 8, or 4 with sqrt=True (second moments only)"
+    )
   if rows_1d and x.shape[1] != block:
     raise ValueError(
       f"rows_1d quantizes one block per row: {x.shape=} must "
@@ -376,14 +441,35 @@ def _quantize(x, block, sqrt, valid, rows_1d):
   bad = amax == jnp.inf
   if sqrt:
     mag = jnp.where(finite, jnp.abs(xp), 0.0)
-    scale, levels = _quantize_sqrt(mag, amax, block)
-    codes = jnp.where(
-      _expand(bad, block, xp.shape[1]), 0.0, levels - float(CODE_MAX)
-    )
+    top = SQRT_LEVELS if bits == 8 else SQRT4_LEVELS
+    scale, levels = _quantize_sqrt(mag, amax, block, top)
+    codes = levels - float(CODE_MAX) if bits == 8 else levels
+    codes = jnp.where(_expand(bad, block, xp.shape[1]), 0.0, codes)
   else:
     scale, codes = _quantize_linear(jnp.where(finite, xp, 0.0), amax, block)
   scale = jnp.where(bad, jnp.float32(jnp.nan), scale)
+  if bits == 4:
+    return _pack_pairs(_rounded_to_int32(codes[:, : cols + cols % 2])), scale
   return _rounded_to_int32(codes[:, :cols]), scale
+
+
+def _pack_pairs(levels):
+  """int32 levels ``[R, 2P]`` in [0, 14] -> the int32 codes ``[R, P]`` of
+  their pairs of columns."""
+  rows, cols = levels.shape
+  lo, hi = lax.unstack(levels.reshape(rows, cols // 2, 2), axis=2)
+  return lo + _PAIR_BASE * hi - _PAIR_OFFSET
+
+
+def _unpack_pairs(codes):
+  """Inverse of :func:`_pack_pairs`: int8 codes ``[R, P]`` -> int32 levels
+  ``[R, 2P]``. (A stack on the last axis and a merging reshape: Triton's
+  ``join``.)"""
+  pair = codes.astype(jnp.int32) + _PAIR_OFFSET
+  hi = lax.div(pair, jnp.int32(_PAIR_BASE))
+  lo = pair - _PAIR_BASE * hi
+  rows, half = codes.shape
+  return jnp.stack([lo, hi], axis=2).reshape(rows, 2 * half)
 
 
 def _quantize_linear(x, amax, block):
@@ -424,26 +510,25 @@ def _grid_scale(peak, levels: int, square: bool):
   return jnp.where(ok(below), below, jnp.where(ok(grid), grid, above))
 
 
-def _sqrt_scale(vmax):
-  """Smallest ``s`` on the bfloat16 grid with ``(254 s)^2 >= vmax`` (0 where
+def _sqrt_scale(vmax, top):
+  """Smallest ``s`` on the bfloat16 grid with ``(top s)^2 >= vmax`` (0 where
   ``vmax == 0``)."""
-  return jnp.where(vmax > 0, _grid_scale(vmax, SQRT_LEVELS, square=True), 0.0)
+  return jnp.where(vmax > 0, _grid_scale(vmax, top, square=True), 0.0)
 
 
-def _quantize_sqrt(mag, vmax, block):
-  """``(scale, levels)`` of the sqrt encoding: levels in ``[1, 254]`` where
-  ``mag > 0`` (no ``v > 0`` reads back as 0: Adam would step ``m / eps``
-  there), 0 where ``mag`` is 0 and in all-zero blocks."""
-  scale = _sqrt_scale(vmax)
+def _quantize_sqrt(mag, vmax, block, top):
+  """``(scale, levels)`` of the sqrt encoding on ``top + 1`` levels: levels
+  in ``[1, top]`` where ``mag > 0`` (no ``v > 0`` reads back as 0: Adam
+  would step ``m / eps`` there), 0 where ``mag`` is 0 and in all-zero
+  blocks."""
+  scale = _sqrt_scale(vmax, top)
   inv = jnp.where(scale > 0, 1.0 / jnp.where(scale > 0, scale, 1.0), 0.0)
   s = _expand(scale, block, mag.shape[1])
   product = jnp.sqrt(mag) * _expand(inv, block, mag.shape[1])
   levels = _corrected_round(mag, s, product, square=True)
   floor = jnp.where(mag > 0, 1.0, 0.0)
-  top = _expand(
-    jnp.where(scale > 0, float(SQRT_LEVELS), 0.0), block, mag.shape[1]
-  )
-  return scale, jnp.minimum(jnp.maximum(levels, floor), top)
+  ceiling = _expand(jnp.where(scale > 0, float(top), 0.0), block, mag.shape[1])
+  return scale, jnp.minimum(jnp.maximum(levels, floor), ceiling)
 
 
 def dequantize(
@@ -452,25 +537,44 @@ def dequantize(
   *,
   block: int = BLOCK_SIZE,
   sqrt: bool = False,
+  bits: int = 8,
+  cols: Optional[int] = None,
 ) -> jax.Array:
   """float32 values of ``(codes, scale)``: one rounded multiply each (the
-  sqrt encoding squares ``(codes + 127) * scale``). A ``[R]`` scale is one
-  block per row."""
-  q = int8_codes(codes).astype(jnp.float32)
-  _check_2d(q, "codes")
+  sqrt encoding squares ``level * scale``). A ``[R]`` scale is one block per
+  row. 4-bit codes (``bits=4``) unpack to ``cols`` columns (default: two a
+  code)."""
+  _check_2d(codes, "codes")
+  q = _levels(int8_codes(codes), sqrt, bits, cols).astype(jnp.float32)
   s = _expand(scale, block, q.shape[1])
   if sqrt:
-    r = (q + float(CODE_MAX)) * s
+    r = q * s
     return r * r
   return q * s
+
+
+def _levels(codes, sqrt, bits, cols=None):
+  """int32 ``[R, C]``: what int8 ``codes`` encode linearly (the sqrt
+  encoding's levels; the signed codes themselves)."""
+  if bits == 4:
+    levels = _unpack_pairs(codes)
+    return levels if cols is None else levels[:, :cols]
+  q = codes.astype(jnp.int32)
+  return q + CODE_MAX if sqrt else q
 
 
 # ---------------------------------------------------------------------------
 # State leaves: what init stores, what the rule reads, what a step writes.
 
 
-def store(x: jax.Array, state_dtype: Optional[str], nonnegative: bool):
-  """A freshly initialized state leaf in its storage form."""
+def store(
+  x: jax.Array,
+  state_dtype: Optional[str],
+  nonnegative: bool,
+  second_moment_bits: int = 8,
+):
+  """A freshly initialized state leaf in its storage form (int8 second
+  moments in ``second_moment_bits``)."""
   if state_dtype is None or x is None:
     return x
   if state_dtype != "int8":
@@ -478,17 +582,30 @@ def store(x: jax.Array, state_dtype: Optional[str], nonnegative: bool):
   # Initial states are constants: without the barrier, XLA constant-folds
   # the block reductions of every leaf, seconds per leaf at compile time.
   x = jax.lax.optimization_barrier(x)
-  codes, scale = quantize(x, sqrt=nonnegative)
-  cls = QuantizedSqrtBlocks if nonnegative else QuantizedBlocks
+  bits = second_moment_bits if nonnegative else 8
+  codes, scale = quantize(x, sqrt=nonnegative, bits=bits)
+  if not nonnegative:
+    cls = QuantizedBlocks
+  else:
+    cls = QuantizedSqrt4Blocks if bits == 4 else QuantizedSqrtBlocks
   return cls(codes=container_codes(codes), scale=scale)
 
 
-def load(leaf) -> jax.Array:
-  """A stored state leaf (or a kernel tile of one) as float32 values."""
-  if isinstance(leaf, QuantizedSqrtBlocks):
-    return dequantize(leaf.codes, leaf.scale, sqrt=True)
-  if isinstance(leaf, QuantizedBlocks):
-    return dequantize(leaf.codes, leaf.scale, sqrt=False)
+def _bits(leaf) -> int:
+  return 4 if isinstance(leaf, QuantizedSqrt4Blocks) else 8
+
+
+def load(leaf, cols: Optional[int] = None) -> jax.Array:
+  """A stored state leaf (or a kernel tile of one) as float32 values, of
+  ``cols`` columns (needed for a 4-bit leaf of an odd number of columns)."""
+  if is_quantized(leaf):
+    return dequantize(
+      leaf.codes,
+      leaf.scale,
+      sqrt=isinstance(leaf, SQRT_TYPES),
+      bits=_bits(leaf),
+      cols=cols,
+    )
   return leaf.astype(jnp.float32)
 
 
@@ -501,9 +618,9 @@ def encoded_value(leaf) -> tuple[jax.Array, jax.Array]:
   relative 2**-8 to 2**-7) can get codes up to two apart near the top of the
   sqrt encoding's 254 levels, but their ``value``s stay within one ``step``.
   """
-  q = int8_codes(leaf.codes).astype(jnp.float32)
-  if isinstance(leaf, QuantizedSqrtBlocks):
-    q = q + float(CODE_MAX)
+  q = _levels(
+    int8_codes(leaf.codes), isinstance(leaf, SQRT_TYPES), _bits(leaf)
+  ).astype(jnp.float32)
   step = jnp.broadcast_to(_expand(leaf.scale, BLOCK_SIZE, q.shape[1]), q.shape)
   return q * step, step
 
@@ -516,9 +633,10 @@ def encoded_distance(a, b) -> tuple[jax.Array, jax.Array]:
   ``b``'s block is all zero)."""
   value_a, step_a = encoded_value(a)
   value_b, step_b = encoded_value(b)
+  sqrt, bits = isinstance(a, SQRT_TYPES), _bits(a)
   codes = jnp.abs(
-    int8_codes(a.codes).astype(jnp.int32)
-    - int8_codes(b.codes).astype(jnp.int32)
+    _levels(int8_codes(a.codes), sqrt, bits)
+    - _levels(int8_codes(b.codes), sqrt, bits)
   )
   compared = jnp.isfinite(value_a) & jnp.isfinite(value_b) & (step_b > 0)
   steps = jnp.abs(value_a - value_b) / jnp.maximum(step_a, step_b)
@@ -528,9 +646,9 @@ def encoded_distance(a, b) -> tuple[jax.Array, jax.Array]:
   )
 
 
-def load_state(state):
+def load_state(state, cols: Optional[int] = None):
   """:func:`load` over a state NamedTuple."""
-  return jax.tree.map(load, state, is_leaf=is_quantized)
+  return jax.tree.map(lambda x: load(x, cols), state, is_leaf=is_quantized)
 
 
 def nan_where_blocks_not_finite(state, cols: int) -> Optional[jax.Array]:
@@ -564,10 +682,10 @@ def update(
   """
   if not is_quantized(old):
     return jnp.where(ok, new, old.astype(jnp.float32)).astype(old.dtype)
-  sqrt = isinstance(old, QuantizedSqrtBlocks)
+  sqrt, bits = isinstance(old, SQRT_TYPES), _bits(old)
   rows_1d = old.scale.ndim == 1  # a Mosaic GPU tile's scales
-  values = jnp.where(ok, new, load(old))
-  codes, scale = _quantize(values, BLOCK_SIZE, sqrt, valid, rows_1d)
+  values = jnp.where(ok, new, load(old, new.shape[1]))
+  codes, scale = _quantize(values, BLOCK_SIZE, sqrt, valid, rows_1d, bits)
   touched = ok if valid is None else jnp.logical_and(ok, valid)
   touched = jnp.broadcast_to(touched, values.shape).astype(jnp.float32)
   changed = (
@@ -575,7 +693,7 @@ def update(
   )
   # Selected as int32: Mosaic GPU has no pointwise ops on 8-bit vectors.
   codes = jnp.where(
-    _expand(changed, BLOCK_SIZE, codes.shape[1]),
+    _expand(changed, BLOCK_SIZE // (8 // bits), codes.shape[1]),
     codes,
     int8_codes(old.codes).astype(jnp.int32),
   ).astype(jnp.int8)
@@ -722,6 +840,7 @@ __all__ = [
   "BLOCK_SIZE",
   "QuantizedBlocks",
   "QuantizedSqrtBlocks",
+  "QuantizedSqrt4Blocks",
   "quantize",
   "dequantize",
   "int8_codes",

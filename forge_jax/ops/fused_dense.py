@@ -852,13 +852,14 @@ def _reduced_update(
     )
   size = shape[blocked] // count
   treedef = jax.tree.structure(variables.opt_state)
-  scale_leaves = quantization.scale_leaf_mask(variables.opt_state)
+  divisors = quantization.column_divisors(variables.opt_state)
 
-  def window(is_scale, start):
-    """A block's ``(start, size)`` in a leaf: int8 scales of column blocks
-    count one per 64 columns (blocks hold whole ones)."""
-    if is_scale and blocked == 1:
-      return start // quantization.BLOCK_SIZE, size // quantization.BLOCK_SIZE
+  def window(divisor, start):
+    """A block's ``(start, size)`` in a leaf: a column block of an int8
+    leaf's scales or 4-bit codes spans fewer columns (column blocks hold
+    whole quantization blocks)."""
+    if blocked == 1:
+      return start // divisor, size // divisor
     return start, size
 
   def take(leaf, at):
@@ -871,7 +872,7 @@ def _reduced_update(
   def body(i, carry):
     kernel, state, skipped, grad_sq_norm = carry
     start = i * size
-    windows = [window(is_scale, start) for is_scale in scale_leaves]
+    windows = [window(divisor, start) for divisor in divisors]
     state_leaves = jax.tree.leaves(state)
     block_offset = list(offset)
     block_offset[blocked] = block_offset[blocked] + start

@@ -18,7 +18,8 @@ arrive as int8 codes (bitcast from their float8 container outside the
 kernel) and float32 scales, one per 64 columns of a row; the epilogue's
 column chunk is exactly one such block (``block_n / epilogue_split == 64``),
 so a block never straddles a chunk or a tile, and the scale tile is
-``block_k x 1``. Stochastic rounding takes the global row and column of each
+``block_k x 1`` (4-bit codes: ``block_k x 32``, two columns a code).
+Stochastic rounding takes the global row and column of each
 element (the shard's offset + the tile's + iota) and the layer's rounding
 key (the key and the shard's offset are passed with the scalars).
 
@@ -198,7 +199,7 @@ def _fused_kernel(
   n,
   config: TritonConfig,
   dot_precision,
-  scale_leaves,
+  divisors,
   stacked: bool,
 ):
   num_state = state_treedef.num_leaves
@@ -250,8 +251,6 @@ def _fused_kernel(
   # The epilogue runs on column chunks of the accumulator: fewer live
   # registers (W and every state tile are float32 beside it).
   chunk = bn // config.epilogue_split
-  block = quantization.BLOCK_SIZE
-  num_blocks = pl.cdiv(n, block)
   skipped = jnp.zeros((), jnp.int32)
   grad_sq = jnp.zeros((), jnp.float32)
   for c, grad_chunk in enumerate(
@@ -263,26 +262,29 @@ def _fused_kernel(
     rows = pid_k * bk + lax.broadcasted_iota(jnp.int32, (bk, chunk), 0)
     cols = col0 + lax.broadcasted_iota(jnp.int32, (bk, chunk), 1)
     mask = (rows < k) & (cols < n)
-    tile = lambda ref: ref.at[  # pylint: disable=cell-var-from-loop
-      layer + (pl.ds(pid_k * bk, bk), pl.ds(col0, chunk))
-    ]
-    # A chunk is one quantization block: its scales are a [bk, 1] column.
-    block0 = pid_n * (bn // block) + c
-    scale_mask = (row_idx < k) & (block0 < num_blocks)
-    scale_tile = lambda ref: ref.at[  # pylint: disable=cell-var-from-loop
-      layer + (pl.ds(pid_k * bk, bk), pl.ds(block0, 1))
-    ]
-    load = lambda ref, is_scale: (  # pylint: disable=cell-var-from-loop
-      plgpu.load(scale_tile(ref), mask=scale_mask, other=0.0)
-      if is_scale
-      else plgpu.load(
-        tile(ref), mask=mask, other=0 if ref.dtype == jnp.int8 else 0.0
+
+    def tile(ref, divisor):  # pylint: disable=cell-var-from-loop
+      """The chunk's window of a leaf whose columns each cover ``divisor``
+      of the kernel's, and which of its elements exist. A chunk is one
+      quantization block: its scales are a ``[bk, 1]`` column, its 4-bit
+      codes ``[bk, chunk / 2]``."""
+      width = chunk // divisor
+      leaf_cols = col0 // divisor + lax.broadcasted_iota(
+        jnp.int32, (bk, width), 1
       )
-    )
-    w = plgpu.load(tile(w_ref), mask=mask, other=0.0)
+      exists = (row_idx < k) & (leaf_cols < pl.cdiv(n, divisor))
+      window = (pl.ds(pid_k * bk, bk), pl.ds(col0 // divisor, width))
+      return ref.at[layer + window], exists
+
+    def load(ref, divisor):  # pylint: disable=cell-var-from-loop
+      window, exists = tile(ref, divisor)
+      return plgpu.load(
+        window, mask=exists, other=0 if ref.dtype == jnp.int8 else 0.0
+      )
+
+    w = load(w_ref, 1)
     state = jax.tree.unflatten(
-      state_treedef,
-      [load(r, is_scale) for r, is_scale in zip(state_refs, scale_leaves)],
+      state_treedef, [load(r, d) for r, d in zip(state_refs, divisors)]
     )
     new_w, new_state, updated = apply_update(
       optimizer,
@@ -295,14 +297,13 @@ def _fused_kernel(
       indices=(shard_row + row_idx, shard_col + col_idx),
       valid=mask,
     )
-    plgpu.store(tile(w_out_ref), new_w, mask=mask)
-    for ref, value, is_scale in zip(
-      state_out_refs, jax.tree.leaves(new_state), scale_leaves
+    for ref, value, divisor in zip(
+      [w_out_ref, *state_out_refs],
+      [new_w, *jax.tree.leaves(new_state)],
+      [1, *divisors],
     ):
-      if is_scale:
-        plgpu.store(scale_tile(ref), value, mask=scale_mask)
-      else:
-        plgpu.store(tile(ref), value, mask=mask)
+      window, window_mask = tile(ref, divisor)
+      plgpu.store(window, value, mask=window_mask)
     # Masked-out elements loaded as 0 have a finite gradient: never counted.
     skipped += jnp.sum(jnp.where(mask & ~updated, 1, 0).astype(jnp.int32))
     # Masked-out elements are 0 in the accumulator.
@@ -357,7 +358,7 @@ def triton_update(
 
   # int8 codes travel as int8 (their float8 container is for jax.grad only).
   kernel_state = quantization.codes_as_int8(opt_state)
-  scale_leaves = tuple(quantization.scale_leaf_mask(kernel_state))
+  divisors = tuple(quantization.column_divisors(kernel_state))
   state_leaves, state_treedef = jax.tree.flatten(kernel_state)
   scalar_vector, scalars_treedef = pack_kernel_scalars(
     scalars, apply, rounding_key, offset, layer_index
@@ -376,7 +377,7 @@ def triton_update(
     # The precision nn.Dense's dW would have (XLA's, the reference's): for
     # float32 activations on a GPU the default is TF32, 'highest' IEEE.
     dot_precision=spec.precision,
-    scale_leaves=scale_leaves,
+    divisors=divisors,
     stacked=layer_index is not None,
   )
   out_shape = (

@@ -123,7 +123,7 @@ def apply_update(
   kernel_f32 = stored_kernel.astype(jnp.float32)
   stored = stacks.layer_entries(state, layer_index)
   stepped, rounded, new_state, ok = rule(
-    grad, kernel_f32, quantization.load_state(stored), stored
+    grad, kernel_f32, quantization.load_state(stored, grad.shape[-1]), stored
   )
   if rounded is None:
     new_kernel = jnp.where(ok, stepped, kernel_f32).astype(kernel.dtype)
@@ -153,7 +153,7 @@ def apply_update(
       (
         grad,
         stacks.layer_entry(kernel, store_index).astype(jnp.float32),
-        quantization.load_state(stored_at_store),
+        quantization.load_state(stored_at_store, grad.shape[-1]),
       )
     )
     _, _, new_state, ok_s = rule(grad_s, kernel_s, old_s, stored_at_store)

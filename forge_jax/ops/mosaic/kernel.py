@@ -104,6 +104,11 @@ def unsupported_reason(
     return f"kernel.dtype={kernel.dtype} must be float32 or bfloat16"
   state = stacks.layer_state_shapes(kernel, optimizer)
   quantized = quantization.has_quantized(state)
+  if quantization.has_4bit(state):
+    return (
+      "4-bit second moments (second_moment_bits=4) are not implemented in "
+      "the Mosaic GPU kernel; implementation='triton' and 'xla' take them"
+    )
   for leaf in jax.tree.leaves(state):
     if jnp.dtype(leaf.dtype) not in map(jnp.dtype, _STATE_DTYPES):
       return (
