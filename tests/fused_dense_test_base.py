@@ -39,6 +39,7 @@ by default; the others are marked slow (``--run-slow`` runs them).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import itertools
 from typing import Callable, NamedTuple
@@ -163,6 +164,28 @@ LOWP_OPTIMIZERS = [
     "rmsprop-momentum",
     fj.rmsprop(
       0.05, momentum=0.9, state_dtype="int8", weight_rounding="stochastic"
+    ),
+  ),
+]
+
+# (name, optimizer); int8 states with 4-bit second moments (every rule that
+# has one) and stochastic rounding.
+FOURBIT_OPTIMIZERS = [
+  (
+    name,
+    dataclasses.replace(opt, second_moment_bits=4),
+  )
+  for name, opt in LOWP_OPTIMIZERS
+  if opt.nonnegative_state
+] + [
+  (
+    "radam",
+    fj.radam(
+      0.05,
+      b2=0.9,
+      state_dtype="int8",
+      second_moment_bits=4,
+      weight_rounding="stochastic",
     ),
   ),
 ]
@@ -934,7 +957,38 @@ class FusedDenseTestBase:
     """Three consecutive steps (count 4, 5, 6), each from the reference's
     previous state: kernel, codes, scales and skipped agree bit for bit, and
     the steps moved the weights and states."""
-    opt, (x_shape, n), config = case.args
+    self.check_lowp_steps(*case.args, seed)
+
+  #: Whether the backend takes 4-bit second moments (else it must refuse).
+  takes_4bit_second_moments = True
+
+  def matches_reference_bits_4bit_cases(self):
+    """Each optimizer with a second moment on the shapes and configs in
+    turn, with an odd N (each row's last code holds one column)."""
+    odd = [(x_shape, n | 1) for x_shape, n in self.lowp_shapes]
+    combos = list(itertools.product(odd, self.lowp_configs))
+    return [
+      Case(f"{name}-{shape_id(shape)}-{config}", (opt, shape, config))
+      for i, (name, opt) in enumerate(FOURBIT_OPTIMIZERS)
+      for shape, config in [combos[i % len(combos)]]
+    ]
+
+  def test_matches_reference_bits_4bit(self, case, seed):
+    """int8 states with 4-bit second moments: the same three steps, bit for
+    bit; a backend without them refuses the call and says why."""
+    opt = case.args[0]
+    assert quantization.has_4bit(
+      jax.eval_shape(opt.init, jax.ShapeDtypeStruct((8, 64), BF16))
+    )
+    if self.takes_4bit_second_moments:
+      self.check_lowp_steps(*case.args, seed)
+      return
+    with pytest.raises(ValueError, match="second_moment_bits=4"):
+      self.check_lowp_steps(*case.args, seed)
+
+  def check_lowp_steps(self, opt, lowp_shape, config, seed):
+    """The steps of :meth:`test_matches_reference_bits_bf16_sr_int8`."""
+    x_shape, n = lowp_shape
     k = x_shape[-1]
     spec = FusedDenseSpec(optimizer=opt, implementation=self.implementation)
     kernel_step = jax.jit(
@@ -966,14 +1020,19 @@ class FusedDenseTestBase:
 
   def nonfinite_gradients_keep_int8_blocks_bit_for_bit_cases(self):
     shape, config = self.lowp_shapes[0], next(iter(self.lowp_configs))
-    return [Case(f"{shape_id(shape)}-{config}", (shape, config))]
+    opts = [LOWP_OPTIMIZERS[0]]
+    if self.takes_4bit_second_moments:
+      opts.append(("adamw-4bit", FOURBIT_OPTIMIZERS[0][1]))
+    return [
+      Case(f"{name}-{shape_id(shape)}-{config}", (opt, shape, config))
+      for name, opt in opts
+    ]
 
   def test_nonfinite_gradients_keep_int8_blocks_bit_for_bit(self, case, seed):
     """A NaN in x makes a row of dW non-finite: that row's blocks keep their
     codes and scales bit for bit (and the bf16 weights); a non-finite dy
     skips the whole layer."""
-    opt = LOWP_OPTIMIZERS[0][1]
-    (x_shape, n), config = case.args
+    opt, (x_shape, n), config = case.args
     config = self.lowp_configs[config]
     x, dy = exact_inputs(seed, x_shape, n, self.activation_dtype(F32))
     w = (

@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import zlib
 
@@ -43,8 +44,10 @@ from conftest import (
 
 BF16, F32 = jnp.bfloat16, jnp.float32
 # Jitted once: eager dispatch of the quantizer's many small ops is slow.
-quantize = jax.jit(Q.quantize, static_argnames=("block", "sqrt"))
-dequantize = jax.jit(Q.dequantize, static_argnames=("block", "sqrt"))
+quantize = jax.jit(Q.quantize, static_argnames=("block", "sqrt", "bits"))
+dequantize = jax.jit(
+  Q.dequantize, static_argnames=("block", "sqrt", "bits", "cols")
+)
 
 
 def _bf16_neighbours(x):
@@ -272,6 +275,95 @@ def test_int8_block_quantization_error_bound_and_block_size(seed):
   assert ((linear == 0) & (v > 0)).mean() > 0.2  # why v is stored as sqrt
 
 
+def test_4bit_second_moments_are_within_half_a_level_two_a_code(seed):
+  """4-bit second moments: ``sqrt(v)`` within half of one of 15 levels, no
+  ``v > 0`` read back as 0, zeros stay 0, each block's scale the smallest
+  bfloat16 value with ``(14 s)^2 >= max v``; two columns a code (an odd N
+  leaves each row's last code half used), codes in [-112, 112] (never the
+  container's NaN); the error of ``sqrt(v)`` several times int8's."""
+  v = _heavy_tailed(seed, (64, 1024 + 37)).astype(np.float64) ** 2
+  v[3, :64] = 0.0  # an all-zero block
+  v[5, 7] = 0.0
+  codes, scale = quantize(jnp.asarray(v, F32), sqrt=True, bits=4)
+  assert codes.dtype == jnp.int8 and codes.shape == (64, (v.shape[1] + 1) // 2)
+  assert scale.shape == (64, -(-v.shape[1] // 64))
+  assert -112 <= int(jnp.min(codes)) and int(jnp.max(codes)) <= 112
+  container = Q.container_codes(codes)
+  assert np.isfinite(np.asarray(container.astype(F32))).all()
+  back = np.asarray(
+    dequantize(codes, scale, sqrt=True, bits=4, cols=v.shape[1]), np.float64
+  )
+  assert back.shape == v.shape
+  s = np.repeat(np.asarray(scale, np.float64), 64, axis=1)[:, : v.shape[1]]
+  near = np.sqrt(v) >= s  # the floor at level 1 is by design
+  error = np.abs(np.sqrt(back) - np.sqrt(v))
+  assert (error[near] <= s[near] / 2 * (1 + 1e-5)).all()
+  assert not ((back == 0) & (v > 0)).any() and (back[v == 0] == 0).all()
+  peak = v.reshape(64, -1)[:, : (v.shape[1] // 64) * 64].reshape(64, -1, 64)
+  full = np.asarray(scale, np.float64)[:, : peak.shape[1]]
+  assert ((14 * full) ** 2 >= peak.max(axis=2)).all()
+  below = (full.astype(np.float32).view(np.uint32) - (1 << 16)).view(np.float32)
+  positive = peak.max(axis=2) > 0
+  assert ((14 * below.astype(np.float64)) ** 2 < peak.max(axis=2))[
+    positive
+  ].all()
+  int8 = np.asarray(
+    dequantize(*quantize(jnp.asarray(v, F32), sqrt=True), sqrt=True),
+    np.float64,
+  )
+  rel = lambda x: (
+    np.linalg.norm(np.sqrt(x) - np.sqrt(v)) / np.linalg.norm(np.sqrt(v))
+  )
+  assert 4 * rel(int8) < rel(back), (rel(int8), rel(back))
+
+
+def test_4bit_codes_pack_adjacent_columns():
+  """Code ``j`` holds the levels of columns ``2j`` (``lo``) and ``2j + 1``
+  (``hi``) as ``lo + 15 hi - 112``, checked on chosen levels."""
+  scale_step = 0.5
+  levels = np.array([[0, 1, 14, 3, 7, 14, 14, 0] + [1] * 56], np.float64)
+  levels[0, 2] = 14  # the block's peak sets the scale: 14 * 0.5
+  v = (levels * scale_step) ** 2
+  codes, scale = quantize(jnp.asarray(v, F32), sqrt=True, bits=4)
+  assert float(scale[0, 0]) == scale_step
+  expected = levels[0, 0::2] + 15 * levels[0, 1::2] - 112
+  np.testing.assert_array_equal(np.asarray(codes[0], np.float64), expected)
+  back = dequantize(codes, scale, sqrt=True, bits=4)
+  np.testing.assert_array_equal(np.asarray(back, np.float64), v)
+
+
+def test_second_moment_bits_option(seed):
+  """``second_moment_bits=4``: the second moment in half a byte an element
+  (0.53 bytes with its scales against 1.06), the first moment int8; refused
+  without int8 states or without a second moment."""
+  kernel = jax.random.normal(jax.random.key(seed), (40, 150), BF16)
+  state = fj.adamw(1e-3, state_dtype="int8", second_moment_bits=4).init(kernel)
+  assert isinstance(state.mu, Q.QuantizedBlocks)
+  assert isinstance(state.nu, Q.QuantizedSqrt4Blocks)
+  assert state.nu.codes.shape == (40, 75) and state.nu.scale.shape == (40, 3)
+  assert Q.state_bytes(state.nu) == 40 * 75 + 40 * 3 * 4
+  assert Q.state_bytes(state) == 40 * 150 + 40 * 75 + 2 * 40 * 3 * 4
+  state = fj.adagrad(1e-3, state_dtype="int8", second_moment_bits=4).init(
+    kernel
+  )
+  assert isinstance(state.sum_of_squares, Q.QuantizedSqrt4Blocks)
+  for make in (
+    lambda: fj.adamw(1e-3, second_moment_bits=4),
+    lambda: fj.adamw(1e-3, state_dtype="bfloat16", second_moment_bits=4),
+    # Rules without a second moment take no such argument either.
+    lambda: dataclasses.replace(
+      fj.lion(1e-3, state_dtype="int8"), second_moment_bits=4
+    ),
+    lambda: dataclasses.replace(
+      fj.sgd(1e-3, momentum=0.9, state_dtype="int8"), second_moment_bits=4
+    ),
+  ):
+    with pytest.raises(ValueError, match="second_moment_bits=4"):
+      make()
+  with pytest.raises(ValueError, match="second_moment_bits"):
+    fj.adamw(1e-3, state_dtype="int8", second_moment_bits=2)
+
+
 @pytest.mark.parametrize("sqrt", [False, True], ids=["linear", "sqrt"])
 def test_int8_scales_are_the_smallest_bf16_values_that_cover_their_block(
   sqrt, seed
@@ -448,14 +540,21 @@ LOWP_OPT = fj.adamw(
 )
 
 
+LOWP_4BIT_OPT = dataclasses.replace(LOWP_OPT, second_moment_bits=4)
+LOWP_OPTS = pytest.mark.parametrize(
+  "opt", [LOWP_OPT, LOWP_4BIT_OPT], ids=["int8", "int8-4bit"]
+)
+
+
 class LowpMLP(nn.Module):
   implementation: str = "xla"
+  optimizer: fj.ForgeOptimizer = LOWP_OPT
 
   @nn.compact
   def __call__(self, x):
     dense = functools.partial(
       fj.ForgeDense,
-      optimizer=LOWP_OPT,
+      optimizer=self.optimizer,
       param_dtype=BF16,
       implementation=self.implementation,
     )
@@ -474,11 +573,13 @@ def _batches(seed, steps):
   ]
 
 
-def _new_state(seed, implementation="xla", state_class=TrainState):
-  model = LowpMLP(implementation)
+def _new_state(
+  seed, implementation="xla", state_class=TrainState, opt=LOWP_OPT
+):
+  model = LowpMLP(implementation, opt)
   variables = model.init(jax.random.key(seed), jnp.ones((2, 24)))
   return state_class.create(
-    apply_fn=model.apply, params=variables, tx=LOWP_OPT.to_optax()
+    apply_fn=model.apply, params=variables, tx=opt.to_optax()
   )
 
 
@@ -493,8 +594,9 @@ def _train_step(state, batch):
   return state.apply_gradients(grads=grads), loss
 
 
-def test_training_with_bf16_sr_and_int8_states_learns(seed):
-  state = _new_state(seed)
+@LOWP_OPTS
+def test_training_with_bf16_sr_and_int8_states_learns(opt, seed):
+  state = _new_state(seed, opt=opt)
   batches = _batches(seed, 1) * 30  # fit one batch
   losses = []
   for batch in batches:
@@ -504,14 +606,20 @@ def test_training_with_bf16_sr_and_int8_states_learns(seed):
   layer = state.params[COLL]["fc1"]
   assert layer["kernel"].dtype == BF16 and float(layer["count"]) == 30
   assert layer["opt_state"].mu.codes.dtype == Q.CODES_CONTAINER
+  assert (
+    layer["opt_state"].nu.codes.shape[1] == 96 * opt.second_moment_bits // 8
+  )
 
 
-def test_checkpoint_round_trip_is_bit_exact_and_never_casts(tmp_path, seed):
-  state = _new_state(seed)
+@LOWP_OPTS
+def test_checkpoint_round_trip_is_bit_exact_and_never_casts(
+  tmp_path, opt, seed
+):
+  state = _new_state(seed, opt=opt)
   for batch in _batches(seed, 3):
     state, _ = _train_step(state, batch)
   path = checkpoint.save(str(tmp_path / "ckpt"), state)
-  restored = checkpoint.restore(path, _new_state(seed + 1))
+  restored = checkpoint.restore(path, _new_state(seed + 1, opt=opt))
   # (apply_fn and tx come from the abstract state: compare the arrays.)
   for part in ("params", "opt_state"):
     assert jax.tree.structure(getattr(restored, part)) == jax.tree.structure(
