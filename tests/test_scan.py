@@ -32,29 +32,37 @@ LOW_PRECISION = fj.adamw(
   weight_rounding="stochastic",
   rounding_seed=7,
 )
+FOUR_BIT = dataclasses.replace(LOW_PRECISION, second_moment_bits=4)
 WIDTH, LAYERS, TOKENS = 32, 4, 24
 # Backends and storage formats of the stacked mode: by default each backend
 # and each format once, the XLA reference's stacked backward in float32 and
-# the Triton kernel's stacked op in bf16 with int8 states.
+# with 4-bit second moments, the Triton kernel's stacked op in bf16 with
+# int8 states and with 4-bit second moments.
 _STACKED = [
   ("xla", OPT, jnp.float32, "xla-f32"),
   ("triton", OPT, jnp.float32, "triton-f32"),
   ("xla", LOW_PRECISION, jnp.bfloat16, "xla-bf16-sr-int8"),
   ("triton", LOW_PRECISION, jnp.bfloat16, "triton-bf16-sr-int8"),
+  ("xla", FOUR_BIT, jnp.bfloat16, "xla-bf16-sr-int8-4bit"),
+  ("triton", FOUR_BIT, jnp.bfloat16, "triton-bf16-sr-int8-4bit"),
 ]
 
 
-def _stacked_cases(default):
+def _stacked_cases(*defaults):
   return [
     pytest.param(
-      *values, id=case_id, marks=() if case_id == default else pytest.mark.slow
+      *values,
+      id=case_id,
+      marks=() if case_id in defaults else pytest.mark.slow,
     )
     for *values, case_id in _STACKED
   ]
 
 
-STACKED_CASES = _stacked_cases("xla-f32")
-STACKED_OP_CASES = _stacked_cases("triton-bf16-sr-int8")
+STACKED_CASES = _stacked_cases("xla-f32", "xla-bf16-sr-int8-4bit")
+STACKED_OP_CASES = _stacked_cases(
+  "triton-bf16-sr-int8", "triton-bf16-sr-int8-4bit"
+)
 
 
 class Block(nn.Module):
