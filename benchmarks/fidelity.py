@@ -150,6 +150,14 @@ def build_runs(args, skip=()):
       weight_rounding="stochastic",
       rounding_seed=args.seed,
     ),
+    "forge_bf16_sr_int8_4bit": fj.adamw(
+      lr,
+      weight_decay=args.weight_decay,
+      state_dtype="int8",
+      second_moment_bits=4,
+      weight_rounding="stochastic",
+      rounding_seed=args.seed,
+    ),
   }
   if args.ablation:
     lowp["forge_bf16_nearest_int8"] = fj.adamw(
@@ -215,6 +223,7 @@ RUN_ORDER = (
   "optax_fp32",
   "forge_bf16_sr_int8",
   "optax_fp32_seed1",
+  "forge_bf16_sr_int8_4bit",
   "forge_bf16_sr",
   "forge_fp32",
   "forge_bf16_nearest",
@@ -308,8 +317,8 @@ def moment_encodings(state, count, b1=0.9, b2=0.999, eps=1e-8):
   import forge_jax as fj  # pylint: disable=import-outside-toplevel
   from forge_jax import quantization as Q  # pylint: disable=import-outside-toplevel
 
-  quantize = jax.jit(Q.quantize, static_argnames=("block", "sqrt"))
-  dequantize = jax.jit(Q.dequantize, static_argnames=("block", "sqrt"))
+  quantize = jax.jit(Q.quantize, static_argnames=("block", "sqrt", "bits"))
+  dequantize = jax.jit(Q.dequantize, static_argnames=("block", "sqrt", "bits"))
   layers = []
   flat = jax.tree_util.tree_flatten_with_path(
     state.params[fj.FORGE_COLLECTION],
@@ -358,6 +367,14 @@ def moment_encodings(state, count, b1=0.9, b2=0.999, eps=1e-8):
       lambda v: np.asarray(
         dequantize(*quantize(jnp.asarray(v), sqrt=True), sqrt=True), np.float64
       )
+    ),
+    "sqrt_v_15_levels_floor_block64 (second_moment_bits=4)": through(
+      lambda v: np.asarray(
+        dequantize(
+          *quantize(jnp.asarray(v), sqrt=True, bits=4), sqrt=True, bits=4
+        ),
+        np.float64,
+      )[:, : v.shape[1]]
     ),
     "bf16_v": through(
       lambda v: np.asarray(

@@ -139,6 +139,8 @@ def precision(run) -> str:
   if run.get("weight_rounding") == "stochastic":
     weights += " + SR"
   states = STATES[run.get("state_dtype", "bfloat16")]
+  if run.get("second_moment_bits") == 4:
+    states += " + 4-bit v"
   if run.get("forge_embedding"):
     states += " (FORGE embedding)"
   elif run.get("optax_storage"):
@@ -338,7 +340,8 @@ def step_section(runs) -> str:
     "a tie: one configuration's step time moves by a few percent between "
     "machines.",
     f"![peak memory]({PLOT_LINK}model_memory.png)\n\n{body}",
-    "python benchmarks/run.py step  # --seq, --batch, --int8, "
+    "python benchmarks/run.py step  # --seq, --batch, --int8 "
+    "(--second-moment-bits 4), --optax-storage, --forge-embedding, "
     "--attention cudnn, --remat-policy, --xla-flags, --config select the rows",
     latest,
   )
@@ -1470,6 +1473,8 @@ FIDELITY_RUNS = {
   "forge_bf16_nearest": "FORGE bf16 weights and states, round-to-nearest",
   "forge_bf16_sr": "FORGE bf16 weights (stochastic rounding) and states",
   "forge_bf16_sr_int8": "FORGE bf16 + stochastic rounding + int8 states",
+  "forge_bf16_sr_int8_4bit": "FORGE bf16 + stochastic rounding + int8 "
+  "states, 4-bit second moments",
   "forge_bf16_nearest_int8": "FORGE bf16 round-to-nearest + int8 states",
 }
 

@@ -79,6 +79,13 @@ def main():
     help="FORGE's optimizer state storage (optax: bf16)",
   )
   parser.add_argument(
+    "--second-moment-bits",
+    type=int,
+    default=8,
+    choices=[8, 4],
+    help="with --state-dtype int8: 4 stores second moments in 4 bits",
+  )
+  parser.add_argument(
     "--weight-rounding", default="nearest", choices=["nearest", "stochastic"]
   )
   parser.add_argument(
@@ -186,6 +193,7 @@ def measure(args):
     1e-4,
     weight_decay=0.1,
     state_dtype=args.state_dtype,
+    second_moment_bits=args.second_moment_bits,
     weight_rounding=args.weight_rounding,
   )
   overrides = dict(
@@ -254,6 +262,9 @@ def measure(args):
     ),
     "param_dtype": "bfloat16",
     "state_dtype": args.state_dtype if args.variant == "forge" else "bfloat16",
+    "second_moment_bits": (
+      args.second_moment_bits if args.variant == "forge" else None
+    ),
     "attention": args.attention or "xla",
     "weight_rounding": args.weight_rounding
     if args.variant == "forge"

@@ -169,6 +169,17 @@ def step_steps(a, out):
         if a.int8 and variant == "forge":
           args += ["--state-dtype", "int8", "--weight-rounding", "stochastic"]
           name += "-int8-sr"
+          if a.second_moment_bits == 4:
+            args += ["--second-moment-bits", "4"]
+            name += "-4bit"
+        if variant == "forge":
+          for flag, on, suffix in (
+            ("--optax-storage", a.optax_storage, "-optax-storage"),
+            ("--forge-embedding", a.forge_embedding, "-forge-embed"),
+          ):
+            if on:
+              args.append(flag)
+              name += suffix
         name += f"_B{batch}_T{seq}"
         for flag, value in (
           ("--attention", a.attention),
@@ -620,6 +631,23 @@ def parse_args(argv=None):
     "--int8",
     action="store_true",
     help="FORGE with bf16 + stochastic rounding and int8 states",
+  )
+  g.add_argument(
+    "--second-moment-bits",
+    type=int,
+    choices=(8, 4),
+    default=8,
+    help="with --int8: 4-bit second moments",
+  )
+  g.add_argument(
+    "--optax-storage",
+    action="store_true",
+    help="FORGE: the embedding and norms through fj.optax_with_storage",
+  )
+  g.add_argument(
+    "--forge-embedding",
+    action="store_true",
+    help="FORGE: the embedding as a fj.ForgeEmbed",
   )
   g.add_argument("--attention", choices=("cudnn",))
   g.add_argument("--remat-policy")
