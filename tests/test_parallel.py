@@ -606,11 +606,11 @@ def _bits(a) -> np.ndarray:
   return a.view(f"u{a.dtype.itemsize}")
 
 
-def _int8_dense(kernel_names, features, implementation):
+def _int8_dense(kernel_names, features, implementation, optimizer=INT8_OPT):
   row_parallel = kernel_names[0] is not None
   return fj.ForgeDense(
     features,
-    optimizer=INT8_OPT,
+    optimizer=optimizer,
     param_dtype=jnp.bfloat16,
     implementation=implementation,
     name="dense",
@@ -640,28 +640,36 @@ def _assert_state_sharded_like_kernel(layer, mesh, kernel_spec):
     assert layer[name].sharding.is_fully_replicated, name
 
 
+FOUR_BIT_OPT = dataclasses.replace(INT8_OPT, second_moment_bits=4)
 INT8_LAYERS = [
-  ((None, "model"), 256, 4, "xla"),
-  (("model", None), 96, 2, "xla"),
-  ((None, "model"), 256, 2, "triton"),
+  ((None, "model"), 256, 4, "xla", INT8_OPT),
+  (("model", None), 96, 2, "xla", INT8_OPT),
+  ((None, "model"), 256, 2, "triton", INT8_OPT),
+  ((None, "model"), 256, 4, "triton", FOUR_BIT_OPT),
 ]
 
 
 @needs_devices
 @pytest.mark.parametrize(
-  "kernel_names,features,tp,implementation",
+  "kernel_names,features,tp,implementation,optimizer",
   INT8_LAYERS,
-  ids=["column-tp4-xla", "row-tp2-xla-partial-block", "column-tp2-triton"],
+  ids=[
+    "column-tp4-xla",
+    "row-tp2-xla-partial-block",
+    "column-tp2-triton",
+    "column-tp4-triton-4bit",
+  ],
 )
 def test_int8_states_of_one_layer_match_one_device(
-  kernel_names, features, tp, implementation
+  kernel_names, features, tp, implementation, optimizer
 ):
   """Codes, scales and the stochastically rounded bf16 kernel of a sharded
-  layer equal one device's: shards hold whole blocks and hash global
-  indices. Row-parallel layers take any features (a partial last block)."""
+  layer equal one device's: shards hold whole blocks (and 4-bit codes whole
+  pairs) and hash global indices. Row-parallel layers take any features (a
+  partial last block)."""
   mesh = parallel.make_mesh(tp)
   kernel_spec = P(*kernel_names)
-  net = _int8_dense(kernel_names, features, implementation)
+  net = _int8_dense(kernel_names, features, implementation, optimizer)
   x = jax.random.normal(jax.random.key(1), (2, 8, 32))
   weight = jax.random.normal(jax.random.key(2), (2, 8, features))
   with jax.set_mesh(mesh):
