@@ -117,12 +117,16 @@ elements with v > 0 that read back as 0:
   linear v, absmax / 127, blocks of 64:     9.1e+03  (5.3 %: they step m / eps)
   sqrt(v), 255 levels, blocks of 64 (used): 1.1e-02  (0)
   the same, blocks of 256 / 2048:           1.6e-02 / 1.7e-02
+  sqrt(v), 15 levels (second_moment_bits=4): 1.6e-01  (0)
   bfloat16 v, for scale:                    8.3e-04
 With m int8 as well (linear, blocks of 64): 1.8e-02. Without the floor at
 level 1 no element of this run reads back as 0 either; on the 'tiny' config
 (60 steps, benchmarks/results/fidelity_tiny_*.json) 0.09 % do, and the
 direction error without the floor is 1.6e+03 against 6.8e-02 with it
-(linear v: 1.6e+05).
+(linear v: 1.6e+05). Trained with 4-bit second moments (bf16 weights with
+stochastic rounding, int8 first moments), the 'small' LM ends 0.009 from
+float32 optax's final loss, inside the 0.022 between two of its
+initializations (int8: 0.007).
 """
 
 
