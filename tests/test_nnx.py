@@ -229,6 +229,17 @@ OPS = [
     id="triton-int8-sr",
   ),
   pytest.param(
+    "triton",
+    fj.adamw(
+      1e-2,
+      state_dtype="int8",
+      second_moment_bits=4,
+      weight_rounding="stochastic",
+    ),
+    128,
+    id="triton-int8-4bit-sr",
+  ),
+  pytest.param(
     "mosaic",
     fj.adamw(1e-2, weight_rounding="stochastic"),
     128,
