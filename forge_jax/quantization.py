@@ -447,8 +447,10 @@ def _quantize(x, block, sqrt, valid, rows_1d, bits=8):
     mag = jnp.where(finite, jnp.abs(xp), 0.0)
     top = SQRT_LEVELS if bits == 8 else SQRT4_LEVELS
     scale, levels = _quantize_sqrt(mag, amax, block, top)
-    codes = levels - float(CODE_MAX) if bits == 8 else levels
-    codes = jnp.where(_expand(bad, block, xp.shape[1]), 0.0, codes)
+    bad_cols = _expand(bad, block, xp.shape[1])
+    codes = jnp.where(
+      bad_cols, 0.0, levels - float(CODE_MAX) if bits == 8 else levels
+    )
   else:
     scale, codes = _quantize_linear(jnp.where(finite, xp, 0.0), amax, block)
   scale = jnp.where(bad, jnp.float32(jnp.nan), scale)
@@ -549,22 +551,26 @@ def dequantize(
   row. 4-bit codes (``bits=4``) unpack to ``cols`` columns (default: two a
   code)."""
   _check_2d(codes, "codes")
-  q = _levels(int8_codes(codes), sqrt, bits, cols).astype(jnp.float32)
+  if bits == 4:
+    levels = _levels(int8_codes(codes), sqrt, bits, cols)
+    r = levels * _expand(scale, block, levels.shape[1])
+    return r * r
+  q = int8_codes(codes).astype(jnp.float32)
   s = _expand(scale, block, q.shape[1])
   if sqrt:
-    r = q * s
+    r = (q + float(CODE_MAX)) * s
     return r * r
   return q * s
 
 
 def _levels(codes, sqrt, bits, cols=None):
-  """int32 ``[R, C]``: what int8 ``codes`` encode linearly (the sqrt
+  """float32 ``[R, C]``: what int8 ``codes`` encode linearly (the sqrt
   encoding's levels; the signed codes themselves)."""
   if bits == 4:
-    levels = _unpack_pairs(codes)
+    levels = _unpack_pairs(codes).astype(jnp.float32)
     return levels if cols is None else levels[:, :cols]
-  q = codes.astype(jnp.int32)
-  return q + CODE_MAX if sqrt else q
+  q = codes.astype(jnp.float32)
+  return q + float(CODE_MAX) if sqrt else q
 
 
 # ---------------------------------------------------------------------------
@@ -622,9 +628,7 @@ def encoded_value(leaf) -> tuple[jax.Array, jax.Array]:
   relative 2**-8 to 2**-7) can get codes up to two apart near the top of the
   sqrt encoding's 254 levels, but their ``value``s stay within one ``step``.
   """
-  q = _levels(
-    int8_codes(leaf.codes), isinstance(leaf, SQRT_TYPES), _bits(leaf)
-  ).astype(jnp.float32)
+  q = _levels(int8_codes(leaf.codes), isinstance(leaf, SQRT_TYPES), _bits(leaf))
   step = jnp.broadcast_to(_expand(leaf.scale, BLOCK_SIZE, q.shape[1]), q.shape)
   return q * step, step
 
@@ -641,7 +645,7 @@ def encoded_distance(a, b) -> tuple[jax.Array, jax.Array]:
   codes = jnp.abs(
     _levels(int8_codes(a.codes), sqrt, bits)
     - _levels(int8_codes(b.codes), sqrt, bits)
-  )
+  ).astype(jnp.int32)
   compared = jnp.isfinite(value_a) & jnp.isfinite(value_b) & (step_b > 0)
   steps = jnp.abs(value_a - value_b) / jnp.maximum(step_a, step_b)
   return (
