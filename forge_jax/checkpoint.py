@@ -106,13 +106,18 @@ def restore(path: str, abstract_state: Any) -> Any:
   checkpoint lacks come back as zeros.
 
   Raises:
-    TypeError: a saved leaf's dtype differs from the abstract state's, or a
-      leaf of the abstract state other than a gradient norm is not in the
-      checkpoint.
+    TypeError: a saved leaf's dtype or shape differs from the abstract
+      state's (an optimizer state saved in another storage format:
+      ``state_dtype``, ``second_moment_bits``), or a leaf of the abstract
+      state other than a gradient norm is not in the checkpoint.
   """
   path = os.path.abspath(path)
   saved_tree = _saved_tree(path)
   saved = _leaf_dtypes(saved_tree)
+  saved_shapes = {
+    _path_name(p): tuple(leaf.shape)
+    for p, leaf in jax.tree_util.tree_flatten_with_path(saved_tree)[0]
+  }
   flat, treedef = jax.tree_util.tree_flatten_with_path(abstract_state)
   problems, leaves, zeros = [], [], set()
   for key, value in flat:
@@ -130,6 +135,11 @@ def restore(path: str, abstract_state: Any) -> Any:
       problems.append(
         f"{name}: saved as {saved[name]}, the abstract state "
         f"wants {np.dtype(want.dtype)}"
+      )
+    elif saved_shapes[name] != tuple(want.shape):
+      problems.append(
+        f"{name}: saved with shape {saved_shapes[name]}, the abstract "
+        f"state wants {tuple(want.shape)}"
       )
     leaves.append(want)
   if problems:

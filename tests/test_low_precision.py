@@ -646,6 +646,18 @@ def test_checkpoint_round_trip_is_bit_exact_and_never_casts(
     checkpoint.restore(path, wrong)
 
 
+def test_checkpoint_of_another_storage_format_is_refused(tmp_path, seed):
+  """int8 second moments restored into a state with 4-bit ones (and back)
+  raise a TypeError naming each mismatched leaf and both shapes."""
+  for saved, wanted in ((LOWP_OPT, LOWP_4BIT_OPT), (LOWP_4BIT_OPT, LOWP_OPT)):
+    path = checkpoint.save(
+      str(tmp_path / f"bits{saved.second_moment_bits}"),
+      _new_state(seed, opt=saved),
+    )
+    with pytest.raises(TypeError, match=r"fc1/opt_state/nu/codes: saved with"):
+      checkpoint.restore(path, _new_state(seed, opt=wanted))
+
+
 def test_checkpoint_without_gradient_norms_restores_them_as_zeros(
   tmp_path, seed
 ):
