@@ -150,15 +150,10 @@ def build_runs(args, skip=()):
       weight_rounding="stochastic",
       rounding_seed=args.seed,
     ),
-    "forge_bf16_sr_int8_4bit": fj.adamw(
-      lr,
-      weight_decay=args.weight_decay,
-      state_dtype="int8",
-      second_moment_bits=4,
-      weight_rounding="stochastic",
-      rounding_seed=args.seed,
-    ),
   }
+  lowp["forge_bf16_sr_int8_4bit"] = dataclasses.replace(
+    lowp["forge_bf16_sr_int8"], second_moment_bits=4
+  )
   if args.ablation:
     lowp["forge_bf16_nearest_int8"] = fj.adamw(
       lr, weight_decay=args.weight_decay, state_dtype="int8"
