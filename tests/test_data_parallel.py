@@ -512,6 +512,7 @@ SR_OPT = fj.adamw(1e-2, weight_decay=0.1, weight_rounding="stochastic")
 INT8_OPT = fj.adamw(
   1e-2, weight_decay=0.1, state_dtype="int8", weight_rounding="stochastic"
 )
+FOUR_BIT_OPT = dataclasses.replace(INT8_OPT, second_moment_bits=4)
 LOWP = [
   # (optimizer, kernel partitioning, K, N, dp). By default int8 states with
   # stochastic rounding, one block a shard.
@@ -524,6 +525,8 @@ LOWP = [
   pytest.param(  # a partial block, no blocking
     INT8_OPT, ("data", None), 16, 96, 8, marks=SLOW
   ),
+  # Column blocks of 64: 32 4-bit codes each.
+  (FOUR_BIT_OPT, ("data", None), 32, 256, 4),
 ]
 
 
@@ -531,14 +534,21 @@ LOWP = [
 @pytest.mark.parametrize(
   "optimizer,names,k,n,dp",
   LOWP,
-  ids=["sr-k", "sr-n", "int8-k-blocks", "int8-n", "int8-k-partial-block"],
+  ids=[
+    "sr-k",
+    "sr-n",
+    "int8-k-blocks",
+    "int8-n",
+    "int8-k-partial-block",
+    "int8-4bit-k-blocks",
+  ],
 )
 def test_low_precision_fsdp_is_one_device_bit_for_bit(
   optimizer, names, k, n, dp
 ):
   """Stochastically rounded bf16 kernels hash global indices (the shard's
-  and the block's offsets), and int8 codes and scales are quantized per
-  whole block: FSDP writes one device's bits."""
+  and the block's offsets), and int8 codes and scales (and 4-bit codes) are
+  quantized per whole block: FSDP writes one device's bits."""
   mesh = _mesh(dp)
   net = _fsdp_dense(optimizer, n, names, jnp.bfloat16)
   x, weight = _exact_batch((8, 4, k), n, 1)
