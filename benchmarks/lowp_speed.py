@@ -3,10 +3,10 @@
 Where the time of int8 states and stochastic rounding goes, one kernel call
 at a time (device time, medians, side by side in one process): bf16 W and
 AdamW states rounded to nearest, bf16 with stochastic rounding, int8 states,
-int8 states with stochastic rounding, each through the Mosaic and Triton
-kernels and the XLA reference, beside XLA's GEMM + optax's update of bf16
-storage. Llama-3.1-8B shapes; ``ratio_to_bf16`` is each time over the same
-backend's bf16 time.
+int8 states with stochastic rounding, and with 4-bit second moments, each
+through the Mosaic and Triton kernels and the XLA reference, beside XLA's
+GEMM + optax's update of bf16 storage. Llama-3.1-8B shapes;
+``ratio_to_bf16`` is each time over the same backend's bf16 time.
 
   python benchmarks/lowp_speed.py --out benchmarks/results/lowp_speed.json
 """
@@ -41,6 +41,11 @@ STORAGES = {
   "bf16-sr": {"weight_rounding": "stochastic"},
   "int8": {"state_dtype": jnp.int8},
   "int8-sr": {"state_dtype": jnp.int8, "weight_rounding": "stochastic"},
+  "int8-4bit-sr": {
+    "state_dtype": jnp.int8,
+    "second_moment_bits": 4,
+    "weight_rounding": "stochastic",
+  },
 }
 
 

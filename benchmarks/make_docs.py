@@ -1449,8 +1449,9 @@ def lowp_speed_section(
   ]
   return section(
     title,
-    "AdamW, bf16 activations, bf16 weights; states bf16 or int8, weights "
-    "rounded to nearest or stochastically (`-sr`). Device ms of one call "
+    "AdamW, bf16 activations, bf16 weights; states bf16 or int8 (`-4bit`: "
+    "4-bit second moments), weights rounded to nearest or stochastically "
+    "(`-sr`). Device ms of one call "
     "(medians), in brackets the ratio to the same backend's bf16 time; "
     "`gemm+optax` is XLA's GEMM and optax's update of bf16 storage.",
     table(
