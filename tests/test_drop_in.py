@@ -893,21 +893,31 @@ def test_float16_second_moment_overflowing_is_skipped_and_counted():
   assert float(new.skipped) == kernel.size
 
 
-def test_triton_kernel_refuses_stacks_of_2_31_elements():
-  """The Triton kernel's element offsets are 32-bit: a Qwen3-14B-shaped
-  scanned model (stacks of 40 x 5120 x 17408 elements) trained to NaN
-  through it. It refuses such stacks; one layer of them runs."""
+def test_triton_kernel_refuses_int8_stacks_whose_offsets_wrap():
+  """Pallas's Triton lowering addresses arrays of up to 2**32 bytes with
+  signed 32-bit element offsets: int8 codes of a Qwen3-14B-shaped stack
+  (40 x 5120 x 17408 elements) wrap, and a scanned model trained to NaN
+  through them. The kernel refuses int8 (and 4-bit) states of such stacks
+  and of 25 layers (2.2e9 elements), not of 24 (2.1e9); bf16 stacks and
+  states (over 2**32 bytes: 64-bit offsets) and one layer run."""
   from forge_jax.ops import backends, triton_kernel  # pylint: disable=import-outside-toplevel
 
-  optimizer = fj.adamw(1e-4, weight_rounding="stochastic", state_dtype="int8")
-  stack = jax.ShapeDtypeStruct((40, 5120, 17408), jnp.bfloat16)
+  int8 = fj.adamw(1e-4, weight_rounding="stochastic", state_dtype="int8")
+  four_bit = fj.adamw(1e-4, state_dtype="int8", second_moment_bits=4)
   x = jax.ShapeDtypeStruct((2048, 5120), jnp.bfloat16)
   dy = jax.ShapeDtypeStruct((2048, 17408), jnp.bfloat16)
-  assert "2**31" in triton_kernel.unsupported_reason(x, dy, stack, optimizer)
-  with pytest.raises(ValueError, match="2\\*\\*31"):
-    backends.select("triton", x, dy, stack, optimizer)
+  reason = triton_kernel.unsupported_reason
+  for layers in (40, 25):
+    stack = jax.ShapeDtypeStruct((layers, 5120, 17408), jnp.bfloat16)
+    for optimizer in (int8, four_bit):
+      assert "32-bit offsets" in reason(x, dy, stack, optimizer)
+    assert reason(x, dy, stack, fj.adamw(1e-4)) is None
+  with pytest.raises(ValueError, match="32-bit offsets"):
+    backends.select("triton", x, dy, stack, int8)
+  stack = jax.ShapeDtypeStruct((24, 5120, 17408), jnp.bfloat16)
+  assert reason(x, dy, stack, int8) is None
   layer = jax.ShapeDtypeStruct((5120, 17408), jnp.bfloat16)
-  assert triton_kernel.unsupported_reason(x, dy, layer, optimizer) is None
+  assert reason(x, dy, layer, int8) is None
 
 
 # ---------------------------------------------------------------------------
@@ -1096,9 +1106,10 @@ def test_int8_states_stay_finite_and_agree_at_model_shapes(shape):
 )
 def test_stacks_past_2_31_elements_train_like_xla_on_gpu(storage):
   """The top layer of a stack of 26 Qwen3-14B up-projections (2.3e9
-  elements, past 32-bit offsets), updated in place at a traced index for
-  three steps through 'auto' and 'mosaic', equals 'xla' and stays finite;
-  the other layers are untouched; 'triton' refuses the stack."""
+  elements, past 2**31), updated in place at a traced index for three steps
+  through 'auto' and 'mosaic' (and 'triton' with bf16 states, whose
+  offsets are 64-bit), equals 'xla' and stays finite; the other layers are
+  untouched; 'triton' refuses int8 states, whose offsets would wrap."""
   layers, (k, n), tokens = 26, MODEL_SHAPES["14b_up"], 512
   optimizer = fj.adamw(1e-4, weight_decay=0.1, **storage)
   layer = layers - 1
@@ -1131,10 +1142,14 @@ def test_stacks_past_2_31_elements_train_like_xla_on_gpu(storage):
 
   x = jax.random.normal(jax.random.key(1), (tokens, k), jnp.bfloat16)
   index = jnp.int32(layer)
-  with pytest.raises(ValueError, match="2\\*\\*31"):
-    step("triton")(stacked_variables(), x, 0, index)
+  kernels = ["auto", "mosaic"]
+  if storage.get("state_dtype") == "int8":
+    with pytest.raises(ValueError, match="32-bit offsets"):
+      step("triton")(stacked_variables(), x, 0, index)
+  else:
+    kernels.append("triton")
   finals = {}
-  for implementation in ("xla", "auto", "mosaic"):
+  for implementation in ("xla", *kernels):
     variables = stacked_variables()
     untouched = np.asarray(variables.kernel[0], np.float32)
     update = step(implementation)
@@ -1151,7 +1166,7 @@ def test_stacks_past_2_31_elements_train_like_xla_on_gpu(storage):
     )
     finals[implementation] = top
     del variables
-  for implementation in ("auto", "mosaic"):
+  for implementation in kernels:
     np.testing.assert_allclose(
       finals[implementation].kernel,
       finals["xla"].kernel,

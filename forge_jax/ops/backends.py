@@ -222,9 +222,8 @@ def select(implementation: str, x, dy, kernel, optimizer):
 
   The Mosaic kernel takes int8 states too (not 4-bit second moments,
   which go to the Triton kernel or the XLA reference): its int8 update is
-  the faster one, and the Triton kernel trains a scanned Qwen3-14B-shaped
-  model with int8 states to NaN where Mosaic and XLA agree
-  (docs/kernels.md). An
+  the faster one, and the Triton kernel refuses int8 states of stacks past
+  2**31 elements (docs/kernels.md). An
   explicit 'triton' or 'mosaic' on a machine without a GPU runs that kernel
   in its Pallas interpret mode; where the kernel cannot run the call it
   raises and says why.

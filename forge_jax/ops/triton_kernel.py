@@ -151,17 +151,28 @@ def unsupported_reason(x, dy, kernel, optimizer) -> Optional[str]:
       )
   if math.prod(x.shape[:-1]) == 0:
     return f"{x.shape=} has no tokens"
-  if math.prod(kernel.shape) >= 2**31:
-    # Measured: a scanned Qwen3-14B-shaped model trains to NaN through this
-    # kernel once its stacks pass 2**31 elements (25 layers; 24 train), while
-    # one update of such a stack alone matches XLA; the mechanism is not
-    # isolated, so such stacks are refused rather than risked.
-    return (
-      f"the kernel (stack) has {math.prod(kernel.shape)} elements, "
-      "2**31 or more, where this kernel is not known to be correct; "
-      "use implementation='mosaic' or 'xla'"
-    )
+  layers = math.prod(kernel.shape[:-2])
+  for leaf in jax.tree.leaves(state):
+    elements = layers * math.prod(leaf.shape)
+    if _offsets_overflow(elements, jnp.dtype(leaf.dtype).itemsize):
+      return (
+        f"an optimizer state leaf of {elements} {leaf.dtype} elements "
+        "(the whole stack's) is past 2**31 elements but within 2**32 bytes, "
+        "which Pallas's Triton lowering addresses with 32-bit offsets that "
+        "wrap; use implementation='mosaic' or 'xla'"
+      )
   return None
+
+
+def _offsets_overflow(elements: int, itemsize: int) -> bool:
+  """Whether Pallas's Triton lowering addresses an array of ``elements``
+  with signed 32-bit element offsets that wrap: it takes 32-bit offsets up
+  to 2**32 bytes, so a 1-byte array (int8 codes) of 2**31 + 1 to 2**32
+  elements has offsets past 2**31 - 1. (A scanned Qwen3-14B-shaped model
+  with int8 states trained to NaN from its second step once the stacks
+  passed 2**31 elements: its first step reads all-zero blocks, whose codes
+  do not matter, and writes codes elsewhere.)"""
+  return elements > 2**31 and elements * itemsize <= 2**32
 
 
 def check_supported(x, dy, kernel, optimizer):
