@@ -664,7 +664,10 @@ def parse_args(argv=None):
     help="counters: kernel_counters.PROBES names (default: all)",
   )
   g.add_argument("-k", help="gpu-tests: pytest's -k expression")
-  return p.parse_args(argv)
+  args = p.parse_args(argv)
+  if args.second_moment_bits == 4 and not args.int8:
+    p.error("--second-moment-bits 4 stores int8 second moments: add --int8")
+  return args
 
 
 def run(step: Step, env: dict, dry_run: bool) -> int:
