@@ -27,8 +27,10 @@ applies them to the other parameters):
   ``mu_dtype``), ``'float32'``, ``'bfloat16'``, ``'float16'`` or ``'int8'``
   (blocks of 64 with absmax scales; second moments stored as their square
   root).
-* ``second_moment_bits``: 8 (default) or 4: with ``state_dtype='int8'``,
-  the second moments' square roots on 15 levels, two a byte.
+* ``second_moment_bits`` (the rules with a second moment: adam, adamw,
+  nadam, nadamw, radam, rmsprop, adagrad): 8 (default) or 4: with
+  ``state_dtype='int8'``, the second moments' square roots on 15 levels, two
+  a byte.
 * ``weight_rounding``: ``'nearest'`` (default) or ``'stochastic'`` (bfloat16
   kernels written with unbiased stochastic rounding).
 * ``rounding_seed``: the seed of the stochastic rounding (uint32).
