@@ -34,8 +34,8 @@ moments of ``forge_fp32`` at the end, what int8 encodings of Adam's second
 moment cost (``moment_encodings``).
 Writes ``benchmarks/results/fidelity_<config>_<commit>.json`` after every
 run (``complete`` once all have trained) and
-``benchmarks/plots/fidelity_<config>.png`` at the end; ``--resume`` keeps the
-runs of such a file and trains the rest.
+``benchmarks/plots/fidelity_<config>_<steps>.png`` at the end; ``--resume``
+keeps the runs of such a file and trains the rest.
 """
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ def parse_args(argv=None):
   p.add_argument(
     "--plot",
     default=None,
-    help="PNG path (default: benchmarks/plots/fidelity_<config>.png)",
+    help="PNG path (default: benchmarks/plots/fidelity_<config>_<steps>.png)",
   )
   return p.parse_args(argv)
 
@@ -487,7 +487,9 @@ def main(argv=None):
   out = args.out or os.path.join(
     HERE, "results", f"fidelity_{args.config}_{commit}.json"
   )
-  plot = args.plot or os.path.join(HERE, "plots", f"fidelity_{args.config}.png")
+  plot = args.plot or os.path.join(
+    HERE, "plots", f"fidelity_{args.config}_{args.steps}.png"
+  )
   repo = os.path.dirname(HERE)
   args.out, args.plot = (
     os.path.relpath(os.path.abspath(p), repo) for p in (out, plot)

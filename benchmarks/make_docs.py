@@ -1496,9 +1496,14 @@ def fidelity_command(a) -> str:
 
 
 def fidelity_sections(runs) -> str:
-  """The newest run of each model config, the largest model first."""
-  latest = newest(runs, lambda r: r["args"]["config"]).values()
-  latest = sorted(latest, key=lambda r: -r["model"]["num_params"])
+  """The newest run of each model config and length, the largest model
+  first, then the longest run."""
+  latest = newest(
+    runs, lambda r: (r["args"]["config"], r["args"]["steps"])
+  ).values()
+  latest = sorted(
+    latest, key=lambda r: (-r["model"]["num_params"], -r["args"]["steps"])
+  )
   return "\n".join(fidelity_section(run) for run in latest)
 
 
@@ -1535,7 +1540,8 @@ def fidelity_section(run) -> str:
     f"warmup and cosine decay, weight decay {a['weight_decay']:g}, "
     f"{a.get('dtype', 'float32')} compute, "
     f"`implementation='{a['implementation']}'`; every run on the same "
-    f"batches.\n\n![fidelity]({PLOT_LINK}fidelity_{a['config']}.png)"
+    f"batches.\n\n![fidelity]({PLOT_LINK}"
+    f"fidelity_{a['config']}_{a['steps']}.png)"
   )
   resumed = run.get("resumed_from")
   if resumed:
@@ -1555,7 +1561,8 @@ def fidelity_section(run) -> str:
       "that."
     )
   return section(
-    f"Fidelity of low-precision storage (demo LM, '{a['config']}')",
+    f"Fidelity of low-precision storage (demo LM, '{a['config']}', "
+    f"{a['steps']} steps)",
     text,
     table(headers, rows),
     fidelity_command(a),

@@ -408,7 +408,7 @@ def fidelity_steps(a, out):
         "--out",
         out("fidelity_medium"),
         "--plot",
-        os.path.join(a.out, "fidelity_medium.png"),
+        os.path.join(a.out, "fidelity_medium_200.png"),
       ),
       timeout=a.timeout,
     )
