@@ -157,9 +157,9 @@ def unsupported_reason(x, dy, kernel, optimizer) -> Optional[str]:
     if _offsets_overflow(elements, jnp.dtype(leaf.dtype).itemsize):
       return (
         f"an optimizer state leaf of {elements} {leaf.dtype} elements "
-        "(the whole stack's) is past 2**31 elements but within 2**32 bytes, "
-        "which Pallas's Triton lowering addresses with 32-bit offsets that "
-        "wrap; use implementation='mosaic' or 'xla'"
+        "(all its stacked layers) is past 2**31 elements but within 2**32 "
+        "bytes, which Pallas's Triton lowering addresses with 32-bit "
+        "offsets that wrap; use implementation='mosaic' or 'xla'"
       )
   return None
 
