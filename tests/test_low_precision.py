@@ -320,9 +320,8 @@ def test_4bit_second_moments_are_within_half_a_level_two_a_code(seed):
 def test_4bit_codes_pack_adjacent_columns():
   """Code ``j`` holds the levels of columns ``2j`` (``lo``) and ``2j + 1``
   (``hi``) as ``lo + 15 hi - 112``, checked on chosen levels."""
-  scale_step = 0.5
+  scale_step = 0.5  # the block's peak, level 14, sets it: 14 * 0.5 = 7
   levels = np.array([[0, 1, 14, 3, 7, 14, 14, 0] + [1] * 56], np.float64)
-  levels[0, 2] = 14  # the block's peak sets the scale: 14 * 0.5
   v = (levels * scale_step) ** 2
   codes, scale = quantize(jnp.asarray(v, F32), sqrt=True, bits=4)
   assert float(scale[0, 0]) == scale_step
