@@ -77,12 +77,14 @@ def _path_name(path) -> str:
 
 def saved_dtypes(path: str) -> dict[str, Any]:
   """``{'params/.../opt_state/mu/codes': dtype, ...}`` as saved at ``path``."""
-  return _leaf_dtypes(_saved_tree(os.path.abspath(path)))
+  named = _named_leaves(_saved_tree(os.path.abspath(path)))
+  return {name: np.dtype(leaf.dtype) for name, leaf in named.items()}
 
 
-def _leaf_dtypes(saved_tree) -> dict[str, Any]:
+def _named_leaves(saved_tree) -> dict[str, Any]:
+  """``{'params/.../opt_state/mu/codes': leaf metadata, ...}``."""
   return {
-    _path_name(p): np.dtype(leaf.dtype)
+    _path_name(p): leaf
     for p, leaf in jax.tree_util.tree_flatten_with_path(saved_tree)[0]
   }
 
@@ -113,11 +115,8 @@ def restore(path: str, abstract_state: Any) -> Any:
   """
   path = os.path.abspath(path)
   saved_tree = _saved_tree(path)
-  saved = _leaf_dtypes(saved_tree)
-  saved_shapes = {
-    _path_name(p): tuple(leaf.shape)
-    for p, leaf in jax.tree_util.tree_flatten_with_path(saved_tree)[0]
-  }
+  saved_leaves = _named_leaves(saved_tree)
+  saved = {name: np.dtype(leaf.dtype) for name, leaf in saved_leaves.items()}
   flat, treedef = jax.tree_util.tree_flatten_with_path(abstract_state)
   problems, leaves, zeros = [], [], set()
   for key, value in flat:
@@ -136,10 +135,10 @@ def restore(path: str, abstract_state: Any) -> Any:
         f"{name}: saved as {saved[name]}, the abstract state "
         f"wants {np.dtype(want.dtype)}"
       )
-    elif saved_shapes[name] != tuple(want.shape):
+    elif tuple(saved_leaves[name].shape) != tuple(want.shape):
       problems.append(
-        f"{name}: saved with shape {saved_shapes[name]}, the abstract "
-        f"state wants {tuple(want.shape)}"
+        f"{name}: saved with shape {tuple(saved_leaves[name].shape)}, the "
+        f"abstract state wants {tuple(want.shape)}"
       )
     leaves.append(want)
   if problems:

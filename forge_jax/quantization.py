@@ -556,6 +556,9 @@ def dequantize(
     levels = _levels(int8_codes(codes), sqrt, bits, cols)
     r = levels * _expand(scale, block, levels.shape[1])
     return r * r
+  # int8 codes: what _levels computes, with the scale expanded before the
+  # offset is added, the order of operations the Mosaic kernel's epilogue
+  # is compiled and tested with.
   q = int8_codes(codes).astype(jnp.float32)
   s = _expand(scale, block, q.shape[1])
   if sqrt:
@@ -701,8 +704,9 @@ def update(
     _blocks_max(_pad_cols(touched, BLOCK_SIZE), BLOCK_SIZE, rows_1d) > 0.0
   )
   # Selected as int32: Mosaic GPU has no pointwise ops on 8-bit vectors.
+  codes_per_block = BLOCK_SIZE * bits // 8
   codes = jnp.where(
-    _expand(changed, BLOCK_SIZE // (8 // bits), codes.shape[1]),
+    _expand(changed, codes_per_block, codes.shape[1]),
     codes,
     int8_codes(old.codes).astype(jnp.int32),
   ).astype(jnp.int8)

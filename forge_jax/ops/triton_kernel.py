@@ -270,9 +270,6 @@ def _fused_kernel(
     col0 = pid_n * bn + c * chunk
     row_idx = pid_k * bk + lax.broadcasted_iota(jnp.int32, (bk, 1), 0)
     col_idx = col0 + lax.broadcasted_iota(jnp.int32, (1, chunk), 1)
-    rows = pid_k * bk + lax.broadcasted_iota(jnp.int32, (bk, chunk), 0)
-    cols = col0 + lax.broadcasted_iota(jnp.int32, (bk, chunk), 1)
-    mask = (rows < k) & (cols < n)
 
     def tile(ref, divisor):  # pylint: disable=cell-var-from-loop
       """The chunk's window of a leaf whose columns each cover ``divisor``
@@ -293,6 +290,8 @@ def _fused_kernel(
         window, mask=exists, other=0 if ref.dtype == jnp.int8 else 0.0
       )
 
+    # The kernel's elements of the chunk that exist.
+    mask = tile(w_ref, 1)[1]
     w = load(w_ref, 1)
     state = jax.tree.unflatten(
       state_treedef, [load(r, d) for r, d in zip(state_refs, divisors)]
