@@ -179,7 +179,8 @@ def _step(rule: ForgeOptimizer, path, grad, param, state, count):
     rule.scalars(count),
     jnp.bool_(True),
     rounding_key=key,
-    guard_results=False,
+    # As the XLA reference: int8 blocks must not store an overflow.
+    guard_results=quantization.has_quantized(state),
   )
   update = new_kernel.astype(jnp.float32) - kernel.astype(jnp.float32)
   return jnp.reshape(update, param.shape), new_state

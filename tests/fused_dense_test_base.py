@@ -1072,6 +1072,54 @@ class FusedDenseTestBase:
     assert int(out[2]) == w.size
     assert_same_bits(out[:2], old, "skipped layer")
 
+  def overflowing_int8_moments_are_skipped_cases(self):
+    return self.nonfinite_gradients_keep_int8_blocks_bit_for_bit_cases()
+
+  def test_overflowing_int8_moments_are_skipped(self, case, seed):
+    """A finite dW row whose square overflows float32 would store NaN
+    blocks of ``nu`` (an int8 block stores a non-finite value as a NaN
+    scale), and the next step would write NaN over their weights. Every
+    backend skips the row instead (counted): its weights and blocks keep
+    their bits, and the next step stays finite."""
+    opt, (x_shape, n), config = case.args
+    config = self.lowp_configs[config]
+    x, dy = exact_inputs(seed, x_shape, n, self.activation_dtype(F32))
+    # dy's token 5 all ones: below, x's (5, 17) spikes all of dW's row 17.
+    dy = poison_tokens(dy, [(5, column) for column in range(n)], 1.0)
+    w = (
+      0.5 * jax.random.normal(jax.random.key(seed), (x_shape[-1], n))
+    ).astype(BF16)
+
+    def run(x, w, state, step):
+      return self.run(
+        opt,
+        x,
+        dy,
+        jnp.copy(w),
+        jax.tree.map(jnp.copy, state),
+        step,
+        config=config,
+        step=jnp.int32(step),
+        layer_id=1,
+      )
+
+    state = run(x, w, opt.init(w), 1)[1]
+    old = (np.asarray(w), state)
+    w, state = jax.tree.map(jnp.asarray, old)
+    # dW[17] ~ 1e20: finite, its square is not.
+    spiked = poison_tokens(x, [(5, 17)], 1e20)
+    out = run(spiked, w, state, 2)
+    assert int(out[2]) == n
+    assert_bitwise_equal(out[0][17], old[0][17], "weights of the spiked row")
+    for new_leaf, old_leaf in ((out[1].mu, old[1].mu), (out[1].nu, old[1].nu)):
+      assert_bitwise_equal(new_leaf.codes[17], old_leaf.codes[17], "codes")
+      assert_bitwise_equal(new_leaf.scale[17], old_leaf.scale[17], "scales")
+      assert np.isfinite(new_leaf.scale).all()
+    w, state = jax.tree.map(jnp.asarray, out[:2])
+    out = run(x, w, state, 3)
+    assert int(out[2]) == 0
+    assert np.isfinite(np.asarray(out[0], F32)).all()
+
   def nan_int8_blocks_propagate_cases(self):
     shape, config = self.lowp_shapes[0], next(iter(self.lowp_configs))
     return [Case(f"{shape_id(shape)}-{config}", (shape, config))]

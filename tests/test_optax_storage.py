@@ -295,6 +295,23 @@ def test_non_finite_gradient_elements_keep_their_values(seed):
   assert float(state.state.mu["w"][1, 2]) == 0.0
 
 
+def test_int8_states_skip_elements_whose_square_overflows(seed):
+  """A finite gradient whose square overflows float32 would store a NaN
+  block of int8 ``nu`` and turn the block's parameters NaN on the next
+  step: the element is skipped instead, and the next step stays finite."""
+  opt = fj.adam(1e-2, state_dtype="int8")
+  tx = fj.optax_with_storage(opt)
+  params = {"w": jax.random.normal(jax.random.key(seed), (8, 64))}
+  step = _stepper(tx)
+  spike = {"w": jnp.ones((8, 64)).at[1, 2].set(1e20)}
+  new, state = step(params, tx.init(params), spike)
+  changed = np.asarray(new["w"]) != np.asarray(params["w"])
+  assert not changed[1, 2] and changed.sum() == changed.size - 1
+  assert np.isfinite(np.asarray(state.state.nu.scale["w"])).all()
+  new, state = step(new, state, {"w": jnp.ones((8, 64))})
+  assert np.isfinite(np.asarray(new["w"])).all()
+
+
 def test_update_needs_params():
   tx = fj.optax_with_storage(fj.adam(1e-3))
   params = {"w": jnp.ones((2, 64))}

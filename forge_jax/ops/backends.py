@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from forge_jax import quantization
 from forge_jax.ops import stacks
 from forge_jax.ops.update import apply_update
 
@@ -116,6 +117,14 @@ def apply_gradient(
   layer's entries are stepped and written back with
   ``dynamic_update_slice``, which XLA fuses with the update and runs in place.
 
+  Elements whose new kernel or state would not be finite as stored are
+  skipped (``guard_results``, as in the fused kernels) only for int8
+  states: an int8 block that receives one stores NaN (its scale), and the
+  next step would write NaN over the whole block's weights. Float states
+  take the value as it comes (an overflowed second moment stays infinite
+  and freezes its element, as in optax), which spares the check's
+  kernel-sized temporary.
+
   The state's stores are ordered after the kernel's update
   (``order_in_place``) only when XLA compiles for the CPU: its CPU compiler
   keeps the kernel's and the state's updates in separate fusions and would
@@ -137,7 +146,7 @@ def apply_gradient(
     scalars,
     apply,
     order_in_place=jax.default_backend() == "cpu",
-    guard_results=False,
+    guard_results=quantization.has_quantized(opt_state),
     rounding_key=rounding_key,
     indices=global_indices(kernel.shape[-2:], offset),
     layer_index=layer_index,

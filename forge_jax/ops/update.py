@@ -46,8 +46,9 @@ def apply_update(
   for storage (as optax does), and every backend computes the same bits.
   Elements whose gradient is not finite, whose new kernel or state would not
   be finite as stored (:func:`finite_result`; with ``guard_results``, which
-  the fused kernels set: in registers the check costs no memory, while over
-  whole arrays it makes XLA keep a kernel-sized temporary), and every
+  the fused kernels set, and the XLA reference for int8 states: in
+  registers the check costs no memory, while over whole arrays it makes XLA
+  keep a kernel-sized temporary), and every
   element when ``apply`` is false, keep their old kernel and state bit for
   bit (int8 states: see :func:`forge_jax.quantization.update`).
 
