@@ -6,16 +6,24 @@ Four trace-time channels between the parts of the package:
   ForgeDense layers inside it receive their whole variable stacks and step
   one layer of them in place (the layer's index, the number of layers, and
   the scan's module path, which prefixes the layers' own paths).
-* :func:`record` / :func:`record_backward` / :func:`take_backward`: each
-  ForgeDense records, by module path, that its forward ran, and the fused
-  op's backward that it ran after it. :class:`forge_jax.TrainState`
-  installs the new variables of a layer whose backward ran last without
-  reading the old ones (so updates stay in place), and checks the others
-  at run time (a layer the loss did not reach gets zero cotangents and
-  keeps its variables). Installing forgets the layer's events: a later
-  trace that traces neither its forward nor its backward (both inside a
-  ``jax.jit`` whose trace is cached) must not trust a backward that ran in
-  an earlier trace, since the loss may no longer reach the layer.
+* :func:`record_forward` / :func:`record_backward` / :func:`take_backward`:
+  each ForgeDense records, by module path, that its forward ran, and the
+  fused op's backward that it ran after it. :class:`forge_jax.TrainState`
+  installs the new variables of a layer whose backward ran last, in the
+  gradient computation being installed, without reading the old ones (so
+  updates stay in place), and checks the others at run time (a layer the
+  loss did not reach gets zero cotangents and keeps its variables). A
+  forward traced after a backward starts another gradient computation:
+  the earlier one's backwards are no longer trusted, since its gradients
+  may never be installed (a gradient taken for a diagnostic, another
+  model's) and the loss being installed may not reach those layers.
+  Installing forgets the layer's events: a later trace that traces neither
+  its forward nor its backward (both inside a ``jax.jit`` whose trace is
+  cached) must not trust a backward that ran in an earlier trace. A layer
+  traced inside a conditional (``nn.cond``, ``nn.switch``) is never
+  trusted: its backward is traced whether or not its branch runs. A
+  backward traced twice for one kernel in one computation and pass (the
+  kernel used twice by the loss) raises.
 * :func:`gradient_pass` / :func:`running`: which backward pass of
   :mod:`forge_jax.clipping`'s gradient functions is being traced (a
   norm-only pass computes each layer's ``grad_sq_norm`` and updates
@@ -35,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import weakref
 from typing import Any, NamedTuple, Optional
 
 from jax.experimental.xla_metadata import set_xla_metadata
@@ -152,60 +161,124 @@ _TRACED: contextvars.ContextVar[Optional[list]] = contextvars.ContextVar(
   "forge_traced_backwards", default=None
 )
 
-_EVENTS: dict[tuple, str] = {}
-_OPTIMIZERS: dict[tuple, Any] = {}
-_PASSES: dict[tuple, Optional[str]] = {}
+
+class _Events:
+  """The events traced per layer path, and which gradient computation each
+  belongs to (see the module docstring)."""
+
+  def __init__(self):
+    self.computation = 0
+    self.last: Optional[str] = None
+    #: path -> (FORWARD or BACKWARD, its computation)
+    self.events: dict[tuple, tuple[str, int]] = {}
+    self.optimizers: dict[tuple, Any] = {}
+    self.passes: dict[tuple, Optional[str]] = {}
+    #: Paths whose last forward ran inside a conditional.
+    self.conditional: set[tuple] = set()
+    #: (path, pass) -> (computation, the kernel the backward read).
+    self.kernels: dict[tuple, tuple[int, weakref.ref]] = {}
+
+  def current(self, path: tuple) -> Optional[str]:
+    event = self.events.get(path)
+    if event is None or event[1] != self.computation:
+      return None
+    return event[0]
 
 
-def record(path: tuple, event: str, optimizer=None) -> None:
-  """Records that ``event`` (:data:`FORWARD`) was traced for the ForgeDense
-  at module ``path``, with its optimizer (backwards:
-  :func:`record_backward`)."""
-  _EVENTS[tuple(path)] = event
-  if optimizer is not None:
-    _OPTIMIZERS[tuple(path)] = optimizer
+_EVENTS = _Events()
 
 
-def record_backward(path: Optional[tuple], deferred: bool) -> str:
+def record_forward(path: tuple, optimizer, conditional: bool = False):
+  """Records that the forward of the ForgeDense at module ``path``, with
+  ``optimizer``, was traced (``conditional``: inside a conditional)."""
+  path = tuple(path)
+  if _EVENTS.last == BACKWARD:
+    _EVENTS.computation += 1
+  _EVENTS.last = FORWARD
+  _EVENTS.events[path] = (FORWARD, _EVENTS.computation)
+  _EVENTS.optimizers[path] = optimizer
+  if conditional:
+    _EVENTS.conditional.add(path)
+  else:
+    _EVENTS.conditional.discard(path)
+
+
+def record_backward(path: Optional[tuple], deferred: bool, kernel=None) -> str:
   """Records that the fused op's backward was traced for the ForgeDense at
   ``path`` (None: an unnamed op, recorded only in :func:`running`'s
-  list), and returns the pass it runs as: the :func:`gradient_pass`, but
-  :data:`NORM_ONLY` for a layer in a :data:`DEFERRED` pass that has no
-  factor sink (``deferred`` False)."""
+  list), reading ``kernel``, and returns the pass it runs as: the
+  :func:`gradient_pass`, but :data:`NORM_ONLY` for a layer in a
+  :data:`DEFERRED` pass that has no factor sink (``deferred`` False).
+
+  Raises if this computation already traced a backward of the same pass
+  that read the same ``kernel`` at ``path``."""
   name = gradient_pass()
   if name == DEFERRED and not deferred:
     name = NORM_ONLY
   if path is not None:
-    _EVENTS[tuple(path)] = BACKWARD
-    _PASSES[tuple(path)] = name
+    path = tuple(path)
+    _check_single_backward(path, name, kernel)
+    _EVENTS.last = BACKWARD
+    _EVENTS.events[path] = (BACKWARD, _EVENTS.computation)
+    _EVENTS.passes[path] = name
   traced = _TRACED.get()
   if traced is not None:
     traced.append(name)
   return name
 
 
+def _check_single_backward(path, name, kernel):
+  if kernel is None or path in _EVENTS.conditional:
+    return
+  try:
+    ref = weakref.ref(kernel)
+  except TypeError:  # not weakly referenceable: not a traced array
+    return
+  previous = _EVENTS.kernels.get((path, name))
+  if (
+    previous is not None
+    and previous[0] == _EVENTS.computation
+    and previous[1]() is kernel
+  ):
+    raise ValueError(
+      f"The FORGE layer {'/'.join(map(str, path))!r} ran its backward twice "
+      "in one gradient computation: the loss uses its kernel more than "
+      "once (a module or submodule called twice, model.apply called twice, "
+      "a layer called in a Python loop). FORGE updates the kernel inside "
+      "each use's backward, so a shared kernel would receive the updates "
+      "summed together. Use one layer per use, or flax's layer for shared "
+      "weights."
+    )
+  _EVENTS.kernels[(path, name)] = (_EVENTS.computation, ref)
+
+
 def last_event(path: tuple) -> Optional[str]:
-  """The last event traced for the ForgeDense at ``path``, or None."""
-  return _EVENTS.get(tuple(path))
+  """The last event traced for the ForgeDense at ``path`` in the current
+  gradient computation, or None."""
+  return _EVENTS.current(tuple(path))
 
 
 def take_backward(path: tuple) -> bool:
   """Whether the fused op's backward was the last event traced for the
-  ForgeDense at ``path``; forgets the event, so the next call says False
-  until a forward or backward is traced again (:func:`last_pass` keeps
-  the pass, which counts only beside a backward event)."""
-  return _EVENTS.pop(tuple(path), None) == BACKWARD
+  ForgeDense at ``path`` in the current gradient computation, outside any
+  conditional; forgets the event, so the next call says False until a
+  forward or backward is traced again (:func:`last_pass` keeps the pass,
+  which counts only beside a backward event)."""
+  path = tuple(path)
+  event = _EVENTS.current(path)
+  _EVENTS.events.pop(path, None)
+  return event == BACKWARD and path not in _EVENTS.conditional
 
 
 def optimizer(path: tuple):
   """The optimizer of the ForgeDense at ``path`` last traced, or None."""
-  return _OPTIMIZERS.get(tuple(path))
+  return _EVENTS.optimizers.get(tuple(path))
 
 
 def last_pass(path: tuple) -> Optional[str]:
   """The pass the last backward of the ForgeDense at ``path`` ran as (see
   :func:`record_backward`; None: a plain ``jax.grad`` or none traced)."""
-  return _PASSES.get(tuple(path))
+  return _EVENTS.passes.get(tuple(path))
 
 
 class DeferrableLayer(NamedTuple):

@@ -68,6 +68,20 @@ def _stacking_transform(scope) -> Optional[str]:
   return None
 
 
+#: Flax's lifted conditionals: a layer inside traces its backward whether or
+#: not its branch runs.
+_CONDITIONAL_TRANSFORMS = ("cond", "switch")
+
+
+def _in_conditional(scope) -> bool:
+  """Whether the module's scope path passes a lifted conditional."""
+  return any(
+    re.search(rf"\b{name}\(", part)
+    for part in getattr(scope, "debug_path", ())
+    for name in _CONDITIONAL_TRANSFORMS
+  )
+
+
 def _warn_stacked(path, transform: str, layer: str):
   fix = (
     "fj.scan(...) with the same arguments instead of nn.scan(...)"
@@ -76,10 +90,12 @@ def _warn_stacked(path, transform: str, layer: str):
     f"nn.{transform}"
   )
   warnings.warn(
-    f"{layer} {'/'.join(path)!r} runs inside nn.{transform}: it trains "
-    f"correctly, but the transpose of nn.{transform} keeps the updated "
-    "kernels and optimizer states of all layers beside the old ones until "
-    "the step ends, which costs more memory than optax. Write "
+    f"{layer} {'/'.join(path)!r} runs inside nn.{transform}: with its "
+    "variables stacked it trains correctly (broadcast, one kernel for "
+    "every iteration, it sums their updates and is poisoned: see "
+    f"fj.wiped_layers), but the transpose of nn.{transform} keeps the "
+    "updated kernels and optimizer states of all layers beside the old ones "
+    "until the step ends, which costs more memory than optax. Write "
     f"{fix} to update the stacks in place. (Silence with "
     "warnings.filterwarnings('ignore', category=fj.ForgeMemoryWarning).)",
     ForgeMemoryWarning,
@@ -168,7 +184,9 @@ class _ForgeLinear(nn.Module):
       transform = _stacking_transform(self.scope) if context is None else None
       if transform is not None:
         _warn_stacked(path, transform, type(self).__name__)
-      layer_context.record(path, layer_context.FORWARD, self.optimizer)
+      layer_context.record_forward(
+        path, self.optimizer, conditional=_in_conditional(self.scope)
+      )
     spec = FusedDenseSpec(
       optimizer=self.optimizer,
       implementation=self.implementation,
@@ -759,12 +777,17 @@ def _stacked_shapes(variables, stacked: Optional[layer_context.StackedLayer]):
 
 
 def wiped_layers(variables) -> list[str]:
-  """Paths of ForgeDense layers whose variables were overwritten with zeros.
+  """Paths of ForgeDense layers whose variables were overwritten with zeros
+  or with summed updates.
 
   A layer whose output does not reach the loss in a step receives zero
-  cotangents; an overwrite-with-gradient step then stores zeros, and the
-  layer's next backward pass makes its kernel NaN. Call this on the host to
-  name them. Layers stacked by ``nn.scan`` are named ``path[i]``.
+  cotangents; an overwrite-with-gradient step then stores zeros. A kernel
+  used several times by one loss under a transform that traces its
+  backward once (``jax.vmap`` with shared weights, a ``lax.scan`` over
+  micro-batches, variables that ``nn.scan`` broadcasts) receives the sum of
+  the uses' updates. Either way ``intact`` is no longer 1, and the layer's
+  next backward pass makes its kernel NaN. Call this on the host to name
+  them. Layers stacked by ``nn.scan`` are named ``path[i]``.
   """
   collection = variables.get(FORGE_COLLECTION, {})
   wiped = []
@@ -774,9 +797,9 @@ def wiped_layers(variables) -> list[str]:
     name = "/".join(str(getattr(k, "key", k)) for k in path[:-1])
     flags = np.asarray(jax.device_get(leaf))
     if flags.ndim == 0:
-      wiped += [name] if flags == 0.0 else []
+      wiped += [name] if flags != 1.0 else []
     else:
       wiped += [
-        f"{name}[{i}]" for i in np.flatnonzero(flags.reshape(-1) == 0.0)
+        f"{name}[{i}]" for i in np.flatnonzero(flags.reshape(-1) != 1.0)
       ]
   return wiped

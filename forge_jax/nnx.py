@@ -223,7 +223,7 @@ class Linear(nnx.Module):
     )
     self._check_variables(variables, stacked)
     self._check_single_use(variables.kernel)
-    layer_context.record(self.layer_key, layer_context.FORWARD, self.optimizer)
+    layer_context.record_forward(self.layer_key, self.optimizer)
     spec = FusedDenseSpec(
       optimizer=self.optimizer,
       implementation=self.implementation,
@@ -577,16 +577,18 @@ def wiped_layers(model) -> list[str]:
   """Paths of :class:`Linear` layers whose variables were overwritten with
   zeros (``intact`` 0: installed without :func:`install`, e.g. by
   ``nnx.update(model, grads)`` after a step the layer's output did not
-  reach); their next step makes the kernel NaN. Stacked layers are named
-  ``path[i]``."""
+  reach) or with the sum of several uses' updates (``intact`` above 1: a
+  kernel shared under ``jax.vmap`` or a loop, see
+  :func:`forge_jax.wiped_layers`); their next step makes the kernel NaN.
+  Stacked layers are named ``path[i]``."""
   names = []
   for path, layer in forge_layers(model):
     flags = np.asarray(jax.device_get(_value(layer.intact)))
     if flags.ndim == 0:
-      names += [_name(path)] if flags == 0 else []
+      names += [_name(path)] if flags != 1 else []
     else:
       names += [
-        f"{_name(path)}[{i}]" for i in np.flatnonzero(flags.reshape(-1) == 0)
+        f"{_name(path)}[{i}]" for i in np.flatnonzero(flags.reshape(-1) != 1)
       ]
   return names
 

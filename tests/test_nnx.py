@@ -397,6 +397,28 @@ def test_unreached_layer_keeps_its_variables_bit_for_bit(seed):
   assert np.isnan(other_step(model, optimizer, x, y))
 
 
+def test_a_gradient_taken_elsewhere_does_not_wipe_an_unreached_layer(seed):
+  """A gradient of the task-1 loss traced for a diagnostic (its own jit,
+  never installed) must not vouch for head 1 in a step on task 0."""
+  model = Branches(nnx.Rngs(seed))
+  optimizer = fj.nnx.Optimizer(model, OPT.to_optax(), wrt=nnx.Param)
+  x, y = make_batch(seed, (5, 6), 4)
+  loss = lambda task: lambda m, x, y: cross_entropy(lambda x: m(x, task), x, y)
+  diagnostic = nnx.jit(
+    lambda m: fj.nnx.global_norm(nnx.grad(loss(1), argnums=WRT)(m, x, y))
+  )
+  assert np.isfinite(float(diagnostic(model)))
+  before = forge_values(model)
+  forge_step(loss(0))(model, optimizer, x, y)
+  after = forge_values(model)
+  for a, b in zip(
+    jax.tree.leaves(after["heads"][1]), jax.tree.leaves(before["heads"][1])
+  ):
+    assert_bitwise_equal(a, b, "heads[1]")
+  assert optimizer.unreached_layers() == ["heads/1"]
+  assert fj.nnx.wiped_layers(model) == []
+
+
 class Twice(nnx.Module):
   def __init__(self, rngs):
     self.fc = fj.nnx.Linear(4, 4, optimizer=OPT, rngs=rngs)

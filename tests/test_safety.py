@@ -9,6 +9,7 @@ import numpy as np
 import optax
 import pytest
 from flax.training.train_state import TrainState
+from jax import lax
 
 import forge_jax as fj
 
@@ -56,6 +57,141 @@ def test_called_twice_in_one_forward_raises(seed):
     jax.grad(loss)(variables)
   with pytest.raises(ValueError, match="twice"):
     jax.jit(jax.grad(loss))(variables)
+
+
+class Encoder(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    return fj.ForgeDense(4, optimizer=OPT, name="proj")(x)
+
+
+class Siamese(nn.Module):
+  """One encoder (one kernel) applied to two inputs: a second use that
+  creates a new ForgeDense instance each call."""
+
+  @nn.compact
+  def __call__(self, x):
+    encoder = Encoder(name="enc")
+    return encoder(x) - encoder(x[::-1])
+
+
+def test_kernel_used_twice_by_the_loss_raises(seed):
+  """However the second use comes (a submodule called twice, model.apply
+  twice in one loss), the second backward traced for one kernel in one
+  gradient computation raises; forward passes alone (inference) do not."""
+  x, _ = make_batch(seed, (4, 6), 4)
+  variables = Siamese().init(jax.random.key(seed), x)
+  assert Siamese().apply(variables, x).shape == (4, 4)  # inference
+  with pytest.raises(ValueError, match="ran its backward twice"):
+    jax.grad(lambda v: Siamese().apply(v, x).sum())(variables)
+  encoder = Encoder()
+  variables = encoder.init(jax.random.key(seed), x)
+  twice = lambda v: (encoder.apply(v, x) * encoder.apply(v, 2 * x)).sum()
+  jax.jit(twice)(variables)  # inference
+  with pytest.raises(ValueError, match="ran its backward twice"):
+    jax.jit(jax.grad(twice))(variables)
+
+
+@pytest.mark.parametrize("transform", ["jax.vmap", "lax.scan"])
+def test_shared_kernel_under_a_transform_poisons_the_layer(transform, seed):
+  """A transform that runs one traced backward several times with one
+  kernel (per-example ``jax.vmap`` with shared weights, a ``lax.scan`` over
+  micro-batches) sums the uses' updates: ``intact`` counts the uses,
+  ``fj.wiped_layers`` names the layer and its next step turns the kernel
+  NaN, as for a wiped layer."""
+  x, _ = make_batch(seed, (3, 5, 6), 4)
+  layer = fj.ForgeDense(4, optimizer=OPT)
+  variables = layer.init(jax.random.key(seed), x[0])
+
+  def loss(v):
+    if transform == "jax.vmap":
+      return jax.vmap(layer.apply, in_axes=(None, 0))(v, x).sum()
+    total = lambda carry, xs: (carry + layer.apply(v, xs).sum(), None)
+    return lax.scan(total, 0.0, x)[0]
+
+  state = fj.TrainState.create(
+    apply_fn=layer.apply, params=variables, tx=OPT.to_optax()
+  )
+  step = jax.jit(lambda s: s.apply_gradients(grads=jax.grad(loss)(s.params)))
+  state = step(state)
+  assert float(state.params[COLL]["intact"]) == 3.0
+  assert fj.wiped_layers(state.params) == [""]
+  state = step(state)
+  assert np.isnan(np.asarray(state.params[COLL]["kernel"])).all()
+
+
+class TwoHeads(nn.Module):
+  @nn.compact
+  def __call__(self, x, task: int):
+    heads = [fj.ForgeDense(4, optimizer=OPT, name=f"head{i}") for i in (0, 1)]
+    return heads[task](x)
+
+
+def _two_heads_state(seed, x):
+  model = TwoHeads()
+  variables = {
+    key: {**model.init(jax.random.key(seed), x, 0)[key], **value}
+    for key, value in model.init(jax.random.key(seed), x, 1).items()
+  }
+  return fj.TrainState.create(
+    apply_fn=model.apply, params=variables, tx=OPT.to_optax()
+  )
+
+
+def test_a_gradient_taken_elsewhere_does_not_wipe_an_unreached_layer(seed):
+  """A gradient traced for something else (a diagnostic's norm, in its own
+  jit) and never installed must not vouch for a layer in the next step:
+  there the loss does not reach head0, which keeps its variables."""
+  x, _ = make_batch(seed, (4, 6), 4)
+  state = _two_heads_state(seed, x)
+  loss = lambda v, task: (state.apply_fn(v, x, task) ** 2).mean()
+  diagnostic = jax.jit(lambda p: fj.global_norm(jax.grad(loss)(p, 0)))
+  assert np.isfinite(float(diagnostic(state.params)))
+  step = jax.jit(lambda s: s.apply_gradients(grads=jax.grad(loss)(s.params, 1)))
+  new = step(state)
+  assert_bitwise_equal(
+    new.params[COLL]["head0"]["kernel"],
+    state.params[COLL]["head0"]["kernel"],
+    "head0",
+  )
+  assert new.unreached_layers() == ["head0"]
+  assert fj.wiped_layers(new.params) == []
+
+
+def test_a_layer_in_a_branch_that_does_not_run_keeps_its_variables(seed):
+  """``nn.cond`` traces both branches' backwards, but only one runs: the
+  layer of the other keeps its variables, and steps when its branch runs."""
+
+  class Branches(nn.Module):
+    def setup(self):
+      self.a = fj.ForgeDense(4, optimizer=OPT)
+      self.b = fj.ForgeDense(4, optimizer=OPT)
+
+    def __call__(self, x, pred):
+      if self.is_initializing():  # nn.cond's branches find both layers
+        self.a(x)
+        self.b(x)
+      return nn.cond(pred, lambda m, x: m.a(x), lambda m, x: m.b(x), self, x)
+
+  x, _ = make_batch(seed, (4, 6), 4)
+  model = Branches()
+  variables = model.init(jax.random.key(seed), x, True)
+  state = fj.TrainState.create(
+    apply_fn=model.apply, params=variables, tx=OPT.to_optax()
+  )
+  loss = lambda v, pred: (model.apply(v, x, pred) ** 2).mean()
+  step = jax.jit(
+    lambda s, pred: s.apply_gradients(grads=jax.grad(loss)(s.params, pred))
+  )
+  new = step(state, jnp.bool_(True))
+  assert_bitwise_equal(
+    new.params[COLL]["b"]["kernel"], state.params[COLL]["b"]["kernel"], "b"
+  )
+  assert new.unreached_layers() == ["b"]
+  assert float(new.params[COLL]["a"]["count"]) == 1.0
+  new = step(new, jnp.bool_(False))
+  assert float(new.params[COLL]["b"]["count"]) == 1.0
+  assert fj.wiped_layers(new.params) == []
 
 
 # ---------------------------------------------------------------------------

@@ -477,16 +477,18 @@ def step_scalars(
 ):
   """This step's optimizer scalars, the learning rate poisoned if wiped.
 
-  A wiped layer (zeros written over it) gets a NaN learning rate: its
-  kernel turns NaN, and so does the loss, from the next step on. Poisoning
-  a per-step scalar costs nothing; poisoning the output would cost a pass
-  over the activations.
+  Each backward writes ``intact`` as it read it, 1. A wiped layer (zeros
+  written over it: ``intact`` 0) or one overwritten with the sum of
+  several backwards' updates (a kernel used more than once: ``intact`` the
+  number of uses) gets a NaN learning rate: its kernel turns NaN, and so
+  does the loss, from the next step on. Poisoning a per-step scalar costs
+  nothing; poisoning the output would cost a pass over the activations.
   """
   scalars = spec.optimizer.scalars(layer_step(variables, layer_index))
   intact = stacks.layer_entry(variables.intact, layer_index)
   return scalars._replace(
     neg_lr=scalars.neg_lr
-    * jnp.where(intact > 0, 1.0, jnp.nan).astype(scalars.neg_lr.dtype)
+    * jnp.where(intact == 1, 1.0, jnp.nan).astype(scalars.neg_lr.dtype)
   )
 
 
@@ -532,16 +534,19 @@ def stepped(
     (skipped, grad_sq_norm), _ = lax.optimization_barrier(
       ((skipped, grad_sq_norm), (variables.skipped, variables.grad_sq_norm))
     )
+  applied = apply.astype(jnp.float32)
   return ForgeVariables(
     kernel=new_kernel,
     opt_state=new_state,
-    count=stacks.add_at_layer(
-      variables.count, apply.astype(jnp.float32), layer_index
-    ),
+    count=stacks.add_at_layer(variables.count, applied, layer_index),
     skipped=stacks.with_layer_scalar(
       variables.skipped, skipped.astype(jnp.float32), layer_index
     ),
-    intact=variables.intact,
+    # As read (1), but a function of this backward's input (0 * applied):
+    # a transform that runs one traced backward several times (jax.vmap
+    # with shared weights) sums it like the other cotangents, which marks
+    # the summed layer (see step_scalars).
+    intact=variables.intact + 0.0 * applied,
     grad_sq_norm=stacks.with_layer_scalar(
       variables.grad_sq_norm, grad_sq_norm.astype(jnp.float32), layer_index
     ),
@@ -947,7 +952,9 @@ def _forge_dense_bwd(spec, layout, defers, residuals, dy):
   x, variables, bias, layer_index, needs_dx = residuals
   stored_shape = jnp.shape(variables.kernel)
   variables = _viewed(variables, jnp.shape(x)[-1:], layer_index is not None)
-  gradient_pass = layer_context.record_backward(spec.path, defers)
+  gradient_pass = layer_context.record_backward(
+    spec.path, defers, residuals[1].kernel
+  )
   if isinstance(dy, SymbolicZero):
     dy = jnp.zeros(dy.shape, dy.dtype)
   backward = functools.partial(
