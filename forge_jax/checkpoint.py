@@ -59,6 +59,11 @@ def save(path: str, state: Any, *, force: bool = False) -> str:
   """
   path = os.path.abspath(path)
   checkpointer = _checkpointer()
+  # A Python scalar (TrainState.step before the first step) as the array a
+  # step makes of it (int32 without x64), the dtype jax.eval_shape gives.
+  state = jax.tree.map(
+    lambda x: x if hasattr(x, "dtype") else jnp.asarray(x), state
+  )
   checkpointer.save(path, state, force=force)
   checkpointer.wait_until_finished()
   return path

@@ -14,7 +14,6 @@ from typing import Any, Optional
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax.core import meta
 from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
 from jax.sharding import PartitionSpec as P
@@ -29,6 +28,7 @@ from forge_jax.ops.fused_dense import (
   init_variables,
   one_hot_lookup,
   one_hot_precision,
+  poisoned,
 )
 from forge_jax.optimizers import ForgeOptimizer, not_elementwise_message
 
@@ -781,25 +781,23 @@ def wiped_layers(variables) -> list[str]:
   or with summed updates.
 
   A layer whose output does not reach the loss in a step receives zero
-  cotangents; an overwrite-with-gradient step then stores zeros. A kernel
-  used several times by one loss under a transform that traces its
-  backward once (``jax.vmap`` with shared weights, a ``lax.scan`` over
-  micro-batches, variables that ``nn.scan`` broadcasts) receives the sum of
-  the uses' updates. Either way ``intact`` is no longer 1, and the layer's
-  next backward pass makes its kernel NaN. Call this on the host to name
-  them. Layers stacked by ``nn.scan`` are named ``path[i]``.
+  cotangents; an overwrite-with-gradient step then stores zeros (``intact``
+  0). A kernel used several times by one loss under a transform that
+  traces its backward once (``jax.vmap`` with shared weights, a
+  ``lax.scan`` over micro-batches, variables that ``nn.scan`` broadcasts)
+  receives the sum of the uses' updates (``intact`` above 1, or a NaN
+  ``count`` where ``fj.TrainState`` found the count summed). Either way the
+  layer's next backward pass makes its kernel NaN. Call this on the host to
+  name them. Layers stacked by ``nn.scan`` are named ``path[i]``.
   """
   collection = variables.get(FORGE_COLLECTION, {})
   wiped = []
-  for path, leaf in jax.tree_util.tree_flatten_with_path(collection)[0]:
+  for path, intact in jax.tree_util.tree_flatten_with_path(collection)[0]:
     if not path or getattr(path[-1], "key", None) != "intact":
       continue
-    name = "/".join(str(getattr(k, "key", k)) for k in path[:-1])
-    flags = np.asarray(jax.device_get(leaf))
-    if flags.ndim == 0:
-      wiped += [name] if flags != 1.0 else []
-    else:
-      wiped += [
-        f"{name}[{i}]" for i in np.flatnonzero(flags.reshape(-1) != 1.0)
-      ]
+    keys = [getattr(k, "key", k) for k in path[:-1]]
+    layer = collection
+    for key in keys:
+      layer = layer[key]
+    wiped += poisoned("/".join(map(str, keys)), intact, layer["count"])
   return wiped

@@ -54,6 +54,7 @@ from forge_jax.ops.fused_dense import (
   init_variables,
   one_hot_lookup,
   one_hot_precision,
+  poisoned,
 )
 from forge_jax.optimizers import ForgeOptimizer, not_elementwise_message
 from forge_jax.scan import scan_stacks
@@ -583,13 +584,7 @@ def wiped_layers(model) -> list[str]:
   Stacked layers are named ``path[i]``."""
   names = []
   for path, layer in forge_layers(model):
-    flags = np.asarray(jax.device_get(_value(layer.intact)))
-    if flags.ndim == 0:
-      names += [_name(path)] if flags != 1 else []
-    else:
-      names += [
-        f"{_name(path)}[{i}]" for i in np.flatnonzero(flags.reshape(-1) != 1)
-      ]
+    names += poisoned(_name(path), _value(layer.intact), _value(layer.count))
   return names
 
 

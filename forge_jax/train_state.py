@@ -192,23 +192,35 @@ def install_layer(old, written, backward_traced: bool):
   """One layer's variables to install, and whether the step reached it.
 
   ``old`` and ``written`` (its cotangents) are mappings of the layer's
-  variables with an ``intact`` entry. With ``backward_traced`` the layer's
-  backward wrote ``written``: it is returned as it is (the update stays in
-  place). Otherwise, where ``intact`` is 0 (the loss did not reach the
-  layer; for stacks, per layer) the old values stay.
+  variables with ``count`` and ``intact`` entries. With ``backward_traced``
+  the layer's backward wrote ``written``: it is returned as it is (the
+  update stays in place). Otherwise, where ``intact`` is 0 (the loss did
+  not reach the layer; for stacks, per layer) the old values stay.
+
+  A kernel that several uses stepped under one traced backward (``jax.vmap``
+  with shared weights, a ``lax.scan`` over micro-batches) comes back with
+  the uses' updates summed, its ``count`` with them: a count that moved by
+  more than one step marks it, and it is poisoned as a wiped layer (its
+  ``count`` NaN: its next step turns it NaN, ``fj.wiped_layers`` names
+  it). The count, not ``intact``: XLA already keeps a copy of each old
+  count, which the step reads and overwrites.
   """
   flags = written["intact"] > 0
   reached = flags.astype(jnp.float32)
-  if backward_traced:
-    return written, reached
-  keep = lambda ct, value: jnp.where(
-    jnp.reshape(
-      flags, jnp.shape(flags) + (1,) * (jnp.ndim(ct) - jnp.ndim(flags))
-    ),
-    ct,
-    value,
-  )
-  return jax.tree.map(keep, written, old), reached
+  if not backward_traced:
+    keep = lambda ct, value: jnp.where(
+      jnp.reshape(
+        flags, jnp.shape(flags) + (1,) * (jnp.ndim(ct) - jnp.ndim(flags))
+      ),
+      ct,
+      value,
+    )
+    written = jax.tree.map(keep, written, old)
+  summed = written["count"] - old["count"] > 1.0
+  return {
+    **written,
+    "count": jnp.where(summed, jnp.nan, written["count"]),
+  }, reached
 
 
 #: What :func:`check_transformation` advises instead of clip_by_global_norm.
@@ -314,18 +326,66 @@ def _steps_match(tx, reference) -> bool:
     for i, t in enumerate((tx, reference)):
       updates, states[i] = t.update(grads, states[i], params)
       steps.append(np.asarray(updates["kernel"]))
-    if not np.allclose(steps[0], steps[1], rtol=1e-5, atol=1e-8):
+    # NaN where the reference steps NaN too (RAdam below its threshold).
+    if not np.allclose(
+      steps[0], steps[1], rtol=1e-5, atol=1e-8, equal_nan=True
+    ):
       return False
   return True
 
 
 def check_layer_optimizers(tx, collection):
   """Refuses a ``tx`` that is not the optimizer of the ForgeDense layers
-  traced last (the parameters it trains would follow another rule)."""
+  traced last (the parameters it trains would follow another rule), or
+  that would freeze some of them."""
   optimizers = {
     layer_context.optimizer(path) for path, _ in forge_layers(collection)
   }
   check_optimizers(tx, optimizers)
+  try:
+    frozen = _frozen_kernels(
+      tx, tuple(path for path, _ in forge_layers(collection))
+    )
+  except TypeError:  # an unhashable tx: nothing to probe
+    return
+  if frozen:
+    raise ValueError(
+      f"tx leaves the kernels of {list(frozen)} unchanged, as for frozen "
+      "parameters (optax.set_to_zero, a frozen label of "
+      "optax.multi_transform), but they are FORGE layers: they step inside "
+      "the backward pass by their own optimizer and never pass through tx. "
+      "Make a frozen layer a flax nn.Dense (frozen, it keeps no optimizer "
+      "state), or stop the gradient of its output (jax.lax.stop_gradient) "
+      "so that the loss does not reach it."
+    )
+
+
+@functools.lru_cache(maxsize=64)
+def _frozen_kernels(tx, paths: tuple) -> tuple:
+  """The layer paths where ``tx`` steps a kernel at ``<path>/kernel`` of
+  its parameters (where ``nn.Dense`` keeps one) by exactly zero: how
+  freezing by name (``optax.multi_transform``, ``optax.masked``) treats
+  them. Empty where ``tx`` cannot run on such a tree."""
+  try:
+    # Eagerly, also while a train step traces: the probe is concrete.
+    with jax.ensure_compile_time_eval():
+      probe = jnp.asarray([[0.5, -1.0, 2.0], [-0.25, 3.0, 0.1]])
+      grad = jnp.asarray(_PROBE_GRADIENTS[0], jnp.float32)
+      params, grads = {}, {}
+      for path in paths:
+        for tree, leaf in ((params, probe), (grads, grad)):
+          node = tree
+          for key in path:
+            node = node.setdefault(key, {})
+          node["kernel"] = leaf
+      updates, _ = tx.update(grads, tx.init(params), params)
+      return tuple(
+        "/".join(path)
+        for path in paths
+        if not np.asarray(layer_at(updates, path)["kernel"]).any()
+      )
+  except Exception:  # pylint: disable=broad-exception-caught
+    return ()
 
 
 def check_optimizers(tx, optimizers):

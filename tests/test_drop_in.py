@@ -715,6 +715,43 @@ def test_train_state_refuses_another_optimizer_than_the_layers(tx):
     train(WithAuxHead(), steps=1, tx=tx)
 
 
+@pytest.mark.parametrize("how", ["multi_transform", "masked"])
+def test_train_state_refuses_a_tx_that_freezes_forge_layers(how):
+  """Freezing by name (the fine-tuning recipe) cannot reach a FORGE
+  layer, which steps in its own backward pass: a tx that would leave the
+  kernel at one's path unchanged is refused, naming the layers; freezing
+  only the biases and norms passes."""
+  frozen = lambda names: (
+    lambda p: jax.tree_util.tree_map_with_path(
+      lambda path, _: any(n in jax.tree_util.keystr(path) for n in names), p
+    )
+  )
+
+  def tx(names):
+    if how == "masked":
+      return optax.chain(
+        OPT.to_optax(), optax.masked(optax.set_to_zero(), frozen(names))
+      )
+    labels = lambda p: jax.tree.map(
+      lambda f: "frozen" if f else "train", frozen(names)(p)
+    )
+    return optax.multi_transform(
+      {"train": OPT.to_optax(), "frozen": optax.set_to_zero()}, labels
+    )
+
+  with pytest.raises(ValueError, match=r"\['fc1'\].*FORGE layers"):
+    train(WithAuxHead(), steps=1, tx=tx(["fc1"]))
+  _, losses = train(WithAuxHead(), steps=1, tx=tx(["bias"]))
+  assert np.isfinite(losses).all()
+
+
+def test_radam_below_its_threshold_is_its_own_optax_alias():
+  """optax's RAdam steps NaN at some counts below threshold 4; the probe
+  that compares tx with the layers' rule takes NaN where both are."""
+  opt = fj.radam(1e-2, threshold=1.0)
+  fj.train_state.check_optimizers(opt.to_optax(), {opt})
+
+
 def test_train_state_accepts_a_weight_decay_mask():
   """A mask that decays kernels (by rank) and not biases: FORGE's kernels
   are decayed, as the mask says; the biases follow optax's mask."""

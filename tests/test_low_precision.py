@@ -657,6 +657,19 @@ def test_checkpoint_of_another_storage_format_is_refused(tmp_path, seed):
       checkpoint.restore(path, _new_state(seed, opt=wanted))
 
 
+def test_checkpoint_of_a_fresh_state_restores_into_its_eval_shape(
+  tmp_path, seed
+):
+  """A state saved before its first step (``step`` a Python 0) restores into
+  ``jax.eval_shape`` of its creation, whose step is an int32, and trains."""
+  create = lambda: _new_state(seed, state_class=fj.TrainState)
+  path = checkpoint.save(str(tmp_path / "step_0"), create())
+  restored = checkpoint.restore(path, jax.eval_shape(create))
+  assert restored.step.dtype == jnp.int32 and int(restored.step) == 0
+  resumed, loss = _train_step(restored, _batches(seed, 1)[0])
+  assert np.isfinite(float(loss)) and int(resumed.step) == 1
+
+
 def test_checkpoint_without_gradient_norms_restores_them_as_zeros(
   tmp_path, seed
 ):

@@ -479,17 +479,32 @@ def step_scalars(
 
   Each backward writes ``intact`` as it read it, 1. A wiped layer (zeros
   written over it: ``intact`` 0) or one overwritten with the sum of
-  several backwards' updates (a kernel used more than once: ``intact`` the
-  number of uses) gets a NaN learning rate: its kernel turns NaN, and so
-  does the loss, from the next step on. Poisoning a per-step scalar costs
-  nothing; poisoning the output would cost a pass over the activations.
+  several uses' updates (``intact`` above 1, or the NaN ``count`` of
+  ``fj.TrainState``'s install) gets a NaN learning rate: its kernel turns
+  NaN, and so does the loss, from the next step on. Poisoning a per-step
+  scalar costs nothing; poisoning the output would cost a pass over the
+  activations.
   """
   scalars = spec.optimizer.scalars(layer_step(variables, layer_index))
   intact = stacks.layer_entry(variables.intact, layer_index)
+  count = stacks.layer_entry(variables.count, layer_index)
+  whole = jnp.logical_and(intact == 1, count == count)
   return scalars._replace(
     neg_lr=scalars.neg_lr
-    * jnp.where(intact == 1, 1.0, jnp.nan).astype(scalars.neg_lr.dtype)
+    * jnp.where(whole, 1.0, jnp.nan).astype(scalars.neg_lr.dtype)
   )
+
+
+def poisoned(name: str, intact, count) -> list[str]:
+  """On the host: ``name`` (``name[i]`` for the entries of a stack) where
+  a layer's ``intact`` is not 1 or its ``count`` is NaN, the layers
+  :func:`step_scalars` poisons."""
+  intact = np.asarray(jax.device_get(intact), np.float32)
+  count = np.asarray(jax.device_get(count), np.float32)
+  bad = (intact != 1.0) | np.isnan(count)
+  if bad.ndim == 0:
+    return [name] if bad else []
+  return [f"{name}[{i}]" for i in np.flatnonzero(bad.reshape(-1))]
 
 
 def layer_step(variables: ForgeVariables, layer_index=None) -> jax.Array:
@@ -542,11 +557,7 @@ def stepped(
     skipped=stacks.with_layer_scalar(
       variables.skipped, skipped.astype(jnp.float32), layer_index
     ),
-    # As read (1), but a function of this backward's input (0 * applied):
-    # a transform that runs one traced backward several times (jax.vmap
-    # with shared weights) sums it like the other cotangents, which marks
-    # the summed layer (see step_scalars).
-    intact=variables.intact + 0.0 * applied,
+    intact=variables.intact,
     grad_sq_norm=stacks.with_layer_scalar(
       variables.grad_sq_norm, grad_sq_norm.astype(jnp.float32), layer_index
     ),
