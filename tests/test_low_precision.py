@@ -192,6 +192,15 @@ def test_stochastic_rounding_options_are_checked():
       rounding="stochastic",
       key=Q.rounding_key(0, 0),
     )
+  # A float16 ForgeDense is refused when it is created, not at its first
+  # backward pass.
+  layer = fj.ForgeDense(
+    4,
+    optimizer=fj.adamw(1e-3, weight_rounding="stochastic"),
+    param_dtype=jnp.float16,
+  )
+  with pytest.raises(ValueError, match="not float16"):
+    layer.init(jax.random.key(0), jnp.ones((2, 3)))
   # float32 kernels: nothing to round, the rule's values are stored as is.
   x = jnp.asarray(np.random.default_rng(0).standard_normal((3, 5)), F32)
   assert_bitwise_equal(

@@ -88,6 +88,16 @@ class ForgeVariables(NamedTuple):
 def init_variables(
   optimizer: ForgeOptimizer, kernel: jax.Array
 ) -> ForgeVariables:
+  dtype = jnp.dtype(kernel.dtype)
+  if optimizer.weight_rounding == "stochastic" and dtype not in (
+    jnp.bfloat16,
+    jnp.float32,
+  ):
+    raise ValueError(
+      f"weight_rounding='stochastic' writes bfloat16 (or float32) kernels, "
+      f"not {dtype}: use param_dtype=jnp.bfloat16, or weight_rounding="
+      "'nearest'"
+    )
   scalar = lambda v: jnp.asarray(v, jnp.float32)
   return ForgeVariables(
     kernel=kernel,
