@@ -344,7 +344,11 @@ def check_layer_optimizers(tx, collection):
   check_optimizers(tx, optimizers)
   try:
     frozen = _frozen_kernels(
-      tx, tuple(path for path, _ in forge_layers(collection))
+      tx,
+      tuple(
+        (path, layer_context.optimizer(path))
+        for path, _ in forge_layers(collection)
+      ),
     )
   except TypeError:  # an unhashable tx: nothing to probe
     return
@@ -361,28 +365,45 @@ def check_layer_optimizers(tx, collection):
 
 
 @functools.lru_cache(maxsize=64)
-def _frozen_kernels(tx, paths: tuple) -> tuple:
-  """The layer paths where ``tx`` steps a kernel at ``<path>/kernel`` of
-  its parameters (where ``nn.Dense`` keeps one) by exactly zero: how
-  freezing by name (``optax.multi_transform``, ``optax.masked``) treats
-  them. Empty where ``tx`` cannot run on such a tree."""
+def _frozen_kernels(tx, layers: tuple) -> tuple:
+  """The paths of ``layers`` (``(path, optimizer)`` pairs) where ``tx``
+  steps a kernel at ``<path>/kernel`` of its parameters (where ``nn.Dense``
+  keeps one) by exactly zero for the probe's steps while the layer's
+  optimizer moves it: how freezing by name (``optax.multi_transform``,
+  ``optax.masked``) treats them. (A learning rate that starts at zero
+  leaves both unmoved on the first step.) Empty where ``tx`` cannot run on
+  such a tree."""
   try:
     # Eagerly, also while a train step traces: the probe is concrete.
     with jax.ensure_compile_time_eval():
       probe = jnp.asarray([[0.5, -1.0, 2.0], [-0.25, 3.0, 0.1]])
-      grad = jnp.asarray(_PROBE_GRADIENTS[0], jnp.float32)
-      params, grads = {}, {}
-      for path in paths:
-        for tree, leaf in ((params, probe), (grads, grad)):
-          node = tree
-          for key in path:
-            node = node.setdefault(key, {})
-          node["kernel"] = leaf
-      updates, _ = tx.update(grads, tx.init(params), params)
+      params = {}
+      for path, _ in layers:
+        node = params
+        for key in path:
+          node = node.setdefault(key, {})
+        node["kernel"] = probe
+
+      def moved(t):
+        """Per path: whether ``t`` moved the kernel in any probe step."""
+        state, moves = t.init(params), {path: False for path, _ in layers}
+        for g in _PROBE_GRADIENTS:
+          grads = jax.tree.map(lambda _: jnp.asarray(g, jnp.float32), params)
+          updates, state = t.update(grads, state, params)
+          for path in moves:
+            step = np.asarray(layer_at(updates, path)["kernel"])
+            moves[path] = moves[path] or bool(step.any())
+        return moves
+
+      by_tx = moved(tx)
+      by_rule = {
+        opt: moved(opt.to_optax())
+        for opt in {opt for _, opt in layers if opt is not None}
+      }
       return tuple(
         "/".join(path)
-        for path in paths
-        if not np.asarray(layer_at(updates, path)["kernel"]).any()
+        for path, opt in layers
+        if opt is not None and by_rule[opt][path] and not by_tx[path]
       )
   except Exception:  # pylint: disable=broad-exception-caught
     return ()

@@ -745,6 +745,20 @@ def test_train_state_refuses_a_tx_that_freezes_forge_layers(how):
   assert np.isfinite(losses).all()
 
 
+def test_train_state_accepts_a_learning_rate_warmed_up_from_zero():
+  """A schedule that starts at 0 leaves the probe unmoved on its first
+  step, the layers' rule too: that is no freezing."""
+  opt = fj.adamw(optax.linear_schedule(0.0, 1e-2, 10), weight_decay=0.1)
+
+  class Layer(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return fj.ForgeDense(4, optimizer=opt, name="fc")(x)
+
+  _, losses = train(Layer(), steps=2, tx=opt.to_optax())
+  assert np.isfinite(losses).all()
+
+
 def test_radam_below_its_threshold_is_its_own_optax_alias():
   """optax's RAdam steps NaN at some counts below threshold 4; the probe
   that compares tx with the layers' rule takes NaN where both are."""
