@@ -176,6 +176,14 @@ class _ForgeLinear(nn.Module):
     self._check_variables(
       variables, _stacked_shapes(expected, stacked), stacked
     )
+    if stacked is not None and _stacking_transform(self.scope) is not None:
+      raise NotImplementedError(
+        f"{self._where()} runs inside nn.{_stacking_transform(self.scope)} "
+        "within fj.scan's block: fj.scan hands each ForgeDense of its block "
+        "the whole stacks of its own layer axis, which an inner scan or vmap "
+        "would slice as its own. Use the inner layers directly in the block "
+        "(one fj.scan over all of them), or nn.scan for the outer stack."
+      )
     layer_index = None if stacked is None else stacked.index
     self._check_single_use(kernel)
     path = (context.path if context is not None else ()) + tuple(self.path)

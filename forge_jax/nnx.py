@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import functools
 import itertools
-import weakref
 from types import MappingProxyType
 from typing import Any, Callable, Mapping, Optional
 
@@ -83,8 +82,6 @@ TRAINABLE = (nnx.Param, OverwriteWithGradient)
 _SHARDING_KEYS = ("out_sharding", "sharding_rules", "mesh")
 
 _LAYER_KEYS = itertools.count()
-#: The kernel each layer's last traced call used (weakly), by layer key.
-_KERNELS_IN_USE: dict[tuple, weakref.ref] = {}
 
 
 def _value(variable):
@@ -223,7 +220,6 @@ class Linear(nnx.Module):
       context if context is not None and context.index is not None else None
     )
     self._check_variables(variables, stacked)
-    self._check_single_use(variables.kernel)
     layer_context.record_forward(self.layer_key, self.optimizer)
     spec = FusedDenseSpec(
       optimizer=self.optimizer,
@@ -295,23 +291,6 @@ class Linear(nnx.Module):
       "nnx.scan); otherwise pass the variables as the constructor made "
       "them (no cast, no other optimizer's state)."
     )
-
-  def _check_single_use(self, kernel):
-    # The cotangent of a kernel used twice would be the sum of two updated
-    # kernels. A traced kernel is one trace's: the same tracer again is a
-    # second call in the same forward pass.
-    if not isinstance(kernel, jax.core.Tracer):
-      return  # eager and not differentiated: nothing to update
-    previous = _KERNELS_IN_USE.get(self.layer_key)
-    if previous is not None and previous() is kernel:
-      raise ValueError(
-        f"fj.nnx.Linear({self.in_features}, {self.out_features}) was "
-        "called twice in one traced forward pass. FORGE updates the kernel "
-        "inside each call's backward, so a shared kernel would receive two "
-        "updates summed together. Use one fj.nnx.Linear per use, or "
-        "nnx.Linear for shared weights."
-      )
-    _KERNELS_IN_USE[self.layer_key] = weakref.ref(kernel)
 
   def _layout(self, inputs) -> Optional[parallel.ShardedLayout]:
     """The per-shard layout, or None for the single-device op."""

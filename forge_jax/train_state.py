@@ -197,13 +197,16 @@ def install_layer(old, written, backward_traced: bool):
   update stays in place). Otherwise, where ``intact`` is 0 (the loss did
   not reach the layer; for stacks, per layer) the old values stay.
 
-  A kernel that several uses stepped under one traced backward (``jax.vmap``
-  with shared weights, a ``lax.scan`` over micro-batches) comes back with
-  the uses' updates summed, its ``count`` with them: a count that moved by
-  more than one step marks it, and it is poisoned as a wiped layer (its
-  ``count`` NaN: its next step turns it NaN, ``fj.wiped_layers`` names
-  it). The count, not ``intact``: XLA already keeps a copy of each old
-  count, which the step reads and overwrites.
+  A reached layer's backward moves its ``count`` by one, or by none when
+  it skipped every element (``skipped`` the kernel's size). Anything else
+  is not what a backward wrote: the sum of several uses' updates (a kernel
+  that ``jax.vmap`` with shared weights, or a ``lax.scan`` over
+  micro-batches, stepped under one traced backward), or cotangents changed
+  on their way (a gradient clip, loss scaling applied to FORGE's
+  collection). Such a layer is poisoned as a wiped one (its ``count``
+  NaN: its next step turns it NaN, ``fj.wiped_layers`` names it). The
+  count, not ``intact``: XLA already keeps a copy of each old count, which
+  the step reads and overwrites.
   """
   flags = written["intact"] > 0
   reached = flags.astype(jnp.float32)
@@ -216,10 +219,16 @@ def install_layer(old, written, backward_traced: bool):
       value,
     )
     written = jax.tree.map(keep, written, old)
-  summed = written["count"] - old["count"] > 1.0
+  moved = written["count"] - old["count"]
+  layer_size = np.size(old["kernel"]) // max(1, np.size(old["count"]))
+  written_by_backward = jnp.logical_or(
+    moved == 1.0,
+    jnp.logical_and(moved == 0.0, written["skipped"] == float(layer_size)),
+  )
+  changed = jnp.logical_and(flags, jnp.logical_not(written_by_backward))
   return {
     **written,
-    "count": jnp.where(summed, jnp.nan, written["count"]),
+    "count": jnp.where(changed, jnp.nan, written["count"]),
   }, reached
 
 
@@ -289,20 +298,22 @@ def check_clipped(collection):
 @functools.lru_cache(maxsize=64)
 def _same_rule(tx, optimizer) -> bool | None:
   """Whether ``tx`` steps a probe like ``optimizer.to_optax()`` or
-  ``fj.optax_with_storage(optimizer)`` does (None:
-  ``tx`` cannot run on the probe, e.g. it labels parameters by name)."""
+  ``fj.optax_with_storage(optimizer)`` does (None: ``tx`` cannot run on
+  the probe, e.g. it labels parameters by name, or leaves it where it is:
+  a freezing label that reaches the probe says nothing of the rule)."""
   try:
     # Eagerly, also while a train step traces: the probe is concrete.
     with jax.ensure_compile_time_eval():
-      return any(
+      verdicts = [
         _steps_match(tx, reference)
         for reference in (
           optimizer.to_optax(),
           optax_storage.optax_with_storage(optimizer),
         )
-      )
+      ]
   except Exception:  # pylint: disable=broad-exception-caught
     return None
+  return None if None in verdicts else any(verdicts)
 
 
 #: The probe's gradients: three steps whose magnitudes range from 1e-4 to
@@ -315,23 +326,26 @@ _PROBE_GRADIENTS = (
 )
 
 
-def _steps_match(tx, reference) -> bool:
+def _steps_match(tx, reference) -> bool | None:
+  """Whether ``tx`` steps the probe as ``reference`` does; None where
+  ``tx`` never moves it."""
   # A kernel-shaped parameter named like one: weight-decay masks by rank or
   # by name treat it as they would a kernel.
   params = {"kernel": jnp.asarray([[0.5, -1.0, 2.0], [-0.25, 3.0, 0.1]])}
   states = [tx.init(params), reference.init(params)]
+  same, moved = True, False
   for g in _PROBE_GRADIENTS:
     grads = {"kernel": jnp.asarray(g, jnp.float32)}
     steps = []
     for i, t in enumerate((tx, reference)):
       updates, states[i] = t.update(grads, states[i], params)
       steps.append(np.asarray(updates["kernel"]))
+    moved = moved or bool(steps[0].any())
     # NaN where the reference steps NaN too (RAdam below its threshold).
-    if not np.allclose(
+    same = same and np.allclose(
       steps[0], steps[1], rtol=1e-5, atol=1e-8, equal_nan=True
-    ):
-      return False
-  return True
+    )
+  return same if moved else None
 
 
 def check_layer_optimizers(tx, collection):
@@ -341,7 +355,6 @@ def check_layer_optimizers(tx, collection):
   optimizers = {
     layer_context.optimizer(path) for path, _ in forge_layers(collection)
   }
-  check_optimizers(tx, optimizers)
   try:
     frozen = _frozen_kernels(
       tx,
@@ -351,7 +364,7 @@ def check_layer_optimizers(tx, collection):
       ),
     )
   except TypeError:  # an unhashable tx: nothing to probe
-    return
+    frozen = ()
   if frozen:
     raise ValueError(
       f"tx leaves the kernels of {list(frozen)} unchanged, as for frozen "
@@ -360,8 +373,10 @@ def check_layer_optimizers(tx, collection):
       "the backward pass by their own optimizer and never pass through tx. "
       "Make a frozen layer a flax nn.Dense (frozen, it keeps no optimizer "
       "state), or stop the gradient of its output (jax.lax.stop_gradient) "
-      "so that the loss does not reach it."
+      "so that the loss does not reach it. (A label by leaf name, such as "
+      "every 'kernel', reaches them too: label frozen layers by path.)"
     )
+  check_optimizers(tx, optimizers)
 
 
 @functools.lru_cache(maxsize=64)

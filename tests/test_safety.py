@@ -119,6 +119,31 @@ def test_shared_kernel_under_a_transform_poisons_the_layer(transform, seed):
   assert np.isnan(np.asarray(state.params[COLL]["proj"]["kernel"])).all()
 
 
+def test_cotangents_changed_before_install_poison_the_layer(seed):
+  """FORGE's cotangents are the new variables: a gradient clip applied to
+  all of grads clips them too. A count that moved neither by one step nor
+  by a skipped step's none marks it; the layer is poisoned."""
+  x, _ = make_batch(seed, (4, 6), 4)
+  model = Encoder()
+  state = fj.TrainState.create(
+    apply_fn=model.apply,
+    params=model.init(jax.random.key(seed), x),
+    tx=OPT.to_optax(),
+  )
+
+  @jax.jit
+  def step(state):
+    grads = jax.grad(lambda v: (state.apply_fn(v, x) ** 2).sum())(state.params)
+    return state.apply_gradients(
+      grads=jax.tree.map(lambda g: jnp.clip(g, -1.0, 1.0), grads)
+    )
+
+  state = step(step(state))  # the count stops at 1 from the second step
+  assert fj.wiped_layers(state.params) == ["proj"]
+  state = step(state)
+  assert np.isnan(np.asarray(state.params[COLL]["proj"]["kernel"])).all()
+
+
 class TwoHeads(nn.Module):
   @nn.compact
   def __call__(self, x, task: int):

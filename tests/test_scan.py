@@ -338,6 +338,35 @@ def test_nested_fj_scan_raises(seed):
     jax.grad(lambda v: model.apply(v, x, 0.5)[0].sum())(variables)
 
 
+class InnerScan(nn.Module):
+  @nn.compact
+  def __call__(self, x, scale):
+    inner = nn.scan(
+      Block,
+      variable_axes={True: 0},
+      split_rngs={"params": True},
+      in_axes=(nn.broadcast,),
+      length=2,
+    )
+    return inner(name="inner")(x, scale)
+
+
+def test_nn_scan_inside_fj_scan_raises(seed):
+  """An inner nn.scan would slice fj.scan's whole stacks along their layer
+  axis as its own (with equal lengths: a wrong loss, silently)."""
+  model = fj.scan(
+    InnerScan,
+    variable_axes={True: 0},
+    split_rngs={"params": True},
+    in_axes=(nn.broadcast,),
+    length=2,
+  )()
+  x = jnp.ones((TOKENS, WIDTH))
+  variables = model.init(jax.random.key(seed), x, 0.5)
+  with pytest.raises(NotImplementedError, match="inside nn.scan within"):
+    jax.grad(lambda v: model.apply(v, x, 0.5)[0].sum())(variables)
+
+
 # ---------------------------------------------------------------------------
 # Stacked mode of the op: the stacks with one layer stepped, bit for bit.
 
