@@ -232,7 +232,7 @@ def _check_single_backward(path, name, kernel):
     return
   try:
     ref = weakref.ref(kernel)
-  except TypeError:  # not weakly referenceable: not a traced array
+  except TypeError:  # not weakly referenceable (a Python scalar)
     return
   previous = _EVENTS.kernels.get((path, name))
   if (

@@ -794,8 +794,10 @@ def wiped_layers(variables) -> list[str]:
   traces its backward once (``jax.vmap`` with shared weights, a
   ``lax.scan`` over micro-batches, variables that ``nn.scan`` broadcasts)
   receives the sum of the uses' updates (``intact`` above 1, or a NaN
-  ``count`` where ``fj.TrainState`` found the count summed). Either way the
-  layer's next backward pass makes its kernel NaN. Call this on the host to
+  ``count``: ``fj.TrainState`` makes it NaN where the count did not move as
+  one backward moves it, which also catches a clip or scaling applied to
+  FORGE's collection). Either way the layer's next backward pass makes its
+  kernel NaN. Call this on the host to
   name them. Layers stacked by ``nn.scan`` are named ``path[i]``.
   """
   collection = variables.get(FORGE_COLLECTION, {})

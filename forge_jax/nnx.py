@@ -557,8 +557,8 @@ def wiped_layers(model) -> list[str]:
   """Paths of :class:`Linear` layers whose variables were overwritten with
   zeros (``intact`` 0: installed without :func:`install`, e.g. by
   ``nnx.update(model, grads)`` after a step the layer's output did not
-  reach) or with the sum of several uses' updates (``intact`` above 1: a
-  kernel shared under ``jax.vmap`` or a loop, see
+  reach) or with cotangents no single backward wrote (a kernel shared
+  under ``jax.vmap`` or a ``lax.scan``, a clip of FORGE's collection: see
   :func:`forge_jax.wiped_layers`); their next step makes the kernel NaN.
   Stacked layers are named ``path[i]``."""
   names = []

@@ -488,10 +488,11 @@ def step_scalars(
   """This step's optimizer scalars, the learning rate poisoned if wiped.
 
   Each backward writes ``intact`` as it read it, 1. A wiped layer (zeros
-  written over it: ``intact`` 0) or one overwritten with the sum of
-  several uses' updates (``intact`` above 1, or the NaN ``count`` of
-  ``fj.TrainState``'s install) gets a NaN learning rate: its kernel turns
-  NaN, and so does the loss, from the next step on. Poisoning a per-step
+  written over it: ``intact`` 0), one overwritten with the sum of several
+  uses' updates (``intact`` above 1), or one whose ``count``
+  ``fj.TrainState``'s install made NaN (it did not move as a backward
+  moves it) gets a NaN learning rate: its kernel turns NaN, and so does
+  the loss, from the next step on. Poisoning a per-step
   scalar costs nothing; poisoning the output would cost a pass over the
   activations.
   """
@@ -559,11 +560,12 @@ def stepped(
     (skipped, grad_sq_norm), _ = lax.optimization_barrier(
       ((skipped, grad_sq_norm), (variables.skipped, variables.grad_sq_norm))
     )
-  applied = apply.astype(jnp.float32)
   return ForgeVariables(
     kernel=new_kernel,
     opt_state=new_state,
-    count=stacks.add_at_layer(variables.count, applied, layer_index),
+    count=stacks.add_at_layer(
+      variables.count, apply.astype(jnp.float32), layer_index
+    ),
     skipped=stacks.with_layer_scalar(
       variables.skipped, skipped.astype(jnp.float32), layer_index
     ),
@@ -971,11 +973,13 @@ def _axis_offset(axes, local_size):
 
 def _forge_dense_bwd(spec, layout, defers, residuals, dy):
   x, variables, bias, layer_index, needs_dx = residuals
+  # The kernel as the forward read it: the same array twice is one kernel
+  # used twice.
+  gradient_pass = layer_context.record_backward(
+    spec.path, defers, variables.kernel
+  )
   stored_shape = jnp.shape(variables.kernel)
   variables = _viewed(variables, jnp.shape(x)[-1:], layer_index is not None)
-  gradient_pass = layer_context.record_backward(
-    spec.path, defers, residuals[1].kernel
-  )
   if isinstance(dy, SymbolicZero):
     dy = jnp.zeros(dy.shape, dy.dtype)
   backward = functools.partial(
