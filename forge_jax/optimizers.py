@@ -970,7 +970,6 @@ WHOLE_GRADIENT_TRANSFORMATIONS = (
   "skip_not_finite",
   "skip_large_updates",
   "MultiSteps",
-  "zero_nans",
   "adafactor",
   "scale_by_factored_rms",
   "scale_by_trust_ratio",

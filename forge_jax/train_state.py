@@ -266,6 +266,15 @@ def check_transformation(tx, clipping_advice: str = CLIPPING_ADVICE):
       "Pass tx=opt.to_optax(), with an optax schedule as the learning rate "
       "if it changes (the schedule gives its value at any step, to log)."
     )
+  if "zero_nans" in names:
+    raise ValueError(
+      "tx holds zero_nans: the ForgeDense layers keep their weights and "
+      "states where a gradient element is not finite (counted in skipped), "
+      "and their gradients never reach tx, so zero_nans would step only "
+      "the other parameters, and unlike the layers. Remove it from tx; "
+      "tx=fj.optax_with_storage(opt) keeps the other parameters' "
+      "non-finite elements as the layers do."
+    )
   whole = sorted(names.intersection(WHOLE_GRADIENT_TRANSFORMATIONS))
   if whole:
     raise ValueError(

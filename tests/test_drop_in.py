@@ -679,6 +679,7 @@ def test_stock_train_state_still_fails_loudly_on_an_unreached_layer():
       "clip_by_global_norm",
     ),
     (optax.apply_if_finite(OPT.to_optax(), 3), "apply_if_finite"),
+    (optax.chain(optax.zero_nans(), OPT.to_optax()), "zero_nans: the"),
     (
       optax.inject_hyperparams(optax.adamw)(
         learning_rate=1e-2, weight_decay=0.1
@@ -690,6 +691,7 @@ def test_stock_train_state_still_fails_loudly_on_an_unreached_layer():
     "multi_steps",
     "clip_by_global_norm",
     "apply_if_finite",
+    "zero_nans",
     "inject_hyperparams",
   ],
 )
