@@ -144,6 +144,11 @@ def test_cotangents_changed_before_install_poison_the_layer(seed):
   assert np.isnan(np.asarray(state.params[COLL]["proj"]["kernel"])).all()
 
 
+# ---------------------------------------------------------------------------
+# Backwards that do not vouch for a layer: another computation's, another
+# model's, a branch's.
+
+
 class TwoHeads(nn.Module):
   @nn.compact
   def __call__(self, x, task: int):
@@ -180,6 +185,43 @@ def test_a_gradient_taken_elsewhere_does_not_wipe_an_unreached_layer(seed):
   )
   assert new.unreached_layers() == ["head0"]
   assert fj.wiped_layers(new.params) == []
+
+
+class OneHead(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    return fj.ForgeDense(4, optimizer=OPT, name="head0")(x)
+
+
+def test_another_models_backward_does_not_vouch_for_a_layer(seed):
+  """Model A's head0 (reached) and model B's head0 (not reached) share a
+  path; in one jitted step B installs first: its head0 keeps its
+  variables, and A's head0 steps."""
+  x, _ = make_batch(seed, (4, 6), 4)
+  state_b = _two_heads_state(seed, x)
+  model_a = OneHead()
+  state_a = fj.TrainState.create(
+    apply_fn=model_a.apply,
+    params=model_a.init(jax.random.key(seed), x),
+    tx=OPT.to_optax(),
+  )
+
+  @jax.jit
+  def step(a, b):
+    grads_a = jax.grad(lambda v: (a.apply_fn(v, x) ** 2).mean())(a.params)
+    grads_b = jax.grad(lambda v: (b.apply_fn(v, x, 1) ** 2).mean())(b.params)
+    b = b.apply_gradients(grads=grads_b)
+    return a.apply_gradients(grads=grads_a), b
+
+  new_a, new_b = step(state_a, state_b)
+  assert_bitwise_equal(
+    new_b.params[COLL]["head0"]["kernel"],
+    state_b.params[COLL]["head0"]["kernel"],
+    "B's head0",
+  )
+  assert new_b.unreached_layers() == ["head0"]
+  assert float(new_b.params[COLL]["head1"]["count"]) == 1.0
+  assert float(new_a.params[COLL]["head0"]["count"]) == 1.0
 
 
 def test_a_layer_in_a_branch_that_does_not_run_keeps_its_variables(seed):
