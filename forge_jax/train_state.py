@@ -325,6 +325,10 @@ def _same_rule(tx, optimizer) -> bool | None:
   return None if None in verdicts else any(verdicts)
 
 
+#: The probe: a kernel-shaped parameter (made into an array where it steps,
+#: eagerly).
+_PROBE_KERNEL = [[0.5, -1.0, 2.0], [-0.25, 3.0, 0.1]]
+
 #: The probe's gradients: three steps whose magnitudes range from 1e-4 to
 #: 1e4, so that a transformation that changes some steps (an elementwise
 #: clip, a rescaling by magnitude) changes the probe's.
@@ -340,7 +344,7 @@ def _steps_match(tx, reference) -> bool | None:
   ``tx`` never moves it."""
   # A kernel-shaped parameter named like one: weight-decay masks by rank or
   # by name treat it as they would a kernel.
-  params = {"kernel": jnp.asarray([[0.5, -1.0, 2.0], [-0.25, 3.0, 0.1]])}
+  params = {"kernel": jnp.asarray(_PROBE_KERNEL)}
   states = [tx.init(params), reference.init(params)]
   same, moved = True, False
   for g in _PROBE_GRADIENTS:
@@ -361,17 +365,12 @@ def check_layer_optimizers(tx, collection):
   """Refuses a ``tx`` that is not the optimizer of the ForgeDense layers
   traced last (the parameters it trains would follow another rule), or
   that would freeze some of them."""
-  optimizers = {
-    layer_context.optimizer(path) for path, _ in forge_layers(collection)
-  }
+  layers = tuple(
+    (path, layer_context.optimizer(path))
+    for path, _ in forge_layers(collection)
+  )
   try:
-    frozen = _frozen_kernels(
-      tx,
-      tuple(
-        (path, layer_context.optimizer(path))
-        for path, _ in forge_layers(collection)
-      ),
-    )
+    frozen = _frozen_kernels(tx, layers)
   except TypeError:  # an unhashable tx: nothing to probe
     frozen = ()
   if frozen:
@@ -385,7 +384,7 @@ def check_layer_optimizers(tx, collection):
       "so that the loss does not reach it. (A label by leaf name, such as "
       "every 'kernel', reaches them too: label frozen layers by path.)"
     )
-  check_optimizers(tx, optimizers)
+  check_optimizers(tx, {optimizer for _, optimizer in layers})
 
 
 @functools.lru_cache(maxsize=64)
@@ -400,7 +399,7 @@ def _frozen_kernels(tx, layers: tuple) -> tuple:
   try:
     # Eagerly, also while a train step traces: the probe is concrete.
     with jax.ensure_compile_time_eval():
-      probe = jnp.asarray([[0.5, -1.0, 2.0], [-0.25, 3.0, 0.1]])
+      probe = jnp.asarray(_PROBE_KERNEL)
       params = {}
       for path, _ in layers:
         node = params

@@ -60,9 +60,19 @@ def test_called_twice_in_one_forward_raises(seed):
 
 
 class Encoder(nn.Module):
+  layer: str = "proj"
+
   @nn.compact
   def __call__(self, x):
-    return fj.ForgeDense(4, optimizer=OPT, name="proj")(x)
+    return fj.ForgeDense(4, optimizer=OPT, name=self.layer)(x)
+
+
+def _state(model, seed, *inputs):
+  return fj.TrainState.create(
+    apply_fn=model.apply,
+    params=model.init(jax.random.key(seed), *inputs),
+    tx=OPT.to_optax(),
+  )
 
 
 class Siamese(nn.Module):
@@ -101,7 +111,6 @@ def test_shared_kernel_under_a_transform_poisons_the_layer(transform, seed):
   turns the kernel NaN, as for a wiped layer."""
   x, _ = make_batch(seed, (3, 5, 6), 4)
   model = Encoder()
-  variables = model.init(jax.random.key(seed), x[0])
 
   def loss(v):
     if transform == "jax.vmap":
@@ -109,9 +118,7 @@ def test_shared_kernel_under_a_transform_poisons_the_layer(transform, seed):
     total = lambda carry, xs: (carry + model.apply(v, xs).sum(), None)
     return lax.scan(total, 0.0, x)[0]
 
-  state = fj.TrainState.create(
-    apply_fn=model.apply, params=variables, tx=OPT.to_optax()
-  )
+  state = _state(model, seed, x[0])
   step = jax.jit(lambda s: s.apply_gradients(grads=jax.grad(loss)(s.params)))
   state = step(state)
   assert fj.wiped_layers(state.params) == ["proj"]
@@ -124,12 +131,7 @@ def test_cotangents_changed_before_install_poison_the_layer(seed):
   all of grads clips them too. A count that moved neither by one step nor
   by a skipped step's none marks it; the layer is poisoned."""
   x, _ = make_batch(seed, (4, 6), 4)
-  model = Encoder()
-  state = fj.TrainState.create(
-    apply_fn=model.apply,
-    params=model.init(jax.random.key(seed), x),
-    tx=OPT.to_optax(),
-  )
+  state = _state(Encoder(), seed, x)
 
   @jax.jit
   def step(state):
@@ -187,24 +189,13 @@ def test_a_gradient_taken_elsewhere_does_not_wipe_an_unreached_layer(seed):
   assert fj.wiped_layers(new.params) == []
 
 
-class OneHead(nn.Module):
-  @nn.compact
-  def __call__(self, x):
-    return fj.ForgeDense(4, optimizer=OPT, name="head0")(x)
-
-
 def test_another_models_backward_does_not_vouch_for_a_layer(seed):
   """Model A's head0 (reached) and model B's head0 (not reached) share a
   path; in one jitted step B installs first: its head0 keeps its
   variables, and A's head0 steps."""
   x, _ = make_batch(seed, (4, 6), 4)
   state_b = _two_heads_state(seed, x)
-  model_a = OneHead()
-  state_a = fj.TrainState.create(
-    apply_fn=model_a.apply,
-    params=model_a.init(jax.random.key(seed), x),
-    tx=OPT.to_optax(),
-  )
+  state_a = _state(Encoder(layer="head0"), seed, x)
 
   @jax.jit
   def step(a, b):
@@ -241,10 +232,7 @@ def test_a_layer_in_a_branch_that_does_not_run_keeps_its_variables(seed):
 
   x, _ = make_batch(seed, (4, 6), 4)
   model = Branches()
-  variables = model.init(jax.random.key(seed), x, True)
-  state = fj.TrainState.create(
-    apply_fn=model.apply, params=variables, tx=OPT.to_optax()
-  )
+  state = _state(model, seed, x, True)
   loss = lambda v, pred: (model.apply(v, x, pred) ** 2).mean()
   step = jax.jit(
     lambda s, pred: s.apply_gradients(grads=jax.grad(loss)(s.params, pred))

@@ -311,10 +311,14 @@ def test_pallas_kernel_updates_whole_stacks(seed, policy):
   assert not stack_writes
 
 
-class Nested(nn.Module):
+class InnerScan(nn.Module):
+  """A block that scans its own layers: with ``fj.scan`` or ``nn.scan``."""
+
+  scan: Any
+
   @nn.compact
   def __call__(self, x, scale):
-    return fj.scan(
+    return self.scan(
       Block,
       variable_axes={True: 0},
       split_rngs={"params": True},
@@ -323,47 +327,28 @@ class Nested(nn.Module):
     )(name="inner")(x, scale)
 
 
-def test_nested_fj_scan_raises(seed):
-  """The outer backward hands the inner scan whole outer stacks."""
-  model = fj.scan(
-    Nested,
-    variable_axes={True: 0},
-    split_rngs={"params": True},
-    in_axes=(nn.broadcast,),
-    length=2,
-  )()
-  x = jnp.ones((TOKENS, WIDTH))
-  variables = model.init(jax.random.key(seed), x, 0.5)
-  with pytest.raises(NotImplementedError, match="inside the block of another"):
-    jax.grad(lambda v: model.apply(v, x, 0.5)[0].sum())(variables)
-
-
-class InnerScan(nn.Module):
-  @nn.compact
-  def __call__(self, x, scale):
-    inner = nn.scan(
-      Block,
-      variable_axes={True: 0},
-      split_rngs={"params": True},
-      in_axes=(nn.broadcast,),
-      length=2,
-    )
-    return inner(name="inner")(x, scale)
-
-
-def test_nn_scan_inside_fj_scan_raises(seed):
-  """An inner nn.scan would slice fj.scan's whole stacks along their layer
-  axis as its own (with equal lengths: a wrong loss, silently)."""
+@pytest.mark.parametrize(
+  "inner, match",
+  [
+    (fj.scan, "inside the block of another"),
+    (nn.scan, "inside nn.scan within"),
+  ],
+  ids=["fj.scan", "nn.scan"],
+)
+def test_scan_inside_fj_scan_raises(inner, match, seed):
+  """The outer backward hands the block whole outer stacks, which an inner
+  scan would slice as its own (an inner nn.scan of equal length: a wrong
+  loss, silently)."""
   model = fj.scan(
     InnerScan,
     variable_axes={True: 0},
     split_rngs={"params": True},
     in_axes=(nn.broadcast,),
     length=2,
-  )()
+  )(inner)
   x = jnp.ones((TOKENS, WIDTH))
   variables = model.init(jax.random.key(seed), x, 0.5)
-  with pytest.raises(NotImplementedError, match="inside nn.scan within"):
+  with pytest.raises(NotImplementedError, match=match):
     jax.grad(lambda v: model.apply(v, x, 0.5)[0].sum())(variables)
 
 
