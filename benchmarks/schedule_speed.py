@@ -31,14 +31,24 @@ import forge_jax as fj  # noqa: E402
 from forge_jax.ops import mosaic  # noqa: E402
 
 OPTIMIZERS = {
-  "adamw": lambda dtype: fj.adamw(1e-3, weight_decay=0.1, state_dtype=dtype),
-  "lion": lambda dtype: fj.lion(1e-4, state_dtype=dtype),
-  "sgd_momentum": lambda dtype: fj.sgd(1e-2, momentum=0.9, state_dtype=dtype),
-  "sgd": lambda dtype: fj.sgd(1e-2, state_dtype=dtype),
-  "rmsprop": lambda dtype: fj.rmsprop(1e-3, state_dtype=dtype),
-  "adagrad": lambda dtype: fj.adagrad(1e-2, state_dtype=dtype),
+  "adamw": lambda **kw: fj.adamw(1e-3, weight_decay=0.1, **kw),
+  "nadam": lambda **kw: fj.nadam(1e-3, **kw),
+  "radam": lambda **kw: fj.radam(1e-3, **kw),
+  "lion": lambda **kw: fj.lion(1e-4, **kw),
+  "sgd_momentum": lambda **kw: fj.sgd(1e-2, momentum=0.9, **kw),
+  "sgd": lambda **kw: fj.sgd(1e-2, **kw),
+  "rmsprop": lambda **kw: fj.rmsprop(1e-3, **kw),
+  "adagrad": lambda **kw: fj.adagrad(1e-2, **kw),
 }
-STORAGES = {"bf16": jnp.bfloat16, "fp32": jnp.float32}
+#: Each storage's kernel dtype and the optimizer's storage fields.
+STORAGES = {
+  "bf16": (jnp.bfloat16, {"state_dtype": jnp.bfloat16}),
+  "bf16-sr": (
+    jnp.bfloat16,
+    {"state_dtype": jnp.bfloat16, "weight_rounding": "stochastic"},
+  ),
+  "fp32": (jnp.float32, {"state_dtype": jnp.float32}),
+}
 
 
 def _args(argv=None):
@@ -112,9 +122,10 @@ def measure(storage, opt_name, tokens, shape) -> dict:
     "k": k,
     "n": n,
   }
-  optimizer = OPTIMIZERS[opt_name](STORAGES[storage])
+  dtype, fields = STORAGES[storage]
+  optimizer = OPTIMIZERS[opt_name](**fields)
   try:
-    case.update(run_case(optimizer, tokens, k, n, STORAGES[storage]))
+    case.update(run_case(optimizer, tokens, k, n, dtype))
   except Exception as e:  # a case the kernel cannot run
     case["error"] = f"{type(e).__name__}: {e}"[:300]
   return case
