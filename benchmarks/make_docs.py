@@ -1407,62 +1407,72 @@ def compile_time_section(runs) -> str:
 def lowp_sweep_section(run) -> str:
   """The Mosaic configs tried for int8 states (``--mosaic-configs``)."""
   return lowp_speed_section(
-    run,
+    [run],
     "int8 states: the Mosaic kernel's configs",
     "python benchmarks/lowp_speed.py --storages int8-sr --mosaic-configs "
     "'{...}' ... --out benchmarks/results/lowp_sweep.json",
   )
 
 
+def _lowp_cell(case, name) -> str:
+  if case is None or name not in case["ms"]:
+    return "-"
+  ratio = case.get("ratio_to_bf16", {}).get(name)
+  return f"{case['ms'][name]:.3f}" + (f" ({ratio:.2f}x)" if ratio else "")
+
+
 def lowp_speed_section(
-  run,
+  runs,
   title="Low-precision storage: speed of one fused update",
   command=None,
 ) -> str:
-  """One fused update per storage and backend; ``command`` defaults to the
-  ``lowp_speed.py`` command line of the run's config."""
+  """One fused update per storage and backend, each run's rows (newest
+  first) with its commit; ``command`` defaults to the ``lowp_speed.py``
+  command line of the newest run's config."""
+  runs = sorted(runs, key=lambda run: meta(run)["date"], reverse=True)
   if command is None:
     command = list_flags_command(
       "lowp_speed.py",
-      run["config"],
+      runs[0]["config"],
       ("tokens", "shapes", "storages", "backends"),
     )
-  names = []
-  for c in run["cases"]:
-    names += [n for n in c["ms"] if n not in names]
-  rows = [
-    [
-      name,
-      *(
-        f"{c['ms'][name]:.3f}"
-        + (
-          f" ({c['ratio_to_bf16'][name]:.2f}x)"
-          if name in c.get("ratio_to_bf16", {})
-          else ""
-        )
-        if name in c["ms"]
-        else "-"
-        for c in run["cases"]
-      ),
+  columns = []
+  for run in runs:
+    for c in run["cases"]:
+      if (c["tokens"], c["k"], c["n"]) not in columns:
+        columns.append((c["tokens"], c["k"], c["n"]))
+  rows = []
+  for run in runs:
+    cases = {(c["tokens"], c["k"], c["n"]): c for c in run["cases"]}
+    names = []
+    for c in run["cases"]:
+      names += [n for n in c["ms"] if n not in names]
+    rows += [
+      [
+        name,
+        *(_lowp_cell(cases.get(column), name) for column in columns),
+        f"`{commit(run)}`",
+      ]
+      for name in names
     ]
-    for name in names
-  ]
   return section(
     title,
     "AdamW, bf16 activations, bf16 weights; states bf16 or int8 (`-4bit`: "
     "4-bit second moments), weights rounded to nearest or stochastically "
     "(`-sr`). Device ms of one call "
-    "(medians), in brackets the ratio to the same backend's bf16 time; "
-    "`gemm+optax` is XLA's GEMM and optax's update of bf16 storage.",
+    "(medians), in brackets the ratio to the same backend's bf16 time where "
+    "the run timed it; `gemm+optax` is XLA's GEMM and optax's update of bf16 "
+    "storage. Each run's rows carry its commit, the newest run first.",
     table(
       [
         "backend / storage",
-        *(f"T={c['tokens']}, {c['k']} x {c['n']}" for c in run["cases"]),
+        *(f"T={t}, {k} x {n}" for t, k, n in columns),
+        "commit",
       ],
       rows,
     ),
     command,
-    [run],
+    runs,
   )
 
 
@@ -1760,7 +1770,7 @@ SECTIONS = (
   ("fsdp_*.json", fsdp_section, True),
   ("layer_step_*.json", layer_step_section, False),
   ("stacked_gemm_*.json", stacked_gemm_section, True),
-  ("lowp_speed_*.json", lowp_speed_section, True),
+  ("lowp_speed_*.json", lowp_speed_section, False),
   ("lowp_sweep_*.json", lowp_sweep_section, True),
   ("schedule_speed_*.json", schedule_speed_section, False),
   ("cluster_gemm_*.json", cluster_gemm_section, True),
