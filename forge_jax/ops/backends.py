@@ -223,16 +223,17 @@ def select(implementation: str, x, dy, kernel, optimizer):
     states included, and its tiles fill the GPU for the call's token count
     (:func:`forge_jax.ops.mosaic.fills_the_gpu`); when they do not, the XLA
     reference, which is faster there;
-  - else the Pallas-Triton kernel when it supports the call and the
-    activations are 16-bit. With float32 activations (a TF32 ``dW`` by
-    default, as XLA's) its programs, one per output tile, ran 1.3-2.1x the
-    XLA reference's time on an H200;
+  - else the Pallas-Triton kernel when it supports the call, the
+    activations are 16-bit and the second moments are not 4-bit. With
+    float32 activations (a TF32 ``dW`` by default, as XLA's) its programs,
+    one per output tile, ran 1.3-2.1x the XLA reference's time on an H200;
+    with 4-bit second moments 1.14-1.49x;
   - else the XLA reference.
 
-  The Mosaic kernel takes int8 states too (not 4-bit second moments,
-  which go to the Triton kernel or the XLA reference): its int8 update is
-  the faster one, and the Triton kernel refuses int8 states of stacks past
-  2**31 elements (docs/kernels.md). An
+  The Mosaic kernel takes int8 states too (not 4-bit second moments, which
+  go to the XLA reference): its int8 update is the faster one, and the
+  Triton kernel refuses int8 states of stacks past 2**31 elements
+  (docs/kernels.md). An
   explicit 'triton' or 'mosaic' on a machine without a GPU runs that kernel
   in its Pallas interpret mode; where the kernel cannot run the call it
   raises and says why.
@@ -259,6 +260,9 @@ def select(implementation: str, x, dy, kernel, optimizer):
     if (
       on_gpu()
       and _half_precision(x, dy)
+      and not quantization.has_4bit(
+        stacks.layer_state_shapes(kernel, optimizer)
+      )
       and triton_kernel.unsupported_reason(x, dy, kernel, optimizer) is None
     ):
       return lowered_once(triton_kernel.triton_update)
