@@ -419,6 +419,13 @@ def test_default_config_fits_dtypes_and_shape():
     assert default(2048, 1024, BF16, opt) == inline[0]
   lion_f32 = fj.lion(1e-4, state_dtype=F32)
   assert default(1024, 14336, BF16, lion_f32).schedule == "inline"
+  # Stochastically rounded kernels stay inline at every token count.
+  for opt in (
+    fj.adamw(1e-3, weight_rounding="stochastic"),
+    fj.lion(1e-4, weight_rounding="stochastic"),
+  ):
+    for tokens in (1024, 2048, 8192):
+      assert default(tokens, 14336, BF16, opt) == inline[0]
   # float32 W, m and v fit one epilogue buffer per warpgroup beside the
   # five-stage pipeline (no pingpong config fits); four float32 state
   # tensors a shallower pipeline.

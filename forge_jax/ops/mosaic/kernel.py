@@ -122,7 +122,13 @@ def unsupported_reason(
   if tokens == 0:
     return f"{x.shape=} has no tokens"
   config = config or fitting_config(
-    tokens, k, n, activation_itemsize, itemsizes, quantized
+    tokens,
+    k,
+    n,
+    activation_itemsize,
+    itemsizes,
+    quantized,
+    optimizer.weight_rounding == "stochastic",
   )
   if quantized and config.epilogue_n != quantization.BLOCK_SIZE:
     return (
