@@ -214,27 +214,6 @@ def _half_precision(x, dy) -> bool:
   return all(jnp.dtype(a.dtype).itemsize == 2 for a in (x, dy))
 
 
-#: 4-bit second moments of layers with at least this many kernel elements
-#: go to the Triton kernel under 'auto', smaller ones to the XLA reference.
-#: The reference is the faster (the Triton kernel took 1.14-1.49x its time
-#: at the Llama-3.1-8B projections' shapes on an H200), but it keeps float32
-#: temporaries of the whole layer: with the 8B model's embedding and head
-#: (2**29 elements each) through it the step's compiled temp was 4.99 GiB
-#: against 0.62 through the Triton kernel (peak 32.10 against 27.73 GiB,
-#: 512 tokens), and 4-bit states exist for memory. 2**27 elements: a
-#: float32 temporary of 512 MiB.
-XLA_4BIT_MAX_ELEMENTS = 2**27
-
-
-def _xla_takes_4bit(kernel, optimizer) -> bool:
-  """Whether 'auto' leaves this layer's 4-bit second moments to the XLA
-  reference rather than the Triton kernel."""
-  return (
-    quantization.has_4bit(stacks.layer_state_shapes(kernel, optimizer))
-    and math.prod(kernel.shape[-2:]) < XLA_4BIT_MAX_ELEMENTS
-  )
-
-
 def select(implementation: str, x, dy, kernel, optimizer):
   """The backend for ``implementation``; 'auto' picks the fastest that applies.
 
@@ -245,17 +224,20 @@ def select(implementation: str, x, dy, kernel, optimizer):
     (:func:`forge_jax.ops.mosaic.fills_the_gpu`); when they do not, the XLA
     reference, which is faster there;
   - else the Pallas-Triton kernel when it supports the call and the
-    activations are 16-bit, except for 4-bit second moments of layers under
-    :data:`XLA_4BIT_MAX_ELEMENTS`. With float32 activations (a TF32 ``dW``
-    by default, as XLA's) its programs, one per output tile, ran 1.3-2.1x
-    the XLA reference's time on an H200; with 4-bit second moments
-    1.14-1.49x, but the reference's float32 temporaries of the largest
-    layers set the step's peak;
+    activations are 16-bit. With float32 activations (a TF32 ``dW`` by
+    default, as XLA's) its programs, one per output tile, ran 1.3-2.1x the
+    XLA reference's time on an H200;
   - else the XLA reference.
 
-  The Mosaic kernel takes int8 states too (not 4-bit second moments): its
-  int8 update is the faster one, and the Triton kernel refuses int8 states
-  of stacks past 2**31 elements (docs/kernels.md). An
+  The Mosaic kernel takes int8 states too (not 4-bit second moments,
+  which go to the Triton kernel or the XLA reference): its int8 update is
+  the faster one, and the Triton kernel refuses int8 states of stacks past
+  2**31 elements (docs/kernels.md). 4-bit second moments exist for memory,
+  so they stay on the Triton kernel although the XLA reference updates
+  them faster: through the reference, its float32 temporaries of whole
+  layers took the 8B step's peak from 27.73 to 32.10 GiB on an H200 (30.01
+  with only the layers under 2**27 elements through it), above int8's
+  31.47. An
   explicit 'triton' or 'mosaic' on a machine without a GPU runs that kernel
   in its Pallas interpret mode; where the kernel cannot run the call it
   raises and says why.
@@ -282,7 +264,6 @@ def select(implementation: str, x, dy, kernel, optimizer):
     if (
       on_gpu()
       and _half_precision(x, dy)
-      and not _xla_takes_4bit(kernel, optimizer)
       and triton_kernel.unsupported_reason(x, dy, kernel, optimizer) is None
     ):
       return lowered_once(triton_kernel.triton_update)
