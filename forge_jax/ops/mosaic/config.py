@@ -317,10 +317,10 @@ QUANTIZED_CONFIGS = (
 #: PINGPONG_MIN_TILES_PER_SM 128 x 128 tiles for every SM, rank the first
 #: pingpong config first (it does not fit float32 AdamW or Lion states;
 #: those stay inline). Calls with stochastically rounded kernels stay
-#: inline: on the H200 (AdamW, bf16 W / m / v, 2048 tokens) the pingpong
-#: schedule took 1.317 ms at 4096 x 14336 and 1.174 at 14336 x 4096,
-#: against 0.578 and 0.557 ms for the inline schedule in an earlier run
-#: (the rule's hash beside a warpgroup's whole accumulator).
+#: inline: on the H200 (bf16 W / m / v, 2048 tokens, one run) the pingpong
+#: schedule took 2.1-2.4x the inline schedule's time with them, AdamW 1.190
+#: against 0.570 ms at 4096 x 14336 and 1.147 against 0.552 at
+#: 14336 x 4096, NAdam and RAdam alike (not profiled).
 PINGPONG_MIN_TOKENS = 2048
 PINGPONG_MIN_TILES_PER_SM = 16
 #: A light update (at most LIGHT_UPDATE_BYTES of kernel and state a

@@ -14,8 +14,9 @@ the rule's latencies unless the other warpgroup's main loop runs beside it.
 ``PINGPONG_MIN_TOKENS`` tokens and ``PINGPONG_MIN_TILES_PER_SM`` tiles an
 SM, and for light updates (``LIGHT_UPDATE_BYTES``) from
 ``LIGHT_PINGPONG_MIN_TOKENS`` tokens and ``LIGHT_PINGPONG_MIN_TILES_PER_SM``
-tiles an SM; a ``MosaicConfig(schedule='pingpong', ...)`` passed in
-selects it anywhere.
+tiles an SM, never for stochastically rounded kernels (2.1-2.4x the inline
+schedule's time with them); a ``MosaicConfig(schedule='pingpong', ...)``
+passed in selects it anywhere.
 """
 
 from __future__ import annotations
