@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import statistics
 import sys
 
@@ -271,6 +272,8 @@ def measure(args):
     else "nearest",
     "optax_storage": args.optax_storage,
     "forge_embedding": args.forge_embedding,
+    # The allocator's limit, which also bounds XLA's rematerialization.
+    "mem_fraction": os.environ.get("XLA_CLIENT_MEM_FRACTION"),
     "num_params": config.num_params(),
     "peak_bytes_in_use": stats.get("peak_bytes_in_use"),
     "bytes_in_use_after": stats.get("bytes_in_use"),
