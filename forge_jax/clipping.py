@@ -47,19 +47,10 @@ import jax.numpy as jnp
 from jax import lax
 
 from forge_jax import layer_context
-from forge_jax.linen import FACTORS_COLLECTION, FORGE_COLLECTION
+from forge_jax.linen import FACTORS_COLLECTION, FORGE_COLLECTION, forge_layers
 from forge_jax.ops.fused_dense import Factors, ForgeVariables, deferred_update
 
 CLIP_MODES = ("exact", "delayed")
-
-
-def forge_layers(collection, path=()):
-  """``(path, layer variables)`` of every ForgeDense in FORGE's collection."""
-  if isinstance(collection, Mapping) and "intact" in collection:
-    yield path, collection
-  elif isinstance(collection, Mapping):
-    for key, value in collection.items():
-      yield from forge_layers(value, path + (key,))
 
 
 def layer_at(collection, path: tuple):

@@ -8,7 +8,7 @@ import functools
 import math
 import re
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Optional
 
 import flax.linen as nn
@@ -176,9 +176,10 @@ class _ForgeLinear(nn.Module):
     self._check_variables(
       variables, _stacked_shapes(expected, stacked), stacked
     )
-    if stacked is not None and _stacking_transform(self.scope) is not None:
+    inner = _stacking_transform(self.scope)
+    if stacked is not None and inner is not None:
       raise NotImplementedError(
-        f"{self._where()} runs inside nn.{_stacking_transform(self.scope)} "
+        f"{self._where()} runs inside nn.{inner} "
         "within fj.scan's block: fj.scan hands each ForgeDense of its block "
         "the whole stacks of its own layer axis, which an inner scan or vmap "
         "would slice as its own. Use the inner layers directly in the block "
@@ -189,7 +190,7 @@ class _ForgeLinear(nn.Module):
     path = (context.path if context is not None else ()) + tuple(self.path)
     transform = None
     if not self.is_initializing():
-      transform = _stacking_transform(self.scope) if context is None else None
+      transform = inner if context is None else None
       if transform is not None:
         _warn_stacked(path, transform, type(self).__name__)
       layer_context.record_forward(
@@ -800,14 +801,17 @@ def wiped_layers(variables) -> list[str]:
   kernel NaN. Call this on the host to
   name them. Layers stacked by ``nn.scan`` are named ``path[i]``.
   """
-  collection = variables.get(FORGE_COLLECTION, {})
   wiped = []
-  for path, intact in jax.tree_util.tree_flatten_with_path(collection)[0]:
-    if not path or getattr(path[-1], "key", None) != "intact":
-      continue
-    keys = [getattr(k, "key", k) for k in path[:-1]]
-    layer = collection
-    for key in keys:
-      layer = layer[key]
-    wiped += poisoned("/".join(map(str, keys)), intact, layer["count"])
+  layers = forge_layers(variables.get(FORGE_COLLECTION, {}))
+  for path, layer in sorted(layers, key=lambda item: item[0]):
+    wiped += poisoned("/".join(map(str, path)), layer["intact"], layer["count"])
   return wiped
+
+
+def forge_layers(collection, path=()):
+  """``(path, layer variables)`` of every ForgeDense in FORGE's collection."""
+  if isinstance(collection, Mapping) and "intact" in collection:
+    yield path, collection
+  elif isinstance(collection, Mapping):
+    for key, value in collection.items():
+      yield from forge_layers(value, path + (key,))

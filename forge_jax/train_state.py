@@ -24,8 +24,8 @@ from flax import struct
 from flax.training import train_state
 
 from forge_jax import clipping, layer_context, optax_storage
-from forge_jax.clipping import forge_layers, layer_at, with_layer
-from forge_jax.linen import FORGE_COLLECTION
+from forge_jax.clipping import layer_at, with_layer
+from forge_jax.linen import FORGE_COLLECTION, forge_layers
 from forge_jax.optimizers import (
   WHOLE_GRADIENT_TRANSFORMATIONS,
   transformation_names,

@@ -37,7 +37,7 @@ from flax.training.train_state import TrainState as FlaxTrainState
 
 import forge_jax as fj
 from forge_jax import layer_context, parallel
-from forge_jax.clipping import forge_layers
+from forge_jax.linen import forge_layers
 from forge_jax.ops import backends, mosaic, triton_kernel
 from forge_jax.ops.fused_dense import FusedDenseSpec
 
