@@ -167,7 +167,7 @@ def _per_param_rules(optimizer: ForgeOptimizer, params):
 def _step(rule: ForgeOptimizer, path, grad, param, state, count):
   """``(float32 update, new state)`` of one parameter."""
   key = None
-  if rule.weight_rounding == "stochastic" and param.dtype == jnp.bfloat16:
+  if rule.draws_random_bits:
     layer_id = quantization.layer_id_from_path([jax.tree_util.keystr(path)])
     key = quantization.rounding_key(rule.rounding_seed, layer_id, count)
   kernel = _as_2d(param)

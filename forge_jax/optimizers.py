@@ -165,6 +165,13 @@ class ForgeOptimizer(abc.ABC):
           f"{name}={getattr(self, name)!r})"
         )
 
+  @property
+  def draws_random_bits(self) -> bool:
+    """Whether a step draws random bits, keyed by the layer's
+    :func:`forge_jax.quantization.rounding_key`: stochastic rounding of the
+    weights, or of 4-bit second moments' levels."""
+    return self.weight_rounding == "stochastic" or self.second_moment_bits == 4
+
   def _stored(self, state: NamedTuple) -> NamedTuple:
     """``state`` (as the optax alias initializes it) in ``state_dtype``."""
     if self.state_dtype is None:

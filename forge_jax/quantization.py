@@ -336,22 +336,30 @@ def _check_2d(x, what):
     raise ValueError(f"{what} must be 2-D ([rows, columns]), got {x.shape}")
 
 
-def _corrected_round(x, s, product, square: bool):
-  """The integer ``q`` nearest ``x / s`` (``sqrt(x) / s`` when ``square``),
-  as float32, from ``product``, an estimate of that quotient within a few
-  ulps of it (``x * (1 / s)``), using correctly rounded multiplies and
-  comparisons only.
+def _corrected_round(x, s, product, square: bool, offset=None):
+  """The integer ``q`` nearest ``x / s + d`` (``sqrt(x) / s + d`` when
+  ``square``), as float32, from ``product``, an estimate of the quotient
+  within a few ulps of it (``x * (1 / s)``), using correctly rounded
+  multiplies and comparisons only. ``d`` is ``offset`` (0 when None), a
+  float32 in ``[-0.5, 0.5)`` with at most 16 fraction bits (see
+  :func:`level_offsets`): rounding ``y + d`` to nearest rounds ``y`` down or
+  up with the probability of its fraction when ``d`` is uniform.
 
-  ``e``, the integer nearest ``product``, is ``q`` or one of its neighbours,
-  and only the one on ``product``'s side of ``e`` can be nearer (the
+  ``e``, the integer nearest ``product + d``, is ``q`` or one of its
+  neighbours, and only the one on that side of ``e`` can be nearer (the
   estimate errs by far less than half an integer): with the half-way point
-  ``h = e ± 0.5`` on that side and ``t = h * s`` (squared when
+  ``h = e ± 0.5`` on that side and ``t = (h - d) * s`` (squared when
   ``square``), ``q = h + 0.5`` if ``x >= t``, else ``h - 0.5``. One
-  threshold an element: the same ``q`` as testing both neighbours.
+  threshold an element: the same ``q`` as testing both neighbours. ``h - d``
+  is exact (an integer minus 16 fraction bits); where it is negative every
+  ``x >= 0`` is past the threshold, so it is clamped at 0 before squaring.
   """
+  if offset is not None:
+    product = product + offset
   estimate = _nearest_integer(product)
   h = estimate + jnp.where(product >= estimate, 0.5, -0.5)
-  t = h * s
+  t = h if offset is None else jnp.maximum(h - offset, 0.0)
+  t = t * s
   if square:
     t = t * t
   return h + jnp.where(x >= t, 0.5, -0.5)
@@ -421,13 +429,16 @@ def quantize(
   return codes.astype(jnp.int8), scale
 
 
-def _quantize(x, block, sqrt, valid, rows_1d, bits=8):
-  """:func:`quantize` with the codes as int32."""
+def _quantize(x, block, sqrt, valid, rows_1d, bits=8, offsets=None):
+  """:func:`quantize` with the codes as int32; ``offsets`` (``[R, C]``, 4-bit
+  only) round the levels stochastically (:func:`_corrected_round`)."""
   _check_2d(x, "quantize's input")
   if bits not in SECOND_MOMENT_BITS or (bits == 4 and not sqrt):
     raise ValueError(
       f"bits={bits} must be 8, or 4 with sqrt=True (second moments only)"
     )
+  if offsets is not None and bits != 4:
+    raise ValueError("only 4-bit levels are rounded stochastically")
   if rows_1d and x.shape[1] != block:
     raise ValueError(
       f"rows_1d quantizes one block per row: {x.shape=} must "
@@ -447,7 +458,9 @@ def _quantize(x, block, sqrt, valid, rows_1d, bits=8):
   if sqrt:
     mag = jnp.where(finite, jnp.abs(xp), 0.0)
     top = SQRT_LEVELS if bits == 8 else SQRT4_LEVELS
-    scale, levels = _quantize_sqrt(mag, amax, block, top)
+    if offsets is not None:
+      offsets = _pad_cols(jnp.broadcast_to(offsets, x.shape), block)
+    scale, levels = _quantize_sqrt(mag, amax, block, top, offsets)
     bad_cols = _expand(bad, block, xp.shape[1])
     codes = jnp.where(
       bad_cols, 0.0, levels - float(CODE_MAX) if bits == 8 else levels
@@ -523,16 +536,17 @@ def _sqrt_scale(vmax, top):
   return jnp.where(vmax > 0, _grid_scale(vmax, top, square=True), 0.0)
 
 
-def _quantize_sqrt(mag, vmax, block, top):
+def _quantize_sqrt(mag, vmax, block, top, offsets=None):
   """``(scale, levels)`` of the sqrt encoding on ``top + 1`` levels: levels
   in ``[1, top]`` where ``mag > 0`` (no ``v > 0`` reads back as 0: Adam
   would step ``m / eps`` there), 0 where ``mag`` is 0 and in all-zero
-  blocks."""
+  blocks. With ``offsets``, ``sqrt(mag) / scale`` is rounded stochastically
+  (before the floor at 1)."""
   scale = _sqrt_scale(vmax, top)
   inv = jnp.where(scale > 0, 1.0 / jnp.where(scale > 0, scale, 1.0), 0.0)
   s = _expand(scale, block, mag.shape[1])
   product = jnp.sqrt(mag) * _expand(inv, block, mag.shape[1])
-  levels = _corrected_round(mag, s, product, square=True)
+  levels = _corrected_round(mag, s, product, square=True, offset=offsets)
   floor = jnp.where(mag > 0, 1.0, 0.0)
   ceiling = _expand(jnp.where(scale > 0, float(top), 0.0), block, mag.shape[1])
   return scale, jnp.minimum(jnp.maximum(levels, floor), ceiling)
@@ -682,7 +696,11 @@ def nan_where_blocks_not_finite(state, cols: int) -> Optional[jax.Array]:
 
 
 def update(
-  new: jax.Array, old, ok: jax.Array, valid: Optional[jax.Array] = None
+  new: jax.Array,
+  old,
+  ok: jax.Array,
+  valid: Optional[jax.Array] = None,
+  level_bits: Optional[jax.Array] = None,
 ):
   """The stored form of a step's new float32 state leaf ``new``.
 
@@ -691,13 +709,29 @@ def update(
   ``ok`` keeps its codes and scale bit for bit, and in a partly skipped block
   the skipped elements keep their old value re-quantized in the block's new
   scale (the same codes while the scale stays).
+
+  A 4-bit leaf's levels are rounded stochastically with ``level_bits``
+  (uint32 :func:`element_bits`, broadcastable to ``new``; required):
+  rounded to nearest, a level moves only when one step's change exceeds
+  half a level, and Adam's slowly growing second moments stall below their
+  value (see the module's notes).
   """
   if not is_quantized(old):
     return jnp.where(ok, new, old.astype(jnp.float32)).astype(old.dtype)
   sqrt, bits = isinstance(old, SQRT_TYPES), _bits(old)
   rows_1d = old.scale.ndim == 1  # a Mosaic GPU tile's scales
   values = jnp.where(ok, new, load(old, new.shape[1]))
-  codes, scale = _quantize(values, BLOCK_SIZE, sqrt, valid, rows_1d, bits)
+  offsets = None
+  if bits == 4:
+    if level_bits is None:
+      raise ValueError(
+        "4-bit second moments round their levels stochastically: pass the "
+        "elements' level_bits (element_bits of the layer's rounding key)"
+      )
+    offsets = level_offsets(level_bits)
+  codes, scale = _quantize(
+    values, BLOCK_SIZE, sqrt, valid, rows_1d, bits, offsets
+  )
   touched = ok if valid is None else jnp.logical_and(ok, valid)
   touched = jnp.broadcast_to(touched, values.shape).astype(jnp.float32)
   changed = (
@@ -735,10 +769,10 @@ def rounds_to_finite(x: jax.Array, dtype) -> jax.Array:
   return jnp.abs(x) < np.float32(float(finfo.max) + half_step)
 
 
-def update_state(new_state, old_state, ok, valid=None):
+def update_state(new_state, old_state, ok, valid=None, level_bits=None):
   """:func:`update` over a state NamedTuple (quantized nodes whole)."""
   return jax.tree.map(
-    lambda n, o: update(n, o, ok, valid), new_state, old_state
+    lambda n, o: update(n, o, ok, valid, level_bits), new_state, old_state
   )
 
 
@@ -790,6 +824,31 @@ def random_bits(key: jax.Array, rows: jax.Array, cols: jax.Array) -> jax.Array:
   return mix32(row_key ^ (cols.astype(jnp.uint32) * _GOLDEN))
 
 
+def element_bits(
+  key: jax.Array, shape: tuple, indices: Optional[tuple] = None
+) -> jax.Array:
+  """:func:`random_bits` of a 2-D ``shape``'s elements, at their global
+  ``indices`` (``(rows, cols)`` broadcastable to ``shape``; None: an iota
+  over ``shape``)."""
+  if len(shape) != 2:
+    raise ValueError(f"random bits are drawn for 2-D kernels, got {shape}")
+  if indices is None:
+    rows = lax.broadcasted_iota(jnp.int32, (shape[0], 1), 0)
+    cols = lax.broadcasted_iota(jnp.int32, (1, shape[1]), 1)
+  else:
+    rows, cols = indices
+  return jnp.broadcast_to(random_bits(key, rows, cols), shape)
+
+
+def level_offsets(bits: jax.Array) -> jax.Array:
+  """float32 offsets in ``[-0.5, 0.5)`` from the low 16 of uint32 ``bits``
+  (stochastic rounding of the weights takes the high 16): added before
+  rounding to nearest, they round a 4-bit level stochastically. Exact, with
+  16 fraction bits."""
+  low = (bits & jnp.uint32(0xFFFF)).astype(jnp.float32)
+  return low * np.float32(2.0**-16) - np.float32(0.5)
+
+
 def stochastic_round_bf16(x: jax.Array, bits: jax.Array) -> jax.Array:
   """float32 ``x`` to bfloat16, rounding up with probability equal to the
   discarded fraction: add the top 16 random bits below the kept mantissa and
@@ -828,17 +887,7 @@ def round_weights(
     )
   if key is None:
     raise ValueError("stochastic rounding needs the layer's rounding_key")
-  if indices is None:
-    if new.ndim != 2:
-      raise ValueError(
-        f"stochastic rounding needs a 2-D kernel, got {new.shape}"
-      )
-    rows = lax.broadcasted_iota(jnp.int32, (new.shape[0], 1), 0)
-    cols = lax.broadcasted_iota(jnp.int32, (1, new.shape[1]), 1)
-  else:
-    rows, cols = indices
-  bits = random_bits(key, rows, cols)
-  return stochastic_round_bf16(new, jnp.broadcast_to(bits, new.shape))
+  return stochastic_round_bf16(new, element_bits(key, new.shape, indices))
 
 
 def state_bytes(state) -> int:

@@ -340,6 +340,48 @@ def test_4bit_codes_pack_adjacent_columns():
   np.testing.assert_array_equal(np.asarray(back, np.float64), v)
 
 
+def _stored_4bit(v):
+  codes, scale = quantize(jnp.asarray(v, F32), sqrt=True, bits=4)
+  return Q.QuantizedSqrt4Blocks(codes=Q.container_codes(codes), scale=scale)
+
+
+def test_4bit_levels_round_stochastically_and_follow_slow_growth(seed):
+  """A step's 4-bit levels round ``sqrt(v) / s`` down or up with the
+  probability of its fraction (``Q.level_offsets``: every element's bits
+  differ, the same ones twice give the same codes), so a second moment that
+  grows by less than half a level a step still grows in expectation.
+  Rounded to nearest, every element here would stay at level 5 for ever
+  (each step's 1 % is a twentieth of a level) while its true value grows by
+  half: a block whose peak stays put stalls, and Adam's steps grow as
+  ``sqrt(t)`` (the loss spike the 4-bit format had at the 8B shape)."""
+  rows = 256
+  v = np.full((rows, 64), 25.0, np.float32)  # level 5 at scale 1
+  v[:, 0] = 196.0  # the block's peak, level 14, sets the scale to 1
+  state = _stored_4bit(v)
+  update = jax.jit(
+    lambda new, old, bits: Q.update(new, old, jnp.bool_(True), None, bits)
+  )
+  truth = v.astype(np.float64)
+  for step in range(40):
+    key = Q.rounding_key(seed, 7, step)
+    bits = Q.element_bits(key, v.shape)
+    new = np.asarray(Q.load(state), np.float64)
+    new[:, 1:] *= 1.02
+    truth[:, 1:] *= 1.02
+    state = update(jnp.asarray(new, F32), state, bits)
+    assert float(state.scale[0, 0]) == 1.0
+  first, second = (
+    update(jnp.asarray(new, F32), _stored_4bit(v), bits) for _ in range(2)
+  )
+  assert_same_bits(first, second, "4-bit levels under the same bits")
+  back = np.asarray(Q.load(state), np.float64)[:, 1:]
+  ratio = np.sqrt(back).mean() / np.sqrt(truth[:, 1:]).mean()
+  assert abs(ratio - 1) < 0.03, ratio  # nearest: 1 / sqrt(1.02**40) = 0.67
+  assert len(np.unique(back)) > 2  # levels differ element by element
+  with pytest.raises(ValueError, match="round their levels stochastically"):
+    Q.update(jnp.asarray(new, F32), state, jnp.bool_(True))
+
+
 def test_second_moment_bits_option(seed):
   """``second_moment_bits=4``: the second moment in half a byte an element
   (0.53 bytes with its scales against 1.06), the first moment int8; refused

@@ -526,11 +526,11 @@ def layer_step(variables: ForgeVariables, layer_index=None) -> jax.Array:
 def layer_rounding_key(
   spec: FusedDenseSpec, variables: ForgeVariables, layer_index=None
 ):
-  """The layer's stochastic rounding key at this step (None without
-  stochastic rounding): a traced scalar, so one compiled kernel serves every
-  layer."""
+  """The layer's stochastic rounding key at this step (None where the
+  optimizer draws no random bits): a traced scalar, so one compiled kernel
+  serves every layer."""
   optimizer = spec.optimizer
-  if optimizer.weight_rounding != "stochastic":
+  if not optimizer.draws_random_bits:
     return None
   return quantization.rounding_key(
     optimizer.rounding_seed, spec.layer_id, layer_step(variables, layer_index)

@@ -55,7 +55,8 @@ def apply_update(
   Storage (:mod:`forge_jax.quantization`, the one place that rounds,
   quantizes and dequantizes): state leaves are read with ``load`` and written
   with ``update``; the new kernel is rounded with ``round_weights``
-  (stochastic rounding draws its bits from the layer's ``rounding_key``,
+  (stochastic rounding, and the stochastic rounding of 4-bit second
+  moments' levels, draw their bits from the layer's ``rounding_key``,
   :func:`forge_jax.quantization.rounding_key` of its seed, id and step, and
   the global ``indices`` of the elements: ``(rows, cols)`` broadcastable to
   ``kernel``, default a whole-kernel iota). ``valid`` masks the elements of
@@ -160,9 +161,25 @@ def apply_update(
     _, _, new_state, ok_s = rule(grad_s, kernel_s, old_s, stored_at_store)
     store_ok = jnp.logical_and(ok_s, after_kernel)
   new_state = quantization.update_state(
-    new_state, stored_at_store, store_ok, valid
+    new_state,
+    stored_at_store,
+    store_ok,
+    valid,
+    level_bits=_level_bits(state, rounding_key, grad.shape, indices),
   )
   return new_kernel, new_state, ok
+
+
+def _level_bits(state, rounding_key, shape, indices):
+  """The random bits of 4-bit levels (None without 4-bit leaves)."""
+  if not quantization.has_4bit(state):
+    return None
+  if rounding_key is None:
+    raise ValueError(
+      "4-bit second moments are rounded stochastically: the update needs "
+      "the layer's rounding_key (ForgeOptimizer.draws_random_bits)"
+    )
+  return quantization.element_bits(rounding_key, shape, indices)
 
 
 def finite_result(
