@@ -127,6 +127,12 @@ def main():
   )
   parser.add_argument("--max-grad-norm", type=float, default=1.0)
   parser.add_argument(
+    "--learning-rate",
+    type=float,
+    default=1e-4,
+    help="AdamW's (both variants; the losses of a run depend on it)",
+  )
+  parser.add_argument(
     "--forge-embedding",
     action="store_true",
     help="FORGE: the embedding is a fj.ForgeEmbed trained by the layers' "
@@ -191,7 +197,7 @@ def _init_and_step(args, model, optimizer, batch):
 def measure(args):
   """Builds, compiles and times the step; writes ``args.out``."""
   optimizer = fj.adamw(
-    1e-4,
+    args.learning_rate,
     weight_decay=0.1,
     state_dtype=args.state_dtype,
     second_moment_bits=args.second_moment_bits,
@@ -286,6 +292,7 @@ def measure(args):
     "final_loss": loss,
     "step_losses": losses,
     "loss_finite": bool(np.isfinite(loss)),
+    "learning_rate": args.learning_rate,
     "clip": args.clip,
     "max_grad_norm": args.max_grad_norm if args.clip else None,
     "final_grad_norm": (
