@@ -48,7 +48,15 @@ on 15 levels, ``sqrt(v) ~ L * s`` with ``L`` in ``[0, 14]`` and the floor at
 columns ``2j`` and ``2j + 1`` are stored as the one int8 code ``lo + 15 hi -
 112``, in ``[-112, 112]``. Second moments then take 0.53 bytes an element
 instead of 1.06; first moments stay int8. Fifteen levels rather than
-sixteen keep every code off ``-128``, the container's NaN.
+sixteen keep every code off ``-128``, the container's NaN. A step rounds
+the levels *stochastically*: down or up with the probability of the
+fraction (:func:`level_offsets`), drawn from the low 16 bits of the same
+per-element hash as the weights' stochastic rounding. Rounded to nearest, a
+level moves only when one step changes it by more than half a level: in a
+block whose peak stays put, an element whose second moment grows by less
+than that each step stays at its level while Adam's bias correction divides
+it by a growing ``1 - b2^t``, so its steps grow as ``sqrt(t)``. Rounded
+stochastically, the level moves by the change in expectation.
 
 The quantizer is bit-exact across backends without trusting division or
 square roots (Triton lowers float32 ``/`` to an approximate ``div.full``):
