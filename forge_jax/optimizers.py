@@ -30,10 +30,11 @@ applies them to the other parameters):
 * ``second_moment_bits`` (the rules with a second moment: adam, adamw,
   nadam, nadamw, radam, rmsprop, adagrad): 8 (default) or 4: with
   ``state_dtype='int8'``, the second moments' square roots on 15 levels, two
-  a byte.
+  a byte, rounded stochastically.
 * ``weight_rounding``: ``'nearest'`` (default) or ``'stochastic'`` (bfloat16
   kernels written with unbiased stochastic rounding).
-* ``rounding_seed``: the seed of the stochastic rounding (uint32).
+* ``rounding_seed``: the seed of the stochastic rounding, of the weights and
+  of 4-bit levels (uint32).
 """
 
 from __future__ import annotations
@@ -114,8 +115,10 @@ class ForgeOptimizer(abc.ABC):
     second_moment_bits: 8, or 4 to store int8 second moments (``nu``,
       ``sum_of_squares``) in half a byte an element (15 levels of
       ``sqrt(v)``; first moments stay int8). Needs ``state_dtype='int8'``
-      and a rule with a second moment. Coarser than int8: at the
-      Llama-3.1-8B shape the loss spiked early where int8's did not
+      and a rule with a second moment. The levels round stochastically,
+      from the same per-element hash as the weights' stochastic rounding
+      (``rounding_seed``). Coarser than int8: on the Llama-3.1-8B
+      benchmark the loss spikes at learning rates where int8's does not
       (docs/design.md); use it where int8 does not fit.
     weight_rounding: 'nearest' (round to nearest even, the default) or
       'stochastic' (bfloat16 kernels only; float32 kernels need no rounding).
