@@ -344,7 +344,7 @@ class _ForgeLinear(nn.Module):
     )
 
   def _layer_id(self) -> int:
-    if self.optimizer.weight_rounding != "stochastic":
+    if not self.optimizer.draws_random_bits:
       return 0  # unused: keep the spec (and its jit cache key) as before
     if self.layer_id is not None:
       return int(self.layer_id) & 0xFFFFFFFF
@@ -425,7 +425,8 @@ class ForgeDense(_ForgeLinear):
       Mosaic GPU kernel, Hopper and newer); the kernels run in Pallas
       interpret mode off-GPU.
     layer_id: static id that seeds stochastic rounding (an optimizer with
-      ``weight_rounding='stochastic'``); None: a CRC-32 of the module path.
+      ``weight_rounding='stochastic'`` or ``second_moment_bits=4``); None:
+      a CRC-32 of the module path.
     mesh: the device mesh for tensor / sequence parallelism; None: the
       ``mesh`` of the kernel's partitioning metadata, else the mesh set with
       ``jax.set_mesh``. Without any mesh the partitioning is inert (as for

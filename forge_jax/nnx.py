@@ -242,12 +242,13 @@ class Linear(nnx.Module):
     )
 
   def _layer_id(self) -> int:
-    if self.optimizer.weight_rounding != "stochastic":
+    if not self.optimizer.draws_random_bits:
       return 0  # unused: keep the spec (and its jit cache key) as before
     if self.layer_id is None:
       raise ValueError(
         f"fj.nnx.Linear({self.in_features}, {self.out_features}) rounds "
-        "stochastically but has no layer_id to seed the rounding: create "
+        "stochastically (its weights or 4-bit second moments) but has no "
+        "layer_id to seed the rounding: create "
         "fj.nnx.Optimizer(model, ...) before the first step (it numbers "
         "the layers by their path in the model), or pass layer_id=."
       )

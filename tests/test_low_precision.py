@@ -210,8 +210,17 @@ def test_stochastic_rounding_options_are_checked():
   )
 
 
-def test_forge_dense_layer_ids_follow_the_module_path(seed, monkeypatch):
-  opt = fj.adamw(1e-2, weight_rounding="stochastic")
+@pytest.mark.parametrize(
+  "opt",
+  [
+    fj.adamw(1e-2, weight_rounding="stochastic"),
+    fj.adamw(1e-2, state_dtype="int8", second_moment_bits=4),
+  ],
+  ids=["stochastic_weights", "4bit_levels"],
+)
+def test_forge_dense_layer_ids_follow_the_module_path(opt, seed, monkeypatch):
+  """Every optimizer that draws random bits keys them by the layer: layers
+  sharing an id would round the same elements the same way."""
 
   class Two(nn.Module):
     @nn.compact
@@ -232,6 +241,12 @@ def test_forge_dense_layer_ids_follow_the_module_path(seed, monkeypatch):
   monkeypatch.setattr(fj.linen, "forge_dense", spy)
   Two().init(jax.random.key(seed), jnp.ones((2, 8)))
   assert ids == [Q.layer_id_from_path(("a",)), 42]
+  ids.clear()
+  plain = fj.adamw(1e-2, state_dtype="int8")
+  fj.ForgeDense(8, optimizer=plain, name="a").init(
+    jax.random.key(seed), jnp.ones((2, 8))
+  )
+  assert ids == [0]  # no random bits: one spec (and compiled kernel) for all
 
 
 # ---------------------------------------------------------------------------
@@ -353,7 +368,7 @@ def test_4bit_levels_round_stochastically_and_follow_slow_growth(seed):
   Rounded to nearest, every element here would stay at level 5 for ever
   (each step's 1 % is a twentieth of a level) while its true value grows by
   half: a block whose peak stays put stalls, and Adam's steps grow as
-  ``sqrt(t)`` (the loss spike the 4-bit format had at the 8B shape)."""
+  ``sqrt(t)``."""
   rows = 256
   v = np.full((rows, 64), 25.0, np.float32)  # level 5 at scale 1
   v[:, 0] = 196.0  # the block's peak, level 14, sets the scale to 1

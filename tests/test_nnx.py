@@ -473,8 +473,15 @@ def test_misuse_raises(seed):
     model(x)
 
 
-def test_stochastic_rounding_needs_a_layer_id(seed):
-  opt = fj.adamw(1e-2, weight_rounding="stochastic")
+@pytest.mark.parametrize(
+  "opt",
+  [
+    fj.adamw(1e-2, weight_rounding="stochastic"),
+    fj.adamw(1e-2, state_dtype="int8", second_moment_bits=4),
+  ],
+  ids=["stochastic_weights", "4bit_levels"],
+)
+def test_stochastic_rounding_needs_a_layer_id(opt, seed):
   model = MLP((6, 4), nnx.Rngs(seed), opt, param_dtype=jnp.bfloat16)
   x = jnp.ones((2, 6), jnp.bfloat16)
   with pytest.raises(ValueError, match="layer_id"):
