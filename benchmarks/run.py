@@ -510,6 +510,7 @@ def gpu_tests_steps(a, out):
         "no:cacheprovider",
         "tests/",
         *(["-k", a.k] if a.k else []),
+        *(["-n", a.workers] if a.workers > 1 else []),
       ],
       timeout=a.timeout,
       stdout=os.path.join(a.out, f"gpu_tests_{a.commit}.txt"),
@@ -675,6 +676,12 @@ def parse_args(argv=None):
     help="counters: kernel_counters.PROBES names (default: all)",
   )
   g.add_argument("-k", help="gpu-tests: pytest's -k expression")
+  g.add_argument(
+    "--workers",
+    type=int,
+    default=6,
+    help="gpu-tests: pytest-xdist workers sharing the GPU (1: none)",
+  )
   args = p.parse_args(argv)
   if args.second_moment_bits == 4 and not args.int8:
     p.error("--second-moment-bits 4 stores int8 second moments: add --int8")
