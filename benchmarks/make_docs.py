@@ -148,6 +148,19 @@ def precision(run) -> str:
   return f"{weights} / {states}"
 
 
+def device_name(run) -> str:
+  """The run's GPU, short: ``H200`` for ``NVIDIA H200``, ``H100`` for
+  ``NVIDIA H100 80GB HBM3``."""
+  return meta(run)["device"].removeprefix("NVIDIA ").split()[0]
+
+
+def main_device(runs) -> str:
+  """The device of most runs: the one the README's table and the plot
+  show (a step time is compared only with one of the same device)."""
+  names = [device_name(r) for r in runs]
+  return max(sorted(set(names)), key=names.count)
+
+
 def step_key(run) -> tuple:
   """What makes two whole-step runs the same measurement."""
   return (
@@ -161,11 +174,13 @@ def step_key(run) -> tuple:
     json.dumps(run.get("mosaic_config"), sort_keys=True),
     xla_flags(run),
     run.get("implementation", "auto"),
+    device_name(run),
   )
 
 
 def _step_sort(run):
   return (
+    device_name(run),
     run["config"],
     run["batch"],
     run["seq"],
@@ -201,11 +216,11 @@ def is_default(run) -> bool:
 
 
 def step_pairs(runs) -> list:
-  """(optax, FORGE) runs of the same model, B, T, attention, remat policy
-  and XLA flags: the newest of each."""
+  """(optax, FORGE) runs of the same model, B, T, attention, remat policy,
+  XLA flags and device: the newest of each."""
   latest = sorted(newest(runs, step_key).values(), key=_step_sort)
   same = lambda o, f: all(
-    step_key(o)[i] == step_key(f)[i] for i in (0, 2, 3, 5, 6, 8)
+    step_key(o)[i] == step_key(f)[i] for i in (0, 2, 3, 5, 6, 8, 10)
   )
   return [
     (o, f)
@@ -217,12 +232,15 @@ def step_pairs(runs) -> list:
 
 
 def readme_table(runs) -> str:
-  """The README's one table: default Llama-3.1-8B runs, FORGE beside optax
-  (the layers' options, such as a FORGE embedding, in docs/benchmarks.md)."""
+  """The README's one table: default Llama-3.1-8B runs on the main device,
+  FORGE beside optax (the layers' options, such as a FORGE embedding, and
+  other devices in docs/benchmarks.md)."""
+  device = main_device(runs)
   rows = []
   for o, f in step_pairs(runs):
     if (
-      f["config"] != "llama-3.1-8b"
+      device_name(f) != device
+      or f["config"] != "llama-3.1-8b"
       or not is_default(f)
       or f.get("forge_embedding")
     ):
@@ -236,7 +254,7 @@ def readme_table(runs) -> str:
         f"{f['step_ms_median']:.0f} / {o['step_ms_median']:.0f}",
       ]
     )
-  m = meta(runs[0])
+  m = meta(next(r for r in runs if device_name(r) == device))
   return (
     table(
       [
@@ -258,6 +276,7 @@ def step_section(runs) -> str:
   latest = sorted(newest(runs, step_key).values(), key=_step_sort)
   rows = [
     [
+      device_name(r),
       f"{r['config']} ({r['num_layers']} layers)",
       r["batch"],
       r["seq"],
@@ -275,6 +294,7 @@ def step_section(runs) -> str:
   ]
   body = table(
     [
+      "device",
       "model",
       "B",
       "T",
@@ -300,6 +320,7 @@ def step_section(runs) -> str:
     )
     pairs.append(
       [
+        device_name(f),
         step_variant(f).replace("FORGE", f["config"], 1),
         f"{f['batch']} x {f['seq']}",
         f.get("attention") or "xla",
@@ -310,10 +331,11 @@ def step_section(runs) -> str:
       ]
     )
   body += (
-    "\n\nFORGE beside optax (same model, B x T, attention, remat policy "
-    "and XLA flags):\n\n"
+    "\n\nFORGE beside optax (same model, B x T, attention, remat policy, "
+    "XLA flags and device):\n\n"
     + table(
       [
+        "device",
         "model",
         "B x T",
         "attention",
@@ -348,11 +370,15 @@ def step_section(runs) -> str:
 
 
 def step_plot(plt, runs):
-  """Peak memory of the newest default 8B run of each configuration."""
+  """Peak memory of the newest default 8B run of each configuration on the
+  main device."""
+  device = main_device(runs)
   rows = [
     r
     for r in sorted(newest(runs, step_key).values(), key=_step_sort)
-    if r["config"] == "llama-3.1-8b" and is_default(r)
+    if r["config"] == "llama-3.1-8b"
+    and is_default(r)
+    and device_name(r) == device
   ]
   fig, ax = plt.subplots(figsize=(1.3 * len(rows) + 2, 4))
   for i, r in enumerate(rows):
@@ -1451,6 +1477,7 @@ def lowp_speed_section(
       [
         name,
         *(_lowp_cell(cases.get(column), name) for column in columns),
+        device_name(run),
         f"`{commit(run)}`",
       ]
       for name in names
@@ -1462,11 +1489,13 @@ def lowp_speed_section(
     "(`-sr`). Device ms of one call "
     "(medians), in brackets the ratio to the same backend's bf16 time where "
     "the run timed it; `gemm+optax` is XLA's GEMM and optax's update of bf16 "
-    "storage. Each run's rows carry its commit, the newest run first.",
+    "storage. Each run's rows carry its device and commit, the newest run "
+    "first.",
     table(
       [
         "backend / storage",
         *(f"T={t}, {k} x {n}" for t, k, n in columns),
+        "device",
         "commit",
       ],
       rows,

@@ -65,7 +65,9 @@ def test_step_breakdown_sorts_kernels_by_kind_and_counts_the_rest_small():
   assert parts["small_launches"] == 5
 
 
-def _model_run(variant, step_ms, flags="", date="2026-11-30"):
+def _model_run(
+  variant, step_ms, flags="", date="2026-11-30", device="NVIDIA H200"
+):
   return {
     "config": "llama-3.1-8b",
     "num_layers": 32,
@@ -80,13 +82,13 @@ def _model_run(variant, step_ms, flags="", date="2026-11-30"):
     "projection_kernel_bytes": 2**30,
     "mosaic_config": None,
     "meta": {
-      "device": "H200",
+      "device": device,
       "jax_version": "0.11.2",
       "commit": "c0ffee0",
       "date": date,
       "xla_flags": flags,
     },
-    "_file": f"model_memory_{variant}{flags}_c0ffee0.json",
+    "_file": f"model_memory_{variant}{flags}_{device[-4:]}_c0ffee0.json",
   }
 
 
@@ -102,7 +104,7 @@ def test_forge_is_paired_with_optax_only_under_the_same_xla_flags():
   pairs = [
     line
     for line in text.splitlines()
-    if line.startswith("| llama-3.1-8b") and "1 x 512" in line
+    if line.startswith("| H200 | llama-3.1-8b") and "1 x 512" in line
   ]
   assert len(pairs) == 2
   assert "| 1.100 |" in next(p for p in pairs if flag not in p)
@@ -118,6 +120,31 @@ def test_tables_take_the_newest_run_of_each_configuration():
   runs[2]["_file"] = "model_memory_forge_newer_c0ffee0.json"
   table = make_docs.readme_table(runs)
   assert "| 50 / 110 |" in table and "| 100 / 110 |" not in table
+
+
+def test_step_times_are_compared_on_one_device_only():
+  # An H100 pair measured later must neither replace the H200 pair nor pair
+  # an H100 FORGE step with an H200 optax step; the README keeps the device
+  # with the most runs.
+  h100 = dict(date="2026-12-06", device="NVIDIA H100 80GB HBM3")
+  runs = [
+    _model_run("optax", 110.0),
+    _model_run("forge", 100.0),
+    _model_run("optax", 130.0, **h100),
+    _model_run("forge", 65.0, **h100),
+    _model_run("forge", 90.0, flags="--xla_flag=1"),
+  ]
+  pairs = [
+    line
+    for line in make_docs.step_section(runs).splitlines()
+    if "1 x 512" in line and "llama-3.1-8b |" in line
+  ]
+  assert len(pairs) == 2
+  assert "| 1.100 |" in next(p for p in pairs if p.startswith("| H200 |"))
+  assert "| 2.000 |" in next(p for p in pairs if p.startswith("| H100 |"))
+  readme = make_docs.readme_table(runs)
+  assert "| 100 / 110 |" in readme and "65" not in readme
+  assert "one NVIDIA H200;" in readme
 
 
 def test_docs_are_generated_from_the_kept_results():
