@@ -14,25 +14,32 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
+import forge_jax as fj
 from forge_jax.ops import backends, mosaic, triton_kernel
 from forge_jax.ops.fused_dense import FusedDenseSpec
 
-from conftest import assert_within_rounding, host_copy
+from conftest import assert_same_bits, assert_within_rounding, bits, host_copy
 from fused_dense_test_base import (
   BF16,
   F32,
+  FOURBIT_OPTIMIZERS,
+  LOWP_OPTIMIZERS,
   OPTAX_CASES,
   OPTIMIZERS,
   FusedDenseTestBase,
   assert_leaves_match,
+  exact_inputs,
   random_inputs,
+  rounding_key,
 )
 
 # x.shape (rank 2 or 3; the last axis is K) and N. None is a multiple of 16:
@@ -142,6 +149,73 @@ class XlaTest(FusedDenseTestBase):
       )
 
     return update
+
+
+@pytest.mark.parametrize(
+  "name, opt",
+  [
+    ("adamw-fp32", fj.adamw(0.05, weight_decay=0.1)),
+    LOWP_OPTIMIZERS[0],
+    FOURBIT_OPTIMIZERS[0],
+  ],
+  ids=lambda v: v if isinstance(v, str) else "",
+)
+@pytest.mark.parametrize("stacked", [False, True], ids=["layer", "stacked"])
+def test_xla_reference_steps_large_kernels_in_row_chunks(
+  name, opt, stacked, seed, monkeypatch
+):
+  """A kernel past ``XLA_CHUNK_ELEMENTS`` is stepped by chunks of rows, each
+  with its own dW GEMM, bit for bit as the whole kernel (dW exact in float32
+  here, so only the rule's bits could differ): a shard's global offset, a
+  stacked layer's index and stochastic rounding's global indices carry
+  into every chunk."""
+  del name
+  k, n, layers = 40, 150, 3
+  x, dy = exact_inputs(seed, (37, k), n, BF16)
+  dtype = BF16 if opt.weight_rounding == "stochastic" else F32
+  w = (0.5 * jax.random.normal(jax.random.key(seed), (layers, k, n))).astype(
+    dtype
+  )
+  state = jax.vmap(opt.init)(w)
+  layer_index = jnp.int32(1) if stacked else None
+  if not stacked:
+    w, state = jax.tree.map(lambda a: a[1], (w, state))
+  spec = FusedDenseSpec(optimizer=opt, implementation="xla")
+
+  def step():
+    update = functools.partial(
+      backends.xla_update,
+      spec,
+      rounding_key=rounding_key(opt, jnp.int32(5), layer_id=3),
+      offset=(jnp.int32(80), jnp.int32(300)),
+      layer_index=layer_index,
+    )
+    scalars = opt.scalars(jnp.int32(5))
+    return host_copy(jax.jit(update)(x, dy, w, state, scalars, jnp.bool_(True)))
+
+  assert backends.chunk_rows(k, n) == k
+  whole = step()
+  monkeypatch.setattr(backends, "XLA_CHUNK_ELEMENTS", 10 * n + 5)
+  monkeypatch.setattr(backends, "MIN_CHUNK_ROWS", 2)
+  assert backends.chunk_rows(k, n) == 10
+  chunked = step()
+
+  assert_same_bits(chunked[:3], whole[:3], "chunked against whole")
+  np.testing.assert_allclose(chunked[3], whole[3], rtol=1e-6)
+  moved = bits(whole[0]) != bits(np.asarray(w))
+  assert moved.reshape(-1, k, n)[1 if stacked else 0].mean() > 0.3
+  if stacked:  # the other layers are untouched
+    assert not moved[[0, 2]].any()
+
+
+def test_chunk_rows_divide_the_kernel_or_keep_it_whole(monkeypatch):
+  monkeypatch.setattr(backends, "XLA_CHUNK_ELEMENTS", 1000)
+  monkeypatch.setattr(backends, "MIN_CHUNK_ROWS", 4)
+  assert backends.chunk_rows(10, 100) == 10  # fits: one chunk
+  assert backends.chunk_rows(40, 100) == 10
+  assert backends.chunk_rows(36, 100) == 9
+  assert backends.chunk_rows(37, 100) == 37  # prime: kept whole
+  assert backends.chunk_rows(40, 400) == 40  # 2 rows a chunk: too few
 
 
 class TritonInterpretTest(FusedDenseTestBase):

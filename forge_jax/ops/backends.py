@@ -71,6 +71,33 @@ def weight_gradient_sq_norm(x, dy, precision=None, data_axes=()):
   return jnp.sum(gram(x.reshape(tokens, k)) * gram(dy.reshape(tokens, n)))
 
 
+#: Elements of ``dW`` the XLA reference forms at once (128 MiB of float32).
+#: A larger layer is stepped in chunks of rows, each chunk's ``dW`` formed
+#: by its own GEMM and stepped before the next: the reference's float32
+#: temporaries (``dW`` and, with int8 or 4-bit states, the rule's
+#: intermediates) are then those of one chunk instead of the whole layer.
+XLA_CHUNK_ELEMENTS = 2**25
+
+#: Rows a chunk keeps at least: a kernel whose rows have no divisor this
+#: large that fits :data:`XLA_CHUNK_ELEMENTS` is stepped whole.
+MIN_CHUNK_ROWS = 64
+
+
+def chunk_rows(k: int, n: int) -> int:
+  """Rows of the XLA reference's chunks of a ``[k, n]`` kernel: the largest
+  divisor of ``k`` whose ``rows x n`` chunk holds at most
+  :data:`XLA_CHUNK_ELEMENTS`; ``k`` (one chunk) when the kernel fits or no
+  divisor of at least :data:`MIN_CHUNK_ROWS` rows does."""
+  limit = XLA_CHUNK_ELEMENTS
+  if k * n <= limit:
+    return k
+  divisors = {
+    d for i in range(1, math.isqrt(k) + 1) if k % i == 0 for d in (i, k // i)
+  }
+  rows = max((d for d in divisors if d * n <= limit), default=0)
+  return rows if rows >= MIN_CHUNK_ROWS else k
+
+
 def xla_update(
   spec,
   x,
@@ -84,17 +111,65 @@ def xla_update(
   offset=None,
   layer_index=None,
 ):
-  """Reference backend: ``dW`` through XLA, then the elementwise rule."""
-  return apply_gradient(
-    spec,
-    weight_gradient(x, dy, spec.precision),
-    kernel,
-    opt_state,
-    scalars,
-    apply,
-    rounding_key=rounding_key,
-    offset=offset,
-    layer_index=layer_index,
+  """Reference backend: ``dW`` through XLA, then the elementwise rule; a
+  kernel of more than :data:`XLA_CHUNK_ELEMENTS` elements chunk by chunk of
+  rows (:func:`chunk_rows`), each written back in place. Every element
+  gets the same rule and rounding bits either way (the chunks pass their
+  global row offsets); only ``grad_sq_norm`` sums in another order."""
+  k, n = kernel.shape[-2:]
+  rows = chunk_rows(k, n)
+  if rows == k:
+    return apply_gradient(
+      spec,
+      weight_gradient(x, dy, spec.precision),
+      kernel,
+      opt_state,
+      scalars,
+      apply,
+      rounding_key=rounding_key,
+      offset=offset,
+      layer_index=layer_index,
+    )
+  row0, col0 = (0, 0) if offset is None else offset
+  layer = () if layer_index is None else (layer_index,)
+  zero = jnp.int32(0)
+
+  def read(stack, start):
+    """Rows ``start:start + rows`` of the (layer's) 2-D leaf."""
+    sizes = (1,) * len(layer) + (rows, stack.shape[-1])
+    chunk = lax.dynamic_slice(stack, (*layer, start, zero), sizes)
+    return chunk.reshape(sizes[-2:])
+
+  def write(stack, chunk, start):
+    chunk = chunk.reshape((1,) * len(layer) + chunk.shape)
+    return lax.dynamic_update_slice(stack, chunk, (*layer, start, zero))
+
+  def step_chunk(i, carry):
+    kernel, opt_state, skipped, grad_sq_norm = carry
+    start = i * rows
+    x_rows = lax.dynamic_slice_in_dim(x, start, rows, axis=x.ndim - 1)
+    new_kernel, new_state, chunk_skipped, chunk_sq = apply_gradient(
+      spec,
+      weight_gradient(x_rows, dy, spec.precision),
+      read(kernel, start),
+      jax.tree.map(lambda s: read(s, start), opt_state),
+      scalars,
+      apply,
+      rounding_key=rounding_key,
+      offset=(row0 + start, col0),
+    )
+    return (
+      write(kernel, new_kernel, start),
+      jax.tree.map(lambda s, c: write(s, c, start), opt_state, new_state),
+      skipped + chunk_skipped,
+      grad_sq_norm + chunk_sq,
+    )
+
+  return lax.fori_loop(
+    0,
+    k // rows,
+    step_chunk,
+    (kernel, opt_state, jnp.int32(0), jnp.float32(0)),
   )
 
 
