@@ -22,6 +22,7 @@ from flax.training import train_state
 import forge_jax as fj
 from examples.lm import llama
 from examples.lm import train as train_lib
+from forge_jax.ops import backends
 
 from conftest import train_step_temp_bytes
 
@@ -304,3 +305,41 @@ def test_xla_backend_step_holds_one_float32_gradient_beyond_optax(dtype):
     x,
   )
   assert forge_temp <= optax_temp + 4 * k * n, (forge_temp, optax_temp)
+
+
+@pytest.mark.parametrize("second_moment_bits", [8, 4])
+def test_xla_reference_temp_follows_its_row_chunks(
+  second_moment_bits, monkeypatch
+):
+  """The XLA reference steps a kernel past ``XLA_CHUNK_ELEMENTS`` by chunks
+  of rows: its temporaries (dW and, for int8 and 4-bit states, the rule's
+  float32 intermediates) are one chunk's, not the layer's (here eight
+  chunks: under half the whole layer's temp; the rest is the layer's
+  activations and outputs)."""
+  tokens, k, n = 64, 512, 4096
+  opt = fj.adamw(
+    1e-3,
+    weight_decay=0.1,
+    state_dtype="int8",
+    second_moment_bits=second_moment_bits,
+    weight_rounding="stochastic",
+  )
+  layer = fj.ForgeDense(
+    n,
+    opt,
+    implementation="xla",
+    use_bias=False,
+    dtype=jnp.bfloat16,
+    param_dtype=jnp.bfloat16,
+  )
+  x = jnp.ones((tokens, k), jnp.bfloat16)
+
+  def temp():
+    return train_step_temp_bytes(layer, fj.TrainState.create, opt.to_optax(), x)
+
+  monkeypatch.setattr(backends, "XLA_CHUNK_ELEMENTS", k * n)
+  whole = temp()
+  monkeypatch.setattr(backends, "XLA_CHUNK_ELEMENTS", k * n // 8)
+  assert backends.chunk_rows(k, n) == k // 8
+  chunked = temp()
+  assert chunked < 0.5 * whole, (chunked, whole)

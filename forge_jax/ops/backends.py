@@ -309,10 +309,11 @@ def select(implementation: str, x, dy, kernel, optimizer):
   the faster one, and the Triton kernel refuses int8 states of stacks past
   2**31 elements (docs/kernels.md). 4-bit second moments exist for memory,
   so they stay on the Triton kernel although the XLA reference updates
-  them faster: through the reference, its float32 temporaries of whole
-  layers took the 8B step's peak from 27.73 to 32.10 GiB on an H200 (30.01
-  with only the layers under 2**27 elements through it), above int8's
-  31.47. An
+  them faster: forming each layer's whole float32 dW and the rule's
+  intermediates, the reference took the 8B step's peak from 27.73 to 32.10
+  GiB on an H200, above int8's 31.47. Its row chunks
+  (:data:`XLA_CHUNK_ELEMENTS`) bound those temporaries to one chunk's; the
+  8B step's peak with them is not measured yet, so the choice stands. An
   explicit 'triton' or 'mosaic' on a machine without a GPU runs that kernel
   in its Pallas interpret mode; where the kernel cannot run the call it
   raises and says why.
