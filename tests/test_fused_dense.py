@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 import forge_jax as fj
 from forge_jax.ops import backends, mosaic, triton_kernel
@@ -183,12 +184,18 @@ def test_xla_reference_steps_large_kernels_in_row_chunks(
   spec = FusedDenseSpec(optimizer=opt, implementation="xla")
 
   def step():
-    update = functools.partial(
-      backends.xla_update,
-      spec,
-      rounding_key=rounding_key(opt, jnp.int32(5), layer_id=3),
-      offset=(jnp.int32(80), jnp.int32(300)),
-      layer_index=layer_index,
+    # Per shard, as a sharded layer runs it: the arrays are local.
+    update = jax.shard_map(
+      functools.partial(
+        backends.xla_update,
+        spec,
+        rounding_key=rounding_key(opt, jnp.int32(5), layer_id=3),
+        offset=(jnp.int32(80), jnp.int32(300)),
+        layer_index=layer_index,
+      ),
+      mesh=jax.make_mesh((1,), ("shard",), devices=jax.devices()[:1]),
+      in_specs=P(),
+      out_specs=P(),
     )
     scalars = opt.scalars(jnp.int32(5))
     return host_copy(jax.jit(update)(x, dy, w, state, scalars, jnp.bool_(True)))
@@ -206,6 +213,25 @@ def test_xla_reference_steps_large_kernels_in_row_chunks(
   assert moved.reshape(-1, k, n)[1 if stacked else 0].mean() > 0.3
   if stacked:  # the other layers are untouched
     assert not moved[[0, 2]].any()
+
+
+def test_xla_reference_chunks_only_local_arrays(monkeypatch):
+  """Under a jit whose arrays XLA may partition (several devices, no
+  shard_map) the reference steps the kernel whole: a chunk's dynamic slice
+  of a sharded dimension would gather it."""
+  monkeypatch.setattr(backends, "XLA_CHUNK_ELEMENTS", 64)
+  monkeypatch.setattr(backends, "MIN_CHUNK_ROWS", 1)
+  opt = fj.adamw(0.05)
+  spec = FusedDenseSpec(optimizer=opt, implementation="xla")
+  x, dy = jnp.ones((4, 16), F32), jnp.ones((4, 32), F32)
+  w = jnp.zeros((16, 32), F32)
+  args = (x, dy, w, opt.init(w), opt.scalars(jnp.int32(1)), jnp.bool_(True))
+  update = functools.partial(backends.xla_update, spec)
+  mesh = jax.make_mesh((1,), ("shard",), devices=jax.devices()[:1])
+  per_shard = jax.shard_map(update, mesh=mesh, in_specs=P(), out_specs=P())
+  assert jax.device_count() > 1  # the suite's CPU devices
+  assert "dynamic_update_slice" not in str(jax.make_jaxpr(update)(*args))
+  assert "dynamic_update_slice" in str(jax.make_jaxpr(per_shard)(*args))
 
 
 def test_chunk_rows_divide_the_kernel_or_keep_it_whole(monkeypatch):

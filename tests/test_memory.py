@@ -324,6 +324,8 @@ def test_xla_reference_temp_follows_its_row_chunks(
     second_moment_bits=second_moment_bits,
     weight_rounding="stochastic",
   )
+  # On a one-device mesh the layer steps per shard, where its arrays are
+  # local (the suite's eight CPU devices would otherwise keep it whole).
   layer = fj.ForgeDense(
     n,
     opt,
@@ -331,6 +333,7 @@ def test_xla_reference_temp_follows_its_row_chunks(
     use_bias=False,
     dtype=jnp.bfloat16,
     param_dtype=jnp.bfloat16,
+    mesh=jax.make_mesh((1,), ("data",), devices=jax.devices()[:1]),
   )
   x = jnp.ones((tokens, k), jnp.bfloat16)
 

@@ -98,6 +98,18 @@ def chunk_rows(k: int, n: int) -> int:
   return rows if rows >= MIN_CHUNK_ROWS else k
 
 
+def arrays_are_local() -> bool:
+  """Whether a trace's arrays are wholly this device's: with one device and
+  no mesh, or under a ``shard_map`` whose every mesh axis is manual (the
+  sharded layers' per-shard code). Elsewhere XLA's partitioner may shard
+  them (a jit's shardings), and a row chunk's dynamic slice of a sharded
+  dimension would gather it."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return jax.device_count() == 1
+  return set(mesh.manual_axes) == set(mesh.axis_names)
+
+
 def xla_update(
   spec,
   x,
@@ -112,12 +124,13 @@ def xla_update(
   layer_index=None,
 ):
   """Reference backend: ``dW`` through XLA, then the elementwise rule; a
-  kernel of more than :data:`XLA_CHUNK_ELEMENTS` elements chunk by chunk of
-  rows (:func:`chunk_rows`), each written back in place. Every element
-  gets the same rule and rounding bits either way (the chunks pass their
-  global row offsets); only ``grad_sq_norm`` sums in another order."""
+  kernel of more than :data:`XLA_CHUNK_ELEMENTS` elements whose arrays are
+  local (:func:`arrays_are_local`) chunk by chunk of rows
+  (:func:`chunk_rows`), each written back in place. Every element gets the
+  same rule and rounding bits either way (the chunks pass their global row
+  offsets); only ``grad_sq_norm`` sums in another order."""
   k, n = kernel.shape[-2:]
-  rows = chunk_rows(k, n)
+  rows = chunk_rows(k, n) if arrays_are_local() else k
   if rows == k:
     return apply_gradient(
       spec,
