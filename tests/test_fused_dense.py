@@ -162,8 +162,9 @@ class XlaTest(FusedDenseTestBase):
   ids=lambda v: v if isinstance(v, str) else "",
 )
 @pytest.mark.parametrize("stacked", [False, True], ids=["layer", "stacked"])
+@pytest.mark.parametrize("sharded", [False, True], ids=["whole", "shard"])
 def test_xla_reference_steps_large_kernels_in_row_chunks(
-  name, opt, stacked, seed, monkeypatch
+  name, opt, stacked, sharded, seed, monkeypatch
 ):
   """A kernel past ``XLA_CHUNK_ELEMENTS`` is stepped by chunks of rows, each
   with its own dW GEMM, bit for bit as the whole kernel (dW exact in float32
@@ -190,7 +191,7 @@ def test_xla_reference_steps_large_kernels_in_row_chunks(
         backends.xla_update,
         spec,
         rounding_key=rounding_key(opt, jnp.int32(5), layer_id=3),
-        offset=(jnp.int32(80), jnp.int32(300)),
+        offset=(jnp.int32(80), jnp.int32(300)) if sharded else None,
         layer_index=layer_index,
       ),
       mesh=jax.make_mesh((1,), ("shard",), devices=jax.devices()[:1]),
