@@ -49,18 +49,24 @@ from forge_jax.ops import backends  # noqa: E402
 
 SHAPES = ("4096x4096", "4096x1024", "4096x14336", "14336x4096", "4096x128256")
 #: W / m / v storage: (param dtype, FORGE's state dtype, FORGE's weight
-#: rounding). optax keeps bf16 states beside bf16 weights.
+#: rounding, bits of FORGE's second moments). optax keeps bf16 states
+#: beside bf16 weights.
 STORAGE = {
-  "fp32": (jnp.float32, None, "nearest"),
-  "bf16": (jnp.bfloat16, jnp.bfloat16, "nearest"),
-  "int8-sr": (jnp.bfloat16, "int8", "stochastic"),
+  "fp32": (jnp.float32, None, "nearest", 8),
+  "bf16": (jnp.bfloat16, jnp.bfloat16, "nearest", 8),
+  "int8-sr": (jnp.bfloat16, "int8", "stochastic", 8),
+  "int4v-sr": (jnp.bfloat16, "int8", "stochastic", 4),
 }
 
 
 def _forge_optimizer(storage):
-  _, state_dtype, rounding = STORAGE[storage]
+  _, state_dtype, rounding, bits = STORAGE[storage]
   return fj.adamw(
-    1e-4, weight_decay=0.1, state_dtype=state_dtype, weight_rounding=rounding
+    1e-4,
+    weight_decay=0.1,
+    state_dtype=state_dtype,
+    weight_rounding=rounding,
+    second_moment_bits=bits,
   )
 
 
@@ -182,6 +188,13 @@ def _args(argv=None):
     action="store_true",
     help="also store each variant's kernels' device time under 'profile'",
   )
+  parser.add_argument(
+    "--xla-chunk-elements",
+    type=int,
+    default=backends.XLA_CHUNK_ELEMENTS,
+    help="elements of the XLA reference's row chunks (a number past the "
+    "largest kernel steps whole kernels)",
+  )
   parser.add_argument("--cpu", action="store_true")
   parser.add_argument("--out", required=True)
   return parser.parse_args(argv)
@@ -220,6 +233,7 @@ def main(argv=None):
   args = _args(argv)
   if args.cpu:
     jax.config.update("jax_platforms", "cpu")
+  backends.XLA_CHUNK_ELEMENTS = args.xla_chunk_elements
   run_cases(
     {"meta": metadata(), "config": vars(args), "cases": []},
     itertools.product(args.compute, args.storage, args.tokens, args.shapes),
