@@ -45,9 +45,9 @@ chunks of exactly one block, so a block never straddles a tile.
 **4-bit second moments** (``second_moment_bits=4``): the same sqrt encoding
 on 15 levels, ``sqrt(v) ~ L * s`` with ``L`` in ``[0, 14]`` and the floor at
 ``L = 1``, two levels a byte (:class:`QuantizedSqrt4Blocks`): the levels of
-columns ``2j`` and ``2j + 1`` are stored as the one int8 code ``lo + 15 hi -
-112``, in ``[-112, 112]``. Second moments then take 0.53 bytes an element
-instead of 1.06; first moments stay int8. Fifteen levels rather than
+a block's columns ``j`` and ``j + 32`` are stored as the one int8 code
+``lo + 15 hi - 112``, in ``[-112, 112]``. Second moments then take 0.53
+bytes an element instead of 1.06; first moments stay int8. Fifteen levels rather than
 sixteen keep every code off ``-128``, the container's NaN. A step rounds
 the levels *stochastically*: down or up with the probability of the
 fraction (:func:`level_offsets`), drawn from the low 16 bits of the same
@@ -171,9 +171,10 @@ class QuantizedSqrt4Blocks(NamedTuple):
   levels ``L`` in [0, 14], two levels a byte.
 
   Attributes:
-    codes: ``[K, ceil(N / 2)]`` int8 codes; code ``j`` of a row is ``lo +
-      15 hi - 112`` for the levels ``lo``, ``hi`` of columns ``2j`` and
-      ``2j + 1`` (``hi`` is 0 past an odd ``N``).
+    codes: ``[K, 32 ceil(N / 64)]`` int8 codes, 32 a block; code ``j`` of
+      block ``b`` is ``lo + 15 hi - 112`` for the levels ``lo``, ``hi`` of
+      the block's columns ``64 b + j`` and ``64 b + 32 + j`` (levels past
+      ``N`` are 0).
     scale: ``[K, ceil(N / 64)]`` float32, on the bfloat16 grid.
   """
 
@@ -201,9 +202,10 @@ def block_scale_shape(kernel_shape) -> tuple:
 
 
 def pair_codes_shape(kernel_shape) -> tuple:
-  """The shape of a ``[K, N]`` leaf's 4-bit codes: ``[K, ceil(N / 2)]``."""
+  """The shape of a ``[K, N]`` leaf's 4-bit codes: ``[K, 32 ceil(N / 64)]``
+  (a block's 64 levels in 32 bytes; a partial last block is padded)."""
   rows, cols = kernel_shape
-  return (rows, -(-cols // 2))
+  return (rows, BLOCK_SIZE // 2 * -(-cols // BLOCK_SIZE))
 
 
 def canonical_state_dtype(state_dtype) -> Optional[str]:
@@ -431,8 +433,8 @@ def quantize(
     bits: 4 encodes ``sqrt(x)`` on 15 levels, two a byte (``sqrt`` only).
 
   Returns:
-    ``(codes, scale)``: int8 ``[R, C]`` (``[R, ceil(C / 2)]`` with
-    ``bits=4``) and float32 ``[R, ceil(C / block)]``.
+    ``(codes, scale)``: int8 ``[R, C]`` (``[R, block / 2 * ceil(C /
+    block)]`` with ``bits=4``) and float32 ``[R, ceil(C / block)]``.
   """
   codes, scale = _quantize(x, block, sqrt, valid, rows_1d, bits)
   return codes.astype(jnp.int8), scale
@@ -448,6 +450,8 @@ def _quantize(x, block, sqrt, valid, rows_1d, bits=8, offsets=None):
     )
   if offsets is not None and bits != 4:
     raise ValueError("only 4-bit levels are rounded stochastically")
+  if bits == 4 and block != BLOCK_SIZE:
+    raise ValueError(f"4-bit codes pair the halves of {BLOCK_SIZE}-blocks")
   if rows_1d and x.shape[1] != block:
     raise ValueError(
       f"rows_1d quantizes one block per row: {x.shape=} must "
@@ -478,27 +482,43 @@ def _quantize(x, block, sqrt, valid, rows_1d, bits=8, offsets=None):
     scale, codes = _quantize_linear(jnp.where(finite, xp, 0.0), amax, block)
   scale = jnp.where(bad, jnp.float32(jnp.nan), scale)
   if bits == 4:
-    return _pack_pairs(_rounded_to_int32(codes[:, : cols + cols % 2])), scale
+    return _pack_pairs(_rounded_to_int32(codes), rows_1d), scale
   return _rounded_to_int32(codes[:, :cols]), scale
 
 
-def _pack_pairs(levels):
-  """int32 levels ``[R, 2P]`` in [0, 14] -> the int32 codes ``[R, P]`` of
-  their pairs of columns."""
-  rows, cols = levels.shape
-  lo, hi = lax.unstack(levels.reshape(rows, cols // 2, 2), axis=2)
+def _pack_pairs(levels, one_block=False):
+  """int32 levels ``[R, 64 B]`` in [0, 14] -> the int32 codes ``[R, 32 B]``
+  of their pairs: column ``j`` of a block with column ``j + 32``.
+
+  Halves of a block rather than neighbouring columns, so that a kernel
+  holding one block packs it with two slices (``one_block``: a Mosaic GPU
+  tile, whose lowering has no strided slices); elsewhere a reshape and a
+  split, which Triton's lowering has."""
+  half = BLOCK_SIZE // 2
+  if one_block:
+    lo, hi = levels[:, :half], levels[:, half:]
+  else:
+    rows, cols = levels.shape
+    blocks = levels.reshape(rows, cols // BLOCK_SIZE, BLOCK_SIZE)
+    lo, hi = (h.reshape(rows, cols // 2) for h in jnp.split(blocks, 2, axis=2))
   return lo + _PAIR_BASE * hi - _PAIR_OFFSET
 
 
-def _unpack_pairs(codes):
-  """Inverse of :func:`_pack_pairs`: int8 codes ``[R, P]`` -> int32 levels
-  ``[R, 2P]``. (A stack on the last axis and a merging reshape: Triton's
-  ``join``.)"""
+def _unpack_pairs(codes, one_block=False):
+  """Inverse of :func:`_pack_pairs`: int8 codes ``[R, 32 B]`` -> int32
+  levels ``[R, 64 B]``. (``one_block``: a concatenation, which Mosaic GPU
+  lowers; else a stack on the last axis, a transpose and a merging reshape,
+  which Triton lowers.)"""
   pair = codes.astype(jnp.int32) + _PAIR_OFFSET
   hi = lax.div(pair, jnp.int32(_PAIR_BASE))
   lo = pair - _PAIR_BASE * hi
-  rows, half = codes.shape
-  return jnp.stack([lo, hi], axis=2).reshape(rows, 2 * half)
+  if one_block:
+    return jnp.concatenate([lo, hi], axis=1)
+  rows, width = codes.shape
+  half = BLOCK_SIZE // 2
+  halves = [h.reshape(rows, width // half, half) for h in (lo, hi)]
+  blocks = jnp.swapaxes(jnp.stack(halves, axis=3), 2, 3)
+  return blocks.reshape(rows, 2 * width)
 
 
 def _quantize_linear(x, amax, block):
@@ -576,7 +596,8 @@ def dequantize(
   code)."""
   _check_2d(codes, "codes")
   if bits == 4:
-    levels = _levels(int8_codes(codes), sqrt, bits, cols)
+    one_block = scale.ndim == 1  # a Mosaic GPU tile
+    levels = _levels(int8_codes(codes), sqrt, bits, cols, one_block)
     r = levels * _expand(scale, block, levels.shape[1])
     return r * r
   # int8 codes: what _levels computes, with the scale expanded before the
@@ -590,12 +611,15 @@ def dequantize(
   return q * s
 
 
-def _levels(codes, sqrt, bits, cols=None):
+def _levels(codes, sqrt, bits, cols=None, one_block=False):
   """float32 ``[R, C]``: what int8 ``codes`` encode linearly (the sqrt
-  encoding's levels; the signed codes themselves)."""
+  encoding's levels; the signed codes themselves). 4-bit codes unpack to
+  whole blocks, or to ``cols`` columns."""
   if bits == 4:
-    levels = _unpack_pairs(codes).astype(jnp.float32)
-    return levels if cols is None else levels[:, :cols]
+    levels = _unpack_pairs(codes, one_block).astype(jnp.float32)
+    if cols is None or cols == levels.shape[1]:
+      return levels
+    return levels[:, :cols]
   q = codes.astype(jnp.float32)
   return q + float(CODE_MAX) if sqrt else q
 

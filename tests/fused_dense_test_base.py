@@ -961,12 +961,18 @@ class FusedDenseTestBase:
 
   #: Whether the backend takes 4-bit second moments (else it must refuse).
   takes_4bit_second_moments = True
+  #: Whether the backend takes kernels of partial tiles (else the 4-bit
+  #: cases keep the shapes' N).
+  takes_partial_tiles = True
 
   def matches_reference_bits_4bit_cases(self):
     """Each optimizer with a second moment on the shapes and configs in
-    turn, with an odd N (each row's last code holds one column)."""
-    odd = [(x_shape, n | 1) for x_shape, n in self.lowp_shapes]
-    combos = list(itertools.product(odd, self.lowp_configs))
+    turn, with an odd N where the backend takes partial tiles (each row's
+    last block is partial, its codes padded)."""
+    shapes = self.lowp_shapes
+    if self.takes_partial_tiles:
+      shapes = [(x_shape, n | 1) for x_shape, n in shapes]
+    combos = list(itertools.product(shapes, self.lowp_configs))
     return [
       Case(f"{name}-{shape_id(shape)}-{config}", (opt, shape, config))
       for i, (name, opt) in enumerate(FOURBIT_OPTIMIZERS)

@@ -296,7 +296,7 @@ class MosaicInterpretTest(FusedDenseTestBase):
     "test_nonfinite_gradients_keep_int8_blocks_bit_for_bit": 0,
     "test_fused_op_with_nonfinite_dy_does_not_step": 0,
   }
-  takes_4bit_second_moments = False
+  takes_partial_tiles = False
 
   def backend(self, spec, config):
     return kernel_step(mosaic.mosaic_update, spec, config, self.interpret)

@@ -44,7 +44,9 @@ from conftest import (
 
 BF16, F32 = jnp.bfloat16, jnp.float32
 # Jitted once: eager dispatch of the quantizer's many small ops is slow.
-quantize = jax.jit(Q.quantize, static_argnames=("block", "sqrt", "bits"))
+quantize = jax.jit(
+  Q.quantize, static_argnames=("block", "sqrt", "bits", "rows_1d")
+)
 dequantize = jax.jit(
   Q.dequantize, static_argnames=("block", "sqrt", "bits", "cols")
 )
@@ -302,14 +304,15 @@ def test_int8_block_quantization_error_bound_and_block_size(seed):
 def test_4bit_second_moments_are_within_half_a_level_two_a_code(seed):
   """4-bit second moments: ``sqrt(v)`` within half of one of 15 levels, no
   ``v > 0`` read back as 0, zeros stay 0, each block's scale the smallest
-  bfloat16 value with ``(14 s)^2 >= max v``; two columns a code (an odd N
-  leaves each row's last code half used), codes in [-112, 112] (never the
+  bfloat16 value with ``(14 s)^2 >= max v``; two columns a code, 32 a
+  block (a partial last block is padded), codes in [-112, 112] (never the
   container's NaN); the error of ``sqrt(v)`` several times int8's."""
   v = _heavy_tailed(seed, (64, 1024 + 37)).astype(np.float64) ** 2
   v[3, :64] = 0.0  # an all-zero block
   v[5, 7] = 0.0
   codes, scale = quantize(jnp.asarray(v, F32), sqrt=True, bits=4)
-  assert codes.dtype == jnp.int8 and codes.shape == (64, (v.shape[1] + 1) // 2)
+  assert codes.dtype == jnp.int8
+  assert codes.shape == Q.pair_codes_shape(v.shape) == (64, 32 * 17)
   assert scale.shape == (64, -(-v.shape[1] // 64))
   assert -112 <= int(jnp.min(codes)) and int(jnp.max(codes)) <= 112
   container = Q.container_codes(codes)
@@ -341,18 +344,42 @@ def test_4bit_second_moments_are_within_half_a_level_two_a_code(seed):
   assert 4 * rel(int8) < rel(back), (rel(int8), rel(back))
 
 
-def test_4bit_codes_pack_adjacent_columns():
-  """Code ``j`` holds the levels of columns ``2j`` (``lo``) and ``2j + 1``
-  (``hi``) as ``lo + 15 hi - 112``, checked on chosen levels."""
+def test_4bit_codes_pair_the_halves_of_a_block():
+  """Code ``j`` of a block holds the levels of its columns ``j`` (``lo``)
+  and ``j + 32`` (``hi``) as ``lo + 15 hi - 112``, checked on chosen
+  levels, through the generic packing and a kernel tile's one-block
+  packing (slices and a concatenation, which Mosaic GPU lowers)."""
   scale_step = 0.5  # the block's peak, level 14, sets it: 14 * 0.5 = 7
-  levels = np.array([[0, 1, 14, 3, 7, 14, 14, 0] + [1] * 56], np.float64)
+  block = np.array([0, 1, 14, 3, 7, 14, 14, 0] + [1] * 56, np.float64)
+  levels = np.stack([block, block[::-1]])  # two rows
   v = (levels * scale_step) ** 2
   codes, scale = quantize(jnp.asarray(v, F32), sqrt=True, bits=4)
   assert float(scale[0, 0]) == scale_step
-  expected = levels[0, 0::2] + 15 * levels[0, 1::2] - 112
-  np.testing.assert_array_equal(np.asarray(codes[0], np.float64), expected)
+  expected = levels[:, :32] + 15 * levels[:, 32:] - 112
+  np.testing.assert_array_equal(np.asarray(codes, np.float64), expected)
   back = dequantize(codes, scale, sqrt=True, bits=4)
   np.testing.assert_array_equal(np.asarray(back, np.float64), v)
+  # A kernel tile of one block per row: [R] scales.
+  tile_codes, tile_scale = quantize(
+    jnp.asarray(v, F32), sqrt=True, bits=4, rows_1d=True
+  )
+  np.testing.assert_array_equal(tile_codes, codes)
+  np.testing.assert_array_equal(tile_scale, scale[:, 0])
+  tile_back = dequantize(tile_codes, tile_scale, sqrt=True, bits=4)
+  np.testing.assert_array_equal(tile_back, back)
+
+
+def test_4bit_codes_of_several_blocks_pair_within_each_block(seed):
+  """Each block's codes pair its own halves: the codes of a wide leaf are
+  its blocks' codes side by side."""
+  v = _heavy_tailed(seed, (8, 64 * 5)).astype(np.float32) ** 2
+  codes, scale = quantize(jnp.asarray(v), sqrt=True, bits=4)
+  for b in range(5):
+    block_codes, block_scale = quantize(
+      jnp.asarray(v[:, 64 * b : 64 * (b + 1)]), sqrt=True, bits=4
+    )
+    np.testing.assert_array_equal(codes[:, 32 * b : 32 * (b + 1)], block_codes)
+    np.testing.assert_array_equal(scale[:, b : b + 1], block_scale)
 
 
 def _stored_4bit(v):
@@ -401,13 +428,17 @@ def test_second_moment_bits_option(seed):
   """``second_moment_bits=4``: the second moment in half a byte an element
   (0.53 bytes with its scales against 1.06), the first moment int8; refused
   without int8 states or without a second moment."""
-  kernel = jax.random.normal(jax.random.key(seed), (40, 150), BF16)
-  state = fj.adamw(1e-3, state_dtype="int8", second_moment_bits=4).init(kernel)
+  kernel = jax.random.normal(jax.random.key(seed), (40, 192), BF16)
+  adamw = fj.adamw(1e-3, state_dtype="int8", second_moment_bits=4)
+  state = adamw.init(kernel)
   assert isinstance(state.mu, Q.QuantizedBlocks)
   assert isinstance(state.nu, Q.QuantizedSqrt4Blocks)
-  assert state.nu.codes.shape == (40, 75) and state.nu.scale.shape == (40, 3)
-  assert Q.state_bytes(state.nu) == 40 * 75 + 40 * 3 * 4
-  assert Q.state_bytes(state) == 40 * 150 + 40 * 75 + 2 * 40 * 3 * 4
+  assert state.nu.codes.shape == (40, 96) and state.nu.scale.shape == (40, 3)
+  assert Q.state_bytes(state.nu) == 40 * 96 + 40 * 3 * 4
+  assert Q.state_bytes(state) == 40 * 192 + 40 * 96 + 2 * 40 * 3 * 4
+  # A partial last block is padded to a whole block's 32 codes.
+  ragged = adamw.init(kernel[:, :150])
+  assert ragged.nu.codes.shape == (40, 96) and ragged.nu.scale.shape == (40, 3)
   state = fj.adagrad(1e-3, state_dtype="int8", second_moment_bits=4).init(
     kernel
   )
@@ -671,8 +702,8 @@ def test_training_with_bf16_sr_and_int8_states_learns(opt, seed):
   layer = state.params[COLL]["fc1"]
   assert layer["kernel"].dtype == BF16 and float(layer["count"]) == 30
   assert layer["opt_state"].mu.codes.dtype == Q.CODES_CONTAINER
-  assert (
-    layer["opt_state"].nu.codes.shape[1] == 96 * opt.second_moment_bits // 8
+  assert layer["opt_state"].nu.codes.shape == (
+    Q.pair_codes_shape((24, 96)) if opt.second_moment_bits == 4 else (24, 96)
   )
 
 

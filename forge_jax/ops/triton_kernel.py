@@ -280,7 +280,7 @@ def _fused_kernel(
       leaf_cols = col0 // divisor + lax.broadcasted_iota(
         jnp.int32, (bk, width), 1
       )
-      exists = (row_idx < k) & (leaf_cols < pl.cdiv(n, divisor))
+      exists = (row_idx < k) & (leaf_cols < ref.shape[-1])
       window = (pl.ds(pid_k * bk, bk), pl.ds(col0 // divisor, width))
       return ref.at[layer + window], exists
 

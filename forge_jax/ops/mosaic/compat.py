@@ -2,7 +2,8 @@
 
 The optimizer rules use ``sqrt`` and ``is_finite``; the warpgroup lowering
 of jax 0.10 and 0.11 has neither. :func:`register_missing_lowerings` lowers
-them through ops it has, where it lacks them (a lowering JAX has is kept).
+them through ops it has, where it lacks them (a lowering JAX has is kept);
+:func:`lowers_concatenate` tells whether it has ``concatenate``.
 The kernel calls it before Mosaic GPU lowers its body; importing this module
 changes nothing. :func:`interpret_params` reaches Mosaic GPU's interpret
 mode, whose parameters JAX does not export. :func:`load_unvectorized`
@@ -46,6 +47,18 @@ def register_missing_lowerings():
   rules = lowering.mosaic_lowering_rules[gpu_core.WGxWG_SEMANTICS]
   rules.setdefault(lax.sqrt_p, lowering._lower_fun(_sqrt_via_rsqrt))
   rules.setdefault(lax.is_finite_p, lowering._lower_fun(_is_finite))
+
+
+@functools.cache
+def lowers_concatenate() -> bool:
+  """Whether this JAX's Mosaic GPU warpgroup lowering has ``concatenate``
+  (jax 0.11 and later), which unpacking 4-bit codes needs."""
+  # pylint: disable=import-outside-toplevel,protected-access
+  from jax._src.pallas.mosaic_gpu import core as gpu_core
+  from jax._src.pallas.mosaic_gpu import lowering
+
+  rules = lowering.mosaic_lowering_rules[gpu_core.WGxWG_SEMANTICS]
+  return lax.concatenate_p in rules
 
 
 def interpret_params():

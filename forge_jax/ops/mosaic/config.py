@@ -251,7 +251,7 @@ def shared_memory_bytes(
     * config.epilogue_n
     * sum(storage_itemsizes)
   )
-  return pipeline + epilogue
+  return pipeline + int(epilogue)
 
 
 #: Defaults, fastest first: the first whose buffers fit in shared memory and
@@ -368,13 +368,14 @@ def ranked_configs(
 
 
 def storage_itemsizes(kernel, state) -> list:
-  """Bytes per element of the kernel and of each state leaf that passes
-  through shared memory (all but int8 block scales)."""
-  is_scale = [False] + quantization.scale_leaf_mask(state)
+  """Bytes per kernel element of the kernel and of each state leaf that
+  passes through shared memory (all but int8 block scales; 4-bit codes
+  take half a byte)."""
+  divisors = [1] + quantization.column_divisors(state)
   return [
-    jnp.dtype(leaf.dtype).itemsize
-    for leaf, scale in zip([kernel] + jax.tree.leaves(state), is_scale)
-    if not scale
+    jnp.dtype(leaf.dtype).itemsize / divisor
+    for leaf, divisor in zip([kernel] + jax.tree.leaves(state), divisors)
+    if divisor != quantization.BLOCK_SIZE
   ]
 
 

@@ -1,7 +1,8 @@
 """The epilogue of the Mosaic GPU kernel: the optimizer update of a tile's
 sub-tiles, from shared-memory buffers loaded by TMA, back in place.
 
-The kernel and state sub-tiles go through shared memory by TMA. int8 block
+The kernel and state sub-tiles go through shared memory by TMA (4-bit
+codes as a half-width window: a block's 64 levels in 32 bytes). int8 block
 scales do not: an epilogue sub-tile is one quantization block wide
 (``epilogue_n`` = 64), so its float32 scales are one column of the ``[K, N
 / 64]`` scale array, 4 bytes a row, below TMA's 16-byte minimum (and a
@@ -32,7 +33,9 @@ class Epilogue:
   Buffers are indexed by ``buffer``; each has one load barrier per leaf that
   goes through shared memory (int8 block scales do not: their sub-tile's
   column is 4 bytes a row, below TMA's minimum, so they are read and
-  written in global memory, as a ``[epilogue_k]`` vector).
+  written in global memory, as a ``[epilogue_k]`` vector). ``divisors``:
+  each leaf's :func:`forge_jax.quantization.column_divisors` (1 for the
+  kernel).
   """
 
   def __init__(
@@ -40,7 +43,7 @@ class Epilogue:
     *,
     storage_gmem,
     storage_out,
-    is_scale,
+    divisors,
     smem,
     barriers,
     layer,
@@ -51,15 +54,21 @@ class Epilogue:
     interpret,
   ):
     self.storage_gmem, self.storage_out = storage_gmem, storage_out
-    self.is_scale, self.smem, self.barriers = is_scale, smem, barriers
-    self.tma_gmem = [r for r, scale in zip(storage_gmem, is_scale) if not scale]
-    self.tma_out = [r for r, scale in zip(storage_out, is_scale) if not scale]
+    self.smem, self.barriers = smem, barriers
+    self.is_scale = [d == quantization.BLOCK_SIZE for d in divisors]
+    tma = [not scale for scale in self.is_scale]
+    self.tma_divisors = [d for d, t in zip(divisors, tma) if t]
+    self.tma_gmem = [r for r, t in zip(storage_gmem, tma) if t]
+    self.tma_out = [r for r, t in zip(storage_out, tma) if t]
     self.layer, self.rule, self.stochastic = layer, rule, stochastic
     self.shard_origin, self.interpret = shard_origin, interpret
     self.ek, self.en = config.epilogue_k, config.epilogue_n
 
-  def _window(self, ref, k0, n0):
-    return ref.at[(*self.layer, pl.ds(k0, self.ek), pl.ds(n0, self.en))]
+  def _window(self, ref, k0, n0, divisor):
+    """The sub-tile at ``(k0, n0)`` of a leaf whose columns each stand for
+    ``divisor`` of the kernel's."""
+    cols = pl.ds(n0 // divisor, self.en // divisor)
+    return ref.at[(*self.layer, pl.ds(k0, self.ek), cols)]
 
   def _scale_index(self, k0, n0):
     """The sub-tile's block scales: one column (``epilogue_n`` is a block;
@@ -75,9 +84,13 @@ class Epilogue:
     knows they have)."""
     if after_stores:
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-    for leaf, (gmem, smem) in enumerate(zip(self.tma_gmem, self.smem)):
+    for leaf, (gmem, smem, divisor) in enumerate(
+      zip(self.tma_gmem, self.smem, self.tma_divisors)
+    ):
       plgpu.copy_gmem_to_smem(
-        self._window(gmem, k0, n0), smem.at[buffer], self._barrier(buffer, leaf)
+        self._window(gmem, k0, n0, divisor),
+        smem.at[buffer],
+        self._barrier(buffer, leaf),
       )
 
   def _indices(self, k0, n0, shape):
@@ -138,8 +151,10 @@ class Epilogue:
     for smem, value in zip(self.smem, to_smem):
       smem[buffer] = value
     plgpu.commit_smem()
-    for gmem, smem in zip(self.tma_out, self.smem):
-      plgpu.copy_smem_to_gmem(smem.at[buffer], self._window(gmem, k0, n0))
+    for gmem, smem, divisor in zip(self.tma_out, self.smem, self.tma_divisors):
+      plgpu.copy_smem_to_gmem(
+        smem.at[buffer], self._window(gmem, k0, n0, divisor)
+      )
     if release is not None:
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
       release()

@@ -33,7 +33,9 @@ be batched).
 
 Coverage: 16-bit activations (wgmma's transposed operand), float32 or
 bfloat16 kernels (bfloat16 stochastically rounded too), float32, bfloat16 or
-int8 block-64 states, shapes that divide into whole tiles. Other calls get a
+int8 block-64 states (4-bit second moments where Mosaic GPU lowers
+``concatenate``: :func:`forge_jax.ops.mosaic.compat.lowers_concatenate`),
+shapes that divide into whole tiles. Other calls get a
 reason from :func:`unsupported_reason`; 'auto' then uses the Triton-lowering
 kernel (:func:`forge_jax.ops.backends.select`).
 
@@ -104,10 +106,15 @@ def unsupported_reason(
     return f"kernel.dtype={kernel.dtype} must be float32 or bfloat16"
   state = stacks.layer_state_shapes(kernel, optimizer)
   quantized = quantization.has_quantized(state)
-  if quantization.has_4bit(state):
+  if (
+    quantization.has_4bit(state)
+    and jax.default_backend() == "gpu"
+    and not compat.lowers_concatenate()
+  ):
     return (
-      "4-bit second moments (second_moment_bits=4) are not implemented in "
-      "the Mosaic GPU kernel; implementation='triton' and 'xla' take them"
+      "4-bit second moments (second_moment_bits=4) need a JAX whose Mosaic "
+      f"GPU lowering has concatenate (0.11 or later; this is {jax.__version__})"
+      "; implementation='triton' and 'xla' take them"
     )
   for leaf in jax.tree.leaves(state):
     if jnp.dtype(leaf.dtype) not in map(jnp.dtype, _STATE_DTYPES):
@@ -221,7 +228,7 @@ def _fused_kernel(
   config: MosaicConfig,
   interpret,
   stacked,
-  is_scale,
+  divisors,
 ):
   """The kernel body: the config's schedule on this call's :class:`Pipeline`
   (whose docstring says what the refs hold)."""
@@ -240,7 +247,7 @@ def _fused_kernel(
     config=config,
     interpret=interpret,
     stacked=stacked,
-    is_scale=is_scale,
+    divisors=divisors,
   )
   {"inline": inline_schedule, "pingpong": pingpong_schedule}[config.schedule](
     pipeline
@@ -318,7 +325,7 @@ def mosaic_update(
     config=config,
     interpret=interpret,
     stacked=layer_index is not None,
-    is_scale=tuple([False] + quantization.scale_leaf_mask(kernel_state)),
+    divisors=tuple([1] + quantization.column_divisors(kernel_state)),
   )
   storage = [kernel] + state_leaves
   num_tiles = config.num_tiles(k, n)

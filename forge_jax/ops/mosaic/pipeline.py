@@ -17,6 +17,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from forge_jax import quantization
 from forge_jax.ops.mosaic.config import (
   MEMORY_REGISTERS,
   MosaicConfig,
@@ -41,7 +42,9 @@ class Pipeline:
   """The kernel body's refs, tiling and shared building blocks.
 
   ``storage_gmem`` (kernel, *state leaves) are read; ``storage_out`` written
-  (on the GPU the same refs: in place). ``scalars_gmem`` is
+  (on the GPU the same refs: in place); ``divisors`` are their
+  :func:`forge_jax.quantization.column_divisors` (1 for the kernel), which
+  tell int8 block scales and 4-bit codes apart. ``scalars_gmem`` is
   :func:`forge_jax.ops.update.pack_kernel_scalars`'s vector (``stacked``:
   the refs are ``[L, K, N]`` stacks, stepped at its layer index).
   ``skipped_gmem`` takes the compute warpgroups' per-row skipped counts, a
@@ -67,7 +70,7 @@ class Pipeline:
     config: MosaicConfig,
     interpret,
     stacked,
-    is_scale,
+    divisors,
   ):
     self.scalars_gmem, self.x_gmem, self.dy_gmem = scalars_gmem, x_gmem, dy_gmem
     self.storage_gmem, self.storage_out = storage_gmem, storage_out
@@ -75,7 +78,7 @@ class Pipeline:
     self.optimizer = optimizer
     self.state_treedef, self.scalars_treedef = state_treedef, scalars_treedef
     self.config, self.interpret = config, interpret
-    self.stacked, self.is_scale = stacked, is_scale
+    self.stacked, self.divisors = stacked, divisors
     # x is [tokens, k]; in interpret mode it arrives transposed, [k, tokens].
     tokens, k = x_gmem.shape[::-1] if interpret else x_gmem.shape
     n = dy_gmem.shape[1]
@@ -98,8 +101,11 @@ class Pipeline:
       self.x_window = lambda k0, t: x_gmem.at[pl.ds(t * tt, tt), pl.ds(k0, tk)]
     self.x_transforms = swizzled(self.x_block[1], x_gmem.dtype)
     self.dy_transforms = swizzled(self.cta_tn, dy_gmem.dtype)
-    self.tma_refs = [
-      ref for ref, scale in zip(storage_gmem, is_scale) if not scale
+    # Every leaf but the block scales goes through shared memory by TMA.
+    self.tma_leaves = [
+      (ref, divisor)
+      for ref, divisor in zip(storage_gmem, divisors)
+      if divisor != quantization.BLOCK_SIZE
     ]
     # Sub-tiles of one warpgroup's tile_k x tile_n part, in order.
     self.part_subtiles = [
@@ -144,7 +150,7 @@ class Pipeline:
     return Epilogue(
       storage_gmem=storage_gmem,
       storage_out=self.storage_out,
-      is_scale=self.is_scale,
+      divisors=self.divisors,
       smem=smem,
       barriers=barriers,
       layer=(layer_index,) if self.stacked else (),
@@ -160,17 +166,19 @@ class Pipeline:
 
   def epilogue_allocations(self):
     """The epilogue's buffers and load barriers, for ``pl.run_scoped``."""
-    ek, en, tma_refs = self.ek, self.en, self.tma_refs
+    ek, en, tma_leaves = self.ek, self.en, self.tma_leaves
     num_buffers = epilogue_buffers(self.config)
     return dict(
       epilogue_smem=[
         plgpu.SMEM(
-          (num_buffers, ek, en), ref.dtype, transforms=swizzled(en, ref.dtype)
+          (num_buffers, ek, en // divisor),
+          ref.dtype,
+          transforms=swizzled(en // divisor, ref.dtype),
         )
-        for ref in tma_refs
+        for ref, divisor in tma_leaves
       ],
       # One barrier per (buffer, leaf): each TMA load arrives once.
-      load_barriers=plgpu.Barrier(num_barriers=num_buffers * len(tma_refs)),
+      load_barriers=plgpu.Barrier(num_barriers=num_buffers * len(tma_leaves)),
     )
 
   def ring_buffers(self, stages):
