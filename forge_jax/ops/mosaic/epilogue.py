@@ -67,8 +67,13 @@ class Epilogue:
   def _window(self, ref, k0, n0, divisor):
     """The sub-tile at ``(k0, n0)`` of a leaf whose columns each stand for
     ``divisor`` of the kernel's."""
-    cols = pl.ds(n0 // divisor, self.en // divisor)
-    return ref.at[(*self.layer, pl.ds(k0, self.ek), cols)]
+    width = self.en // divisor
+    start = n0 // divisor
+    if divisor > 1 and not isinstance(start, int):
+      # Mosaic GPU's layout inference proves a window's alignment from the
+      # index arithmetic, which the division hides.
+      start = pl.multiple_of(start, width)
+    return ref.at[(*self.layer, pl.ds(k0, self.ek), pl.ds(start, width))]
 
   def _scale_index(self, k0, n0):
     """The sub-tile's block scales: one column (``epilogue_n`` is a block;
