@@ -32,6 +32,31 @@ def test_auto_selects_xla_off_gpu():
     backends.select("triton", jnp.ones((0, 3)), jnp.ones((0, 2)), kernel, opt)
 
 
+def test_auto_takes_the_xla_reference_for_4bit_where_mosaic_cannot(
+  monkeypatch,
+):
+  """On a GPU where the Mosaic kernel cannot run (before Hopper, or a JAX
+  whose Mosaic GPU lowering lacks concatenate), 4-bit second moments go to
+  the XLA reference, which updates them faster than the Triton kernel;
+  other int8 states to the Triton kernel."""
+  monkeypatch.setattr(backends, "on_gpu", lambda: True)
+  monkeypatch.setattr(backends, "on_hopper_or_newer", lambda: False)
+  x = jnp.zeros((256, 128), BF16)
+  dy, kernel = jnp.zeros((256, 192), BF16), jnp.zeros((128, 192), BF16)
+  int8 = fj.adamw(1e-3, state_dtype="int8", weight_rounding="stochastic")
+  fourbit = fj.adamw(
+    1e-3,
+    state_dtype="int8",
+    weight_rounding="stochastic",
+    second_moment_bits=4,
+  )
+  select = lambda opt: backends.select("auto", x, dy, kernel, opt)
+  assert select(int8).__wrapped__ is triton_kernel.triton_update
+  assert select(fourbit) is backends.xla_update
+  stack = jnp.zeros((3, 128, 192), BF16)
+  assert backends.select("auto", x, dy, stack, fourbit) is backends.xla_update
+
+
 def test_kernel_refuses_tiles_that_split_a_block():
   opt = LOWP_OPTIMIZERS[0][1]
   x, dy = exact_inputs(0, (8, 16), 96)

@@ -35,6 +35,7 @@ import forge_jax as fj
 from forge_jax import quantization as Q
 from forge_jax.ops import backends, mosaic, triton_kernel
 from forge_jax.ops.fused_dense import FusedDenseSpec
+from forge_jax.ops.mosaic import compat as mosaic_compat
 from forge_jax.ops.mosaic import config as mosaic_config
 
 from conftest import (
@@ -1083,6 +1084,8 @@ def test_compiled_mosaic_kernel_int8_sr_matches_reference_on_gpu(
 
 @pytest.mark.gpu
 def test_auto_selects_mosaic_on_hopper_and_triton_where_it_cannot_run():
+  """Mosaic for what it runs (4-bit second moments where its lowering has
+  concatenate); float16 states through the Triton kernel."""
   if not backends.on_hopper_or_newer():
     pytest.skip("needs a Hopper or newer GPU")
   x = jnp.zeros((2048, 4096), BF16)
@@ -1101,6 +1104,16 @@ def test_auto_selects_mosaic_on_hopper_and_triton_where_it_cannot_run():
   assert selected("auto", int8).__wrapped__ is mosaic.mosaic_update
   assert selected("auto", f16).__wrapped__ is triton_kernel.triton_update
   assert selected("mosaic", int8).__wrapped__ is mosaic.mosaic_update
+  # 4-bit second moments: Mosaic where its lowering has concatenate, else
+  # the XLA reference (faster than the Triton kernel for them).
+  fourbit = dataclasses.replace(int8, second_moment_bits=4)
+  expected = (
+    mosaic.mosaic_update
+    if mosaic_compat.lowers_concatenate()
+    else backends.xla_update
+  )
+  chosen = selected("auto", fourbit)
+  assert getattr(chosen, "__wrapped__", chosen) is expected
 
 
 @pytest.mark.gpu

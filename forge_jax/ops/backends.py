@@ -308,25 +308,22 @@ def select(implementation: str, x, dy, kernel, optimizer):
   'auto' uses, on a GPU:
 
   - the Mosaic GPU kernel (Hopper and newer) when it supports the call, int8
-    states included, and its tiles fill the GPU for the call's token count
-    (:func:`forge_jax.ops.mosaic.fills_the_gpu`); when they do not, the XLA
-    reference, which is faster there;
+    states and 4-bit second moments included, and its tiles fill the GPU
+    for the call's token count (:func:`forge_jax.ops.mosaic.fills_the_gpu`);
+    when they do not, the XLA reference, which is faster there;
+  - else, for 4-bit second moments, the XLA reference: in row chunks
+    (:data:`XLA_CHUNK_ELEMENTS`) it took the Llama-3.1-8B step to 0.44x
+    (512 tokens) and 0.62x (2048) the time of the step through the Triton
+    kernel, at up to 0.4 GiB more peak memory, on an H200
+    (docs/kernels.md);
   - else the Pallas-Triton kernel when it supports the call and the
     activations are 16-bit. With float32 activations (a TF32 ``dW`` by
     default, as XLA's) its programs, one per output tile, ran 1.3-2.1x the
     XLA reference's time on an H200;
   - else the XLA reference.
 
-  The Mosaic kernel takes int8 states too (not 4-bit second moments,
-  which go to the Triton kernel or the XLA reference): its int8 update is
-  the faster one, and the Triton kernel refuses int8 states of stacks past
-  2**31 elements (docs/kernels.md). 4-bit second moments exist for memory,
-  so they stay on the Triton kernel although the XLA reference updates
-  them faster: forming each layer's whole float32 dW and the rule's
-  intermediates, the reference took the 8B step's peak from 27.73 to 32.10
-  GiB on an H200, above int8's 31.47. Its row chunks
-  (:data:`XLA_CHUNK_ELEMENTS`) bound those temporaries to one chunk's; the
-  8B step's peak with them is not measured yet, so the choice stands. An
+  The Mosaic kernel's int8 update is the faster one, and the Triton kernel
+  refuses int8 states of stacks past 2**31 elements (docs/kernels.md). An
   explicit 'triton' or 'mosaic' on a machine without a GPU runs that kernel
   in its Pallas interpret mode; where the kernel cannot run the call it
   raises and says why.
@@ -353,6 +350,9 @@ def select(implementation: str, x, dy, kernel, optimizer):
     if (
       on_gpu()
       and _half_precision(x, dy)
+      and not quantization.has_4bit(
+        stacks.layer_state_shapes(kernel, optimizer)
+      )
       and triton_kernel.unsupported_reason(x, dy, kernel, optimizer) is None
     ):
       return lowered_once(triton_kernel.triton_update)
