@@ -1229,6 +1229,60 @@ def layer_step_section(runs) -> str:
   )
 
 
+def xla_chunks_section(runs) -> str:
+  """The XLA reference's one-layer step in row chunks against whole
+  kernels: the newest run of each chunk size, side by side per case."""
+  newest = {}
+  for run in sorted(runs, key=lambda r: meta(r)["date"]):
+    newest[run["config"]["xla_chunk_elements"]] = run
+  sizes = sorted(newest)
+  cases = {}
+  for size in sizes:
+    for c in newest[size]["cases"]:
+      key = (c["storage"], c["tokens"], c["k"], c["n"])
+      cases.setdefault(key, {})[size] = c["ms"]
+  whole = sizes[-1]
+
+  def label(size):
+    return "whole" if size == whole else f"chunks of 2^{size.bit_length() - 1}"
+
+  rows = [
+    [
+      storage,
+      tokens,
+      f"{k} x {n}",
+      f"{ms[whole]['optax']:.3f}",
+      *(
+        f"{ms[size]['xla']:.3f} ({ms[size]['xla'] / ms[whole]['xla']:.2f})"
+        if size in ms
+        else "-"
+        for size in sizes
+      ),
+    ]
+    for (storage, tokens, k, n), ms in sorted(cases.items())
+  ]
+  return section(
+    "The XLA reference in row chunks: one layer's step",
+    "The one-layer step of `layer_step.py` (bf16 activations, AdamW) "
+    "through `implementation='xla'`, with the reference stepping kernels "
+    "past `XLA_CHUNK_ELEMENTS` in row chunks and with whole kernels (a "
+    "chunk size past every kernel), one process each on one machine; "
+    "device ms (medians), in brackets the ratio to whole kernels. The "
+    "chunks bound the update's float32 temporaries to one chunk's "
+    "(`tests/test_memory.py`).",
+    table(
+      ["W / m / v", "T", "K x N", "optax ms", *map(label, sizes)],
+      rows,
+    ),
+    "; ".join(
+      layer_step_command(newest[size])
+      + f" --xla-chunk-elements {size}"
+      for size in sizes
+    ),
+    [newest[size] for size in sizes],
+  )
+
+
 def stacked_gemm_section(run) -> str:
   products = {"fwd": "x @ W[l]", "dx": "dy @ W[l].T"}
 
@@ -1798,6 +1852,7 @@ SECTIONS = (
   ("clipping_curves_*.json", clipping_curves_section, True),
   ("fsdp_*.json", fsdp_section, True),
   ("layer_step_*.json", layer_step_section, False),
+  ("xla_chunks_*.json", xla_chunks_section, False),
   ("stacked_gemm_*.json", stacked_gemm_section, True),
   ("lowp_speed_*.json", lowp_speed_section, False),
   ("lowp_sweep_*.json", lowp_sweep_section, True),

@@ -19,18 +19,30 @@ dtypes and shardings. Restoring checks every leaf's dtype and shape against
 it and raises instead of casting. A checkpoint without the gradient-norm
 leaves (each layer's ``grad_sq_norm`` and ``fj.TrainState.grad_norm``: what
 the last step measured, not what the next one needs) restores them as
-zeros; any other leaf missing raises. Uses orbax (``pip install
-forge_jax[checkpoint]``).
+zeros; any other leaf missing raises. A checkpoint also records the layout
+of 4-bit codes (:data:`FOURBIT_LAYOUT`), and a state with 4-bit second
+moments restores only from a checkpoint of that layout: codes of another
+pairing have the same shape and dtype but other levels. Uses orbax (``pip
+install forge_jax[checkpoint]``).
 """
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from forge_jax import quantization
+
+#: How 4-bit codes pair their levels (:class:`forge_jax.quantization.
+#: QuantizedSqrt4Blocks`), written beside every checkpoint in
+#: :data:`LAYOUT_FILE`.
+FOURBIT_LAYOUT = "block-halves"
+LAYOUT_FILE = "forge_jax_layout.json"
 
 
 def _checkpointer():
@@ -66,7 +78,18 @@ def save(path: str, state: Any, *, force: bool = False) -> str:
   )
   checkpointer.save(path, state, force=force)
   checkpointer.wait_until_finished()
+  with open(os.path.join(path, LAYOUT_FILE), "w", encoding="utf-8") as f:
+    json.dump({"fourbit_codes": FOURBIT_LAYOUT}, f)
   return path
+
+
+def _fourbit_layout(path: str):
+  """The 4-bit code layout a checkpoint recorded (None: none recorded)."""
+  try:
+    with open(os.path.join(path, LAYOUT_FILE), encoding="utf-8") as f:
+      return json.load(f).get("fourbit_codes")
+  except FileNotFoundError:
+    return None
 
 
 def _key_name(key) -> str:
@@ -115,10 +138,19 @@ def restore(path: str, abstract_state: Any) -> Any:
   Raises:
     TypeError: a saved leaf's dtype or shape differs from the abstract
       state's (an optimizer state saved in another storage format:
-      ``state_dtype``, ``second_moment_bits``), or a leaf of the abstract
-      state other than a gradient norm is not in the checkpoint.
+      ``state_dtype``, ``second_moment_bits``), a leaf of the abstract
+      state other than a gradient norm is not in the checkpoint, or the
+      abstract state has 4-bit second moments and the checkpoint does not
+      record their layout as :data:`FOURBIT_LAYOUT`.
   """
   path = os.path.abspath(path)
+  layout = _fourbit_layout(path)
+  if quantization.has_4bit(abstract_state) and layout != FOURBIT_LAYOUT:
+    raise TypeError(
+      f"checkpoint {path} records 4-bit codes in layout {layout!r}, not "
+      f"{FOURBIT_LAYOUT!r} (a block's columns j and j + 32 a byte): its "
+      "second moments would restore as other levels"
+    )
   saved_tree = _saved_tree(path)
   saved_leaves = _named_leaves(saved_tree)
   saved = {name: np.dtype(leaf.dtype) for name, leaf in saved_leaves.items()}

@@ -47,8 +47,10 @@ on 15 levels, ``sqrt(v) ~ L * s`` with ``L`` in ``[0, 14]`` and the floor at
 ``L = 1``, two levels a byte (:class:`QuantizedSqrt4Blocks`): the levels of
 a block's columns ``j`` and ``j + 32`` are stored as the one int8 code
 ``lo + 15 hi - 112``, in ``[-112, 112]``. Second moments then take 0.53
-bytes an element instead of 1.06; first moments stay int8. Fifteen levels rather than
-sixteen keep every code off ``-128``, the container's NaN. A step rounds
+bytes an element instead of 1.06; first moments stay int8. Fifteen levels
+rather than sixteen keep every code off ``-128``, the container's NaN.
+Pairing a block's halves lets a kernel holding one block pack it with two
+slices and unpack it with one concatenation. A step rounds
 the levels *stochastically*: down or up with the probability of the
 fraction (:func:`level_offsets`), drawn from the low 16 bits of the same
 per-element hash as the weights' stochastic rounding. Rounded to nearest, a

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import zlib
 
 import flax.linen as nn
@@ -752,6 +753,24 @@ def test_checkpoint_of_another_storage_format_is_refused(tmp_path, seed):
     )
     with pytest.raises(TypeError, match=r"fc1/opt_state/nu/codes: saved with"):
       checkpoint.restore(path, _new_state(seed, opt=wanted))
+
+
+def test_checkpoint_of_4bit_codes_without_their_layout_is_refused(
+  tmp_path, seed
+):
+  """4-bit codes of another pairing have the same shape and dtype: a
+  checkpoint that does not record the codes' layout restores no state with
+  4-bit second moments (int8 ones still restore)."""
+  for opt in (LOWP_4BIT_OPT, LOWP_OPT):
+    path = checkpoint.save(
+      str(tmp_path / f"bits{opt.second_moment_bits}"), _new_state(seed, opt=opt)
+    )
+    os.remove(os.path.join(path, checkpoint.LAYOUT_FILE))
+    if opt.second_moment_bits == 4:
+      with pytest.raises(TypeError, match="layout None"):
+        checkpoint.restore(path, _new_state(seed, opt=opt))
+    else:
+      checkpoint.restore(path, _new_state(seed, opt=opt))
 
 
 def test_checkpoint_of_a_fresh_state_restores_into_its_eval_shape(
