@@ -615,7 +615,7 @@ def follows_kernel(leaf_shape, kernel_shape) -> bool:
   """Whether a state leaf is sharded like the kernel: kernel-shaped, the
   kernel's int8 block scales ``[K, ceil(N / 64)]``, whose element ``(r, b)``
   scales the kernel's row ``r``, columns ``64 b`` to ``64 b + 63``, or its
-  4-bit codes ``[K, ceil(N / 2)]``, two columns each (so a shard's scales
+  4-bit codes ``[K, 32 ceil(N / 64)]``, 32 a block (so a shard's scales
   and codes are its own when column shards hold whole blocks:
   :func:`check_block_split`)."""
   kernel_shape = tuple(kernel_shape)

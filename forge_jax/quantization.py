@@ -283,7 +283,8 @@ def column_divisors(state) -> list[int]:
   columns one of its columns stands for. 1 for elementwise leaves and int8
   codes, 2 for 4-bit codes (two a byte), :data:`BLOCK_SIZE` for block
   scales: the columns ``[c, c + w)`` of the kernel are the columns ``[c /
-  d, (c + w) / d)`` of the leaf, for ``c`` and ``w`` multiples of ``d``."""
+  d, (c + w) / d)`` of the leaf, for ``c`` and ``w`` multiples of
+  :data:`BLOCK_SIZE` (a 4-bit code pairs columns 32 apart)."""
 
   def divisors(q):
     if not is_quantized(q):
@@ -677,7 +678,8 @@ def encoded_value(leaf) -> tuple[jax.Array, jax.Array]:
 
   ``value`` is what the codes encode linearly (the value itself; ``sqrt(v)``
   for the sqrt encoding) and ``step`` one code's size there, the block's
-  scale. Nearly equal values encoded at scales one grid step apart (a
+  scale (4-bit codes: ``[K, 64 ceil(N / 64)]``, a partial last block's
+  padding included). Nearly equal values encoded at scales one grid step apart (a
   relative 2**-8 to 2**-7) can get codes up to two apart near the top of the
   sqrt encoding's 254 levels, but their ``value``s stay within one ``step``.
   """

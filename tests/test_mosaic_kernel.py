@@ -748,6 +748,15 @@ def test_mosaic_refuses_what_it_cannot_run_and_auto_falls_back(monkeypatch):
   f16 = fj.adamw(1e-3, state_dtype="float16")
   with pytest.raises(ValueError, match=r"state dtype float16 is not"):
     backends.select("mosaic", x, x[:, :1].repeat(256, 1), kernel, f16)
+  # 4-bit second moments: on a GPU whose JAX lowers no concatenate in
+  # Mosaic GPU, refused with the reason (interpret mode runs them).
+  fourbit = fj.adamw(1e-3, state_dtype="int8", second_moment_bits=4)
+  dy = x[:, :1].repeat(256, 1)
+  assert mosaic.unsupported_reason(x, dy, kernel, fourbit) is None
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  monkeypatch.setattr(mosaic_compat, "lowers_concatenate", lambda: False)
+  assert "concatenate" in mosaic.unsupported_reason(x, dy, kernel, fourbit)
+  monkeypatch.undo()
   # Off-GPU 'auto' is the reference.
   monkeypatch.setattr(backends, "on_gpu", lambda: False)
   assert backends.select("auto", x, x, kernel, opt) is backends.xla_update
