@@ -36,8 +36,8 @@ bfloat16 kernels (bfloat16 stochastically rounded too), float32, bfloat16 or
 int8 block-64 states (4-bit second moments where Mosaic GPU lowers
 ``concatenate``: :func:`forge_jax.ops.mosaic.compat.lowers_concatenate`),
 shapes that divide into whole tiles. Other calls get a
-reason from :func:`unsupported_reason`; 'auto' then uses the Triton-lowering
-kernel (:func:`forge_jax.ops.backends.select`).
+reason from :func:`unsupported_reason`; 'auto' then takes another backend
+(:func:`forge_jax.ops.backends.select`).
 
 Low precision (:mod:`forge_jax.quantization`, the reference's functions):
 stochastic rounding hashes each element's global row and column (the tile's
