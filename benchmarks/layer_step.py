@@ -55,7 +55,7 @@ STORAGE = {
   "fp32": (jnp.float32, None, "nearest", 8),
   "bf16": (jnp.bfloat16, jnp.bfloat16, "nearest", 8),
   "int8-sr": (jnp.bfloat16, "int8", "stochastic", 8),
-  "int8-sr-4bit": (jnp.bfloat16, "int8", "stochastic", 4),
+  "int8-4bit-sr": (jnp.bfloat16, "int8", "stochastic", 4),
 }
 
 
