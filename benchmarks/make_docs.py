@@ -1275,8 +1275,7 @@ def xla_chunks_section(runs) -> str:
       rows,
     ),
     "; ".join(
-      layer_step_command(newest[size])
-      + f" --xla-chunk-elements {size}"
+      layer_step_command(newest[size]) + f" --xla-chunk-elements {size}"
       for size in sizes
     ),
     [newest[size] for size in sizes],
