@@ -144,13 +144,14 @@ def restore(path: str, abstract_state: Any) -> Any:
       record their layout as :data:`FOURBIT_LAYOUT`.
   """
   path = os.path.abspath(path)
-  layout = _fourbit_layout(path)
-  if quantization.has_4bit(abstract_state) and layout != FOURBIT_LAYOUT:
-    raise TypeError(
-      f"checkpoint {path} records 4-bit codes in layout {layout!r}, not "
-      f"{FOURBIT_LAYOUT!r} (a block's columns j and j + 32 a byte): its "
-      "second moments would restore as other levels"
-    )
+  if quantization.has_4bit(abstract_state):
+    layout = _fourbit_layout(path)
+    if layout != FOURBIT_LAYOUT:
+      raise TypeError(
+        f"checkpoint {path} records 4-bit codes in layout {layout!r}, not "
+        f"{FOURBIT_LAYOUT!r} (a block's columns j and j + 32 a byte): its "
+        "second moments would restore as other levels"
+      )
   saved_tree = _saved_tree(path)
   saved_leaves = _named_leaves(saved_tree)
   saved = {name: np.dtype(leaf.dtype) for name, leaf in saved_leaves.items()}

@@ -273,11 +273,6 @@ def codes_as_container(state):
   )
 
 
-def scale_leaf_mask(state) -> list[bool]:
-  """For each leaf of ``jax.tree.leaves(state)``: is it a block scale?"""
-  return [divisor == BLOCK_SIZE for divisor in column_divisors(state)]
-
-
 def column_divisors(state) -> list[int]:
   """For each leaf of ``jax.tree.leaves(state)``: how many of the kernel's
   columns one of its columns stands for. 1 for elementwise leaves and int8
@@ -679,9 +674,10 @@ def encoded_value(leaf) -> tuple[jax.Array, jax.Array]:
   ``value`` is what the codes encode linearly (the value itself; ``sqrt(v)``
   for the sqrt encoding) and ``step`` one code's size there, the block's
   scale (4-bit codes: ``[K, 64 ceil(N / 64)]``, a partial last block's
-  padding included). Nearly equal values encoded at scales one grid step apart (a
-  relative 2**-8 to 2**-7) can get codes up to two apart near the top of the
-  sqrt encoding's 254 levels, but their ``value``s stay within one ``step``.
+  padding included). Nearly equal values encoded at scales one grid step
+  apart (a relative 2**-8 to 2**-7) can get codes up to two apart near the
+  top of the sqrt encoding's 254 levels, but their ``value``s stay within
+  one ``step``.
   """
   q = _levels(int8_codes(leaf.codes), isinstance(leaf, SQRT_TYPES), _bits(leaf))
   step = jnp.broadcast_to(_expand(leaf.scale, BLOCK_SIZE, q.shape[1]), q.shape)

@@ -350,9 +350,7 @@ def select(implementation: str, x, dy, kernel, optimizer):
     if (
       on_gpu()
       and _half_precision(x, dy)
-      and not quantization.has_4bit(
-        stacks.layer_state_shapes(kernel, optimizer)
-      )
+      and optimizer.second_moment_bits != 4
       and triton_kernel.unsupported_reason(x, dy, kernel, optimizer) is None
     ):
       return lowered_once(triton_kernel.triton_update)
