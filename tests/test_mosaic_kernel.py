@@ -347,6 +347,11 @@ def test_mosaic_config_errors_name_the_bad_field():
     r"schedule='pingpong'",
   ):
     mosaic.MosaicConfig(ctas_per_sm=2, schedule="pingpong")
+  with pytest.raises(
+    ValueError,
+    match=r"rolled_epilogue applies to schedule='inline', not 'pingpong'",
+  ):
+    mosaic.MosaicConfig(rolled_epilogue=True, schedule="pingpong")
   for removed in ("overlap", "epilogue-warpgroup", "ring"):
     with pytest.raises(
       ValueError,
@@ -663,6 +668,74 @@ def test_mosaic_int8_states_match_reference_bits(
     jax.tree.leaves(expected[:2]), jax.tree.leaves(inputs[2:])
   ):
     assert (bits(new) != bits(old)).any(), f"{name}: a leaf did not move"
+
+
+@pytest.mark.parametrize("slots", [1, 2])
+def test_mosaic_rolled_epilogue_gives_the_unrolled_bits(slots, seed):
+  """Two int8 sub-tiles a part, updated in a loop that rotates them through
+  its carry (one or two buffers: the second sub-tile's loads issued on the
+  first's release, or under the main loop): the unrolled update's bits."""
+  opt = int8_sr(SR_OPTIMIZERS["adamw"], 5)
+  inputs = int8_inputs(seed, opt)
+  step = jnp.int32(4)
+  config = dataclasses.replace(
+    INT8_CONFIGS["int8-two-rows"], epilogue_slots=slots, rolled_epilogue=True
+  )
+  rolled = run_mosaic(opt, *inputs, 3, config, step=step, layer_id=9)
+  unrolled = run_mosaic(
+    opt,
+    *inputs,
+    3,
+    dataclasses.replace(config, rolled_epilogue=False),
+    step=step,
+    layer_id=9,
+  )
+  assert_same_bits(rolled, unrolled, "rolled")
+  for new, old in zip(jax.tree.leaves(rolled[:2]), jax.tree.leaves(inputs[2:])):
+    assert (bits(new) != bits(old)).any(), "a leaf did not move"
+
+
+def test_mosaic_rolled_epilogue_lowers_for_cuda_on_cpu():
+  """The rolled update's loop (carried wgmma-layout sub-tiles, buffers and
+  barriers at a traced index) has Mosaic GPU layouts."""
+  opt = int8_sr(SR_OPTIMIZERS["adamw"], 5)
+  tokens, k, n = 512, 256, 512
+  config = mosaic.MosaicConfig(
+    max_concurrent_steps=4,
+    epilogue_n=Q.BLOCK_SIZE,
+    epilogue_slots=1,
+    rolled_epilogue=True,
+  )
+  x = jax.ShapeDtypeStruct((tokens, k), BF16)
+  dy = jax.ShapeDtypeStruct((tokens, n), BF16)
+  kernel = jax.ShapeDtypeStruct((k, n), BF16)
+  assert mosaic.unsupported_reason(x, dy, kernel, opt, config) is None
+  spec = FusedDenseSpec(optimizer=opt, implementation="mosaic")
+
+  def update(x, dy, kernel, state, scalars, apply, key):
+    return mosaic.mosaic_update(
+      spec,
+      x,
+      dy,
+      kernel,
+      state,
+      scalars,
+      apply,
+      config,
+      interpret=False,
+      rounding_key=key,
+    )
+
+  traced = jax.jit(update).trace(
+    x,
+    dy,
+    kernel,
+    jax.eval_shape(opt.init, kernel),
+    jax.eval_shape(opt.scalars, jnp.int32(3)),
+    jax.ShapeDtypeStruct((), jnp.bool_),
+    jax.ShapeDtypeStruct((), jnp.uint32),
+  )
+  assert "mosaic_gpu" in traced.lower(lowering_platforms=("cuda",)).as_text()
 
 
 @pytest.mark.slow

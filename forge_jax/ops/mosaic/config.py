@@ -61,6 +61,10 @@ class MosaicConfig:
   whose loads are issued at pipeline step ``prefetch_step`` of the main loop
   (the last step if the loop is shorter); with as many slots as sub-tiles
   the whole part's kernel and state are loaded under the main loop.
+  ``rolled_epilogue`` updates the sub-tiles in a loop (one copy of the
+  update's code, the accumulator's sub-tiles rotated through the loop's
+  carry) instead of unrolled: a long update, as int8 states', unrolled over
+  several sub-tiles misses the instruction cache (``'inline'`` only).
 
   ``schedule``:
 
@@ -89,6 +93,7 @@ class MosaicConfig:
   prefetch_step: int = 0
   ctas_per_sm: int = 1
   schedule: str = "inline"
+  rolled_epilogue: bool = False
 
   def __post_init__(self):
     for name in ("tile_k", "tile_n", "tile_t", "epilogue_k", "epilogue_n"):
@@ -152,6 +157,10 @@ class MosaicConfig:
           f"of each of {self.compute_wgs} compute warpgroups "
           "(schedule='pingpong')"
         )
+    if self.rolled_epilogue and self.schedule != "inline":
+      raise ValueError(
+        f"rolled_epilogue applies to schedule='inline', not {self.schedule!r}"
+      )
     if self.prefetch_step < 0:
       raise ValueError(f"prefetch_step={self.prefetch_step} must be >= 0")
     if self.max_concurrent_steps < 2:

@@ -48,10 +48,19 @@ def inline_schedule(pipeline: Pipeline):
   compute_registers = compute_warpgroup_registers(config)
   prefetch_step = min(config.prefetch_step, num_steps - 1)
 
+  subtiles_n = tn // en
+
+  def subtile_origin(index):
+    """Sub-tile ``index``'s offset in its part (``index`` may be traced):
+    the order of ``part_subtiles``."""
+    if isinstance(index, int):
+      return part_subtiles[index]
+    return index // subtiles_n * ek, index % subtiles_n * en
+
   def load_subtile(ep, wg, index, k0, n0, after_stores=True):
     """Loads sub-tile ``index`` of the part at ``(k0, n0)`` into one of
     warpgroup ``wg``'s ``slots`` buffers."""
-    di, dj = part_subtiles[index]
+    di, dj = subtile_origin(index)
     ep.issue_loads(wg * slots + index % slots, k0 + di, n0 + dj, after_stores)
 
   def update_part(ep, wg, k0, n0, acc):
@@ -80,6 +89,38 @@ def inline_schedule(pipeline: Pipeline):
       )
       skipped += sub_skipped
       grad_sq += sub_grad_sq
+    return skipped, grad_sq
+
+  def update_part_rolled(ep, wg, k0, n0, acc):
+    """:func:`update_part` with one copy of the update's code: a loop over
+    the sub-tiles whose carry rotates them, so that the first is always
+    the one updated."""
+    num = len(part_subtiles)
+    subtiles = tuple(
+      acc[di : di + ek, dj : dj + en] for di, dj in part_subtiles
+    )
+
+    def step(index, carry):
+      subtiles, skipped, grad_sq = carry
+
+      def release():
+        @pl.when(index + slots < num)
+        def _load_following():
+          load_subtile(ep, wg, index + slots, k0, n0, after_stores=False)
+
+      di, dj = subtile_origin(index)
+      sub_skipped, sub_grad_sq = ep.update(
+        wg * slots + index % slots,
+        k0 + di,
+        n0 + dj,
+        subtiles[0],
+        release if num > slots else None,
+      )
+      rotated = subtiles[1:] + subtiles[:1]
+      return rotated, skipped + sub_skipped, grad_sq + sub_grad_sq
+
+    zeros = jnp.zeros((ek,), jnp.float32)
+    _, skipped, grad_sq = lax.fori_loop(0, num, step, (subtiles, zeros, zeros))
     return skipped, grad_sq
 
   @functools.partial(
@@ -139,7 +180,8 @@ def inline_schedule(pipeline: Pipeline):
             wg,
             prefetch,
           )
-          return update_part(ep, wg, k0, n0, acc)
+          update = update_part_rolled if config.rolled_epilogue else update_part
+          return update(ep, wg, k0, n0, acc)
 
         return tuple(total + part for total, part in zip(carry, _acc_scope))
 
