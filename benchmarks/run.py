@@ -27,6 +27,10 @@ Suites, by what they measure:
              GEMM inside a layer scan, and XLA's GEMM alone (one GPU)
   lowp-speed one fused update per storage (bf16, int8, stochastic rounding)
              and backend
+  lowp-breakdown
+             the int8 update's time beyond bf16's, one difference at a time
+             (tile shape, bytes and rule, quantizer), and int8 on other
+             Mosaic configs
   compile    compile time of an unrolled model, per kernel implementation
   fsdp       the FSDP code path with a data axis of one device against no
              mesh (one GPU)
@@ -352,6 +356,15 @@ def lowp_speed_steps(a, out):
   ]
 
 
+def lowp_breakdown_steps(a, out):
+  return [
+    Step(
+      _python("lowp_breakdown.py", "--out", out("lowp_breakdown")),
+      timeout=a.timeout,
+    )
+  ]
+
+
 def compile_steps(a, out):
   return [
     Step(
@@ -541,6 +554,7 @@ SUITES = {
   "layer": layer_steps,
   "gemm": gemm_steps,
   "lowp-speed": lowp_speed_steps,
+  "lowp-breakdown": lowp_breakdown_steps,
   "compile": compile_steps,
   "fsdp": fsdp_steps,
   "gpu-tests": gpu_tests_steps,
