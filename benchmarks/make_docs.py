@@ -1558,6 +1558,60 @@ def lowp_speed_section(
   )
 
 
+def _breakdown_name(name: str) -> str:
+  """A config row's name with its JSON fields as ``key=value``."""
+  storage, _, fields = name.partition(" ")
+  if not fields:
+    return name
+  parsed = json.loads(fields)
+  return f"{storage}, " + ", ".join(f"{k}={v}" for k, v in parsed.items())
+
+
+def lowp_breakdown_section(runs) -> str:
+  """The int8 update's time beyond bf16's, one difference at a time, per
+  case of each run (newest first), each variant with its ratio to bf16."""
+  runs = sorted(runs, key=lambda run: meta(run)["date"], reverse=True)
+  rows = []
+  for run in runs:
+    for c in run["cases"]:
+      bf16 = c["ms"].get("bf16")
+      for name, ms in c["ms"].items():
+        same = c.get("same_bits", {}).get(name)
+        rows.append(
+          [
+            c["tokens"],
+            f"{c['k']} x {c['n']}",
+            _breakdown_name(name),
+            f"{ms:.3f}" + (f" ({ms / bf16:.2f}x)" if bf16 else ""),
+            "-" if same is None else ("yes" if same else "no"),
+            device_name(run),
+            f"`{commit(run)}`",
+          ]
+        )
+  return section(
+    "int8 states: where the fused update's time goes",
+    "One fused AdamW update through the Mosaic kernel, bf16 weights, "
+    "device ms (medians, one process per run), in brackets the ratio to "
+    "bf16 states on their default config. `bf16 on the int8 tile`: bf16 "
+    "states on int8's default config (64 x 64 parts, one 64-column "
+    "sub-tile a part): the tile's cost. `int8, quantizer passed through`: "
+    "int8 states read, dequantized and stepped, their old codes stored "
+    "back (not exact): the bytes, the block scales' accesses, the "
+    "dequantization and the rule. The rows that name config fields run "
+    "int8 states on that Mosaic config; `same bits`: its first step's "
+    "weights equal the default config's.",
+    table(
+      ["T", "K x N", "variant", "ms", "same bits", "device", "commit"], rows
+    ),
+    list_flags_command(
+      "lowp_breakdown.py",
+      runs[0]["config"],
+      ("tokens", "shapes", "storages"),
+    ),
+    runs,
+  )
+
+
 FIDELITY_RUNS = {
   "optax_fp32": "optax AdamW, fp32 (reference)",
   "optax_fp32_seed1": "optax AdamW, fp32, another init seed",
@@ -1854,6 +1908,7 @@ SECTIONS = (
   ("xla_chunks_*.json", xla_chunks_section, False),
   ("stacked_gemm_*.json", stacked_gemm_section, True),
   ("lowp_speed_*.json", lowp_speed_section, False),
+  ("lowp_breakdown_*.json", lowp_breakdown_section, False),
   ("lowp_sweep_*.json", lowp_sweep_section, True),
   ("schedule_speed_*.json", schedule_speed_section, False),
   ("cluster_gemm_*.json", cluster_gemm_section, True),
