@@ -4,13 +4,14 @@ One fused AdamW update (bf16 W, device time, medians, one process) per
 variant, each step removing one difference between bf16 and int8 states:
 
 - ``bf16``: bf16 W / m / v on their default config (128 x 64 parts);
-- ``bf16 on the int8 tile``: the same on int8's config (64 x 64 parts,
-  64-column sub-tiles, one buffer), i.e. what the tile shape costs;
+- ``bf16 on the int8 tile``: the same on int8's 64 x 64 config (64 x 64
+  parts, 64-column sub-tiles, one buffer), i.e. what the tile shape costs;
 - ``int8, quantizer passed through``: int8 states read and dequantized,
   the rule applied, but the old codes stored back (``quantization.update``
   replaced; not exact: it measures the bytes, the block scales' accesses,
   the dequantization and the rule);
-- ``int8`` and ``int8 + SR``: the real updates on their default config;
+- ``int8`` and ``int8 + SR``: the real updates on their default config
+  (``mosaic.default_config``);
 - the rows of ``--configs``: int8 updates on other Mosaic configs (JSON
   fields of ``MosaicConfig``), with ``same_bits`` against the default
   config's first step.
@@ -51,14 +52,17 @@ STORAGES = {
     "weight_rounding": "stochastic",
   },
 }
-#: int8's default config on the bf16 update: the cost of its tile shape.
+#: int8's 64 x 64 config on the bf16 update: the cost of its tile shape.
 INT8_TILE = mosaic.MosaicConfig(
   tile_k=64, max_concurrent_steps=5, epilogue_slots=1, epilogue_n=64
 )
-#: Other int8 configs timed by default: 128 x 64 parts (bf16's tile) whose
-#: two 64 x 64 sub-tiles are updated in a rolled loop, with four stages and
-#: a buffer per sub-tile or five stages and one buffer.
-ROLLED_CONFIGS = (
+#: int8 configs timed beside each storage's default by default: 64 x 64
+#: parts, and 128 x 64 parts (bf16's tile) whose two 64 x 64 sub-tiles are
+#: updated in a rolled loop, with four stages and a buffer per sub-tile or
+#: five stages and one buffer.
+CONFIGS = (
+  '{"tile_k": 64, "max_concurrent_steps": 5, "epilogue_slots": 1, '
+  '"epilogue_n": 64}',
   '{"max_concurrent_steps": 4, "epilogue_slots": 2, "epilogue_n": 64, '
   '"rolled_epilogue": true}',
   '{"max_concurrent_steps": 5, "epilogue_slots": 1, "epilogue_n": 64, '
@@ -100,7 +104,7 @@ def _args(argv=None):
   parser.add_argument(
     "--configs",
     nargs="*",
-    default=list(ROLLED_CONFIGS),
+    default=list(CONFIGS),
     help="JSON MosaicConfig fields: each an '<storage> <json>' row",
   )
   parser.add_argument("--time-budget-s", type=float, default=0)

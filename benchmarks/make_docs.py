@@ -1561,7 +1561,7 @@ def lowp_speed_section(
 def _breakdown_name(name: str) -> str:
   """A config row's name with its JSON fields as ``key=value``."""
   storage, _, fields = name.partition(" ")
-  if not fields:
+  if not fields.startswith("{"):
     return name
   parsed = json.loads(fields)
   return f"{storage}, " + ", ".join(f"{k}={v}" for k, v in parsed.items())
@@ -1593,11 +1593,12 @@ def lowp_breakdown_section(runs) -> str:
     "One fused AdamW update through the Mosaic kernel, bf16 weights, "
     "device ms (medians, one process per run), in brackets the ratio to "
     "bf16 states on their default config. `bf16 on the int8 tile`: bf16 "
-    "states on int8's default config (64 x 64 parts, one 64-column "
+    "states on int8's 64 x 64 config (64 x 64 parts, one 64-column "
     "sub-tile a part): the tile's cost. `int8, quantizer passed through`: "
     "int8 states read, dequantized and stepped, their old codes stored "
     "back (not exact): the bytes, the block scales' accesses, the "
-    "dequantization and the rule. The rows that name config fields run "
+    "dequantization and the rule. `int8`, `int8-sr`: the default config "
+    "of the run's commit. The rows that name config fields run "
     "int8 states on that Mosaic config; `same bits`: its first step's "
     "weights equal the default config's.",
     table(

@@ -439,17 +439,31 @@ def test_default_config_fits_dtypes_and_shape():
   assert default(2048, 4096, F32) == inline[1]
   assert default(2048, 14336, F32) == inline[1]
   assert default(2048, 4096, F32, four) == inline[2]
-  # int8 states: 64 x 64 parts (a 128-row accumulator spills beside the
-  # quantizer), one block-wide sub-tile each, at every token count.
+  # int8 states with stochastic rounding (of the kernel or of 4-bit
+  # levels): 64 x 64 parts, one block-wide sub-tile each, at every token
+  # count.
   int8 = int8_sr(fj.adamw(1e-3))
   quantized = dataclasses.replace(mosaic.QUANTIZED_CONFIGS[0], epilogue_n=64)
   assert quantized.tile_k == quantized.tile_n == 64
-  assert default(512, 4096, BF16, int8) == quantized
-  assert default(8192, 4096, BF16, int8) == quantized
+  int8_4bit = fj.adamw(1e-3, state_dtype="int8", second_moment_bits=4)
+  for opt in (int8, int8_4bit):
+    assert default(512, 4096, BF16, opt) == quantized
+    assert default(8192, 4096, BF16, opt) == quantized
+  # Rounded to nearest: from 2048 tokens 128 x 64 parts whose two
+  # sub-tiles are updated in a rolled loop.
+  int8_nearest = fj.adamw(1e-3, state_dtype="int8")
+  rolled = dataclasses.replace(
+    mosaic.QUANTIZED_ROLLED_CONFIGS[0], epilogue_n=64
+  )
+  assert rolled.rolled_epilogue and rolled.epilogue_subtiles == 2
+  assert default(1024, 4096, BF16, int8_nearest) == quantized
+  assert default(2048, 4096, BF16, int8_nearest) == rolled
+  assert default(2048, 4096, F32, int8_nearest) == rolled
   for tokens, n, dtype, opt in (
     (2048, 4096, F32, four),
     (8192, 384, BF16, fj.adamw(1e-3)),
     (8192, 4096, BF16, int8),
+    (2048, 4096, F32, int8_nearest),
   ):
     config = default(tokens, n, dtype, opt)
     assert (
@@ -472,6 +486,7 @@ def test_default_config_fits_dtypes_and_shape():
     *mosaic.INLINE_CONFIGS,
     *mosaic.PINGPONG_CONFIGS,
     *mosaic.QUANTIZED_CONFIGS,
+    *mosaic.QUANTIZED_ROLLED_CONFIGS,
   ],
   ids=repr,
 )

@@ -320,6 +320,20 @@ PINGPONG_CONFIGS = (
 QUANTIZED_CONFIGS = (
   MosaicConfig(tile_k=64, max_concurrent_steps=5, epilogue_slots=1),
 ) + INLINE_CONFIGS
+#: int8 states whose update draws no random bits, from
+#: QUANTIZED_ROLLED_MIN_TOKENS tokens: 128 x 64 parts, as bf16 states have,
+#: their two 64 x 64 sub-tiles updated in a rolled loop (one copy of the
+#: update's code) through one buffer, five stages. On an H100 (AdamW,
+#: ``benchmarks/lowp_breakdown.py``, same bits as the default): at 2048
+#: tokens 0.874 against 0.947 ms (4096 x 14336), 0.860 against 0.930
+#: (14336 x 4096), 0.256 against 0.281 (4096 x 4096); at 512 tokens a tie
+#: (0.590-0.607 against 0.593). With stochastic rounding it is 15-25 %
+#: slower at 512 tokens and ties at 2048; four stages with a buffer per
+#: sub-tile are slower everywhere.
+QUANTIZED_ROLLED_CONFIGS = (
+  MosaicConfig(max_concurrent_steps=5, epilogue_slots=1, rolled_epilogue=True),
+)
+QUANTIZED_ROLLED_MIN_TOKENS = 2048
 
 
 #: Unquantized calls with at least this many tokens, and at least
@@ -358,10 +372,13 @@ def ranked_configs(
   """The default configs for a call with ``tokens`` rows of x whose dW
   holds ``tiles`` 128 x 128 tiles (the pingpong config's) and whose update
   moves ``update_bytes`` of kernel and state a parameter through shared
-  memory (None: not known, ranked as a heavy update), and whose kernel
-  is rounded stochastically or not, fastest first (before
-  :func:`fitting_config` makes int8 sub-tiles a block wide)."""
+  memory (None: not known, ranked as a heavy update), and whose update
+  rounds stochastically (its kernel, or 4-bit levels) or not, fastest
+  first (before :func:`fitting_config` makes int8 sub-tiles a block
+  wide)."""
   if quantized:
+    if not stochastic_rounding and tokens >= QUANTIZED_ROLLED_MIN_TOKENS:
+      return QUANTIZED_ROLLED_CONFIGS + QUANTIZED_CONFIGS
     return QUANTIZED_CONFIGS
   if stochastic_rounding:
     return INLINE_CONFIGS
@@ -434,5 +451,5 @@ def default_config(x, kernel, optimizer) -> MosaicConfig:
     jnp.dtype(x.dtype).itemsize,
     storage_itemsizes(kernel, state),
     quantization.has_quantized(state),
-    optimizer.weight_rounding == "stochastic",
+    optimizer.draws_random_bits,
   )

@@ -13,9 +13,15 @@ under the next tile's main loop, while the memory warpgroup's ring runs on
 into the next tile. ``ctas_per_sm=2`` puts two CTAs on an SM, so one's
 epilogue overlaps the other's main loop where both fit.
 
+With ``rolled_epilogue`` a part's sub-tiles are updated in a loop instead
+of unrolled: its carry rotates the accumulator's sub-tiles, so the loop
+body, one copy of the update's code, always updates the first. int8
+states' update, unrolled over two sub-tiles, misses the instruction cache.
+
 This is the default schedule below 2048 tokens (1024 for light updates) or
-with few tiles an SM, and with 64 x 64 parts for int8 states
-(:func:`forge_jax.ops.mosaic.config.ranked_configs`).
+with few tiles an SM, and for int8 states: 64 x 64 parts, or from 2048
+tokens, where the update draws no random bits, 128 x 64 parts with the
+rolled update (:func:`forge_jax.ops.mosaic.config.ranked_configs`).
 """
 
 from __future__ import annotations

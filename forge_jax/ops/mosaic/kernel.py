@@ -135,7 +135,7 @@ def unsupported_reason(
     activation_itemsize,
     itemsizes,
     quantized,
-    optimizer.weight_rounding == "stochastic",
+    optimizer.draws_random_bits,
   )
   if quantized and config.epilogue_n != quantization.BLOCK_SIZE:
     return (
