@@ -1214,6 +1214,57 @@ def test_auto_selects_mosaic_on_hopper_and_triton_where_it_cannot_run():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_compiled_rolled_int8_update_gives_the_unrolled_bits(rounding, seed):
+  """int8 states through 128 x 64 parts updated in a rolled loop (one and
+  two buffers) give the 64 x 64 parts' bits, call after call (4096 x 4096,
+  2048 tokens: several tiles a CTA)."""
+  if not backends.on_hopper_or_newer():
+    pytest.skip("needs a Hopper or newer GPU")
+  opt = fj.adamw(
+    1e-3, weight_decay=0.1, state_dtype="int8", weight_rounding=rounding
+  )
+  float_opt = dataclasses.replace(opt, state_dtype=None)
+  x, dy, kernel, state = random_inputs(
+    seed, float_opt, (2048, 4096), 4096, (BF16, F32, BF16)
+  )
+  state = type(state)(
+    **{
+      field: Q.store(value, "int8", field in opt.nonnegative_state)
+      for field, value in state._asdict().items()
+    }
+  )
+  spec = FusedDenseSpec(optimizer=opt, implementation="mosaic")
+  scalars = opt.scalars(jnp.asarray(3, jnp.int32))
+  apply = jnp.all(jnp.isfinite(dy))
+  key = jnp.uint32(12345) if rounding == "stochastic" else None
+  configs = [
+    dataclasses.replace(mosaic.QUANTIZED_CONFIGS[0], epilogue_n=64),
+    *(
+      dataclasses.replace(
+        mosaic.QUANTIZED_ROLLED_CONFIGS[0], epilogue_n=64, **fields
+      )
+      for fields in ({}, {"max_concurrent_steps": 4, "epilogue_slots": 2})
+    ),
+  ]
+  first = None
+  for config in configs:
+    fn = jax.jit(
+      functools.partial(
+        mosaic.mosaic_update, spec, config=config, rounding_key=key
+      ),
+      donate_argnums=(2, 3),
+    )
+    for _ in range(2):
+      stepped = host_copy(
+        fn(x, dy, *jax.tree.map(jnp.copy, (kernel, state)), scalars, apply)
+      )[:3]
+      first = stepped if first is None else first
+      for a, b in zip(jax.tree.leaves(stepped), jax.tree.leaves(first)):
+        np.testing.assert_array_equal(bits(a), bits(b), err_msg=repr(config))
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("tokens", [512, 2048])
 def test_compiled_kernel_bits_do_not_depend_on_config_or_run(tokens, seed):
   """Every default config (and other epilogue configs between them) gives
