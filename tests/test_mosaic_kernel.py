@@ -1218,7 +1218,7 @@ def test_auto_selects_mosaic_on_hopper_and_triton_where_it_cannot_run():
 def test_compiled_rolled_int8_update_gives_the_unrolled_bits(rounding, seed):
   """int8 states through 128 x 64 parts updated in a rolled loop (one and
   two buffers) give the 64 x 64 parts' bits, call after call (4096 x 4096,
-  2048 tokens: several tiles a CTA)."""
+  2048 tokens: several tiles a CTA), and every leaf moves."""
   if not backends.on_hopper_or_newer():
     pytest.skip("needs a Hopper or newer GPU")
   opt = fj.adamw(
@@ -1262,6 +1262,10 @@ def test_compiled_rolled_int8_update_gives_the_unrolled_bits(rounding, seed):
       first = stepped if first is None else first
       for a, b in zip(jax.tree.leaves(stepped), jax.tree.leaves(first)):
         np.testing.assert_array_equal(bits(a), bits(b), err_msg=repr(config))
+  for new, old in zip(
+    jax.tree.leaves(first[:2]), jax.tree.leaves((kernel, state))
+  ):
+    assert (bits(new) != bits(old)).any(), "a leaf did not move"
 
 
 @pytest.mark.gpu
