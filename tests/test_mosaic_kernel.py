@@ -633,11 +633,11 @@ INT8_OPTIMIZERS = [
 ]
 
 
-def int8_inputs(seed, opt):
+def int8_inputs(seed, opt, x_shape=X_SHAPE, n=N):
   """Exact x and dy; a bf16 kernel and a random state, quantized."""
   float_opt = dataclasses.replace(opt, state_dtype=None)
   _, _, kernel, state = random_inputs(
-    seed, float_opt, X_SHAPE, N, (BF16, F32, BF16)
+    seed, float_opt, x_shape, n, (BF16, F32, BF16)
   )
   state = type(state)(
     **{
@@ -645,7 +645,7 @@ def int8_inputs(seed, opt):
       for field, value in state._asdict().items()
     }
   )
-  return (*exact_inputs(seed, X_SHAPE, N, BF16), kernel, state)
+  return (*exact_inputs(seed, x_shape, n, BF16), kernel, state)
 
 
 INT8_CASES = [
@@ -713,44 +713,15 @@ def test_mosaic_rolled_epilogue_gives_the_unrolled_bits(slots, seed):
 def test_mosaic_rolled_epilogue_lowers_for_cuda_on_cpu():
   """The rolled update's loop (carried wgmma-layout sub-tiles, buffers and
   barriers at a traced index) has Mosaic GPU layouts."""
-  opt = int8_sr(SR_OPTIMIZERS["adamw"], 5)
-  tokens, k, n = 512, 256, 512
   config = mosaic.MosaicConfig(
     max_concurrent_steps=4,
     epilogue_n=Q.BLOCK_SIZE,
     epilogue_slots=1,
     rolled_epilogue=True,
   )
-  x = jax.ShapeDtypeStruct((tokens, k), BF16)
-  dy = jax.ShapeDtypeStruct((tokens, n), BF16)
-  kernel = jax.ShapeDtypeStruct((k, n), BF16)
-  assert mosaic.unsupported_reason(x, dy, kernel, opt, config) is None
-  spec = FusedDenseSpec(optimizer=opt, implementation="mosaic")
-
-  def update(x, dy, kernel, state, scalars, apply, key):
-    return mosaic.mosaic_update(
-      spec,
-      x,
-      dy,
-      kernel,
-      state,
-      scalars,
-      apply,
-      config,
-      interpret=False,
-      rounding_key=key,
-    )
-
-  traced = jax.jit(update).trace(
-    x,
-    dy,
-    kernel,
-    jax.eval_shape(opt.init, kernel),
-    jax.eval_shape(opt.scalars, jnp.int32(3)),
-    jax.ShapeDtypeStruct((), jnp.bool_),
-    jax.ShapeDtypeStruct((), jnp.uint32),
-  )
-  assert "mosaic_gpu" in traced.lower(lowering_platforms=("cuda",)).as_text()
+  opt = int8_sr(SR_OPTIMIZERS["adamw"], 5)
+  text = lower_for_cuda(opt, (256, 512), BF16, "inline", config=config)
+  assert "mosaic_gpu" in text
 
 
 @pytest.mark.slow
@@ -918,19 +889,26 @@ LOWERING_CASES = list(lowering_cases())
 
 
 def lower_for_cuda(
-  opt, kernel_shape, kernel_dtype, schedule, tokens=512, layer_index=None
+  opt,
+  kernel_shape,
+  kernel_dtype,
+  schedule,
+  tokens=512,
+  layer_index=None,
+  config=None,
 ):
   """``mosaic_update`` through Mosaic GPU's CUDA lowering (the compiled
   path: transposed wgmma, refs updated in place, setmaxnreg), on the CPU,
-  with a config a GPU runs: the default ranking's for 'inline',
-  ``GPU_CONFIGS['pingpong']`` for 'pingpong'. Returns the lowered text."""
+  with ``config``, else a config a GPU runs: the default ranking's for
+  'inline', ``GPU_CONFIGS['pingpong']`` for 'pingpong'. Returns the
+  lowered text."""
   k, n = kernel_shape[-2:]
   x = jax.ShapeDtypeStruct((tokens, k), BF16)
   dy = jax.ShapeDtypeStruct((tokens, n), BF16)
   kernel = jax.ShapeDtypeStruct(kernel_shape, kernel_dtype)
-  if schedule == "inline":
+  if config is None and schedule == "inline":
     config = mosaic.default_config(x, kernel, opt)
-  else:
+  elif config is None:
     config = GPU_CONFIGS[schedule]
     if opt.state_dtype == "int8":
       config = dataclasses.replace(config, epilogue_n=Q.BLOCK_SIZE)
@@ -1224,16 +1202,7 @@ def test_compiled_rolled_int8_update_gives_the_unrolled_bits(rounding, seed):
   opt = fj.adamw(
     1e-3, weight_decay=0.1, state_dtype="int8", weight_rounding=rounding
   )
-  float_opt = dataclasses.replace(opt, state_dtype=None)
-  x, dy, kernel, state = random_inputs(
-    seed, float_opt, (2048, 4096), 4096, (BF16, F32, BF16)
-  )
-  state = type(state)(
-    **{
-      field: Q.store(value, "int8", field in opt.nonnegative_state)
-      for field, value in state._asdict().items()
-    }
-  )
+  x, dy, kernel, state = int8_inputs(seed, opt, (2048, 4096), 4096)
   spec = FusedDenseSpec(optimizer=opt, implementation="mosaic")
   scalars = opt.scalars(jnp.asarray(3, jnp.int32))
   apply = jnp.all(jnp.isfinite(dy))
