@@ -1577,6 +1577,7 @@ def lowp_breakdown_section(runs) -> str:
       bf16 = c["ms"].get("bf16")
       for name, ms in c["ms"].items():
         same = c.get("same_bits", {}).get(name)
+        matches = c.get("state_matches_reference", {}).get(name)
         rows.append(
           [
             c["tokens"],
@@ -1584,6 +1585,7 @@ def lowp_breakdown_section(runs) -> str:
             _breakdown_name(name),
             f"{ms:.3f}" + (f" ({ms / bf16:.2f}x)" if bf16 else ""),
             "-" if same is None else ("yes" if same else "no"),
+            "-" if matches is None else f"{matches:.6g}",
             device_name(run),
             f"`{commit(run)}`",
           ]
@@ -1600,9 +1602,25 @@ def lowp_breakdown_section(runs) -> str:
     "dequantization and the rule. `int8`, `int8-sr`: the default config "
     "of the run's commit. The rows that name config fields run "
     "int8 states on that Mosaic config; `same bits`: its first step's "
-    "weights equal the default config's.",
+    "weights equal the default config's. `m and v as e4m3`, `v as e4m3`: "
+    "a probe, not a format of the package: those int8 leaves stored as "
+    "float8 e4m3 codes of the values in blocks of 64 scaled by a power of "
+    "two (a quantizer with no division, square root, scale search or "
+    "threshold correction), on the storage's default config. `state = "
+    "XLA`: the share of state elements bit for bit equal to the XLA "
+    "reference's (under the same encoding) after two steps.",
     table(
-      ["T", "K x N", "variant", "ms", "same bits", "device", "commit"], rows
+      [
+        "T",
+        "K x N",
+        "variant",
+        "ms",
+        "same bits",
+        "state = XLA",
+        "device",
+        "commit",
+      ],
+      rows,
     ),
     list_flags_command(
       "lowp_breakdown.py",

@@ -8,6 +8,8 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+import pytest
 
 import forge_jax as fj
 
@@ -16,6 +18,7 @@ from conftest import assert_same_bits, bits
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import kernel_bench  # noqa: E402  (benchmarks/ is on sys.path only now)
+import lowp_breakdown  # noqa: E402
 import timing  # noqa: E402
 
 
@@ -65,3 +68,41 @@ def test_run_cases_saves_each_case_and_stops_at_its_budget(tmp_path):
     saved = json.load(f)
   assert [c["i"] for c in saved["cases"]] == [0]
   assert saved["stopped_early"] is True
+
+
+@pytest.mark.parametrize("variant", sorted(lowp_breakdown.E4M3_VARIANTS))
+def test_e4m3_probe_encodes_e4m3_and_the_kernel_matches_its_reference(
+  variant,
+):
+  """The breakdown's float8 probe: the kernel (interpret mode) and the XLA
+  reference, both under it, store the same state bits over two steps; its
+  scales are the smallest powers of two with 448 s >= a block's absmax, and
+  its codes decode to the float32 moments within e4m3's resolution."""
+  optimizer = fj.adamw(1e-3, weight_decay=0.1, state_dtype="int8")
+  x, dy, w = kernel_bench.make_inputs(jax.random.key(3), 64, 64, 128)
+  w = w.astype(jnp.bfloat16)
+  context = lowp_breakdown.E4M3_VARIANTS[variant]
+  assert (
+    lowp_breakdown._state_matches_reference(optimizer, None, w, x, dy, context)
+    == 1.0
+  )
+  exact = fj.adamw(1e-3, weight_decay=0.1)
+  count = jnp.asarray(0, jnp.int32)
+  _, moments, _ = kernel_bench.reference_step(exact)(
+    w.astype(jnp.float32), exact.init(w), count, x, dy
+  )
+  with context():
+    _, state, _ = kernel_bench.reference_step(optimizer)(
+      w, optimizer.init(w), count, x, dy
+    )
+  names = ("nu",) if variant == "v as e4m3" else ("mu", "nu")
+  for name in names:
+    leaf, reference = getattr(state, name), np.asarray(getattr(moments, name))
+    amax = np.abs(reference).reshape(64, 2, 64).max(axis=2).astype(np.float64)
+    expected = 2.0 ** np.ceil(np.log2(amax / 448))
+    np.testing.assert_array_equal(np.asarray(leaf.scale), expected)
+    with context():
+      value = np.asarray(fj.quantization.load(leaf))
+    np.testing.assert_allclose(
+      value, reference, rtol=2**-4, atol=float(amax.min()) * 2**-9
+    )
