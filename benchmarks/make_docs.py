@@ -17,6 +17,7 @@ import glob
 import json
 import os
 import re
+import shlex
 import statistics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -1337,7 +1338,8 @@ def list_flags_command(script: str, config, names) -> str:
   """The command line of a benchmark ``script`` whose run recorded the
   list-valued flags ``names`` in its ``config``."""
   flags = [
-    f"--{name} " + " ".join(str(v) for v in config[name]) for name in names
+    " ".join([f"--{name}", *(shlex.quote(str(v)) for v in config[name])])
+    for name in names
   ]
   return f"python benchmarks/{script} " + " ".join(flags) + " --out FILE"
 
@@ -1625,7 +1627,7 @@ def lowp_breakdown_section(runs) -> str:
     list_flags_command(
       "lowp_breakdown.py",
       runs[0]["config"],
-      ("tokens", "shapes", "storages"),
+      ("tokens", "shapes", "storages", "configs"),
     ),
     runs,
   )
