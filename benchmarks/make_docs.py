@@ -1608,7 +1608,10 @@ def lowp_breakdown_section(runs) -> str:
     "a probe, not a format of the package: those int8 leaves stored as "
     "float8 e4m3 codes of the values in blocks of 64 scaled by a power of "
     "two (a quantizer with no division, square root, scale search or "
-    "threshold correction), on the storage's default config. `state = "
+    "threshold correction), on the storage's default config; `scales "
+    "kept`: the same codes written at the blocks' old scales, no block "
+    "maximum taken (timing only, not an encoding: what the block reduction "
+    "costs). `state = "
     "XLA`: the share of state elements bit for bit equal to the XLA "
     "reference's (under the same encoding) after two steps.",
     table(
