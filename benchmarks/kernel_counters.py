@@ -19,6 +19,7 @@ Llama-3.1-8B's MLP (4096 x 14336), bf16 x, dy, W and AdamW state, as in
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import dataclasses
 import json
@@ -31,6 +32,7 @@ from forge_jax.ops import backends, mosaic
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 # pylint: disable=wrong-import-position
+import lowp_breakdown
 from kernel_bench import (
   CHECK_OPTIMIZERS,
   MOSAIC_DIAG_CONFIGS,
@@ -43,30 +45,53 @@ from timing import metadata
 
 K, N = 4096, 14336
 
-#: (name, what, tokens, config, optimizer, rule-free). ``what``: 'gemm',
+RULE_FREE = "rule-free"
+PASSED_THROUGH = "quantizer passed through"
+E4M3, E4M3_SCALES_KEPT = "m and v as e4m3", "m and v as e4m3, scales kept"
+#: Timing-only changes of the traced kernel, by name: each a function of
+#: no arguments returning a context manager to trace the kernel in.
+VARIANTS = {
+  RULE_FREE: rule_free_epilogue,
+  PASSED_THROUGH: lowp_breakdown.quantizer_passed_through,
+  **lowp_breakdown.E4M3_VARIANTS,
+}
+#: (name, what, tokens, config, optimizer, variant). ``what``: 'gemm',
 #: 'unfused' or 'fused'; ``config``: a key of MOSAIC_DIAG_CONFIGS, or
 #: None for the default config of the call; ``optimizer``: a key of
 #: CHECK_OPTIMIZERS, with ``+storage`` (a key of STORAGES) for
-#: low-precision storage.
+#: low-precision storage; ``variant``: None, or a key of VARIANTS (a
+#: timing-only change of the traced kernel).
 PROBES = (
-  ("gemm-T512", "gemm", 512, None, "adamw", False),
-  ("unfused-T512", "unfused", 512, None, "adamw", False),
-  ("inline-T512", "fused", 512, "inline-steps5", "adamw", False),
-  ("inline-T512-rule-free", "fused", 512, "inline-steps5", "adamw", True),
-  ("inline-T64-rule-free", "fused", 64, "inline-steps5", "adamw", True),
-  ("pingpong-T512", "fused", 512, "pingpong-steps4-slots3", "adamw", False),
-  ("gemm-T2048", "gemm", 2048, None, "adamw", False),
-  ("inline-T2048", "fused", 2048, "inline-steps5", "adamw", False),
-  ("pingpong-T2048", "fused", 2048, "pingpong-steps4-slots3", "adamw", False),
-  ("gemm-T8192", "gemm", 8192, None, "adamw", False),
-  ("pingpong-T8192-sgd", "fused", 8192, "pingpong-steps4-slots3", "sgd", False),
+  ("gemm-T512", "gemm", 512, None, "adamw", None),
+  ("unfused-T512", "unfused", 512, None, "adamw", None),
+  ("inline-T512", "fused", 512, "inline-steps5", "adamw", None),
+  ("inline-T512-rule-free", "fused", 512, "inline-steps5", "adamw", RULE_FREE),
+  ("inline-T64-rule-free", "fused", 64, "inline-steps5", "adamw", RULE_FREE),
+  ("pingpong-T512", "fused", 512, "pingpong-steps4-slots3", "adamw", None),
+  ("gemm-T2048", "gemm", 2048, None, "adamw", None),
+  ("inline-T2048", "fused", 2048, "inline-steps5", "adamw", None),
+  ("pingpong-T2048", "fused", 2048, "pingpong-steps4-slots3", "adamw", None),
+  ("gemm-T8192", "gemm", 8192, None, "adamw", None),
+  ("pingpong-T8192-sgd", "fused", 8192, "pingpong-steps4-slots3", "sgd", None),
   # Where int8 states' time goes: each storage in its default config.
-  ("bf16-T512", "fused", 512, None, "adamw", False),
-  ("bf16-sr-T512", "fused", 512, None, "adamw+sr", False),
-  ("int8-T512", "fused", 512, None, "adamw+int8", False),
-  ("int8-sr-T512", "fused", 512, None, "adamw+int8-sr", False),
-  ("bf16-sr-T2048", "fused", 2048, None, "adamw+sr", False),
-  ("int8-sr-T2048", "fused", 2048, None, "adamw+int8-sr", False),
+  ("bf16-T512", "fused", 512, None, "adamw", None),
+  ("bf16-sr-T512", "fused", 512, None, "adamw+sr", None),
+  ("int8-T512", "fused", 512, None, "adamw+int8", None),
+  ("int8-sr-T512", "fused", 512, None, "adamw+int8-sr", None),
+  ("bf16-sr-T2048", "fused", 2048, None, "adamw+sr", None),
+  ("int8-sr-T2048", "fused", 2048, None, "adamw+int8-sr", None),
+  # What int8's quantizer spends: its codes stored back unchanged, and
+  # lowp_breakdown.py's e4m3 codes with and without the block maximum.
+  (
+    "int8-passed-through-T512",
+    "fused",
+    512,
+    None,
+    "adamw+int8",
+    PASSED_THROUGH,
+  ),
+  ("int8-e4m3-T512", "fused", 512, None, "adamw+int8", E4M3),
+  ("int8-e4m3-kept-T512", "fused", 512, None, "adamw+int8", E4M3_SCALES_KEPT),
 )
 
 #: Low-precision storage of the probes' optimizers (bf16 W and states
@@ -86,7 +111,7 @@ def _profiler(call: str):
     raise RuntimeError(f"{call} returned CUresult {result}")
 
 
-def build(what, tokens, config_name, opt_name, rule_free):
+def build(what, tokens, config_name, opt_name, variant):
   """A no-argument function that launches the probe's kernel(s) once."""
   x, dy, w = make_inputs(jax.random.key(tokens), tokens, K, N)
   w = w.astype(jnp.bfloat16)
@@ -99,7 +124,7 @@ def build(what, tokens, config_name, opt_name, rule_free):
     return lambda: gemm(x, dy)
   if what == "unfused":
     return unfused_runner(optimizer, w, x, dy)
-  with rule_free_epilogue(rule_free):
+  with VARIANTS[variant]() if variant else contextlib.nullcontext():
     config = (
       MOSAIC_DIAG_CONFIGS[config_name]
       if config_name
@@ -138,9 +163,9 @@ def main():
             "tokens": tokens,
             "config": config,
             "optimizer": opt_name,
-            "rule_free": rule_free,
+            "variant": variant,
           }
-          for name, what, tokens, config, opt_name, rule_free in probes
+          for name, what, tokens, config, opt_name, variant in probes
         ],
       },
       f,

@@ -729,6 +729,7 @@ def counters_section(runs) -> str:
         f"{kernel['registers_per_thread']:.0f}",
         f"{kernel['local_memory_spill_requests']:,.0f}",
         instructions_an_element(kernel, p["_run"]),
+        device_name(p["_run"]),
         f"`{commit(p['_run'])}`",
       ]
     )
@@ -736,9 +737,13 @@ def counters_section(runs) -> str:
     "Hardware counters (Nsight Compute, one GPU)",
     "One launch of each probe at 4096 x 14336, bf16 W, AdamW. The states "
     "are bf16 except in the `int8` probes; `sr` writes W with stochastic "
-    "rounding. Instructions an element: thread instructions the kernel "
-    "executed over K x N (32 a warp instruction). Stall reasons, "
-    "per-instruction samples and instructions by opcode are in the JSON.",
+    "rounding. `passed-through`, `e4m3` and `e4m3-kept` are timing-only "
+    "variants of the int8 update (`lowp_breakdown.py`'s: the old codes "
+    "stored back; e4m3 codes with power-of-two block scales; those codes "
+    "at the old scales, no block maximum). Instructions an element: "
+    "thread instructions the kernel executed over K x N (32 a warp "
+    "instruction). Stall reasons, per-instruction samples and instructions "
+    "by opcode are in the JSON.",
     table(
       [
         "probe",
@@ -750,6 +755,7 @@ def counters_section(runs) -> str:
         "registers a thread",
         "spill requests",
         "instructions an element",
+        "device",
         "commit",
       ],
       rows,
