@@ -25,6 +25,13 @@ from forge_jax import quantization
 from forge_jax.ops.mosaic import compat
 
 
+def is_block_scale(divisor: int) -> bool:
+  """Whether a leaf whose columns each stand for ``divisor`` of the
+  kernel's holds block scales, which the epilogue reads and writes in
+  global memory; every other leaf goes through shared memory by TMA."""
+  return divisor == quantization.BLOCK_SIZE
+
+
 class Epilogue:
   """The update of ``epilogue_k x epilogue_n`` sub-tiles, shared by the
   schedules: TMA loads of the kernel and state windows into a shared-memory
@@ -55,7 +62,7 @@ class Epilogue:
   ):
     self.storage_gmem, self.storage_out = storage_gmem, storage_out
     self.smem, self.barriers = smem, barriers
-    self.is_scale = [d == quantization.BLOCK_SIZE for d in divisors]
+    self.is_scale = [is_block_scale(d) for d in divisors]
     tma = [not scale for scale in self.is_scale]
     self.tma_divisors = [d for d, t in zip(divisors, tma) if t]
     self.tma_gmem = [r for r, t in zip(storage_gmem, tma) if t]

@@ -17,14 +17,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from forge_jax import quantization
 from forge_jax.ops.mosaic.config import (
   MEMORY_REGISTERS,
   MosaicConfig,
   epilogue_buffers,
   launch_registers,
 )
-from forge_jax.ops.mosaic.epilogue import Epilogue
+from forge_jax.ops.mosaic.epilogue import Epilogue, is_block_scale
 from forge_jax.ops.update import apply_update, read_kernel_scalars
 
 
@@ -101,11 +100,10 @@ class Pipeline:
       self.x_window = lambda k0, t: x_gmem.at[pl.ds(t * tt, tt), pl.ds(k0, tk)]
     self.x_transforms = swizzled(self.x_block[1], x_gmem.dtype)
     self.dy_transforms = swizzled(self.cta_tn, dy_gmem.dtype)
-    # Every leaf but the block scales goes through shared memory by TMA.
     self.tma_leaves = [
       (ref, divisor)
       for ref, divisor in zip(storage_gmem, divisors)
-      if divisor != quantization.BLOCK_SIZE
+      if not is_block_scale(divisor)
     ]
     # Sub-tiles of one warpgroup's tile_k x tile_n part, in order.
     self.part_subtiles = [
