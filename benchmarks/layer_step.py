@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import itertools
 import os
 import sys
 
@@ -40,8 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from timing import (  # noqa: E402
   device_time_ms,
   kernel_profile,
-  metadata,
-  run_cases,
+  run_grid,
 )
 
 import forge_jax as fj  # noqa: E402
@@ -234,12 +232,10 @@ def main(argv=None):
   if args.cpu:
     jax.config.update("jax_platforms", "cpu")
   backends.XLA_CHUNK_ELEMENTS = args.xla_chunk_elements
-  run_cases(
-    {"meta": metadata(), "config": vars(args), "cases": []},
-    itertools.product(args.compute, args.storage, args.tokens, args.shapes),
+  run_grid(
+    args,
+    ("compute", "storage", "tokens", "shapes"),
     functools.partial(measure, args),
-    args.out,
-    args.time_budget_s,
   )
 
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import itertools
 import json
 import os
 import sys
@@ -31,7 +30,7 @@ from kernel_bench import (  # noqa: E402
   reference_step,
   unfused_runner,
 )
-from timing import device_time_ms, metadata, run_cases  # noqa: E402
+from timing import device_time_ms, run_grid  # noqa: E402
 
 import forge_jax as fj  # noqa: E402
 from forge_jax.ops import mosaic  # noqa: E402
@@ -139,13 +138,7 @@ def measure(args, tokens, shape) -> dict:
 
 def main(argv=None):
   args = _args(argv)
-  run_cases(
-    {"meta": metadata(), "config": vars(args), "cases": []},
-    itertools.product(args.tokens, args.shapes),
-    functools.partial(measure, args),
-    args.out,
-    args.time_budget_s,
-  )
+  run_grid(args, ("tokens", "shapes"), functools.partial(measure, args))
 
 
 if __name__ == "__main__":

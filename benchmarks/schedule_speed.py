@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import itertools
 import os
 import sys
 
@@ -25,7 +24,7 @@ import jax.numpy as jnp
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from kernel_bench import fused_runner, make_inputs  # noqa: E402
-from timing import device_time_ms, metadata, run_cases  # noqa: E402
+from timing import device_time_ms, run_grid  # noqa: E402
 
 import forge_jax as fj  # noqa: E402
 from forge_jax.ops import mosaic  # noqa: E402
@@ -133,13 +132,7 @@ def measure(storage, opt_name, tokens, shape) -> dict:
 
 def main(argv=None):
   args = _args(argv)
-  run_cases(
-    {"meta": metadata(), "config": vars(args), "cases": []},
-    itertools.product(args.storages, args.optimizers, args.tokens, args.shapes),
-    measure,
-    args.out,
-    args.time_budget_s,
-  )
+  run_grid(args, ("storages", "optimizers", "tokens", "shapes"), measure)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import itertools
 import os
 import sys
 
@@ -38,8 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from timing import (  # noqa: E402
   device_time_ms,
   kernel_profile,
-  metadata,
-  run_cases,
+  run_grid,
 )
 
 from forge_jax.ops.mosaic import matmul  # noqa: E402
@@ -118,12 +116,7 @@ def main(argv=None):
     k, n = (int(d) for d in shape.split("x"))
     return case(tokens, k, n, kind, args.layers)
 
-  run_cases(
-    {"meta": metadata(), "config": vars(args), "cases": []},
-    itertools.product(args.tokens, args.shapes, args.kinds),
-    measure,
-    args.out,
-  )
+  run_grid(args, ("tokens", "shapes", "kinds"), measure)
 
 
 if __name__ == "__main__":

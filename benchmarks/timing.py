@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import datetime
 import glob
+import itertools
 import json
 import os
 import platform
@@ -184,3 +185,17 @@ def run_cases(result: dict, cases, measure, out: str, time_budget_s=0.0):
     print(json.dumps(record), flush=True)
     save()
   return result
+
+
+def run_grid(args, axes, measure):
+  """:func:`run_cases` over the product of ``axes``, names of list-valued
+  flags of ``args`` (in that order), into ``args.out``, with ``vars(args)``
+  as the result's config and ``args.time_budget_s`` (if it has one) as the
+  budget."""
+  return run_cases(
+    {"meta": metadata(), "config": vars(args), "cases": []},
+    itertools.product(*(getattr(args, axis) for axis in axes)),
+    measure,
+    args.out,
+    getattr(args, "time_budget_s", 0.0),
+  )

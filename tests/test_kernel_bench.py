@@ -1,6 +1,7 @@
 """The kernel benchmarks' steps (the XLA reference they check and time
 against computes the fused steps' bits) and their case loop."""
 
+import argparse
 import json
 import os
 import sys
@@ -68,6 +69,24 @@ def test_run_cases_saves_each_case_and_stops_at_its_budget(tmp_path):
     saved = json.load(f)
   assert [c["i"] for c in saved["cases"]] == [0]
   assert saved["stopped_early"] is True
+
+
+def test_run_grid_walks_the_product_of_the_named_flags(tmp_path):
+  """Cases in the order of the flags' product, the flags as the config."""
+  args = argparse.Namespace(
+    tokens=[1, 2], shapes=["a", "b"], out=str(tmp_path / "grid.json")
+  )
+  result = timing.run_grid(
+    args, ("tokens", "shapes"), lambda t, s: {"case": [t, s]}
+  )
+  assert [c["case"] for c in result["cases"]] == [
+    [1, "a"],
+    [1, "b"],
+    [2, "a"],
+    [2, "b"],
+  ]
+  with open(args.out) as f:
+    assert json.load(f)["config"]["shapes"] == ["a", "b"]
 
 
 @pytest.mark.parametrize("variant", ["m and v as e4m3", "v as e4m3"])
