@@ -19,10 +19,13 @@ variant, each step removing one difference between bf16 and int8 states:
   leaves (both moments, or the second only) encoded as float8 e4m3 codes
   of blocks of 64 scaled by a power of two instead (:func:`e4m3_codes`;
   timing only, not a format of the package): a quantizer without
-  division, square root, scale search or threshold correction. Its rows
-  and the int8 rows carry ``state_matches_reference``: the share of state
-  elements bit for bit equal to the XLA reference's after two steps, the
-  reference under the same encoding.
+  division, square root, scale search or threshold correction; ``<storage>,
+  m and v as e4m3, scales kept``: those codes written at the blocks' old
+  scales, no block maximum taken (not an encoding: what the block
+  reduction costs). These rows and the int8 rows carry
+  ``state_matches_reference``: the share of state elements bit for bit
+  equal to the XLA reference's after two steps, the reference under the
+  same encoding.
 
   python benchmarks/lowp_breakdown.py --out benchmarks/results/lowp_breakdown.json
 """
@@ -105,6 +108,7 @@ def quantizer_passed_through():
     quantization.update = original
 
 
+#: Columns of a quantization block.
 BLOCK = quantization.BLOCK_SIZE
 #: e4m3's largest value, 1.75 * 2**8: a block's scale is ``2**(e - 8)`` for
 #: an absmax of exponent ``e``, twice that where its mantissa exceeds 1.75.
@@ -191,8 +195,7 @@ def e4m3_codes(second_moment_only=False, keep_scales=False):
 
   ``keep_scales``: codes written at the blocks' old scales, no block
   maximum taken (timing only: a block's scale never grows from zero, so
-  this is not an encoding); what the block reduction, and holding a
-  block's values until it is done, cost."""
+  this is not an encoding): what the block reduction costs."""
   update, dequantize = quantization.update, quantization.dequantize
 
   def encoded(sqrt, bits=8):
