@@ -1,8 +1,9 @@
 """What this JAX's Mosaic GPU lowering lacks, supplied through private JAX.
 
 The optimizer rules use ``sqrt`` and ``is_finite``; the warpgroup lowering
-of jax 0.10 and 0.11 has neither. :func:`register_missing_lowerings` lowers
-them through ops it has, where it lacks them (a lowering JAX has is kept);
+of jax 0.10 has neither, that of jax 0.11 has ``sqrt``.
+:func:`register_missing_lowerings` lowers them through ops it has, where it
+lacks them (a lowering JAX has is kept);
 :func:`lowers_concatenate` tells whether it has ``concatenate``.
 The kernel calls it before Mosaic GPU lowers its body; importing this module
 changes nothing. :func:`interpret_params` reaches Mosaic GPU's interpret
