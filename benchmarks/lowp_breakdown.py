@@ -52,22 +52,12 @@ from kernel_bench import (  # noqa: E402
   make_inputs,
   reference_step,
 )
+from lowp_speed import STORAGES, storage_optimizer  # noqa: E402
 from timing import device_time_ms, run_grid  # noqa: E402
 
-import forge_jax as fj  # noqa: E402
 from forge_jax import quantization  # noqa: E402
 from forge_jax.ops import mosaic  # noqa: E402
 
-STORAGES = {
-  "bf16": {"state_dtype": jnp.bfloat16},
-  "int8": {"state_dtype": "int8"},
-  "int8-sr": {"state_dtype": "int8", "weight_rounding": "stochastic"},
-  "int8-4bit-sr": {
-    "state_dtype": "int8",
-    "second_moment_bits": 4,
-    "weight_rounding": "stochastic",
-  },
-}
 #: int8's 64 x 64 config on the bf16 update: the cost of its tile shape.
 INT8_TILE = mosaic.MosaicConfig(
   tile_k=64, max_concurrent_steps=5, epilogue_slots=1, epilogue_n=64
@@ -294,10 +284,6 @@ def _args(argv=None):
   return parser.parse_args(argv)
 
 
-def _optimizer(storage):
-  return fj.adamw(1e-3, weight_decay=0.1, **STORAGES[storage])
-
-
 def _time(optimizer, config, w, x, dy, context=contextlib.nullcontext):
   """(device ms, first step's kernel as float32) of one config."""
   with context():  # traced (and compiled) at the first call
@@ -321,12 +307,12 @@ def measure(args, tokens, shape) -> dict:
       case.setdefault("errors", {})[name] = f"{type(e).__name__}: {e}"[:300]
       return None
 
-  bf16 = _optimizer("bf16")
+  bf16 = storage_optimizer("bf16")
   record("bf16", bf16, None, w, x, dy)
   record("bf16 on the int8 tile", bf16, INT8_TILE, w, x, dy)
   record(
     "int8, quantizer passed through",
-    _optimizer("int8"),
+    storage_optimizer("int8"),
     None,
     w,
     x,
@@ -334,20 +320,22 @@ def measure(args, tokens, shape) -> dict:
     context=quantizer_passed_through,
   )
   for storage in args.storages:
-    default = record(storage, _optimizer(storage), None, w, x, dy)
+    default = record(storage, storage_optimizer(storage), None, w, x, dy)
     contexts = {storage: contextlib.nullcontext}
     for variant, context in E4M3_VARIANTS.items():
       name = f"{storage}, {variant}"
       contexts[name] = context
-      record(name, _optimizer(storage), None, w, x, dy, context=context)
+      record(name, storage_optimizer(storage), None, w, x, dy, context=context)
     for name, context in contexts.items():
       case.setdefault("state_matches_reference", {})[name] = (
-        state_matches_reference(_optimizer(storage), None, w, x, dy, context)
+        state_matches_reference(
+          storage_optimizer(storage), None, w, x, dy, context
+        )
       )
     for fields in args.configs:
       name = f"{storage} {fields}"
       config = mosaic.MosaicConfig(**json.loads(fields))
-      first = record(name, _optimizer(storage), config, w, x, dy)
+      first = record(name, storage_optimizer(storage), config, w, x, dy)
       if first is not None and default is not None:
         case["same_bits"][name] = bool(np.array_equal(first, default))
   return case

@@ -48,6 +48,16 @@ STORAGES = {
 }
 
 
+def storage_optimizer(storage):
+  """AdamW (lr 1e-3, weight decay 0.1) with bf16 states and the options of
+  ``STORAGES[storage]``."""
+  return fj.adamw(
+    1e-3,
+    weight_decay=0.1,
+    **{"state_dtype": jnp.bfloat16, **STORAGES[storage]},
+  )
+
+
 def reference_runner(optimizer, w, x, dy):
   step = reference_step(optimizer)
   state = optimizer.init(w)
@@ -84,16 +94,12 @@ def measure(args, tokens, shape) -> dict:
   x, dy, w = make_inputs(jax.random.key(tokens), tokens, k, n)
   w = w.astype(jnp.bfloat16)
   case = {"tokens": tokens, "k": k, "n": n, "ms": {}}
-  base = fj.adamw(1e-3, weight_decay=0.1, state_dtype=jnp.bfloat16)
+  base = storage_optimizer("bf16")
   case["ms"]["gemm+optax"] = device_time_ms(
     unfused_runner(base, w, x, dy), calls=10, repeats=3
   )["ms"]
   for storage in args.storages:
-    optimizer = fj.adamw(
-      1e-3,
-      weight_decay=0.1,
-      **{"state_dtype": jnp.bfloat16, **STORAGES[storage]},
-    )
+    optimizer = storage_optimizer(storage)
     for backend in args.backends:
       name = f"{backend}/{storage}"
       try:
