@@ -38,6 +38,7 @@ import functools
 import json
 import os
 import sys
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -87,15 +88,10 @@ def _passthrough_update(new, old, ok, valid=None, level_bits=None):
   return type(old)(codes=old.codes, scale=scale)
 
 
-@contextlib.contextmanager
 def quantizer_passed_through():
-  """While active, int8 states are stored back unchanged (traced inside)."""
-  original = quantization.update
-  quantization.update = _passthrough_update
-  try:
-    yield
-  finally:
-    quantization.update = original
+  """A context in which int8 states are stored back unchanged (traced
+  inside)."""
+  return mock.patch.object(quantization, "update", _passthrough_update)
 
 
 #: Columns of a quantization block.
@@ -173,9 +169,8 @@ def _code_bits(leaf):
   return 4 if isinstance(leaf, quantization.QuantizedSqrt4Blocks) else 8
 
 
-@contextlib.contextmanager
 def e4m3_codes(second_moment_only=False, keep_scales=False):
-  """While active, int8 state leaves (second moments only, if asked) are
+  """A context in which int8 state leaves (second moments only, if asked) are
   float8 e4m3 codes with power-of-two block scales: the same bytes, the
   values themselves (not ``sqrt(v)``), read with a multiply and written
   with a conversion that Hopper does two values an instruction. Blocks
@@ -226,12 +221,9 @@ def e4m3_codes(second_moment_only=False, keep_scales=False):
       codes = quantization.container_codes(codes)
     return type(old)(codes=codes, scale=jnp.where(changed, scale, old.scale))
 
-  quantization.update = patched_update
-  quantization.dequantize = patched_dequantize
-  try:
-    yield
-  finally:
-    quantization.update, quantization.dequantize = update, dequantize
+  return mock.patch.multiple(
+    quantization, update=patched_update, dequantize=patched_dequantize
+  )
 
 
 E4M3_VARIANTS = {
