@@ -11,6 +11,11 @@ time, medians):
   gradient norm it records);
 * ``xla``, ``triton``, ``mosaic``: ``fj.ForgeDense`` with that
   implementation, ``fj.TrainState``;
+* ``mosaic-rule-free`` (a measurement, not a train step): the Mosaic kernel
+  traced without the optimizer's arithmetic and the check of its results
+  (``kernel_bench.rule_free_epilogue``: W and state streamed in and out
+  unchanged, the skip counts and norm sums kept): the step's time with a
+  rule that costs nothing, a bound for any change to the rule's code;
 * the result names the backend ``'auto'`` takes for each case.
 
 Each case's ``speedup`` is optax's time over each variant's (> 1: faster
@@ -24,6 +29,7 @@ than optax).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import os
 import sys
@@ -36,6 +42,7 @@ from flax.training import train_state
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from kernel_bench import rule_free_epilogue  # noqa: E402
 from timing import (  # noqa: E402
   device_time_ms,
   kernel_profile,
@@ -49,6 +56,9 @@ SHAPES = ("4096x4096", "4096x1024", "4096x14336", "14336x4096", "4096x128256")
 #: W / m / v storage: (param dtype, FORGE's state dtype, FORGE's weight
 #: rounding, bits of FORGE's second moments). optax keeps bf16 states
 #: beside bf16 weights.
+#: The variant that times the Mosaic kernel without the rule's arithmetic.
+RULE_FREE = "mosaic-rule-free"
+
 STORAGE = {
   "fp32": (jnp.float32, None, "nearest", 8),
   "bf16": (jnp.bfloat16, jnp.bfloat16, "nearest", 8),
@@ -117,7 +127,7 @@ def make_runner(variant, tokens, k, n, storage, compute="bf16"):
     param_dtype,
     COMPUTE[compute],
     optimizer=opt if forge else None,
-    implementation=variant if forge else "auto",
+    implementation="mosaic" if variant == RULE_FREE else variant,
   )
   x = jax.random.normal(jax.random.key(0), (tokens, k), COMPUTE[compute])
   variables = jax.jit(model.init)(jax.random.key(1), x)
@@ -145,7 +155,28 @@ def make_runner(variant, tokens, k, n, storage, compute="bf16"):
     carry["state"], loss = step(carry["state"], x)
     return loss
 
+  run.carry = carry  # the current state, for tests
   return run
+
+
+@contextlib.contextmanager
+def traced_as(variant):
+  """The context a variant's runner is built, traced and timed in.
+
+  For :data:`RULE_FREE`, the rule-free epilogue between cleared caches: a
+  process traces each kernel once per shape (one jit shared by every call
+  site, ``backends.lowered_once``), so the rule-free trace must neither
+  reuse another variant's kernel nor be left for the next variant.
+  """
+  if variant != RULE_FREE:
+    yield
+    return
+  jax.clear_caches()
+  try:
+    with rule_free_epilogue():
+      yield
+  finally:
+    jax.clear_caches()
 
 
 def auto_choice(tokens, k, n, storage, compute="bf16"):
@@ -213,11 +244,12 @@ def measure(args, compute, storage, tokens, shape) -> dict:
   }
   for variant in args.variants:
     try:
-      run = make_runner(variant, tokens, k, n, storage, compute)
-      timing = device_time_ms(run, calls=args.calls, repeats=args.repeats)
-      case["ms"][variant] = timing["ms"]
-      if args.profile:
-        case.setdefault("profile", {})[variant] = kernel_profile(run)
+      with traced_as(variant):
+        run = make_runner(variant, tokens, k, n, storage, compute)
+        timing = device_time_ms(run, calls=args.calls, repeats=args.repeats)
+        case["ms"][variant] = timing["ms"]
+        if args.profile:
+          case.setdefault("profile", {})[variant] = kernel_profile(run)
     except Exception as e:  # a backend that cannot run the case
       case.setdefault("errors", {})[variant] = f"{type(e).__name__}: {e}"[:300]
   if "optax" in case["ms"]:

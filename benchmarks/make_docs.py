@@ -1236,6 +1236,76 @@ def layer_step_section(runs) -> str:
   )
 
 
+def replaced_part_us(case, variant) -> str:
+  """What a FORGE variant's fused kernel replaces in optax's step (µs): the
+  GEMMs and kernels of 10 µs or more that optax runs and the variant does
+  not (the ``dW`` GEMM and the update fusion)."""
+  optax = step_breakdown(case["profile"]["optax"])
+  forge = step_breakdown(case["profile"][variant])
+  replaced = optax["gemm"] - forge["gemm"] + optax["large"] - forge["large"]
+  return f"{replaced:.0f}"
+
+
+def rule_free_section(runs) -> str:
+  """The one-layer step with the Mosaic kernel's rule and without it: the
+  newest run's cases."""
+  run = max(runs, key=lambda r: meta(r)["date"])
+  rows = []
+  for c in run["cases"]:
+    if not {"optax", "mosaic", "mosaic-rule-free"} <= set(c["ms"]):
+      continue
+    profiled = {"optax", "mosaic", "mosaic-rule-free"} <= set(
+      c.get("profile", {})
+    )
+    kernel_us = {
+      v: f"{step_breakdown(c['profile'][v])['fused']:.0f}" if profiled else "-"
+      for v in ("mosaic", "mosaic-rule-free")
+    }
+    rows.append(
+      [
+        c["storage"],
+        c["tokens"],
+        f"{c['k']} x {c['n']}",
+        f"{c['ms']['optax']:.3f}",
+        ratio(c["speedup"]["mosaic"]),
+        ratio(c["speedup"]["mosaic-rule-free"]),
+        kernel_us["mosaic"],
+        kernel_us["mosaic-rule-free"],
+        replaced_part_us(c, "mosaic") if profiled else "-",
+      ]
+    )
+  return section(
+    "One layer's step with a rule that costs nothing",
+    "The one-layer step above (bf16 activations, AdamW) through the Mosaic "
+    "kernel, and through the same kernel traced without the optimizer's "
+    "arithmetic and the check of its results (`mosaic-rule-free`: W and "
+    "its state streamed in and out unchanged, the skip counts and norm "
+    "sums kept; a measurement, not a train step), against `nn.Dense` + "
+    "optax in the same process. Ratios are optax's step time over "
+    "FORGE's (> 1: faster than optax); the kernel columns are each fused "
+    "kernel's device µs a step, beside the µs of optax's kernels that the "
+    "fused kernel replaces (its `dW` GEMM and update fusion, from the same "
+    "profiles). No change to the kernel's arithmetic for the rule can take "
+    "a step past its rule-free ratio.",
+    table(
+      [
+        "W / m / v",
+        "T",
+        "K x N",
+        "optax ms",
+        "mosaic",
+        "rule-free",
+        "kernel µs",
+        "rule-free kernel µs",
+        "optax's dW GEMM + update µs",
+      ],
+      rows,
+    ),
+    layer_step_command(run),
+    [run],
+  )
+
+
 def xla_chunks_section(runs) -> str:
   """The XLA reference's one-layer step in row chunks against whole
   kernels: the newest run of each chunk size, side by side per case."""
@@ -1936,6 +2006,7 @@ SECTIONS = (
   ("fsdp_*.json", fsdp_section, True),
   ("layer_step_*.json", layer_step_section, False),
   ("xla_chunks_*.json", xla_chunks_section, False),
+  ("rule_free_step_*.json", rule_free_section, False),
   ("stacked_gemm_*.json", stacked_gemm_section, True),
   ("lowp_speed_*.json", lowp_speed_section, False),
   ("lowp_breakdown_*.json", lowp_breakdown_section, False),

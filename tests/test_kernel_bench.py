@@ -19,6 +19,7 @@ from conftest import assert_same_bits, bits
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import kernel_bench  # noqa: E402  (benchmarks/ is on sys.path only now)
+import layer_step  # noqa: E402
 import lowp_breakdown  # noqa: E402
 import timing  # noqa: E402
 
@@ -44,6 +45,35 @@ def test_reference_step_rounds_stochastically_as_the_fused_step():
   )
   assert (bits(expected[0]) != bits(w)).mean() > 0.5
   assert_same_bits(fused[:2], expected[:2], "fused step")
+
+
+def test_layer_step_rule_free_variant_streams_and_leaves_no_trace():
+  """The one-layer step's rule-free variant stores the layer's W and state
+  unchanged, and the Mosaic variants before and after it in the same
+  process step them (the kernel is traced once per shape and process: the
+  rule-free trace neither reuses nor outlives the others)."""
+
+  def moved(variant):
+    with layer_step.traced_as(variant):
+      run = layer_step.make_runner(variant, 64, 128, 128, "bf16")
+      before = jax.device_get(run.carry["state"].params)
+      run()
+      after = jax.device_get(run.carry["state"].params)
+
+    def dense(params):  # the layer's W and state
+      layer = params["_overwrite_with_gradient"]["ForgeDense_0"]
+      return layer["kernel"], layer["opt_state"]
+
+    return [
+      float(np.mean(bits(a) != bits(b)))
+      for a, b in zip(
+        jax.tree.leaves(dense(before)), jax.tree.leaves(dense(after))
+      )
+    ]
+
+  assert min(moved("mosaic")) > 0.2  # W, m and v
+  assert max(moved(layer_step.RULE_FREE)) == 0.0
+  assert min(moved("mosaic")) > 0.2
 
 
 def test_run_cases_saves_each_case_and_stops_at_its_budget(tmp_path):
