@@ -33,6 +33,7 @@ import statistics
 import sys
 import time
 from typing import Any
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -622,20 +623,12 @@ def _rule_free_update(optimizer, grad, kernel, state, *_, **__):
 def mosaic_patched(name: str, value: Any, enabled: bool = True):
   """While active (and ``enabled``), every module of the Mosaic kernel sees
   ``value`` as ``name`` (a kernel traced inside uses it)."""
-  modules = [
-    m
-    for key, m in list(sys.modules.items())
-    if key.startswith("forge_jax.ops.mosaic") and hasattr(m, name)
-  ]
-  originals = [getattr(m, name) for m in modules]
-  if enabled:
-    for module in modules:
-      setattr(module, name, value)
-  try:
+  with contextlib.ExitStack() as patches:
+    if enabled:
+      for key, module in list(sys.modules.items()):
+        if key.startswith("forge_jax.ops.mosaic") and hasattr(module, name):
+          patches.enter_context(mock.patch.object(module, name, value))
     yield
-  finally:
-    for module, original in zip(modules, originals):
-      setattr(module, name, original)
 
 
 def rule_free_epilogue(enabled: bool = True):
