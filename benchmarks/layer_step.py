@@ -53,12 +53,12 @@ import forge_jax as fj  # noqa: E402
 from forge_jax.ops import backends  # noqa: E402
 
 SHAPES = ("4096x4096", "4096x1024", "4096x14336", "14336x4096", "4096x128256")
-#: W / m / v storage: (param dtype, FORGE's state dtype, FORGE's weight
-#: rounding, bits of FORGE's second moments). optax keeps bf16 states
-#: beside bf16 weights.
 #: The variant that times the Mosaic kernel without the rule's arithmetic.
 RULE_FREE = "mosaic-rule-free"
 
+#: W / m / v storage: (param dtype, FORGE's state dtype, FORGE's weight
+#: rounding, bits of FORGE's second moments). optax keeps bf16 states
+#: beside bf16 weights.
 STORAGE = {
   "fp32": (jnp.float32, None, "nearest", 8),
   "bf16": (jnp.bfloat16, jnp.bfloat16, "nearest", 8),
