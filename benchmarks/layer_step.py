@@ -33,6 +33,7 @@ import contextlib
 import functools
 import os
 import sys
+from unittest import mock
 
 import flax.linen as nn
 import jax
@@ -159,24 +160,33 @@ def make_runner(variant, tokens, k, n, storage, compute="bf16"):
   return run
 
 
+def _jitted_afresh(update):
+  """``update`` under a jit of its own, instead of the one every call site
+  shares (``backends.lowered_once``)."""
+
+  def fresh(spec, *args, **kwargs):
+    return update(spec, *args, **kwargs)
+
+  return jax.jit(fresh, static_argnums=0)
+
+
 @contextlib.contextmanager
 def traced_as(variant):
   """The context a variant's runner is built, traced and timed in.
 
-  For :data:`RULE_FREE`, the rule-free epilogue between cleared caches: a
-  process traces each kernel once per shape (one jit shared by every call
-  site, ``backends.lowered_once``), so the rule-free trace must neither
-  reuse another variant's kernel nor be left for the next variant.
+  For :data:`RULE_FREE`, the rule-free epilogue, each kernel call under a
+  jit of its own: a process otherwise traces a kernel once per shape (one
+  jit shared by every call site), and the rule-free trace would reuse
+  another variant's kernel or be left for the next variant's.
   """
   if variant != RULE_FREE:
     yield
     return
-  jax.clear_caches()
-  try:
-    with rule_free_epilogue():
-      yield
-  finally:
-    jax.clear_caches()
+  with (
+    rule_free_epilogue(),
+    mock.patch.object(backends, "lowered_once", _jitted_afresh),
+  ):
+    yield
 
 
 def auto_choice(tokens, k, n, storage, compute="bf16"):
