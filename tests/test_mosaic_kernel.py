@@ -685,7 +685,9 @@ def test_mosaic_int8_states_match_reference_bits(
     assert (bits(new) != bits(old)).any(), f"{name}: a leaf did not move"
 
 
-@pytest.mark.parametrize("slots", [1, 2])
+# One buffer, as the package's rolled configs (QUANTIZED_CONFIGS) take it,
+# by default; two with --run-slow.
+@pytest.mark.parametrize("slots", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_mosaic_rolled_epilogue_gives_the_unrolled_bits(slots, seed):
   """Two int8 sub-tiles a part, updated in a loop that rotates them through
   its carry (one or two buffers: the second sub-tile's loads issued on the
