@@ -14,7 +14,7 @@ time, medians):
 * ``mosaic-rule-free`` (a measurement, not a train step): the Mosaic kernel
   traced without the optimizer's arithmetic and the check of its results
   (``kernel_bench.rule_free_epilogue``: W and state streamed in and out
-  unchanged, the skip counts and norm sums kept): the step's time with a
+  unchanged, the skipped counts and norm sums kept): the step's time with a
   rule that costs nothing, a bound for any change to the rule's code;
 * the result names the backend ``'auto'`` takes for each case.
 
