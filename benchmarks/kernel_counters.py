@@ -47,7 +47,7 @@ K, N = 4096, 14336
 
 RULE_FREE = "rule-free"
 PASSED_THROUGH = "quantizer passed through"
-E4M3, E4M3_SCALES_KEPT = "m and v as e4m3", "m and v as e4m3, scales kept"
+E4M3, E4M3_SCALES_KEPT = lowp_breakdown.E4M3, lowp_breakdown.E4M3_SCALES_KEPT
 #: Timing-only changes of the traced kernel, by name: each a function of
 #: no arguments returning a context manager to trace the kernel in.
 VARIANTS = {

@@ -226,12 +226,13 @@ def e4m3_codes(second_moment_only=False, keep_scales=False):
   )
 
 
+#: The e4m3 probe's variants, by the names their rows take.
+E4M3, E4M3_V_ONLY = "m and v as e4m3", "v as e4m3"
+E4M3_SCALES_KEPT = "m and v as e4m3, scales kept"
 E4M3_VARIANTS = {
-  "m and v as e4m3": functools.partial(e4m3_codes, False),
-  "v as e4m3": functools.partial(e4m3_codes, True),
-  "m and v as e4m3, scales kept": functools.partial(
-    e4m3_codes, False, keep_scales=True
-  ),
+  E4M3: functools.partial(e4m3_codes, False),
+  E4M3_V_ONLY: functools.partial(e4m3_codes, True),
+  E4M3_SCALES_KEPT: functools.partial(e4m3_codes, False, keep_scales=True),
 }
 
 
