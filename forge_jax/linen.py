@@ -272,6 +272,18 @@ class _ForgeLinear(nn.Module):
   def _check_collection(self):
     """FORGE's collection must come with the variables: flax's own error
     (``ScopeCollectionNotFound``) points the wrong way."""
+    if self.is_initializing() and not self.is_mutable_collection(
+      FORGE_COLLECTION
+    ):
+      raise ValueError(
+        f"{self._where()} is initialized inside a lifted transformation "
+        "(nn.scan, nn.vmap, ...) that does not lift FORGE's collection "
+        f"{FORGE_COLLECTION!r}, where FORGE keeps its kernel and optimizer "
+        "state: list it in variable_axes beside 'params' (variable_axes="
+        f"{{'params': 0, {FORGE_COLLECTION!r}: 0}}), or lift every "
+        "collection (variable_axes={True: 0}). fj.scan adds it to a "
+        "variable_axes that names 'params'."
+      )
     if (
       self.is_initializing()
       or self.has_variable(FORGE_COLLECTION, "kernel")

@@ -60,7 +60,10 @@ from forge_jax.scan import scan_stacks
 from forge_jax.train_state import (
   check_optimizers,
   check_transformation,
+  frozen_layers,
+  frozen_message,
   install_layer,
+  leaf_paths,
 )
 
 
@@ -523,6 +526,7 @@ class Optimizer(nnx.Optimizer):
     super().__init__(model, tx, wrt=wrt, **kwargs)
     layers = forge_layers(model)
     check_optimizers(tx, {layer.optimizer for _, layer in layers})
+    check_not_frozen(model, tx, wrt, layers)
     for path, layer in layers:
       if layer.layer_id is None:
         layer.layer_id = quantization.layer_id_from_path(path)
@@ -552,6 +556,34 @@ class Optimizer(nnx.Optimizer):
       else:
         names += [f"{name}[{i}]" for i in np.flatnonzero(flags == 0)]
     return names
+
+
+def check_not_frozen(model, tx, wrt, layers):
+  """Refuses a ``wrt`` or ``tx`` that would freeze some of ``layers`` (the
+  model's ``(path, Linear)`` pairs): a ``wrt`` that leaves a layer's bias
+  out, or a ``tx`` that leaves it unchanged (:func:`forge_jax.train_state.
+  frozen_layers`). Their kernels step in the backward pass either way."""
+  selected = nnx.state(model, wrt)
+  names = leaf_paths(selected)
+  left_out = [
+    _name(path)
+    for path, layer in layers
+    if layer.bias is not None
+    and not any(name[: len(path) + 1] == (*path, "bias") for name in names)
+  ]
+  if left_out:
+    raise ValueError(
+      frozen_message(
+        left_out,
+        f"wrt={wrt!r} leaves the bias of the layers {{paths}} out, as for "
+        "frozen layers",
+      )
+    )
+  frozen = frozen_layers(
+    tx, tuple((path, layer.optimizer) for path, layer in layers), selected
+  )
+  if frozen:
+    raise ValueError(frozen_message(frozen))
 
 
 def wiped_layers(model) -> list[str]:

@@ -73,7 +73,8 @@ def scan(
                     'dropout': True}, in_axes=(nn.broadcast,), length=16)
 
   The variables have exactly ``nn.scan``'s layout, so checkpoints move
-  between the two. ``target(...)(carry, *args)`` must return
+  between the two. A ``variable_axes`` that names ``'params'`` (and not
+  ``True``) stacks FORGE's collections with it. ``target(...)(carry, *args)`` must return
   ``(carry, None)``; every extra argument is broadcast (``nn.broadcast``)
   to all layers, and its gradient is summed over them. Rng streams are
   split per layer or broadcast as ``split_rngs`` says (the layers draw from
@@ -104,7 +105,7 @@ def scan(
   )
   scanned = nn.scan(
     target,
-    variable_axes=variable_axes,
+    variable_axes=_with_forge_collections(variable_axes),
     split_rngs=split_rngs,
     in_axes=in_axes,
     out_axes=out_axes,
@@ -179,6 +180,16 @@ def scan(
 
   ForgeScan.__name__ = f"ForgeScan{target.__name__}"
   return ForgeScan
+
+
+def _with_forge_collections(variable_axes) -> dict:
+  """``variable_axes`` with FORGE's collections stacked as ``'params'`` is,
+  where it names ``'params'`` and not every collection (``True``)."""
+  axes = dict(variable_axes)
+  if True not in axes and "params" in axes:
+    for name in (FORGE_COLLECTION, FACTORS_COLLECTION):
+      axes.setdefault(name, axes["params"])
+  return axes
 
 
 def _check_arguments(

@@ -148,7 +148,7 @@ class TrainState(train_state.TrainState):
         "of state.params (jax.grad(loss)(state.params)), not "
         "state.params['params'] alone."
       )
-    check_layer_optimizers(self.tx, old)
+    check_layer_optimizers(self.tx, old, self.params.get("params"))
     new, reached = install(old, grads[FORGE_COLLECTION])
     grads = {**grads, FORGE_COLLECTION: new}
     return super().apply_gradients(grads=grads, reached=reached, **kwargs)
@@ -361,40 +361,136 @@ def _steps_match(tx, reference) -> bool | None:
   return same if moved else None
 
 
-def check_layer_optimizers(tx, collection):
+def check_layer_optimizers(tx, collection, params=None):
   """Refuses a ``tx`` that is not the optimizer of the ForgeDense layers
   traced last (the parameters it trains would follow another rule), or
-  that would freeze some of them."""
+  that would freeze some of them.
+
+  ``params``: the tree ``tx`` steps (the ``'params'`` collection), probed
+  where ``tx`` cannot run on kernel-shaped probes at the layers' paths
+  (labels given as a pytree of that tree, not as a function)."""
   layers = tuple(
     (path, layer_context.optimizer(path))
     for path, _ in forge_layers(collection)
   )
   try:
     frozen = _frozen_kernels(tx, layers)
+    if frozen is None and params is not None:
+      frozen = frozen_layers(tx, layers, params)
   except TypeError:  # an unhashable tx: nothing to probe
     frozen = ()
   if frozen:
-    raise ValueError(
-      f"tx leaves the kernels of {list(frozen)} unchanged, as for frozen "
-      "parameters (optax.set_to_zero, a frozen label of "
-      "optax.multi_transform), but they are FORGE layers: they step inside "
-      "the backward pass by their own optimizer and never pass through tx. "
-      "Make a frozen layer a flax nn.Dense (frozen, it keeps no optimizer "
-      "state), or stop the gradient of its output (jax.lax.stop_gradient) "
-      "so that the loss does not reach it. (A label by leaf name, such as "
-      "every 'kernel', reaches them too: label frozen layers by path.)"
-    )
+    raise ValueError(frozen_message(frozen))
   check_optimizers(tx, {optimizer for _, optimizer in layers})
 
 
+def frozen_message(
+  paths,
+  cause: str = "tx leaves the layers {paths} unchanged, as for frozen "
+  "parameters (optax.set_to_zero, a frozen label of optax.multi_transform)",
+) -> str:
+  """The error for a ``tx`` (or ``cause``) that freezes the FORGE layers at
+  ``paths``."""
+  return (
+    cause.format(paths=list(paths))
+    + ", but they are FORGE layers: their kernels "
+    "step inside the backward pass by their own optimizer and never pass "
+    "through tx. Make a frozen layer a plain nn.Dense / nnx.Linear "
+    "(frozen, it keeps no optimizer state), or stop the gradient of its "
+    "output (jax.lax.stop_gradient) so that the loss does not reach it. "
+    "(A label by leaf name, such as every 'kernel', reaches them too: "
+    "label frozen layers by path. To freeze only a FORGE layer's bias, "
+    "give the labels as a function of the parameters.)"
+  )
+
+
+def frozen_layers(tx, layers: tuple, params) -> tuple:
+  """The paths of ``layers`` (``(path, optimizer)`` pairs) whose every
+  parameter in ``params`` (the tree ``tx`` steps: a layer's bias) ``tx``
+  leaves unchanged for the probe's steps while the layer's optimizer moves
+  it: a module frozen by path with labels or a mask given as a pytree of
+  ``params``. A layer without parameters there (no bias) says nothing.
+  Empty where ``tx`` cannot run on a tree like ``params``."""
+  leaves, treedef = jax.tree.flatten(params)
+  ranks = tuple(np.ndim(leaf) for leaf in leaves)
+  return _frozen_layers(tx, layers, treedef, leaf_paths(params), ranks)
+
+
+def leaf_paths(tree) -> tuple:
+  """Each leaf's path in ``tree``, as a tuple of names (dict keys,
+  attribute names, sequence indices)."""
+
+  def name(key):
+    for field in ("key", "name", "idx"):
+      if hasattr(key, field):
+        return getattr(key, field)
+    return key
+
+  return tuple(
+    tuple(name(key) for key in path)
+    for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]
+  )
+
+
+def _probe_of_rank(values, rank: int) -> np.ndarray:
+  """The 2 x 3 probe ``values`` as an array of ``rank`` dimensions."""
+  values = np.asarray(values, np.float32)
+  if rank == 0:
+    return values.reshape(-1)[:1].reshape(())
+  if rank == 1:
+    return values.reshape(-1)
+  return values.reshape((1,) * (rank - 2) + values.shape)
+
+
 @functools.lru_cache(maxsize=64)
-def _frozen_kernels(tx, layers: tuple) -> tuple:
+def _frozen_layers(tx, layers, treedef, names, ranks) -> tuple:
+  """:func:`frozen_layers` on the structure ``treedef`` whose leaves have
+  key paths ``names`` and ``ranks`` dimensions."""
+  owned = {
+    path: [i for i, name in enumerate(names) if name[: len(path)] == path]
+    for path, opt in layers
+    if opt is not None
+  }
+  owned = {path: leaves for path, leaves in owned.items() if leaves}
+  if not owned:
+    return ()
+  try:
+    with jax.ensure_compile_time_eval():
+
+      def moved(t):
+        """Per leaf: whether ``t`` moved it in any probe step."""
+        probe = lambda values: jax.tree.unflatten(
+          treedef, [jnp.asarray(_probe_of_rank(values, r)) for r in ranks]
+        )
+        params = probe(_PROBE_KERNEL)
+        state, moves = t.init(params), [False] * len(ranks)
+        for g in _PROBE_GRADIENTS:
+          updates, state = t.update(probe(g), state, params)
+          for i, step in enumerate(jax.tree.leaves(updates)):
+            moves[i] = moves[i] or bool(np.asarray(step).any())
+        return moves
+
+      by_tx = moved(tx)
+      by_rule = {opt: moved(opt.to_optax()) for opt in {o for _, o in layers}}
+  except Exception:  # pylint: disable=broad-exception-caught
+    return ()
+  rules = dict(layers)
+  return tuple(
+    "/".join(map(str, path))
+    for path, leaves in owned.items()
+    if any(by_rule[rules[path]][i] for i in leaves)
+    and not any(by_tx[i] for i in leaves)
+  )
+
+
+@functools.lru_cache(maxsize=64)
+def _frozen_kernels(tx, layers: tuple) -> tuple | None:
   """The paths of ``layers`` (``(path, optimizer)`` pairs) where ``tx``
   steps a kernel at ``<path>/kernel`` of its parameters (where ``nn.Dense``
   keeps one) by exactly zero for the probe's steps while the layer's
   optimizer moves it: how freezing by name (``optax.multi_transform``,
   ``optax.masked``) treats them. (A learning rate that starts at zero
-  leaves both unmoved on the first step.) Empty where ``tx`` cannot run on
+  leaves both unmoved on the first step.) None where ``tx`` cannot run on
   such a tree."""
   try:
     # Eagerly, also while a train step traces: the probe is concrete.
@@ -429,7 +525,7 @@ def _frozen_kernels(tx, layers: tuple) -> tuple:
         if opt is not None and by_rule[opt][path] and not by_tx[path]
       )
   except Exception:  # pylint: disable=broad-exception-caught
-    return ()
+    return None
 
 
 def check_optimizers(tx, optimizers):

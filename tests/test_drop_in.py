@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import traverse_util
 from flax.training.train_state import TrainState as FlaxTrainState
 
 import forge_jax as fj
@@ -51,7 +52,9 @@ class Block(nn.Module):
     return (x + scale * dense(x.shape[-1])(h)).astype(x.dtype), None
 
 
-def stacked_model(scan, *, layers=3, remat=True, **block_fields):
+def stacked_model(
+  scan, *, layers=3, remat=True, variable_axes=None, **block_fields
+):
   """A model whose blocks are stacked by ``scan`` (nn.scan or fj.scan)."""
   block = nn.remat(Block, prevent_cse=False) if remat else Block
 
@@ -61,7 +64,7 @@ def stacked_model(scan, *, layers=3, remat=True, **block_fields):
       scale = self.param("scale", nn.initializers.ones, ())
       x, _ = scan(
         block,
-        variable_axes={True: 0},
+        variable_axes=variable_axes or {True: 0},
         split_rngs={"params": True, "dropout": True},
         in_axes=(nn.broadcast,),
         length=layers,
@@ -123,6 +126,28 @@ def test_fj_scan_trains_like_nn_scan(remat):
     state, losses = train(stacked_model(fj.scan, remat=remat))
   np.testing.assert_allclose(losses, expected, rtol=1e-6)
   chex.assert_trees_all_close(state.params, reference.params, atol=1e-6)
+
+
+def test_fj_scan_stacks_forge_collections_with_params():
+  """``variable_axes={'params': 0}``, the usual form with nn.Dense, stacks
+  FORGE's collections too: the same variables and steps as ``{True: 0}``."""
+  expected, losses = train(stacked_model(fj.scan), steps=2)
+  state, params_only = train(
+    stacked_model(fj.scan, variable_axes={"params": 0}), steps=2
+  )
+  assert params_only == losses
+  chex.assert_trees_all_equal(state.params, expected.params)
+
+
+def test_forge_dense_says_which_collection_a_lift_misses():
+  """nn.scan / nn.vmap that lift 'params' only: init names FORGE's
+  collection and how to lift it, instead of flax's missing-collection
+  error."""
+  x, _ = data()
+  with pytest.raises(ValueError, match="variable_axes.*'params'"):
+    stacked_model(nn.scan, variable_axes={"params": 0}).init(
+      jax.random.key(0), x
+    )
 
 
 def test_fj_scan_passes_dropout_rngs_split_per_layer():
@@ -756,6 +781,29 @@ def test_train_state_refuses_a_tx_that_freezes_forge_layers(how):
   with pytest.raises(ValueError, match=r"\['fc1'\].*FORGE layers"):
     train(WithAuxHead(), steps=1, tx=tx(["fc1"]))
   _, losses = train(WithAuxHead(), steps=1, tx=tx(["bias"]))
+  assert np.isfinite(losses).all()
+
+
+def test_train_state_refuses_labels_that_freeze_a_forge_module():
+  """flax's fine-tuning recipe: labels as a pytree of the 'params'
+  collection (``traverse_util.path_aware_map``), which holds a FORGE
+  layer's bias but not its kernel. Freezing the module (its bias) is
+  refused, naming it; labels that train everything pass."""
+  model = WithAuxHead()
+  variables = model.init(jax.random.key(0), data()[0])
+
+  def tx(frozen):
+    labels = traverse_util.path_aware_map(
+      lambda path, _: "frozen" if frozen in path else "train",
+      variables["params"],
+    )
+    return optax.multi_transform(
+      {"train": OPT.to_optax(), "frozen": optax.set_to_zero()}, labels
+    )
+
+  with pytest.raises(ValueError, match=r"\['fc1'\].*FORGE layers"):
+    train(model, steps=1, tx=tx("fc1"))
+  _, losses = train(model, steps=2, tx=tx("nothing"))
   assert np.isfinite(losses).all()
 
 

@@ -446,6 +446,31 @@ def test_grad_of_params_only_raises(seed):
     nnx.grad(cross_entropy)(model, x, y)
 
 
+def test_optimizer_refuses_to_freeze_a_forge_layer(seed):
+  """Freezing a module by ``wrt`` or by a frozen label cannot reach a
+  Linear's kernel, which steps in the backward pass: refused, naming the
+  layer; the other layers may be frozen."""
+  model, _ = _mlp(seed, features=(6, 8, 8, 4))
+  model.norm = nnx.LayerNorm(4, rngs=nnx.Rngs(seed))
+  head_only = nnx.All(nnx.Param, nnx.PathContains(2))
+  with pytest.raises(ValueError, match=r"\['layers/0', 'layers/1'\].*FORGE"):
+    fj.nnx.Optimizer(model, OPT.to_optax(), wrt=head_only)
+
+  def freezing(*path):
+    labels = jax.tree.map(lambda _: "train", nnx.state(model, nnx.Param))
+    node = labels
+    for key in path[:-1]:
+      node = node[key]
+    node[path[-1]] = "frozen"
+    return optax.multi_transform(
+      {"train": OPT.to_optax(), "frozen": optax.set_to_zero()}, labels
+    )
+
+  with pytest.raises(ValueError, match=r"\['layers/1'\].*FORGE"):
+    fj.nnx.Optimizer(model, freezing("layers", 1, "bias"), wrt=nnx.Param)
+  fj.nnx.Optimizer(model, freezing("norm", "scale"), wrt=nnx.Param)
+
+
 def test_misuse_raises(seed):
   model, (x, y) = _mlp(seed)
   with pytest.raises(ValueError, match="selects FORGE's variables"):
