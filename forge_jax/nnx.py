@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import warnings
 from types import MappingProxyType
 from typing import Any, Callable, Mapping, Optional
 
@@ -85,6 +86,17 @@ TRAINABLE = (nnx.Param, OverwriteWithGradient)
 _SHARDING_KEYS = ("out_sharding", "sharding_rules", "mesh")
 
 _LAYER_KEYS = itertools.count()
+
+#: The ``layer_key`` of every layer an :class:`Optimizer` was made for or
+#: :func:`install` wrote: the layers whose updates reach their model.
+_INSTALLED = set()
+
+
+class NotInstalledWarning(UserWarning):
+  """A :class:`Linear` is differentiated though nothing installs its
+  updates: no :class:`Optimizer` was made for its model and
+  :func:`install` never wrote it (a plain ``nnx.Optimizer`` steps only
+  ``nnx.Param``, so FORGE's kernels would never train)."""
 
 
 def _value(variable):
@@ -421,6 +433,7 @@ def install(model, grads) -> dict[str, jax.Array]:
   written = nnx.state(grads, OverwriteWithGradient)
   reached = {}
   for path, layer in layers:
+    _INSTALLED.add(layer.layer_key)
     try:
       layer_grads = nnx.to_pure_dict(_at(written, path))
     except (KeyError, IndexError, TypeError):
@@ -457,10 +470,16 @@ def _with_forge(argnums):
 def grad(f: Optional[Callable] = None, *, argnums=0, **kwargs):
   """``nnx.grad`` (same arguments) that also differentiates FORGE's
   variables: each argnum's filter (``nnx.Param`` by default) gets
-  :class:`OverwriteWithGradient` added."""
+  :class:`OverwriteWithGradient` added.
+
+  Warns (:class:`NotInstalledWarning`) for a :class:`Linear` whose updates
+  nothing installs: no :class:`Optimizer` was made for its model and
+  :func:`install` never wrote it."""
   if f is None:
     return functools.partial(grad, argnums=argnums, **kwargs)
-  return nnx.grad(f, argnums=_with_forge(argnums), **kwargs)
+  return _warning_if_not_installed(
+    nnx.grad(f, argnums=_with_forge(argnums), **kwargs), argnums
+  )
 
 
 def value_and_grad(f: Optional[Callable] = None, *, argnums=0, **kwargs):
@@ -468,7 +487,41 @@ def value_and_grad(f: Optional[Callable] = None, *, argnums=0, **kwargs):
   :func:`grad`)."""
   if f is None:
     return functools.partial(value_and_grad, argnums=argnums, **kwargs)
-  return nnx.value_and_grad(f, argnums=_with_forge(argnums), **kwargs)
+  return _warning_if_not_installed(
+    nnx.value_and_grad(f, argnums=_with_forge(argnums), **kwargs), argnums
+  )
+
+
+def _argnums(argnums) -> tuple:
+  """The positions ``argnums`` (ints or ``nnx.DiffState``) differentiates."""
+  if isinstance(argnums, (int, nnx.DiffState)):
+    argnums = (argnums,)
+  return tuple(getattr(a, "argnum", a) for a in argnums)
+
+
+def _warning_if_not_installed(differentiated: Callable, argnums) -> Callable:
+  @functools.wraps(differentiated)
+  def call(*args, **kwargs):
+    for position in _argnums(argnums):
+      argument = args[position] if position < len(args) else None
+      if not isinstance(argument, nnx.Module):
+        continue
+      for path, layer in forge_layers(argument):
+        if layer.layer_key not in _INSTALLED:
+          warnings.warn(
+            f"The fj.nnx.Linear at {_name(path)!r} is differentiated, but "
+            "nothing installs its updates: its kernel steps only when "
+            "fj.nnx.Optimizer.update (or fj.nnx.install) writes the "
+            "gradients into the model. A plain nnx.Optimizer steps "
+            "nnx.Param alone. Make the optimizer with fj.nnx.Optimizer(model,"
+            " tx, wrt=nnx.Param). (Installing with fj.nnx.install after "
+            "this gradient silences this warning from then on.)",
+            NotInstalledWarning,
+            stacklevel=2,
+          )
+    return differentiated(*args, **kwargs)
+
+  return call
 
 
 def global_norm(grads) -> jax.Array:
@@ -528,6 +581,7 @@ class Optimizer(nnx.Optimizer):
     check_optimizers(tx, {layer.optimizer for _, layer in layers})
     check_not_frozen(model, tx, wrt, layers)
     for path, layer in layers:
+      _INSTALLED.add(layer.layer_key)
       if layer.layer_id is None:
         layer.layer_id = quantization.layer_id_from_path(path)
     self.layer_paths = tuple(_name(path) for path, _ in layers)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import warnings
 
 import flax.linen as nn
 import jax
@@ -444,6 +445,20 @@ def test_grad_of_params_only_raises(seed):
   model, (x, y) = _mlp(seed)
   with pytest.raises(ValueError, match="fj.nnx.TRAINABLE"):
     nnx.grad(cross_entropy)(model, x, y)
+
+
+def test_gradient_without_an_installer_warns(seed):
+  """A plain nnx.Optimizer steps nnx.Param alone: FORGE's kernels would
+  never train. fj.nnx.value_and_grad warns for such a model, naming the
+  layers; an fj.nnx.Optimizer made for it silences the warning."""
+  model, (x, y) = _mlp(seed)
+  nnx.Optimizer(model, OPT.to_optax(), wrt=nnx.Param)
+  with pytest.warns(fj.nnx.NotInstalledWarning, match="'layers/0'"):
+    fj.nnx.value_and_grad(cross_entropy)(model, x, y)
+  fj.nnx.Optimizer(model, OPT.to_optax(), wrt=nnx.Param)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", fj.nnx.NotInstalledWarning)
+    fj.nnx.value_and_grad(cross_entropy)(model, x, y)
 
 
 def test_optimizer_refuses_to_freeze_a_forge_layer(seed):
