@@ -187,6 +187,20 @@ class _Events:
 
 _EVENTS = _Events()
 
+#: Names shown for layers whose key is not their path in the model
+#: (``fj.nnx.Linear``'s, named by the ``fj.nnx.Optimizer`` made for it).
+_DISPLAY_NAMES: dict = {}
+
+
+def name_layer(path: tuple, name: str):
+  """Shows the layer keyed ``path`` as ``name`` in error messages."""
+  _DISPLAY_NAMES[tuple(path)] = name
+
+
+def layer_name(path: tuple) -> str:
+  """The name error messages give the layer keyed ``path``."""
+  return _DISPLAY_NAMES.get(tuple(path), "/".join(map(str, path)))
+
 
 def record_forward(path: tuple, optimizer, conditional: bool = False):
   """Records that the forward of the ForgeDense at module ``path``, with
@@ -241,7 +255,7 @@ def _check_single_backward(path, name, kernel):
     and previous[1]() is kernel
   ):
     raise ValueError(
-      f"The FORGE layer {'/'.join(map(str, path))!r} ran its backward twice "
+      f"The FORGE layer {layer_name(path)!r} ran its backward twice "
       "in one gradient computation: the loss uses its kernel more than "
       "once (a module or submodule called twice, model.apply called twice, "
       "a layer called in a Python loop). FORGE updates the kernel inside "

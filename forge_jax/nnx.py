@@ -582,6 +582,7 @@ class Optimizer(nnx.Optimizer):
     check_not_frozen(model, tx, wrt, layers)
     for path, layer in layers:
       _INSTALLED.add(layer.layer_key)
+      layer_context.name_layer(layer.layer_key, _name(path))
       if layer.layer_id is None:
         layer.layer_id = quantization.layer_id_from_path(path)
     self.layer_paths = tuple(_name(path) for path, _ in layers)

@@ -439,6 +439,9 @@ def test_called_twice_in_one_loss_raises(seed):
     nnx.grad(lambda m: m(x).sum(), argnums=WRT)(model)
   with pytest.raises(ValueError, match="ran its backward twice"):
     nnx.jit(lambda m: nnx.grad(lambda m: m(x).sum(), argnums=WRT)(m))(model)
+  fj.nnx.Optimizer(model, OPT.to_optax(), wrt=nnx.Param)  # names the layer
+  with pytest.raises(ValueError, match="'fc' ran its backward twice"):
+    nnx.grad(lambda m: m(x).sum(), argnums=WRT)(model)
 
 
 def test_grad_of_params_only_raises(seed):
