@@ -15,7 +15,10 @@ longer match the optimizer's structure).
 ``abstract_state`` is a state of the same structure (e.g. a freshly
 initialized one, or ``jax.eval_shape`` of the function that creates it); its
 static fields (``apply_fn``, ``tx``) are kept, its arrays only give shapes,
-dtypes and shardings. Restoring checks every leaf's dtype and shape against
+dtypes and shardings: a fresh state on another mesh restores onto that
+mesh, and a leaf not sharded over the mesh of the others (a step counter)
+is restored replicated on it. ``jax.eval_shape`` gives no shardings: its
+leaves restore as they were saved. Restoring checks every leaf's dtype and shape against
 it and raises instead of casting. A checkpoint without the gradient-norm
 leaves (each layer's ``grad_sq_norm`` and ``fj.TrainState.grad_norm``: what
 the last step measured, not what the next one needs) restores them as
@@ -35,6 +38,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 from forge_jax import quantization
 
@@ -51,16 +55,31 @@ def _checkpointer():
   return ocp.StandardCheckpointer()
 
 
-def _abstract(tree):
-  def leaf(x):
-    if isinstance(x, jax.ShapeDtypeStruct):
-      return x
+def _mesh(tree):
+  """The mesh of the first leaf of ``tree`` sharded over one, or None."""
+  for x in jax.tree.leaves(tree):
+    sharding = getattr(x, "sharding", None)
+    if isinstance(sharding, NamedSharding):
+      return sharding.mesh
+  return None
+
+
+def _abstract(x, mesh=None):
+  """A leaf of an abstract state as a ``ShapeDtypeStruct``. Under a ``mesh``
+  (the state's), a leaf not sharded over it (a Python scalar, an
+  uncommitted scalar of a fresh state) is replicated on it: restored on
+  the device it was saved from, a step on the mesh would refuse it."""
+  if not isinstance(x, jax.ShapeDtypeStruct):
     if not hasattr(x, "dtype"):  # a Python scalar (TrainState.step at 0)
       x = np.asarray(x)
-    sharding = getattr(x, "sharding", None)
-    return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sharding)
-
-  return jax.tree.map(leaf, tree)
+    x = jax.ShapeDtypeStruct(
+      np.shape(x), x.dtype, sharding=getattr(x, "sharding", None)
+    )
+  if mesh is not None and not isinstance(x.sharding, NamedSharding):
+    x = jax.ShapeDtypeStruct(
+      x.shape, x.dtype, sharding=NamedSharding(mesh, PartitionSpec())
+    )
+  return x
 
 
 def save(path: str, state: Any, *, force: bool = False) -> str:
@@ -156,10 +175,11 @@ def restore(path: str, abstract_state: Any) -> Any:
   saved_leaves = _named_leaves(saved_tree)
   saved = {name: np.dtype(leaf.dtype) for name, leaf in saved_leaves.items()}
   flat, treedef = jax.tree_util.tree_flatten_with_path(abstract_state)
+  mesh = _mesh(abstract_state)
   problems, leaves, zeros = [], [], set()
   for key, value in flat:
     name = _path_name(key)
-    want = _abstract(value)
+    want = _abstract(value, mesh)
     if name not in saved and _zero_if_missing(name):
       zeros.add(name)
     elif name not in saved:
@@ -167,7 +187,9 @@ def restore(path: str, abstract_state: Any) -> Any:
     elif not hasattr(value, "dtype"):
       # A Python scalar (TrainState.step before the first step): it has no
       # dtype of its own, so it takes the saved one.
-      want = jax.ShapeDtypeStruct(want.shape, saved[name])
+      want = jax.ShapeDtypeStruct(
+        want.shape, saved[name], sharding=want.sharding
+      )
     elif saved[name] != np.dtype(want.dtype):
       problems.append(
         f"{name}: saved as {saved[name]}, the abstract state "

@@ -499,6 +499,52 @@ def test_partition_specs_of_states_are_the_kernels(optimizer):
 
 
 @needs_devices
+def test_checkpoint_restores_onto_the_mesh_of_its_abstract_state(tmp_path):
+  """A sharded state restores into a fresh state of the same or another
+  mesh (the README's recipe) and steps there: its scalars that no mesh
+  shards (the step, optax's count) are placed on the abstract state's
+  mesh, not on the devices they were saved from."""
+  checkpoint = pytest.importorskip("forge_jax.checkpoint")
+  pytest.importorskip("orbax.checkpoint")
+  init = nn.initializers.lecun_normal()
+
+  class Net(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      h = fj.ForgeDense(
+        16,
+        optimizer=OPT,
+        kernel_init=nn.with_partitioning(init, (None, "model")),
+        name="col",
+      )(x)
+      return nn.Dense(8, name="head")(h)
+
+  x = jax.random.normal(jax.random.key(1), (4, 8))
+
+  def fresh(mesh):
+    variables = parallel.init_sharded(Net().init, mesh, jax.random.key(0), x)
+    return fj.TrainState.create(
+      apply_fn=Net().apply, params=variables, tx=OPT.to_optax()
+    )
+
+  @jax.jit
+  def step(state):
+    grads = jax.grad(lambda p: jnp.sum(state.apply_fn(p, x) ** 2))(state.params)
+    return state.apply_gradients(grads=grads)
+
+  saved_on = parallel.make_mesh(2)
+  with jax.set_mesh(saved_on):
+    state = step(fresh(saved_on))
+    path = checkpoint.save(str(tmp_path / "step_1"), state)
+    expected = _host(step(state).params)
+  for mesh in (saved_on, parallel.make_mesh(2, devices=jax.devices()[2:4])):
+    with jax.set_mesh(mesh):
+      restored = checkpoint.restore(path, fresh(mesh))
+      assert restored.step.sharding.mesh == mesh
+      _assert_trees_close(_host(step(restored).params), expected)
+
+
+@needs_devices
 def test_logical_partitioning_with_rules():
   """Logical names and a rules table, as for nn.Dense; the model's rules."""
   mesh = parallel.make_mesh(2)
