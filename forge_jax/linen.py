@@ -9,7 +9,7 @@ import math
 import re
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, Optional
+from typing import Any, ClassVar, Optional
 
 import flax.linen as nn
 import jax
@@ -113,6 +113,11 @@ class _ForgeLinear(nn.Module):
   ``param_dtype``, ``precision``, ``dtype``, ``implementation``,
   ``layer_id``, ``mesh`` and ``data_parallel``.
   """
+
+  #: What a mesh axis that shards neither the kernel nor a declared input
+  #: should prompt, for a layer without ``input_partitioning`` (``{axis}``:
+  #: the axis); None: declare ``input_partitioning``.
+  undeclared_input_advice: ClassVar[Optional[str]] = None
 
   def _fused(
     self,
@@ -353,6 +358,7 @@ class _ForgeLinear(nn.Module):
       self.data_parallel,
       where=self._where(),
       refuse_undeclared_input=not self.is_initializing(),
+      undeclared_advice=self.undeclared_input_advice,
     )
 
   def _layer_id(self) -> int:
@@ -548,6 +554,14 @@ class ForgeEmbed(_ForgeLinear):
   layer_id: Optional[int] = None
   mesh: Optional[Any] = None
   data_parallel: str = "auto"
+
+  undeclared_input_advice: ClassVar[str] = (
+    "ForgeEmbed has no input_partitioning: shard the table over {axis!r} "
+    "too, embedding_init=nn.with_partitioning(init, ({axis!r}, None)) (each "
+    "device then steps the rows it holds, for every token of the batch), "
+    "keep the tokens replicated over it, or train the table with nn.Embed "
+    "and tx=fj.optax_with_storage(opt)."
+  )
 
   @property
   def precision(self):

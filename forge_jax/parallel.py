@@ -305,6 +305,7 @@ def layer_layout(
   data_parallel: str = "auto",
   where: str = "ForgeDense",
   refuse_undeclared_input: bool = True,
+  undeclared_advice: Optional[str] = None,
 ) -> Optional[ShardedLayout]:
   """The layout a layer plans for ``inputs`` (:func:`plan_layout`), or None
   without a mesh (``mesh`` None and none set with ``jax.set_mesh``): its
@@ -314,6 +315,8 @@ def layer_layout(
   ``input_names`` and ``output_names`` (None, or names of the input's and
   output's dimensions) become specs through ``resolve``; under Explicit
   axes an undeclared input's type says how it is sharded.
+  ``undeclared_advice``: what the error for an undeclared input advises, for
+  a layer without ``input_partitioning`` (see :func:`plan_layout`).
   """
   if mesh is None:
     mesh = jax.sharding.get_abstract_mesh()
@@ -334,6 +337,7 @@ def layer_layout(
     data_parallel,
     where=where,
     refuse_undeclared_input=refuse_undeclared_input,
+    undeclared_advice=undeclared_advice,
   )
 
 
@@ -346,6 +350,7 @@ def plan_layout(
   data_parallel: str = "auto",
   where: str = "ForgeDense",
   refuse_undeclared_input: bool = True,
+  undeclared_advice: Optional[str] = None,
 ) -> ShardedLayout:
   """The :class:`ShardedLayout` of a dense layer, validated.
 
@@ -530,7 +535,9 @@ def plan_layout(
       a for a in mesh.axis_names if sizes[a] > 1 and a not in k_axes + n_axes
     ]
     if unused:
-      raise DataParallelError(_undeclared_input_message(where, unused, sizes))
+      raise DataParallelError(
+        _undeclared_input_message(where, unused, sizes, undeclared_advice)
+      )
   return ShardedLayout(
     mesh=mesh,
     x=x,
@@ -592,18 +599,21 @@ def _data_parallel_message(
   )
 
 
-def _undeclared_input_message(where, unused, sizes) -> str:
+def _undeclared_input_message(where, unused, sizes, advice=None) -> str:
   first = unused[0]
+  advice = advice or (
+    "Declare input_partitioning: the batch over it with the kernel sharded "
+    f"over it too for FSDP (input_partitioning=({first!r}, None, None), "
+    f"kernel_init=nn.with_partitioning(init, ({first!r}, None))), or None "
+    "on every dimension if the input is replicated over it."
+  )
   return (
     f"{where}: mesh axis {_names(unused, sizes)} shards neither the kernel "
     "nor, as far as the layer knows, its input: input_partitioning is not "
     "declared, and under Auto mesh axes an input's sharding is not known at "
     f"trace time. If the batch is sharded over {first!r}, the layer would "
-    "gather it and every device would compute on the whole batch. Declare "
-    "input_partitioning: the batch over it with the kernel sharded over it "
-    f"too for FSDP (input_partitioning=({first!r}, None, None), "
-    f"kernel_init=nn.with_partitioning(init, ({first!r}, None))), or None "
-    "on every dimension if the input is replicated over it."
+    "gather it and every device would compute on the whole batch. "
+    + advice.format(axis=first)
   )
 
 
@@ -853,10 +863,11 @@ def check_unpartitioned(x: jax.Array, variables, where: str = "forge_dense"):
       "the axis, the layer's kernel would be replicated on every device "
       "(data parallelism FORGE cannot fuse) and the fused kernel's "
       "operands gathered. Give the layer its partitioning: "
-      "kernel_init=nn.with_partitioning(init, (...)) and "
-      "input_partitioning (the batch over the axis with the kernel sharded "
-      "over it too is FSDP), or input_partitioning=(None, ...) if the "
-      "input is replicated over the axis."
+      "kernel_init=nn.with_partitioning(init, (...)) (ForgeEmbed: "
+      "embedding_init) and input_partitioning (the batch over the axis "
+      "with the kernel sharded over it too is FSDP), or "
+      "input_partitioning=(None, ...) if the input is replicated over the "
+      "axis (ForgeEmbed has none: its table sharded over every such axis)."
     )
   explicit = [
     a

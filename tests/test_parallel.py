@@ -545,6 +545,31 @@ def test_checkpoint_restores_onto_the_mesh_of_its_abstract_state(tmp_path):
 
 
 @needs_devices
+def test_forge_embed_under_an_unused_data_axis_advises_its_own_fields():
+  """ForgeEmbed has no input_partitioning and no kernel_init: the error
+  for a mesh axis it does not use says what the embedding can do."""
+  mesh = parallel.make_mesh(2, data=2)
+  init = nn.linear.default_embed_init
+  embed = fj.ForgeEmbed(
+    16,
+    8,
+    optimizer=OPT,
+    embedding_init=nn.with_partitioning(init, ("model", None)),
+  )
+  tokens = jnp.zeros((4, 3), jnp.int32)
+  with (
+    jax.set_mesh(mesh),
+    pytest.raises(
+      parallel.DataParallelError, match=r"embedding_init=.*\('data', None\)"
+    ),
+  ):
+    variables = parallel.init_sharded(
+      embed.init, mesh, jax.random.key(0), tokens
+    )
+    jax.grad(lambda v: jnp.sum(embed.apply(v, tokens)))(variables)
+
+
+@needs_devices
 def test_logical_partitioning_with_rules():
   """Logical names and a rules table, as for nn.Dense; the model's rules."""
   mesh = parallel.make_mesh(2)
