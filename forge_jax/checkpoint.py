@@ -18,8 +18,8 @@ static fields (``apply_fn``, ``tx``) are kept, its arrays only give shapes,
 dtypes and shardings: a fresh state on another mesh restores onto that
 mesh, and a leaf not sharded over the mesh of the others (a step counter)
 is restored replicated on it. ``jax.eval_shape`` gives no shardings: its
-leaves restore as they were saved. Restoring checks every leaf's dtype and shape against
-it and raises instead of casting. A checkpoint without the gradient-norm
+leaves restore as they were saved. Restoring checks every leaf's dtype and
+shape against it and raises instead of casting. A checkpoint without the gradient-norm
 leaves (each layer's ``grad_sq_norm`` and ``fj.TrainState.grad_norm``: what
 the last step measured, not what the next one needs) restores them as
 zeros; any other leaf missing raises. A checkpoint also records the layout

@@ -315,8 +315,9 @@ def layer_layout(
   ``input_names`` and ``output_names`` (None, or names of the input's and
   output's dimensions) become specs through ``resolve``; under Explicit
   axes an undeclared input's type says how it is sharded.
-  ``undeclared_advice``: what the error for an undeclared input advises, for
-  a layer without ``input_partitioning`` (see :func:`plan_layout`).
+  ``undeclared_advice``: what the error for an undeclared input (a mesh
+  axis that shards neither the kernel nor a declared input) advises, for a
+  layer without ``input_partitioning``; ``{axis}`` names the axis.
   """
   if mesh is None:
     mesh = jax.sharding.get_abstract_mesh()

@@ -74,9 +74,10 @@ def scan(
 
   The variables have exactly ``nn.scan``'s layout, so checkpoints move
   between the two. A ``variable_axes`` that names ``'params'`` (and not
-  ``True``) stacks FORGE's collections with it. ``target(...)(carry, *args)`` must return
-  ``(carry, None)``; every extra argument is broadcast (``nn.broadcast``)
-  to all layers, and its gradient is summed over them. Rng streams are
+  ``True``) stacks FORGE's collections with it.
+  ``target(...)(carry, *args)`` must return ``(carry, None)``; every extra
+  argument is broadcast (``nn.broadcast``) to all layers, and its gradient
+  is summed over them. Rng streams are
   split per layer or broadcast as ``split_rngs`` says (the layers draw from
   the same streams as under ``nn.scan``, though not the same bits). A block
   wrapped in ``nn.remat`` saves, per layer, what its policy saves; an

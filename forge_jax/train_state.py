@@ -471,7 +471,10 @@ def _frozen_layers(tx, layers, treedef, names, ranks) -> tuple:
         return moves
 
       by_tx = moved(tx)
-      by_rule = {opt: moved(opt.to_optax()) for opt in {o for _, o in layers}}
+      by_rule = {
+        opt: moved(opt.to_optax())
+        for opt in {o for _, o in layers if o is not None}
+      }
   except Exception:  # pylint: disable=broad-exception-caught
     return ()
   rules = dict(layers)
