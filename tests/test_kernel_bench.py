@@ -118,7 +118,14 @@ def test_run_grid_walks_the_product_of_the_named_flags(tmp_path):
     assert json.load(f)["config"]["shapes"] == ["a", "b"]
 
 
-@pytest.mark.parametrize("variant", ["m and v as e4m3", "v as e4m3"])
+@pytest.mark.parametrize(
+  "variant",
+  [
+    "m and v as e4m3",
+    # The same encoding on one leaf: with --run-slow (CI time).
+    pytest.param("v as e4m3", marks=pytest.mark.slow),
+  ],
+)
 def test_e4m3_probe_encodes_e4m3_and_the_kernel_matches_its_reference(
   variant,
 ):
@@ -156,6 +163,7 @@ def test_e4m3_probe_encodes_e4m3_and_the_kernel_matches_its_reference(
     )
 
 
+@pytest.mark.slow  # CI time: a timing-only variant of the probe above
 def test_e4m3_probe_with_kept_scales_takes_no_block_maximum():
   """The probe's timing-only variant writes codes at the old scales: the
   kernel matches its reference, and the scales stay the initial ones."""
