@@ -14,7 +14,7 @@ import dataclasses
 import functools
 import inspect
 import warnings
-from typing import Optional
+from typing import Any, Optional
 
 import flax.linen as nn
 import jax
@@ -41,12 +41,31 @@ class MultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
   For tensor parallelism give ``kernel_init`` (``[features, heads,
   head_dim]``) and ``out_kernel_init`` (``[heads, head_dim, features]``)
   partitioning on the heads, e.g. ``nn.with_partitioning(init, (None,
-  'model', None))`` and ``(('model', None, None))``. A custom
-  ``qkv_dot_general`` or ``out_dot_general`` (or their ``_cls``) is refused.
+  'model', None))`` and ``(('model', None, None))``. For FSDP (and sequence
+  parallelism) shard the features over the data axis too, ``('data',
+  'model', None)`` and ``('model', None, 'data')``, and give
+  ``input_partitioning``, the names of the inputs' dimensions (``[batch...,
+  length, features]``, e.g. ``('data', None, None)``, or ``('data',
+  'model', None)`` with the sequence sharded): the ``query``, ``key`` and
+  ``value`` projections read the inputs so, the attention sees whole
+  sequences with the heads sharded as their kernels say, and ``out``
+  writes its output as the inputs came. A custom ``qkv_dot_general`` or
+  ``out_dot_general`` (or their ``_cls``) is refused.
+
+  Attributes:
+    input_partitioning: None, or the names of the inputs' dimensions (mesh
+      axes or logical names), as for :class:`forge_jax.ForgeDense`.
+    mesh, data_parallel: as for :class:`forge_jax.ForgeDense`, for the four
+      projections.
   """
 
   optimizer: ForgeOptimizer = dataclasses.field(kw_only=True)
   implementation: str = "auto"
+  input_partitioning: Optional[tuple] = dataclasses.field(
+    default=None, kw_only=True
+  )
+  mesh: Optional[Any] = dataclasses.field(default=None, kw_only=True)
+  data_parallel: str = dataclasses.field(default="auto", kw_only=True)
 
   @nn.compact
   def __call__(
@@ -74,12 +93,38 @@ class MultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
         f"heads ({self.num_heads})."
       )
     head_dim = qkv_features // self.num_heads
+    out_kernel_init = self.out_kernel_init or self.kernel_init
+    qkv_names, out_names = None, None
+    if self.input_partitioning is not None:
+      # [batch..., length, heads, head_dim]: whole sequences, the heads
+      # sharded as the kernels shard them.
+      batch = tuple(self.input_partitioning)[:-2]
+      qkv_names = (
+        *batch,
+        None,
+        self._kernel_names(
+          self.kernel_init, (inputs_q.shape[-1], self.num_heads, head_dim)
+        )[1],
+        None,
+      )
+      out_names = (
+        *batch,
+        None,
+        self._kernel_names(
+          out_kernel_init, (self.num_heads, head_dim, features)
+        )[0],
+        None,
+      )
     dense = functools.partial(
       ForgeDenseGeneral,
       axis=-1,
       dtype=self.dtype,
       param_dtype=self.param_dtype,
       features=(self.num_heads, head_dim),
+      input_partitioning=self.input_partitioning,
+      output_partitioning=qkv_names,
+      mesh=self.mesh,
+      data_parallel=self.data_parallel,
       kernel_init=self.kernel_init,
       bias_init=self.bias_init,
       use_bias=self.use_bias,
@@ -146,7 +191,11 @@ class MultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
     return ForgeDenseGeneral(
       features=features,
       axis=(-2, -1),
-      kernel_init=self.out_kernel_init or self.kernel_init,
+      input_partitioning=out_names,
+      output_partitioning=self.input_partitioning,
+      mesh=self.mesh,
+      data_parallel=self.data_parallel,
+      kernel_init=out_kernel_init,
       bias_init=self.out_bias_init or self.bias_init,
       use_bias=self.use_bias,
       dtype=self.dtype,
@@ -158,6 +207,15 @@ class MultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
       implementation=self.implementation,
       name="out",
     )(x)
+
+  def _kernel_names(self, init, shape) -> tuple:
+    """The partitioning names ``init`` gives a kernel of ``shape`` (None
+    for each dimension of an unpartitioned one)."""
+    boxed = jax.eval_shape(
+      lambda: init(jax.random.key(0), shape, self.param_dtype)
+    )
+    names = getattr(boxed, "names", None)
+    return tuple(names) if names is not None else (None,) * len(shape)
 
   def _decode_step(self, query, key, value, mask):
     """The autoregressive cache: write this position's key and value, and

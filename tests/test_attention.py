@@ -33,11 +33,17 @@ OPT = fj.adamw(1e-2, weight_decay=0.1)
 
 def test_fields_are_flax_s():
   """nn.MultiHeadDotProductAttention's fields, in order, with its defaults;
-  then the keyword-only optimizer and the backend."""
+  then the keyword-only optimizer, the backend and the partitioning."""
   ours = [f for f in dataclasses.fields(fj.MultiHeadDotProductAttention)]
   theirs = [f for f in dataclasses.fields(nn.MultiHeadDotProductAttention)]
   own = [f.name for f in ours if f.name not in {g.name for g in theirs}]
-  assert own == ["optimizer", "implementation"]
+  assert own == [
+    "optimizer",
+    "implementation",
+    "input_partitioning",
+    "mesh",
+    "data_parallel",
+  ]
   shared = [f for f in ours if f.name not in own]
   assert [f.name for f in shared] == [f.name for f in theirs]
   for a, b in zip(shared, theirs):

@@ -570,6 +570,64 @@ def test_forge_embed_under_an_unused_data_axis_advises_its_own_fields():
 
 
 @needs_devices
+@pytest.mark.parametrize("sp", [False, True], ids=["fsdp-tp", "fsdp-tp-sp"])
+def test_attention_with_input_partitioning_is_fsdp(sp):
+  """fj.MultiHeadDotProductAttention with its kernels sharded over the data
+  axis too and its inputs' partitioning declared: every projection gathers
+  its kernel and keeps the batch sharded (no all-to-all of activations),
+  and the steps equal one device's."""
+  mesh = parallel.make_mesh(2, data=2)
+  init = nn.initializers.lecun_normal()
+  names = ("data", "model" if sp else None, None)
+  opt = fj.adamw(learning_rate=1e-2, eps=1e-3)
+
+  class Net(nn.Module):
+    partitioned: bool
+
+    @nn.compact
+    def __call__(self, x):
+      boxed = lambda *n: (
+        nn.with_partitioning(init, n) if self.partitioned else init
+      )
+      return fj.MultiHeadDotProductAttention(
+        num_heads=4,
+        kernel_init=boxed("data", "model", None),
+        out_kernel_init=boxed("model", None, "data"),
+        input_partitioning=names if self.partitioned else None,
+        use_bias=False,  # the key's bias has no gradient: Adam steps noise
+        optimizer=opt,
+        implementation="xla",
+      )(x)
+
+  x = jax.random.normal(jax.random.key(1), (4, 6, 16))
+
+  def train(model, variables, steps=2):
+    state = fj.TrainState.create(
+      apply_fn=model.apply, params=variables, tx=opt.to_optax()
+    )
+    step = jax.jit(
+      lambda s: s.apply_gradients(
+        grads=jax.grad(lambda p: jnp.sum(s.apply_fn(p, x) ** 2))(s.params)
+      )
+    )
+    for _ in range(steps):
+      state = step(state)
+    return state, step.lower(state).compile().as_text()
+
+  with jax.set_mesh(mesh):
+    variables = parallel.init_sharded(
+      Net(True).init, mesh, jax.random.key(0), x
+    )
+    state, hlo = train(Net(True), variables)
+  single, _ = train(Net(False), _host(parallel.strip_boxes(variables)))
+  assert "all-to-all" not in hlo
+  _assert_trees_close(_host(state.params), _host(single.params))
+  kernel = state.params[COLL]["MultiHeadDotProductAttention_0"]["query"]
+  for leaf in jax.tree.leaves((kernel["kernel"], kernel["opt_state"])):
+    assert leaf.sharding.spec[:2] == ("data", "model"), leaf.sharding
+
+
+@needs_devices
 def test_logical_partitioning_with_rules():
   """Logical names and a rules table, as for nn.Dense; the model's rules."""
   mesh = parallel.make_mesh(2)
