@@ -23,6 +23,7 @@ import jax
 from flax import traverse_util
 from flax.core import unfreeze
 
+from forge_jax import parallel
 from forge_jax.linen import FORGE_COLLECTION
 from forge_jax.ops.fused_dense import ForgeVariables
 
@@ -85,6 +86,8 @@ def from_dense(
   Returns:
     The FORGE variables: the dense leaves bit for bit (cast where the FORGE
     model's dtype differs), the optimizer states as ``init`` makes them.
+    Under a mesh (``jax.set_mesh``) each leaf is sharded as its
+    partitioning says, the optimizer states like their kernels.
 
   Raises:
     ValueError: a leaf of the FORGE model has no counterpart in
@@ -98,7 +101,12 @@ def from_dense(
     fresh = forge_model.init(rngs, *init_args, **init_kwargs)
     return _fill(fresh, dense_variables, rename)
 
-  return jax.jit(convert)(dense_variables)
+  if jax.sharding.get_abstract_mesh().empty:
+    return jax.jit(convert)(dense_variables)
+  # Under a mesh every leaf is placed as its partitioning says (the states
+  # like their kernels), as parallel.init_sharded places a fresh model's.
+  specs = parallel.partition_specs(jax.eval_shape(convert, dense_variables))
+  return jax.jit(convert, out_shardings=specs)(dense_variables)
 
 
 def to_dense(

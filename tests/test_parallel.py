@@ -628,6 +628,28 @@ def test_attention_with_input_partitioning_is_fsdp(sp):
 
 
 @needs_devices
+def test_from_dense_under_a_mesh_places_every_leaf_as_partitioned():
+  """fj.from_dense under jax.set_mesh shards the kernel and its optimizer
+  state as the FORGE model's partitioning says, as parallel.init_sharded
+  does (not replicated until the first step)."""
+  mesh = parallel.make_mesh(2)
+  init = nn.with_partitioning(nn.initializers.lecun_normal(), (None, "model"))
+  x = jnp.ones((4, 8))
+  dense = nn.Dense(16, kernel_init=init, name="up")
+  forge = fj.ForgeDense(16, optimizer=OPT, kernel_init=init, name="up")
+  dense_variables = parallel.strip_boxes(dense.init(jax.random.key(0), x))
+  with jax.set_mesh(mesh):
+    variables = parallel.strip_boxes(fj.from_dense(dense_variables, forge, x))
+  layer = variables[COLL]
+  want = NamedSharding(mesh, P(None, "model"))
+  for leaf in jax.tree.leaves((layer["kernel"], layer["opt_state"])):
+    assert leaf.sharding.is_equivalent_to(want, 2), leaf.sharding
+  np.testing.assert_array_equal(
+    layer["kernel"], dense_variables["params"]["kernel"]
+  )
+
+
+@needs_devices
 def test_logical_partitioning_with_rules():
   """Logical names and a rules table, as for nn.Dense; the model's rules."""
   mesh = parallel.make_mesh(2)
