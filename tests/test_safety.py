@@ -146,6 +146,30 @@ def test_cotangents_changed_before_install_poison_the_layer(seed):
   assert np.isnan(np.asarray(state.params[COLL]["proj"]["kernel"])).all()
 
 
+def test_a_count_at_two_to_the_24_stops_there_and_keeps_training(seed):
+  """float32's count + 1 rounds back to 2**24: the count stops there (its
+  schedule's step with it), and the install does not mistake the step for
+  a changed cotangent."""
+  x, _ = make_batch(seed, (4, 6), 4)
+  state = _state(Encoder(), seed, x)
+  layer = state.params[COLL]["proj"]
+  late = {**layer, "count": jnp.float32(2**24 - 2)}
+  state = state.replace(params={**state.params, COLL: {"proj": late}})
+
+  @jax.jit
+  def step(state):
+    grads = jax.grad(lambda v: (state.apply_fn(v, x) ** 2).sum())(state.params)
+    return state.apply_gradients(grads=grads)
+
+  for _ in range(4):
+    kernel = state.params[COLL]["proj"]["kernel"]
+    state = step(state)
+    assert fj.wiped_layers(state.params) == []
+    assert not np.array_equal(state.params[COLL]["proj"]["kernel"], kernel)
+  assert float(state.params[COLL]["proj"]["count"]) == 2**24
+  assert np.isfinite(np.asarray(state.params[COLL]["proj"]["kernel"])).all()
+
+
 # ---------------------------------------------------------------------------
 # Backwards that do not vouch for a layer: another computation's, another
 # model's, a branch's.

@@ -61,7 +61,8 @@ class ForgeVariables(NamedTuple):
       which the op views as ``[K, N]`` with ``K`` the input's last dimension.
     opt_state: the optimizer's per-element state (kernel-shaped arrays).
     count: float32 scalar, the number of steps applied to this layer (exact up
-      to 2**24 steps; float because jax.grad only differentiates float leaves).
+      to 2**24 steps, where it stops; float because jax.grad only
+      differentiates float leaves).
     skipped: float32 scalar, the number of kernel elements the last step left
       untouched because their gradient was not finite.
     intact: float32 scalar, 1.0 while the variables are ones FORGE wrote. A
