@@ -41,7 +41,10 @@ class TrainState(train_state.TrainState):
     state = fj.TrainState.create(apply_fn=model.apply, params=variables,
                                  tx=opt.to_optax())
 
-  and differentiate the loss with respect to all of ``state.params``.
+  and differentiate the loss with respect to all of ``state.params``. Other
+  collections of ``variables`` (``batch_stats``, ...) stay in ``params`` as
+  they are, through every step: write their new values with
+  ``state.replace(params={**state.params, 'batch_stats': new})``.
 
   Global-norm clipping (``optax.clip_by_global_norm`` cannot be in ``tx``:
   FORGE's layers update before the global norm exists) is set at creation
@@ -151,7 +154,11 @@ class TrainState(train_state.TrainState):
     check_layer_optimizers(self.tx, old, self.params.get("params"))
     new, reached = install(old, grads[FORGE_COLLECTION])
     grads = {**grads, FORGE_COLLECTION: new}
-    return super().apply_gradients(grads=grads, reached=reached, **kwargs)
+    state = super().apply_gradients(grads=grads, reached=reached, **kwargs)
+    # flax's step keeps 'params' and FORGE's collection only: the others
+    # (batch_stats, ...) stay as they are, for the caller to update.
+    kept = {k: v for k, v in self.params.items() if k not in state.params}
+    return state.replace(params={**state.params, **kept}) if kept else state
 
   def unreached_layers(self) -> list[str]:
     """Paths of the layers the last step's loss did not reach (host side;

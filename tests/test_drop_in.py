@@ -784,6 +784,48 @@ def test_train_state_refuses_a_tx_that_freezes_forge_layers(how):
   assert np.isfinite(losses).all()
 
 
+def test_train_state_keeps_the_other_collections_of_the_variables():
+  """Created from the whole variables (the README's recipe), a model with
+  BatchNorm keeps its batch_stats in state.params through every step
+  (flax's step would drop them): the caller writes their new values, and
+  they accumulate as under flax."""
+
+  class Net(nn.Module):
+    @nn.compact
+    def __call__(self, x, train=True):
+      x = nn.BatchNorm(use_running_average=not train, momentum=0.5)(x)
+      return fj.ForgeDense(4, optimizer=OPT, name="fc")(x)
+
+  x, y = data()
+  variables = Net().init(jax.random.key(0), x)
+  state = fj.TrainState.create(
+    apply_fn=Net().apply, params=variables, tx=OPT.to_optax()
+  )
+
+  @jax.jit
+  def step(state):
+    def loss(params):
+      out, updates = state.apply_fn(params, x, mutable=["batch_stats"])
+      return jnp.mean((out - y) ** 2), updates["batch_stats"]
+
+    grads, stats = jax.grad(loss, has_aux=True)(state.params)
+    return state.apply_gradients(grads=grads), stats
+
+  for _ in range(3):
+    before = state.params["batch_stats"]
+    state, after = step(state)
+    assert set(state.params) == set(variables)
+    chex.assert_trees_all_equal(state.params["batch_stats"], before)
+    state = state.replace(params={**state.params, "batch_stats": after})
+    # momentum 0.5 with the same batch: halfway to its mean each step
+    np.testing.assert_allclose(
+      after["BatchNorm_0"]["mean"],
+      0.5 * before["BatchNorm_0"]["mean"] + 0.5 * jnp.mean(x, axis=0),
+      rtol=1e-5,
+      atol=1e-7,
+    )
+
+
 def test_train_state_refuses_labels_that_freeze_a_forge_module():
   """flax's fine-tuning recipe: labels as a pytree of the 'params'
   collection (``traverse_util.path_aware_map``), which holds a FORGE
