@@ -106,6 +106,13 @@ def plain_gradients():
     with fj.plain_gradients():
       dx = jax.grad(loss, argnums=1)(variables, x)
 
+  A plain use differentiated with respect to the kernel inside a loss
+  whose FORGE backward steps that kernel (a gradient penalty, a second
+  call) is a second use of it: the kernel's cotangent would be the new
+  kernel plus the plain ``dW``, so the layer is poisoned instead
+  (:func:`forge_jax.ops.fused_dense.plainly_used`; ``fj.wiped_layers``
+  names it). Use ``nn.Dense`` for a layer such a loss differentiates twice.
+
   The mode also goes into the XLA metadata, which is part of the trace
   context: a function jitted both inside and outside gets a trace of each.
   """

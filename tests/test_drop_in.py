@@ -18,6 +18,7 @@ import optax
 import pytest
 from flax import traverse_util
 from flax.training.train_state import TrainState as FlaxTrainState
+from jax import lax
 
 import forge_jax as fj
 from forge_jax.ops import backends, fused_dense
@@ -548,6 +549,40 @@ def test_plain_gradients_are_not_installed():
   new = state.apply_gradients(grads=grads)
   chex.assert_trees_all_equal(new.params[COLL], state.params[COLL])
   assert sorted(new.unreached_layers()) == ["aux", "fc1", "fc2"]
+
+
+@pytest.mark.parametrize("use", ["gradient_penalty", "second_call"])
+def test_a_plain_use_differentiated_in_a_forge_loss_poisons_the_layer(use):
+  """A loss that FORGE trains and that also differentiates a plain use of
+  the kernels (an input-gradient penalty traced under fj.plain_gradients, a
+  second call there): the kernel's cotangent would be the new kernel plus
+  the plain use's dW. The layers are poisoned instead of stepped with it
+  (fj.wiped_layers names them; the next step turns the loss NaN); a plain
+  use whose output is not differentiated leaves training as it is."""
+  model = WithAuxHead()
+  x, y = data()
+  state = fj.TrainState.create(
+    apply_fn=model.apply,
+    params=model.init(jax.random.key(0), x),
+    tx=OPT.to_optax(),
+  )
+
+  def loss(params, plain_use):
+    out = jnp.mean((model.apply(params, x) - y) ** 2)
+    with fj.plain_gradients():
+      if use == "gradient_penalty":
+        dx = jax.grad(lambda x: jnp.sum(model.apply(params, x)))(x)
+        extra = jnp.mean(dx**2)
+      else:
+        extra = jnp.mean(model.apply(params, x[::-1]) ** 2)
+    return out + (extra if plain_use else lax.stop_gradient(extra))
+
+  @functools.partial(jax.jit, static_argnums=1)
+  def step(state, plain_use):
+    return state.apply_gradients(grads=jax.grad(loss)(state.params, plain_use))
+
+  assert fj.wiped_layers(step(state, False).params) == []
+  assert sorted(fj.wiped_layers(step(state, True).params)) == ["fc1", "fc2"]
 
 
 class TwoHeads(nn.Module):

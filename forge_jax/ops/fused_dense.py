@@ -299,12 +299,50 @@ def forge_dense(
     # XLA's ops only (no in-place Pallas GEMM, which has no autodiff rule):
     # autodiff of the dense function, as for nn.Dense.
     plain = dataclasses.replace(spec, implementation="xla")
+    variables = variables._replace(
+      kernel=plainly_used(variables.kernel, variables.count)
+    )
     return _forward(plain, layout, x, variables, bias, layer_index)
   # The variables as they are stored: the custom_vjp's residuals are the
   # very arrays given (fj.scan's backward recognizes its stacks by them).
   return _forge_dense(
     spec, layout, factors is not None, x, variables, bias, layer_index, factors
   )
+
+
+#: What a kernel's plain use (:func:`plainly_used`) adds to the cotangent of
+#: its layer's ``count`` where it adds a ``dW``.
+PLAIN_USE_MARK = -0.5
+
+
+@jax.custom_vjp
+def plainly_used(kernel, count):
+  """``kernel``, used outside FORGE's backward (``fj.plain_gradients``).
+
+  Where this use adds a ``dW`` to the kernel's cotangent (its output, or
+  a gradient taken from it, is differentiated with respect to the kernel),
+  it adds :data:`PLAIN_USE_MARK` to ``count``'s (per layer of a stack).
+  Beside a FORGE backward of the same kernel (a gradient penalty inside a
+  loss FORGE trains) the sum would be the new kernel plus this ``dW``: the
+  count then moved by half a step, and ``fj.TrainState`` poisons the layer
+  instead of installing it. Alone, the cotangent says the layer was not
+  reached (``intact`` 0): its ``dW`` is not installed either.
+  """
+  del count
+  return kernel
+
+
+def _plainly_used_fwd(kernel, count):
+  return kernel, count
+
+
+def _plainly_used_bwd(count, ct):
+  axes = tuple(range(jnp.ndim(count), jnp.ndim(ct)))
+  used = jnp.any(ct != 0, axis=axes)
+  return ct, jnp.where(used, PLAIN_USE_MARK, 0.0).astype(jnp.result_type(count))
+
+
+plainly_used.defvjp(_plainly_used_fwd, _plainly_used_bwd)
 
 
 def one_hot_precision(dtype):
@@ -411,9 +449,10 @@ def check_differentiated(x, variables, bias):
       "not variables['params'] alone. Flax NNX: fj.nnx.grad(loss), or "
       "nnx.grad(loss, argnums=nnx.DiffState(0, fj.nnx.TRAINABLE)). For "
       "gradients with respect to the inputs only (adversarial examples, "
-      "saliency, gradient penalties), trace them inside "
-      "`with fj.plain_gradients():`, where the layers differentiate as "
-      "nn.Dense and update nothing."
+      "saliency), trace them inside `with fj.plain_gradients():`, where the "
+      "layers differentiate as nn.Dense and update nothing (not inside a "
+      "loss FORGE trains: a gradient penalty on a FORGE layer is a second "
+      "use of its kernel, which poisons it)."
     )
 
 
