@@ -112,6 +112,8 @@ def plain_gradients():
   kernel plus the plain ``dW``, so the layer is poisoned instead
   (:func:`forge_jax.ops.fused_dense.plainly_used`; ``fj.wiped_layers``
   names it). Use ``nn.Dense`` for a layer such a loss differentiates twice.
+  In a plain gradient with respect to the variables, each layer's ``count``
+  entry holds that mark, not a gradient: take ``dW`` from the kernels.
 
   The mode also goes into the XLA metadata, which is part of the trace
   context: a function jitted both inside and outside gets a trace of each.
