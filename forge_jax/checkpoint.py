@@ -41,6 +41,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from forge_jax import quantization
+from forge_jax.train_state import key_name
 
 #: How 4-bit codes pair their levels (:class:`forge_jax.quantization.
 #: QuantizedSqrt4Blocks`), written beside every checkpoint in
@@ -111,15 +112,8 @@ def _fourbit_layout(path: str):
     return None
 
 
-def _key_name(key) -> str:
-  for attr in ("key", "name", "idx"):
-    if hasattr(key, attr):
-      return str(getattr(key, attr))
-  return str(key)
-
-
 def _path_name(path) -> str:
-  return "/".join(_key_name(k) for k in path)
+  return "/".join(str(key_name(k)) for k in path)
 
 
 def saved_dtypes(path: str) -> dict[str, Any]:

@@ -415,30 +415,31 @@ def frozen_message(
   )
 
 
-def frozen_layers(tx, layers: tuple, params) -> tuple:
+def frozen_layers(tx, layers: tuple, params) -> tuple | None:
   """The paths of ``layers`` (``(path, optimizer)`` pairs) whose every
   parameter in ``params`` (the tree ``tx`` steps: a layer's bias) ``tx``
   leaves unchanged for the probe's steps while the layer's optimizer moves
   it: a module frozen by path with labels or a mask given as a pytree of
   ``params``. A layer without parameters there (no bias) says nothing.
-  Empty where ``tx`` cannot run on a tree like ``params``."""
+  None where ``tx`` cannot run on a tree like ``params``."""
   leaves, treedef = jax.tree.flatten(params)
   ranks = tuple(np.ndim(leaf) for leaf in leaves)
   return _frozen_layers(tx, layers, treedef, leaf_paths(params), ranks)
 
 
+def key_name(key):
+  """A pytree key path entry's name: its dict key, attribute name or
+  sequence index."""
+  for field in ("key", "name", "idx"):
+    if hasattr(key, field):
+      return getattr(key, field)
+  return key
+
+
 def leaf_paths(tree) -> tuple:
-  """Each leaf's path in ``tree``, as a tuple of names (dict keys,
-  attribute names, sequence indices)."""
-
-  def name(key):
-    for field in ("key", "name", "idx"):
-      if hasattr(key, field):
-        return getattr(key, field)
-    return key
-
+  """Each leaf's path in ``tree``: a tuple of names (:func:`key_name`)."""
   return tuple(
-    tuple(name(key) for key in path)
+    tuple(key_name(key) for key in path)
     for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]
   )
 
@@ -454,7 +455,7 @@ def _probe_of_rank(values, rank: int) -> np.ndarray:
 
 
 @functools.lru_cache(maxsize=64)
-def _frozen_layers(tx, layers, treedef, names, ranks) -> tuple:
+def _frozen_layers(tx, layers, treedef, names, ranks) -> tuple | None:
   """:func:`frozen_layers` on the structure ``treedef`` whose leaves have
   key paths ``names`` and ``ranks`` dimensions."""
   owned = {
@@ -466,6 +467,7 @@ def _frozen_layers(tx, layers, treedef, names, ranks) -> tuple:
   if not owned:
     return ()
   try:
+    # Eagerly, also while a train step traces: the probe is concrete.
     with jax.ensure_compile_time_eval():
 
       def moved(t):
@@ -487,7 +489,7 @@ def _frozen_layers(tx, layers, treedef, names, ranks) -> tuple:
         for opt in {o for _, o in layers if o is not None}
       }
   except Exception:  # pylint: disable=broad-exception-caught
-    return ()
+    return None
   rules = dict(layers)
   return tuple(
     "/".join(map(str, path))
@@ -497,7 +499,6 @@ def _frozen_layers(tx, layers, treedef, names, ranks) -> tuple:
   )
 
 
-@functools.lru_cache(maxsize=64)
 def _frozen_kernels(tx, layers: tuple) -> tuple | None:
   """The paths of ``layers`` (``(path, optimizer)`` pairs) where ``tx``
   steps a kernel at ``<path>/kernel`` of its parameters (where ``nn.Dense``
@@ -506,40 +507,13 @@ def _frozen_kernels(tx, layers: tuple) -> tuple | None:
   ``optax.masked``) treats them. (A learning rate that starts at zero
   leaves both unmoved on the first step.) None where ``tx`` cannot run on
   such a tree."""
-  try:
-    # Eagerly, also while a train step traces: the probe is concrete.
-    with jax.ensure_compile_time_eval():
-      probe = jnp.asarray(_PROBE_KERNEL)
-      params = {}
-      for path, _ in layers:
-        node = params
-        for key in path:
-          node = node.setdefault(key, {})
-        node["kernel"] = probe
-
-      def moved(t):
-        """Per path: whether ``t`` moved the kernel in any probe step."""
-        state, moves = t.init(params), {path: False for path, _ in layers}
-        for g in _PROBE_GRADIENTS:
-          grads = jax.tree.map(lambda _: jnp.asarray(g, jnp.float32), params)
-          updates, state = t.update(grads, state, params)
-          for path in moves:
-            step = np.asarray(layer_at(updates, path)["kernel"])
-            moves[path] = moves[path] or bool(step.any())
-        return moves
-
-      by_tx = moved(tx)
-      by_rule = {
-        opt: moved(opt.to_optax())
-        for opt in {opt for _, opt in layers if opt is not None}
-      }
-      return tuple(
-        "/".join(path)
-        for path, opt in layers
-        if opt is not None and by_rule[opt][path] and not by_tx[path]
-      )
-  except Exception:  # pylint: disable=broad-exception-caught
-    return None
+  params = {}
+  for path, _ in layers:
+    node = params
+    for key in path:
+      node = node.setdefault(key, {})
+    node["kernel"] = np.zeros((2, 3), np.float32)  # the probe's rank
+  return frozen_layers(tx, layers, params)
 
 
 def check_optimizers(tx, optimizers):
