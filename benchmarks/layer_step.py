@@ -16,6 +16,11 @@ time, medians):
   (``kernel_bench.rule_free_epilogue``: W and state streamed in and out
   unchanged, the skipped counts and norm sums kept): the step's time with a
   rule that costs nothing, a bound for any change to the rule's code;
+* ``mosaic-kernel-only`` (a measurement, not a train step): the same model
+  through the same Mosaic kernel, its new W and state written straight
+  back, without FORGE's per-layer bookkeeping (no step count, skip and
+  wipe checks, gradient norm or install): the step's time if that
+  bookkeeping cost nothing, a bound for any change to it;
 * the result names the backend ``'auto'`` takes for each case.
 
 Each case's ``speedup`` is optax's time over each variant's (> 1: faster
@@ -51,11 +56,14 @@ from timing import (  # noqa: E402
 )
 
 import forge_jax as fj  # noqa: E402
-from forge_jax.ops import backends  # noqa: E402
+from forge_jax.ops import backends, fused_dense  # noqa: E402
+from forge_jax.ops.fused_dense import FusedDenseSpec  # noqa: E402
 
 SHAPES = ("4096x4096", "4096x1024", "4096x14336", "14336x4096", "4096x128256")
 #: The variant that times the Mosaic kernel without the rule's arithmetic.
 RULE_FREE = "mosaic-rule-free"
+#: The variant that times the Mosaic kernel without FORGE's bookkeeping.
+KERNEL_ONLY = "mosaic-kernel-only"
 
 #: W / m / v storage: (param dtype, FORGE's state dtype, FORGE's weight
 #: rounding, bits of FORGE's second moments). optax keeps bf16 states
@@ -120,6 +128,8 @@ def _loss(apply_fn, params, x):
 
 def make_runner(variant, tokens, k, n, storage, compute="bf16"):
   """A no-argument function running one donated train step per call."""
+  if variant == KERNEL_ONLY:
+    return _kernel_only_runner(tokens, k, n, storage, compute)
   param_dtype = STORAGE[storage][0]
   opt = _forge_optimizer(storage)
   forge = variant != "optax"
@@ -157,6 +167,75 @@ def make_runner(variant, tokens, k, n, storage, compute="bf16"):
     return loss
 
   run.carry = carry  # the current state, for tests
+  return run
+
+
+def _kernel_only_runner(tokens, k, n, storage, compute):
+  """:data:`KERNEL_ONLY`'s runner: the :class:`Layer`'s step with the
+  dense layer a ``jax.custom_vjp`` whose backward returns ``dx`` and the
+  Mosaic kernel's new W and state as their cotangents, written back as
+  the new values. The step count stays at 0 (the first step's scalars);
+  RMSNorm's scale trains with the optax alias, as ``fj.TrainState``
+  trains it.
+  """
+  param_dtype = STORAGE[storage][0]
+  dtype = COMPUTE[compute]
+  optimizer = _forge_optimizer(storage)
+  spec = FusedDenseSpec(optimizer=optimizer, dtype=dtype)
+  scalars = optimizer.scalars(jnp.int32(0))
+  x = jax.random.normal(jax.random.key(0), (tokens, k), dtype)
+  norm = nn.RMSNorm(dtype=dtype, param_dtype=param_dtype)
+  kernel = nn.initializers.lecun_normal()(jax.random.key(1), (k, n))
+  kernel = kernel.astype(param_dtype)
+  update = backends.select(
+    "mosaic", x, jax.ShapeDtypeStruct((tokens, n), dtype), kernel, optimizer
+  )
+
+  @jax.custom_vjp
+  def dense(h, kernel, opt_state):
+    del opt_state
+    return h @ kernel.astype(dtype)
+
+  def dense_fwd(h, kernel, opt_state):
+    return dense(h, kernel, opt_state), (h, kernel, opt_state)
+
+  def dense_bwd(residuals, dy):
+    h, kernel, opt_state = residuals
+    dx = dy @ kernel.astype(dtype).T
+    apply = fused_dense.backward_finite(dy, dx)
+    new_kernel, new_state, _, _ = update(
+      spec, h, dy, kernel, opt_state, scalars, apply
+    )
+    return dx, new_kernel, new_state
+
+  dense.defvjp(dense_fwd, dense_bwd)
+  tx = optimizer.to_optax()
+  params = {
+    "norm": jax.jit(norm.init)(jax.random.key(2), x)["params"],
+    "kernel": kernel,
+    "opt_state": optimizer.init(kernel),
+  }
+
+  def loss_fn(params, x):
+    h = norm.apply({"params": params["norm"]}, x)
+    y = dense(h, params["kernel"], params["opt_state"])
+    return 0.5 * jnp.mean(jnp.square(y.astype(jnp.float32)))
+
+  def step(carry, x):
+    params, tx_state = carry
+    loss, grads = jax.value_and_grad(loss_fn)(params, x)
+    updates, tx_state = tx.update(grads["norm"], tx_state, params["norm"])
+    new_norm = optax.apply_updates(params["norm"], updates)
+    return ({**grads, "norm": new_norm}, tx_state), loss
+
+  step = jax.jit(step, donate_argnums=0)
+  carry = {"state": (params, tx.init(params["norm"]))}
+
+  def run():
+    carry["state"], loss = step(carry["state"], x)
+    return loss
+
+  run.carry = carry
   return run
 
 

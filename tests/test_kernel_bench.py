@@ -75,6 +75,40 @@ def test_layer_step_rule_free_variant_streams_and_leaves_no_trace():
   assert min(moved("mosaic")) > 0.2  # W, m and v
 
 
+def test_layer_step_kernel_only_variant_steps_as_the_mosaic_variant():
+  """The kernel-only variant (FORGE's bookkeeping left out) takes the same
+  first step as the Mosaic variant from the same variables: W, its state
+  and RMSNorm's scale, bit for bit."""
+  bare = layer_step.make_runner(layer_step.KERNEL_ONLY, 64, 128, 128, "bf16")
+  forge = layer_step.make_runner("mosaic", 64, 128, 128, "bf16")
+  params, _ = bare.carry["state"]
+  state = forge.carry["state"]
+  layer = state.params["_overwrite_with_gradient"]["ForgeDense_0"]
+  start = {
+    "params": {"RMSNorm_0": params["norm"]},
+    "_overwrite_with_gradient": {
+      "ForgeDense_0": {
+        **layer,
+        "kernel": params["kernel"],
+        "opt_state": params["opt_state"],
+      }
+    },
+  }
+  forge.carry["state"] = state.replace(params=jax.tree.map(jnp.copy, start))
+  bare.carry["state"] = jax.tree.map(jnp.copy, bare.carry["state"])
+  bare()
+  forge()
+  stepped, _ = bare.carry["state"]
+  expected = forge.carry["state"].params
+  layer = expected["_overwrite_with_gradient"]["ForgeDense_0"]
+  assert np.mean(bits(stepped["kernel"]) != bits(params["kernel"])) > 0.2
+  assert_same_bits(
+    (stepped["kernel"], stepped["opt_state"], stepped["norm"]),
+    (layer["kernel"], layer["opt_state"], expected["params"]["RMSNorm_0"]),
+    "kernel-only step",
+  )
+
+
 def test_run_cases_saves_each_case_and_stops_at_its_budget(tmp_path):
   """Every measured case is on disk before the next starts; past the time
   budget no case starts, and the saved result says it stopped early."""
