@@ -60,11 +60,12 @@ from forge_jax.optimizers import ForgeOptimizer, not_elementwise_message
 from forge_jax.scan import scan_stacks
 from forge_jax.train_state import (
   check_optimizers,
+  check_probed,
   check_transformation,
-  frozen_layers,
   frozen_message,
   install_layer,
   leaf_paths,
+  probe_layers,
 )
 
 
@@ -617,7 +618,8 @@ def check_not_frozen(model, tx, wrt, layers):
   """Refuses a ``wrt`` or ``tx`` that would freeze some of ``layers`` (the
   model's ``(path, Linear)`` pairs): a ``wrt`` that leaves a layer's bias
   out, or a ``tx`` that leaves it unchanged (:func:`forge_jax.train_state.
-  frozen_layers`). Their kernels step in the backward pass either way."""
+  probe_layers`). Their kernels step in the backward pass either way. Also
+  refuses a ``tx`` that steps a layer's bias by another layer's rule."""
   selected = nnx.state(model, wrt)
   names = leaf_paths(selected)
   left_out = [
@@ -634,11 +636,10 @@ def check_not_frozen(model, tx, wrt, layers):
         "frozen layers",
       )
     )
-  frozen = frozen_layers(
+  probed = probe_layers(
     tx, tuple((path, layer.optimizer) for path, layer in layers), selected
   )
-  if frozen:
-    raise ValueError(frozen_message(frozen))
+  check_probed(probed, probed)
 
 
 def wiped_layers(model) -> list[str]:

@@ -15,7 +15,7 @@ optax transformations that cannot be right for FORGE's layers.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Mapping, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -350,6 +350,12 @@ _PROBE_GRADIENTS = (
 )
 
 
+def _same_steps(a, b) -> bool:
+  """Whether two probe steps agree (NaN where both step NaN: RAdam below
+  its threshold)."""
+  return np.allclose(a, b, rtol=1e-5, atol=1e-8, equal_nan=True)
+
+
 def _steps_match(tx, reference) -> bool | None:
   """Whether ``tx`` steps the probe as ``reference`` does; None where
   ``tx`` never moves it."""
@@ -365,17 +371,16 @@ def _steps_match(tx, reference) -> bool | None:
       updates, states[i] = t.update(grads, states[i], params)
       steps.append(np.asarray(updates["kernel"]))
     moved = moved or bool(steps[0].any())
-    # NaN where the reference steps NaN too (RAdam below its threshold).
-    same = same and np.allclose(
-      steps[0], steps[1], rtol=1e-5, atol=1e-8, equal_nan=True
-    )
+    same = same and _same_steps(steps[0], steps[1])
   return same if moved else None
 
 
 def check_layer_optimizers(tx, collection, params=None):
   """Refuses a ``tx`` that is not the optimizer of the ForgeDense layers
-  traced last (the parameters it trains would follow another rule), or
-  that would freeze some of them.
+  traced last (the parameters it trains would follow another rule), that
+  would freeze some of them, or that steps a layer's bias by another
+  layer's rule where the layers' optimizers differ (a bias-free layer's
+  rule plays no part in ``tx``).
 
   ``params``: the tree ``tx`` steps (the ``'params'`` collection), probed
   where ``tx`` cannot run on kernel-shaped probes at the layers' paths
@@ -385,14 +390,32 @@ def check_layer_optimizers(tx, collection, params=None):
     for path, _ in forge_layers(collection)
   )
   try:
-    frozen = _frozen_kernels(tx, layers)
-    if frozen is None and params is not None:
-      frozen = frozen_layers(tx, layers, params)
+    by_kernels = _probed_kernels(tx, layers)
+    by_params = None if params is None else probe_layers(tx, layers, params)
   except TypeError:  # an unhashable tx: nothing to probe
-    frozen = ()
-  if frozen:
-    raise ValueError(frozen_message(frozen))
+    by_kernels = by_params = None
+  check_probed(by_kernels if by_kernels is not None else by_params, by_params)
   check_optimizers(tx, {optimizer for _, optimizer in layers})
+
+
+def check_probed(frozen: Optional["LayerProbe"], owned: Optional["LayerProbe"]):
+  """Refuses what the layer probes (:func:`probe_layers`) found: in
+  ``frozen``, layers ``tx`` freezes; in ``owned`` (the probe of the tree
+  ``tx`` steps, where the layers own their biases), layers whose biases
+  ``tx`` steps by another rule than their own. A ``None`` probe (``tx``
+  could not run on it) refuses nothing."""
+  if frozen is not None and frozen.frozen:
+    raise ValueError(frozen_message(frozen.frozen))
+  if owned is not None and owned.misruled:
+    raise ValueError(
+      f"tx steps the biases of the FORGE layers {list(owned.misruled)} by "
+      "another rule than their layer's own optimizer: the layers' "
+      "optimizers differ, and tx follows another layer's. Step each "
+      "layer's bias by its own rule: optax.multi_transform({'a': "
+      "opt_a.to_optax(), 'b': opt_b.to_optax()}, labels), the labels "
+      "naming each layer's optimizer by its path (the parameters no layer "
+      "owns may take any of them)."
+    )
 
 
 def frozen_message(
@@ -415,16 +438,33 @@ def frozen_message(
   )
 
 
-def frozen_layers(tx, layers: tuple, params) -> tuple | None:
-  """The paths of ``layers`` (``(path, optimizer)`` pairs) whose every
-  parameter in ``params`` (the tree ``tx`` steps: a layer's bias) ``tx``
-  leaves unchanged for the probe's steps while the layer's optimizer moves
-  it: a module frozen by path with labels or a mask given as a pytree of
-  ``params``. A layer without parameters there (no bias) says nothing.
-  None where ``tx`` cannot run on a tree like ``params``."""
+class LayerProbe(NamedTuple):
+  """What stepping a tree through ``tx`` and through each layer's rule
+  says of the layers owning leaves there (paths joined by ``/``).
+
+  Attributes:
+    frozen: layers whose every leaf ``tx`` leaves unchanged while their
+      rule moves it.
+    misruled: where the optimizers of the layers owning leaves differ,
+      layers whose leaves ``tx`` steps unlike their rule (unlike
+      ``opt.to_optax()`` and ``fj.optax_with_storage(opt)`` both).
+  """
+
+  frozen: tuple
+  misruled: tuple
+
+
+def probe_layers(tx, layers: tuple, params) -> Optional[LayerProbe]:
+  """Steps a tree of ``params``' structure (the tree ``tx`` steps: a
+  layer's bias there) through ``tx`` and each of ``layers``' rules
+  (``(path, optimizer)`` pairs) for the probe's steps: catches a module
+  frozen by path, or stepped by another layer's rule, with labels or a
+  mask given as a pytree of ``params``. A layer without parameters there
+  (no bias) says nothing. None where ``tx`` cannot run on a tree like
+  ``params``."""
   leaves, treedef = jax.tree.flatten(params)
   ranks = tuple(np.ndim(leaf) for leaf in leaves)
-  return _frozen_layers(tx, layers, treedef, leaf_paths(params), ranks)
+  return _probe_layers(tx, layers, treedef, leaf_paths(params), ranks)
 
 
 def key_name(key):
@@ -455,8 +495,8 @@ def _probe_of_rank(values, rank: int) -> np.ndarray:
 
 
 @functools.lru_cache(maxsize=64)
-def _frozen_layers(tx, layers, treedef, names, ranks) -> tuple | None:
-  """:func:`frozen_layers` on the structure ``treedef`` whose leaves have
+def _probe_layers(tx, layers, treedef, names, ranks) -> Optional[LayerProbe]:
+  """:func:`probe_layers` on the structure ``treedef`` whose leaves have
   key paths ``names`` and ``ranks`` dimensions."""
   owned = {
     path: [i for i, name in enumerate(names) if name[: len(path)] == path]
@@ -465,55 +505,72 @@ def _frozen_layers(tx, layers, treedef, names, ranks) -> tuple | None:
   }
   owned = {path: leaves for path, leaves in owned.items() if leaves}
   if not owned:
-    return ()
+    return LayerProbe((), ())
+  rules = dict(layers)
   try:
     # Eagerly, also while a train step traces: the probe is concrete.
     with jax.ensure_compile_time_eval():
 
-      def moved(t):
-        """Per leaf: whether ``t`` moved it in any probe step."""
+      def steps(t):
+        """Per leaf: ``t``'s update in each probe step."""
         probe = lambda values: jax.tree.unflatten(
           treedef, [jnp.asarray(_probe_of_rank(values, r)) for r in ranks]
         )
         params = probe(_PROBE_KERNEL)
-        state, moves = t.init(params), [False] * len(ranks)
+        state, taken = t.init(params), [[] for _ in ranks]
         for g in _PROBE_GRADIENTS:
           updates, state = t.update(probe(g), state, params)
           for i, step in enumerate(jax.tree.leaves(updates)):
-            moves[i] = moves[i] or bool(np.asarray(step).any())
-        return moves
+            taken[i].append(np.asarray(step))
+        return taken
 
-      by_tx = moved(tx)
+      by_tx = steps(tx)
       by_rule = {
-        opt: moved(opt.to_optax())
-        for opt in {o for _, o in layers if o is not None}
+        opt: (
+          steps(opt.to_optax()),
+          steps(optax_storage.optax_with_storage(opt)),
+        )
+        for opt in {rules[path] for path in owned}
       }
   except Exception:  # pylint: disable=broad-exception-caught
     return None
-  rules = dict(layers)
-  return tuple(
-    "/".join(map(str, path))
-    for path, leaves in owned.items()
-    if any(by_rule[rules[path]][i] for i in leaves)
-    and not any(by_tx[i] for i in leaves)
+  moves = lambda taken, leaves: any(
+    np.asarray(step).any() for i in leaves for step in taken[i]
   )
+  follows = lambda taken, leaves: all(
+    _same_steps(a, b) for i in leaves for a, b in zip(by_tx[i], taken[i])
+  )
+  name = lambda path: "/".join(map(str, path))
+  frozen = tuple(
+    name(path)
+    for path, leaves in owned.items()
+    if moves(by_rule[rules[path]][0], leaves) and not moves(by_tx, leaves)
+  )
+  mixed = len({rules[path] for path in owned}) > 1
+  misruled = tuple(
+    name(path)
+    for path, leaves in owned.items()
+    if mixed
+    and name(path) not in frozen
+    and moves(by_tx, leaves)
+    and not any(follows(taken, leaves) for taken in by_rule[rules[path]])
+  )
+  return LayerProbe(frozen, misruled)
 
 
-def _frozen_kernels(tx, layers: tuple) -> tuple | None:
-  """The paths of ``layers`` (``(path, optimizer)`` pairs) where ``tx``
-  steps a kernel at ``<path>/kernel`` of its parameters (where ``nn.Dense``
-  keeps one) by exactly zero for the probe's steps while the layer's
-  optimizer moves it: how freezing by name (``optax.multi_transform``,
-  ``optax.masked``) treats them. (A learning rate that starts at zero
-  leaves both unmoved on the first step.) None where ``tx`` cannot run on
-  such a tree."""
+def _probed_kernels(tx, layers: tuple) -> Optional[LayerProbe]:
+  """:func:`probe_layers` on a tree with a kernel at each of ``layers``'
+  paths (where ``nn.Dense`` keeps one): how freezing by name
+  (``optax.multi_transform``, ``optax.masked``) treats them. (A learning
+  rate that starts at zero leaves both unmoved on the first step.) None
+  where ``tx`` cannot run on such a tree."""
   params = {}
   for path, _ in layers:
     node = params
     for key in path:
       node = node.setdefault(key, {})
     node["kernel"] = np.zeros((2, 3), np.float32)  # the probe's rank
-  return frozen_layers(tx, layers, params)
+  return probe_layers(tx, layers, params)
 
 
 def check_optimizers(tx, optimizers):

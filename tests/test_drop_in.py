@@ -8,6 +8,7 @@ dropout, auxiliary heads, optax wrappers), not through the package's Llama.
 import functools
 import re
 import warnings
+from typing import Any
 
 import chex
 import flax.linen as nn
@@ -882,6 +883,64 @@ def test_train_state_refuses_labels_that_freeze_a_forge_module():
     train(model, steps=1, tx=tx("fc1"))
   _, losses = train(model, steps=2, tx=tx("nothing"))
   assert np.isfinite(losses).all()
+
+
+LION = fj.lion(1e-3, weight_decay=0.1)
+SGD = fj.sgd(1e-2, momentum=0.9)
+
+
+class MixedRules(nn.Module):
+  """Layers on three rules; the SGD layer has no bias."""
+
+  dense: Any = None  # None: FORGE's layers; else nn.Dense
+
+  @nn.compact
+  def __call__(self, x):
+    def layer(features, opt, name, use_bias=True):
+      if self.dense is not None:
+        return self.dense(features, use_bias=use_bias, name=name)
+      return fj.ForgeDense(features, opt, use_bias=use_bias, name=name)
+
+    h = nn.gelu(layer(8, LION, "fc1")(x))
+    h = nn.gelu(layer(8, SGD, "fc3", use_bias=False)(h))
+    return layer(4, OPT, "fc2")(h)
+
+
+def by_layer(rules: dict):
+  """``optax.multi_transform`` of ``rules`` (a module name: its
+  optimizer), labelled by path; other parameters take AdamW."""
+  tx = {name: opt.to_optax() for name, opt in rules.items()}
+  label = lambda path, _: next((n for n in rules if n in path), "rest")
+  return optax.multi_transform(
+    {**tx, "rest": OPT.to_optax()},
+    lambda params: traverse_util.path_aware_map(label, params),
+  )
+
+
+def test_layers_on_several_rules_take_each_bias_by_its_layer_rule():
+  """Layers on AdamW, Lion and SGD: a tx that steps the Lion layer's bias
+  by AdamW is refused, naming it (the bias-free SGD layer has nothing tx
+  steps); labels giving each layer's bias its layer's rule train as
+  nn.Dense under the same labels, the SGD kernel by SGD."""
+  with pytest.raises(ValueError, match=r"\['fc1'\].*another rule"):
+    train(MixedRules(), steps=1, tx=OPT.to_optax())
+  state, losses = train(MixedRules(), steps=3, tx=by_layer({"fc1": LION}))
+  expected, expected_losses = train(
+    MixedRules(dense=nn.Dense),
+    steps=3,
+    state_cls=FlaxTrainState,
+    tx=by_layer({"fc1": LION, "fc3": SGD}),
+  )
+  np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
+  forge = state.params["_overwrite_with_gradient"]
+  for name in ("fc1", "fc2", "fc3"):
+    layer = expected.params["params"][name]
+    chex.assert_trees_all_close(
+      {"kernel": forge[name]["kernel"], **state.params["params"].get(name, {})},
+      layer,
+      rtol=1e-5,
+      atol=1e-6,
+    )
 
 
 def test_train_state_accepts_a_learning_rate_warmed_up_from_zero():

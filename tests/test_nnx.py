@@ -489,6 +489,25 @@ def test_optimizer_refuses_to_freeze_a_forge_layer(seed):
   fj.nnx.Optimizer(model, freezing("norm", "scale"), wrt=nnx.Param)
 
 
+def test_optimizer_takes_each_bias_by_its_layer_rule(seed):
+  """Linears on two rules: a tx that steps the Lion layer's bias by AdamW
+  is refused, naming it; labels that give it Lion pass."""
+  model, _ = _mlp(seed)
+  lion = fj.lion(1e-3)
+  model.layers[0] = fj.nnx.Linear(
+    6, 8, optimizer=lion, implementation="xla", rngs=nnx.Rngs(seed)
+  )
+  with pytest.raises(ValueError, match=r"\['layers/0'\].*another rule"):
+    fj.nnx.Optimizer(model, OPT.to_optax(), wrt=nnx.Param)
+  labels = nnx.state(model, nnx.Param)
+  labels = jax.tree.map(lambda _: "adamw", labels)
+  labels["layers"][0]["bias"] = "lion"
+  tx = optax.multi_transform(
+    {"adamw": OPT.to_optax(), "lion": lion.to_optax()}, labels
+  )
+  fj.nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+
 def test_misuse_raises(seed):
   model, (x, y) = _mlp(seed)
   with pytest.raises(ValueError, match="selects FORGE's variables"):
