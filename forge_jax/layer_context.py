@@ -6,7 +6,7 @@ Four trace-time channels between the parts of the package:
   ForgeDense layers inside it receive their whole variable stacks and step
   one layer of them in place (the layer's index, the number of layers, and
   the scan's module path, which prefixes the layers' own paths).
-* :func:`record_forward` / :func:`record_backward` / :func:`take_backward`:
+* :func:`record_forward` / :func:`record_backward` / :func:`take_backwards`:
   each ForgeDense records, by module path, that its forward ran, and the
   fused op's backward that it ran after it. :class:`forge_jax.TrainState`
   installs the new variables of a layer whose backward ran last, in the
@@ -16,7 +16,10 @@ Four trace-time channels between the parts of the package:
   forward traced after a backward starts another gradient computation:
   the earlier one's backwards are no longer trusted, since its gradients
   may never be installed (a gradient taken for a diagnostic, another
-  model's) and the loss being installed may not reach those layers.
+  model's) and the loss being installed may not reach those layers. Nor
+  is a layer trusted that an earlier gradient computation of the same
+  layers, not yet installed, did not reach: that gradient may be the one
+  installed.
   Installing forgets the layer's events: a later trace that traces neither
   its forward nor its backward (both inside a ``jax.jit`` whose trace is
   cached) must not trust a backward that ran in an earlier trace. A layer
@@ -47,6 +50,7 @@ import weakref
 from typing import Any, NamedTuple, Optional
 
 from jax.experimental.xla_metadata import set_xla_metadata
+from jax.extend import core as extend_core
 
 FORWARD = "forward"
 BACKWARD = "backward"
@@ -186,6 +190,14 @@ class _Events:
     self.conditional: set[tuple] = set()
     #: (path, pass) -> (computation, the kernel the backward read).
     self.kernels: dict[tuple, tuple[int, weakref.ref]] = {}
+    #: path -> the computations that traced its forward (its backward),
+    #: since its last install.
+    self.forwards: dict[tuple, set[int]] = {}
+    self.backwards: dict[tuple, set[int]] = {}
+    #: The computations that traced a backward whose gradients no install
+    #: has taken yet, with the traces their backwards ran in.
+    self.unsettled: set[int] = set()
+    self.traces: dict[int, list] = {}
 
   def current(self, path: tuple) -> Optional[str]:
     event = self.events.get(path)
@@ -219,6 +231,7 @@ def record_forward(path: tuple, optimizer, conditional: bool = False):
     _EVENTS.computation += 1
   _EVENTS.last = FORWARD
   _EVENTS.events[path] = (FORWARD, _EVENTS.computation)
+  _EVENTS.forwards.setdefault(path, set()).add(_EVENTS.computation)
   _EVENTS.optimizers[path] = optimizer
   if conditional:
     _EVENTS.conditional.add(path)
@@ -243,6 +256,12 @@ def record_backward(path: Optional[tuple], deferred: bool, kernel=None) -> str:
     _check_single_backward(path, name, kernel)
     _EVENTS.last = BACKWARD
     _EVENTS.events[path] = (BACKWARD, _EVENTS.computation)
+    _EVENTS.backwards.setdefault(path, set()).add(_EVENTS.computation)
+    _EVENTS.unsettled.add(_EVENTS.computation)
+    traces = _EVENTS.traces.setdefault(_EVENTS.computation, [])
+    trace = _current_trace()
+    if not any(t == trace for t in traces):
+      traces.append(trace)
     _EVENTS.passes[path] = name
   traced = _TRACED.get()
   if traced is not None:
@@ -281,16 +300,56 @@ def last_event(path: tuple) -> Optional[str]:
   return _EVENTS.current(tuple(path))
 
 
-def take_backward(path: tuple) -> bool:
-  """Whether the fused op's backward was the last event traced for the
-  ForgeDense at ``path`` in the current gradient computation, outside any
-  conditional; forgets the event, so the next call says False until a
-  forward or backward is traced again (:func:`last_pass` keeps the pass,
-  which counts only beside a backward event)."""
-  path = tuple(path)
-  event = _EVENTS.current(path)
-  _EVENTS.events.pop(path, None)
-  return event == BACKWARD and path not in _EVENTS.conditional
+def take_backwards(paths) -> list[bool]:
+  """For each ForgeDense at ``paths`` (the layers one install writes):
+  whether its cotangents can be taken as its backward wrote them. That
+  holds where the fused op's backward was the last event traced for the
+  layer in the current gradient computation, outside any conditional, and
+  in every gradient computation of this trace that traced any of these
+  layers since their last install and whose gradients no install took:
+  whichever of them is being installed then reached the layer. (A gradient traced for
+  a diagnostic after the training gradient, reaching a layer the training
+  loss does not, says nothing of the gradient being installed.)
+
+  Forgets the layers' events, so the next call says False until a forward
+  or backward is traced again (:func:`last_pass` keeps the pass, which
+  counts only beside a backward event), and settles the computations that
+  traced their backwards: their gradients are taken.
+  """
+  paths = [tuple(path) for path in paths]
+  pending = set()
+  for path in paths:
+    pending |= _EVENTS.forwards.pop(path, set())
+    pending |= _EVENTS.backwards.get(path, set())
+  # Only this trace's: a gradient another jit traced (a diagnostic of its
+  # own, or one a plain nnx.update took) is not the one installed here.
+  trace = _current_trace()
+  pending = {
+    c
+    for c in pending & _EVENTS.unsettled
+    if any(t == trace for t in _EVENTS.traces[c])
+  }
+  decisions, taken = [], set()
+  for path in paths:
+    event = _EVENTS.current(path)
+    _EVENTS.events.pop(path, None)
+    backwards = _EVENTS.backwards.pop(path, set())
+    taken |= backwards
+    decisions.append(
+      event == BACKWARD
+      and path not in _EVENTS.conditional
+      and pending <= backwards
+    )
+  _EVENTS.unsettled -= taken
+  for computation in taken:
+    _EVENTS.traces.pop(computation, None)
+  return decisions
+
+
+def _current_trace():
+  """The trace JAX is tracing into (comparable with ``==``): a jit's, where
+  its gradients' backwards run and their install is traced."""
+  return extend_core.get_opaque_trace_state(convention="flax")
 
 
 def optimizer(path: tuple):

@@ -433,7 +433,10 @@ def install(model, grads) -> dict[str, jax.Array]:
   layers = forge_layers(model)
   written = nnx.state(grads, OverwriteWithGradient)
   reached = {}
-  for path, layer in layers:
+  traced = layer_context.take_backwards(
+    [layer.layer_key for _, layer in layers]
+  )
+  for (path, layer), backward_traced in zip(layers, traced):
     _INSTALLED.add(layer.layer_key)
     try:
       layer_grads = nnx.to_pure_dict(_at(written, path))
@@ -450,7 +453,7 @@ def install(model, grads) -> dict[str, jax.Array]:
     new, reached[_name(path)] = install_layer(
       nnx.to_pure_dict(state),
       layer_grads,
-      layer_context.take_backward(layer.layer_key),
+      backward_traced,
     )
     nnx.replace_by_pure_dict(state, new)
     nnx.update(layer, state)

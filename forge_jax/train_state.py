@@ -177,18 +177,18 @@ def install(old, cotangents):
   """FORGE's new variables and ``{path: reached}``.
 
   A layer whose backward was traced last, since the last install
-  (:func:`forge_jax.layer_context.take_backward`), takes its cotangents as
+  (:func:`forge_jax.layer_context.take_backwards`), takes its cotangents as
   they are, so its update stays in place. Any other layer is checked at run
   time: where FORGE did not write its cotangents (``intact`` is 0: the loss
   did not reach it) the old values stay.
   """
   new, reached = cotangents, {}
-  for path, layer in forge_layers(old):
+  layers = list(forge_layers(old))
+  traced = layer_context.take_backwards([path for path, _ in layers])
+  for (path, layer), backward_traced in zip(layers, traced):
     written = layer_at(cotangents, path)
     installed, reached["/".join(path)] = install_layer(
-      dict(layer),
-      written,
-      layer_context.take_backward(path),
+      dict(layer), written, backward_traced
     )
     if installed is not written:
       new = with_layer(new, path, installed)
@@ -201,7 +201,7 @@ def install_layer(old, written, backward_traced: bool):
   ``old`` and ``written`` (its cotangents) are mappings of the layer's
   variables with ``count`` and ``intact`` entries. With ``backward_traced``
   the layer's backward wrote ``written``: it is returned as it is (the
-  update stays in place). Otherwise, where ``intact`` is 0 (the loss did
+  update stays in place). Installed eagerly, the flags themselves decide. Otherwise, where ``intact`` is 0 (the loss did
   not reach the layer; for stacks, per layer) the old values stay.
 
   A reached layer's backward moves its ``count`` by one, or by none when
@@ -217,6 +217,10 @@ def install_layer(old, written, backward_traced: bool):
   """
   flags = written["intact"] > 0
   reached = flags.astype(jnp.float32)
+  if not isinstance(flags, jax.core.Tracer):
+    # Installed eagerly: the flags are known, and no trace tells which
+    # gradient (a cached jit's) is being installed.
+    backward_traced = bool(np.all(flags))
   if not backward_traced:
     keep = lambda ct, value: jnp.where(
       jnp.reshape(

@@ -305,6 +305,49 @@ def test_unreached_layer_keeps_kernel_state_and_count_bit_for_bit():
   )
 
 
+@pytest.mark.parametrize("eager", [False, True], ids=["jit", "eager"])
+def test_a_diagnostic_gradient_before_the_install_does_not_wipe(eager):
+  """The training gradient (the main head), then a diagnostic gradient that
+  reaches the aux head too and is never installed, then the install of the
+  training gradient: the aux head keeps its variables bit for bit, in one
+  jitted step and with the gradients jitted apart and installed eagerly."""
+  model = WithAuxHead()
+  x, y = data()
+  variables = model.init(jax.random.key(0), x)
+  state = fj.TrainState.create(
+    apply_fn=model.apply, params=variables, tx=OPT.to_optax()
+  )
+
+  def loss(params, use_aux):
+    return jnp.mean((state.apply_fn(params, x, use_aux) - y) ** 2)
+
+  train_grad = jax.grad(functools.partial(loss, use_aux=False))
+  diagnostic = lambda p: fj.global_norm(
+    jax.grad(functools.partial(loss, use_aux=True))(p)
+  )
+  if eager:
+    train_grad, diagnostic = jax.jit(train_grad), jax.jit(diagnostic)
+    state = state.apply_gradients(grads=train_grad(state.params))
+    grads = train_grad(state.params)  # cached: nothing traced
+    diagnostic(state.params)
+    before = state.params[COLL]["aux"]
+    state = state.apply_gradients(grads=grads)
+  else:
+
+    @jax.jit
+    def step(state):
+      grads = train_grad(state.params)
+      diagnostic(state.params)
+      return state.apply_gradients(grads=grads)
+
+    before = state.params[COLL]["aux"]
+    state = step(state)
+  after = state.params[COLL]["aux"]
+  chex.assert_trees_all_equal(after, before)
+  assert state.unreached_layers() == ["aux"]
+  assert fj.wiped_layers(state.params) == []
+
+
 def _selects_of_shape(jaxpr, shape) -> int:
   """How many ``select_n`` of ``shape`` ``jaxpr`` holds, sub-jaxprs too."""
   return sum(

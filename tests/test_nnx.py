@@ -362,6 +362,59 @@ def test_layer_reached_in_an_earlier_trace_keeps_its_weights_when_not_reached(
   assert float(after["heads"][0]["count"]) == 2.0
 
 
+@pytest.mark.parametrize("eager", [False, True], ids=["jit", "eager"])
+def test_a_diagnostic_gradient_before_the_install_does_not_wipe(seed, eager):
+  """The training gradient (one head), then a diagnostic gradient that
+  reaches both heads and is never installed, then the install of the
+  training gradient: the head the training loss does not reach keeps its
+  variables bit for bit, in one ``nnx.jit`` step and with the gradients
+  jitted apart and installed eagerly."""
+  model = Branches(nnx.Rngs(seed))
+  optimizer = fj.nnx.Optimizer(model, OPT.to_optax(), wrt=nnx.Param)
+  x, y = make_batch(seed, (5, 6), 4)
+
+  def one_head(m):
+    return cross_entropy(lambda x: m(x, 0), x, y)
+
+  def both_heads(m):  # the body once, both heads
+    h = nnx.gelu(m.body(x))
+    return sum(
+      optax.softmax_cross_entropy_with_integer_labels(head(h), y).mean()
+      for head in m.heads
+    )
+
+  train_grad = fj.nnx.grad(one_head)
+  diagnostic = lambda m: fj.nnx.global_norm(fj.nnx.grad(both_heads)(m))
+  if eager:
+    train_grad, diagnostic = nnx.jit(train_grad), nnx.jit(diagnostic)
+    grads = train_grad(model)
+    optimizer.update(model, grads)
+    grads = train_grad(model)  # cached: nothing traced
+    diagnostic(model)
+    before = forge_values(model)
+    optimizer.update(model, grads)
+  else:
+
+    @nnx.jit
+    def step(model, optimizer):
+      grads = train_grad(model)
+      diagnostic(model)
+      optimizer.update(model, grads)
+
+    before = forge_values(model)
+    step(model, optimizer)
+  after = forge_values(model)
+  for a, b in zip(
+    jax.tree.leaves(after["heads"][1]), jax.tree.leaves(before["heads"][1])
+  ):
+    assert_bitwise_equal(a, b, "heads[1]")
+  assert (
+    float(after["heads"][0]["count"])
+    == float(before["heads"][0]["count"]) + 1.0
+  )
+  assert fj.nnx.wiped_layers(model) == []
+
+
 def test_unreached_layer_keeps_its_variables_bit_for_bit(seed):
   model = Branches(nnx.Rngs(seed))
   optimizer = fj.nnx.Optimizer(model, OPT.to_optax(), wrt=nnx.Param)
