@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import itertools
 import weakref
 from typing import Any, NamedTuple, Optional
 
@@ -390,9 +391,16 @@ def discovering():
   layers = {}
   token = _DISCOVERED.set(layers)
   try:
-    yield layers
+    # A fresh value in the trace context each time: a jitted function
+    # inside the loss (``jax.jit(model.apply)``) is traced again instead of
+    # served from JAX's cache, where its layers would declare nothing.
+    with set_xla_metadata(forge_discovery=next(_DISCOVERIES)):
+      yield layers
   finally:
     _DISCOVERED.reset(token)
+
+
+_DISCOVERIES = itertools.count()
 
 
 def is_discovering() -> bool:

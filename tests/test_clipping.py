@@ -785,6 +785,76 @@ def test_exact_clipping_keeps_a_layer_the_loss_does_not_reach(seed):
   }
 
 
+MOMENTUM_OPT = fj.sgd(0.05, momentum=0.9)
+
+
+class TwoLayers(nn.Module):
+  forge: bool = True
+
+  @nn.compact
+  def __call__(self, x):
+    def dense(features, name):
+      if self.forge:
+        return fj.ForgeDense(features, optimizer=MOMENTUM_OPT, name=name)
+      return nn.Dense(features, name=name)
+
+    return dense(3, "b")(jnp.tanh(dense(6, "a")(x)))
+
+
+MOMENTUM_OPT = fj.sgd(0.05, momentum=0.9)
+
+
+@pytest.mark.parametrize(
+  "wrap", [jax.jit, jax.checkpoint], ids=["jit", "remat"]
+)
+def test_exact_clipping_through_a_wrapped_apply_traced_again(wrap, seed):
+  """The loss calls ``wrap(model.apply)``, made once: JAX serves its later
+  traces from a cache. Three trainings, each with a newly jitted step (a
+  sweep, a notebook cell run again), each follow optax's
+  ``chain(clip_by_global_norm, sgd)``."""
+  keys = jax.random.split(jax.random.key(seed), 3)
+  x = 2 * jax.random.normal(keys[0], (8, 5))
+  y = 3 * jax.random.normal(keys[1], (8, 3))
+  reference = TwoLayers(forge=False)
+  dense_variables = reference.init(keys[2], x)
+  model = TwoLayers()
+  variables = fj.from_dense(dense_variables, model, x)
+  apply_fn = wrap(model.apply)
+  tx = optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.05, 0.9))
+
+  for _ in range(3):
+    state = fj.TrainState.create(
+      apply_fn=model.apply,
+      params=variables,
+      tx=MOMENTUM_OPT.to_optax(),
+      max_grad_norm=1.0,
+    )
+    expected = FlaxTrainState.create(
+      apply_fn=reference.apply, params=dense_variables, tx=tx
+    )
+
+    @jax.jit
+    def step(state, expected):
+      loss = lambda apply: lambda p: jnp.mean((apply(p, x) - y) ** 2)
+      _, grads = state.value_and_grad(loss(apply_fn))(state.params)
+      grads_expected = jax.grad(loss(reference.apply))(expected.params)
+      return (
+        state.apply_gradients(grads=grads),
+        expected.apply_gradients(grads=grads_expected),
+      )
+
+    for _ in range(3):
+      state, expected = step(state, expected)
+    assert fj.wiped_layers(state.params) == []
+    for name in ("a", "b"):
+      np.testing.assert_allclose(
+        state.params[COLL][name]["kernel"],
+        expected.params["params"][name]["kernel"],
+        rtol=1e-5,
+        atol=1e-6,
+      )
+
+
 @pytest.mark.parametrize(
   "factors", [True, False], ids=["deferred", "two-passes"]
 )
