@@ -128,7 +128,7 @@ def to_dense(
   rename = dense_path if rename is None else rename
   embeddings = {tuple(path) for path in embeddings}
   flat = traverse_util.flatten_dict(unfreeze(forge_variables))
-  out = {}
+  out, sources = {}, {}
   for key, leaf in flat.items():
     collection, *path, name = key
     if collection == FORGE_COLLECTION:
@@ -137,14 +137,26 @@ def to_dense(
           path and _AUTO_EMBED.match(path[-1])
         )
         leaf_name = "embedding" if is_table else "kernel"
-        out[("params",) + rename(tuple(path)) + (leaf_name,)] = leaf
+        target = ("params",) + rename(tuple(path)) + (leaf_name,)
       elif name not in _LAYER_LEAVES:
         raise ValueError(
           f"{'/'.join(map(str, key))} is not a leaf of a FORGE layer "
           f"({', '.join(_LAYER_LEAVES)})"
         )
-      continue
-    out[(collection,) + rename(tuple(path)) + (name,)] = leaf
+      else:
+        continue
+    else:
+      target = (collection,) + rename(tuple(path)) + (name,)
+    if target in sources:
+      joined = lambda k: "/".join(map(str, k))
+      raise ValueError(
+        f"{joined(sources[target])} and {joined(key)} both become "
+        f"{joined(target)}: an auto-named FORGE layer takes flax's name for "
+        "its kind and index, which a flax layer of the same model already "
+        "has. Name the layers, or pass rename=."
+      )
+    sources[target] = key
+    out[target] = leaf
   return traverse_util.unflatten_dict(out)
 
 

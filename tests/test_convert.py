@@ -195,6 +195,26 @@ def test_mismatches_name_the_leaves():
     fj.from_dense(wrong, Model(fj.adam(1e-3)), x)
 
 
+def test_to_dense_refuses_two_layers_at_one_path():
+  """An auto-named ForgeDense beside a flax Dense: ``ForgeDense_0`` takes
+  flax's name ``Dense_0``, which the flax layer has. Refused, naming both,
+  instead of one overwriting the other."""
+
+  class Mixed(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      x = fj.ForgeDense(4, optimizer=fj.adam(1e-3))(x)
+      return nn.Dense(2)(x)
+
+  x = jnp.ones((2, 3))
+  variables = Mixed().init(jax.random.key(0), x)
+  with pytest.raises(
+    ValueError,
+    match=r"ForgeDense_0/kernel and params/Dense_0/kernel both become",
+  ):
+    fj.to_dense(variables)
+
+
 def test_forge_embedding_moves_as_nn_embeds_table(seed):
   """The nn.Dense Llama's embedding in the FORGE Llama's fj.ForgeEmbed:
   the same logits, bit for bit; back out with ``embeddings=``, unchanged."""
