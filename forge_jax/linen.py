@@ -90,10 +90,12 @@ def _warn_stacked(path, transform: str, layer: str):
     f"nn.{transform}"
   )
   warnings.warn(
-    f"{layer} {'/'.join(path)!r} runs inside nn.{transform}: with its "
-    "variables stacked it trains correctly (broadcast, one kernel for "
-    "every iteration, it sums their updates and is poisoned: see "
-    f"fj.wiped_layers), but the transpose of nn.{transform} keeps the "
+    f"{layer} {'/'.join(path)!r} runs inside nn.{transform}. With its "
+    "variables broadcast (variable_axes None, variable_broadcast: one "
+    "kernel for every iteration) it takes the sum of their updates and "
+    "is poisoned (see fj.wiped_layers): use nn.Dense for a shared kernel. "
+    "With its variables stacked it trains correctly, but the transpose of "
+    f"nn.{transform} keeps the "
     "updated kernels and optimizer states of all layers beside the old ones "
     "until the step ends, which costs more memory than optax. Write "
     f"{fix} to update the stacks in place. (Silence with "
@@ -287,7 +289,11 @@ class _ForgeLinear(nn.Module):
         "state: list it in variable_axes beside 'params' (variable_axes="
         f"{{'params': 0, {FORGE_COLLECTION!r}: 0}}), or lift every "
         "collection (variable_axes={True: 0}). fj.scan adds it to a "
-        "variable_axes that names 'params'."
+        "variable_axes that names 'params'. That gives each iteration a "
+        "kernel of its own: where the iterations share one kernel (a "
+        "recurrent cell; nn.RNN broadcasts 'params'), use nn.Dense, since "
+        "a FORGE kernel steps once a use and a shared one would take the "
+        "sum of every iteration's update."
       )
     if (
       self.is_initializing()

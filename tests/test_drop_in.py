@@ -144,9 +144,12 @@ def test_fj_scan_stacks_forge_collections_with_params():
 def test_forge_dense_says_which_collection_a_lift_misses():
   """nn.scan / nn.vmap that lift 'params' only: init names FORGE's
   collection and how to lift it, instead of flax's missing-collection
-  error."""
+  error, and that iterations sharing one kernel (a recurrent cell) need
+  nn.Dense."""
   x, _ = data()
-  with pytest.raises(ValueError, match="variable_axes.*'params'"):
+  with pytest.raises(
+    ValueError, match=r"variable_axes.*'params'.*recurrent cell.*nn\.Dense"
+  ):
     stacked_model(nn.scan, variable_axes={"params": 0}).init(
       jax.random.key(0), x
     )
