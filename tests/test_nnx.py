@@ -561,6 +561,73 @@ def test_optimizer_takes_each_bias_by_its_layer_rule(seed):
   fj.nnx.Optimizer(model, tx, wrt=nnx.Param)
 
 
+class TwoLayerNet(nnx.Module):
+  def __init__(self, features_in, features_out, rngs, forge: bool):
+    def linear(i, o):
+      if forge:
+        return fj.nnx.Linear(i, o, optimizer=OPT, rngs=rngs)
+      return nnx.Linear(i, o, rngs=rngs)
+
+    self.a = linear(features_in, 8)
+    self.b = linear(8, features_out)
+
+  def __call__(self, x):
+    return self.b(nnx.relu(self.a(x)))
+
+
+def test_a_gan_trains_as_with_nnx_linear(seed):
+  """A generator and a discriminator, both FORGE, stepped in turn: the
+  generator's loss goes through the discriminator, which it does not train,
+  inside ``fj.plain_gradients()``. Without it the error names the
+  discriminator's layer and says so. Both train as nnx.Linear + optax."""
+  keys = jax.random.split(jax.random.key(seed), 2)
+  z = jax.random.normal(keys[0], (4, 2))
+  real = jax.random.normal(keys[1], (4, 3))
+
+  def d_loss(d, fake):
+    score = d(jnp.concatenate([real, fake]))
+    return jnp.mean(nnx.softplus(-score[:4]) + nnx.softplus(score[4:]))
+
+  def g_loss(d, plain):
+    def loss(g):
+      fake = g(z)
+      if not plain:
+        return jnp.mean(nnx.softplus(-d(fake)))
+      with fj.plain_gradients():  # the discriminator only
+        return jnp.mean(nnx.softplus(-d(fake)))
+
+    return loss
+
+  def train(forge, plain=True):
+    g = TwoLayerNet(2, 3, nnx.Rngs(seed), forge)
+    d = TwoLayerNet(3, 1, nnx.Rngs(seed + 1), forge)
+    make = fj.nnx.Optimizer if forge else nnx.Optimizer
+    g_opt, d_opt = (make(m, OPT.to_optax(), wrt=nnx.Param) for m in (g, d))
+    grad = fj.nnx.grad if forge else nnx.grad
+
+    @nnx.jit
+    def rounds(g, d, g_opt, d_opt):
+      for _ in range(3):
+        d_opt.update(d, grad(d_loss)(d, g(z)))
+        g_opt.update(g, grad(g_loss(d, plain))(g))
+
+    rounds(g, d, g_opt, d_opt)
+    return g, d
+
+  with pytest.raises(ValueError, match=r"FORGE layer 'a'.*GAN"):
+    train(True, plain=False)
+  forge, expected = train(True), train(False)
+  for trained, reference in zip(forge, expected):
+    assert fj.nnx.wiped_layers(trained) == []
+    for name in ("a", "b"):
+      np.testing.assert_allclose(
+        getattr(trained, name).kernel[...],
+        getattr(reference, name).kernel[...],
+        rtol=1e-5,
+        atol=1e-6,
+      )
+
+
 def test_misuse_raises(seed):
   model, (x, y) = _mlp(seed)
   with pytest.raises(ValueError, match="selects FORGE's variables"):

@@ -432,27 +432,35 @@ def _forge_dense(spec, layout, defers, x, variables, bias, layer_index, sink):
   return _forward(spec, layout, x, variables, bias, layer_index)
 
 
-def check_differentiated(x, variables, bias):
+def check_differentiated(x, variables, bias, path=None):
   """Raise when inputs or bias are differentiated but the kernel is not.
 
-  Takes the ``CustomVJPPrimal`` wrappers a ``symbolic_zeros`` fwd rule sees.
+  Takes the ``CustomVJPPrimal`` wrappers a ``symbolic_zeros`` fwd rule sees;
+  ``path`` names the layer (its module path).
   """
   kernel_perturbed = variables.kernel.perturbed
   others_perturbed = x.perturbed or (bias is not None and bias.perturbed)
   if others_perturbed and not kernel_perturbed:
+    layer = (
+      "A ForgeDense kernel"
+      if path is None
+      else f"The kernel of the FORGE layer {layer_context.layer_name(path)!r}"
+    )
     raise ValueError(
-      "A ForgeDense kernel is not being differentiated while its inputs or "
+      f"{layer} is not being differentiated while its inputs or "
       "bias are: FORGE would silently train nothing. Differentiate with "
       "respect to all variables, e.g. jax.grad(loss)(variables) with "
       "variables = {'params': ..., '_overwrite_with_gradient': ...} "
       "(TrainState.params when created from the whole variables dict), "
       "not variables['params'] alone. Flax NNX: fj.nnx.grad(loss), or "
-      "nnx.grad(loss, argnums=nnx.DiffState(0, fj.nnx.TRAINABLE)). For "
+      "nnx.grad(loss, argnums=nnx.DiffState(0, fj.nnx.TRAINABLE)). Where "
+      "the loss passes gradients through a FORGE model it does not train "
+      "(a GAN's generator loss through its discriminator) or wants "
       "gradients with respect to the inputs only (adversarial examples, "
-      "saliency), trace them inside `with fj.plain_gradients():`, where the "
-      "layers differentiate as nn.Dense and update nothing (not inside a "
-      "loss FORGE trains: a gradient penalty on a FORGE layer is a second "
-      "use of its kernel, which poisons it)."
+      "saliency), call that model inside `with fj.plain_gradients():`, "
+      "where its layers differentiate as nn.Dense and update nothing (not "
+      "for a layer the same loss trains: a gradient penalty on a FORGE "
+      "layer is a second use of its kernel, which poisons it)."
     )
 
 
@@ -480,7 +488,7 @@ def _forge_dense_fwd(
   spec, layout, defers, x, variables, bias, layer_index, sink
 ):
   del defers, sink  # no residual: the backward only knows it has a sink
-  check_differentiated(x, variables, bias)
+  check_differentiated(x, variables, bias, spec.path)
   # A mesh's per-shard backward keeps one output structure: dx always.
   needs_dx = _InputGradient(x.perturbed or layout.mesh is not None)
   x, variables, bias, layer_index = primal_values(
