@@ -103,10 +103,12 @@ def plain_gradients():
   """Traces the ForgeDense layers inside as ``nn.Dense``: no fused update.
 
   Differentiating through them then gives ordinary gradients: with respect
-  to the inputs (adversarial examples, saliency maps, gradient penalties)
-  and, where asked, to each kernel (its ``dW``, which a train step must not
-  install: ``fj.TrainState`` keeps such a layer as it was, as one the loss
-  did not reach). ``fj.scan`` and ``fj.nnx.scan`` run as plain scans::
+  to the inputs (adversarial examples, saliency maps, gradient penalties,
+  a GAN's generator loss through its discriminator) and, where asked, to
+  each kernel (its ``dW``, which a train step must not install: the install
+  refuses it when traced beside it, and otherwise keeps such a layer as it
+  was, as one the loss did not reach). ``fj.scan`` and ``fj.nnx.scan`` run
+  as plain scans::
 
     with fj.plain_gradients():
       dx = jax.grad(loss, argnums=1)(variables, x)
@@ -199,6 +201,9 @@ class _Events:
     #: has taken yet, with the traces their backwards ran in.
     self.unsettled: set[int] = set()
     self.traces: dict[int, list] = {}
+    #: path -> the traces that differentiated a plain use of its kernel
+    #: (``plain_gradients``) since its last install.
+    self.plain: dict[tuple, list] = {}
 
   def current(self, path: tuple) -> Optional[str]:
     event = self.events.get(path)
@@ -270,6 +275,12 @@ def record_backward(path: Optional[tuple], deferred: bool, kernel=None) -> str:
   return name
 
 
+def record_plain_backward(path: tuple):
+  """Records that a plain use (:func:`plain_gradients`) of the kernel of the
+  ForgeDense at ``path`` was differentiated with respect to the kernel."""
+  _EVENTS.plain.setdefault(tuple(path), []).append(_current_trace())
+
+
 def _check_single_backward(path, name, kernel):
   if kernel is None or path in _EVENTS.conditional:
     return
@@ -316,6 +327,9 @@ def take_backwards(paths) -> list[bool]:
   or backward is traced again (:func:`last_pass` keeps the pass, which
   counts only beside a backward event), and settles the computations that
   traced their backwards: their gradients are taken.
+
+  Raises for a layer whose gradient in this trace came only from a plain
+  use (:func:`record_plain_backward`): it would not train.
   """
   paths = [tuple(path) for path in paths]
   pending = set()
@@ -331,6 +345,21 @@ def take_backwards(paths) -> list[bool]:
     if any(t == trace for t in _EVENTS.traces[c])
   }
   decisions, taken = [], set()
+  plain_only = [
+    layer_name(path)
+    for path in paths
+    if any(t == trace for t in _EVENTS.plain.pop(path, ()))
+    and not _EVENTS.backwards.get(path)
+  ]
+  if plain_only:
+    raise ValueError(
+      f"The gradient installed for the FORGE layers {plain_only} was taken "
+      "inside fj.plain_gradients(), where they differentiate as nn.Dense "
+      "and update nothing: they would not train. Call inside "
+      "plain_gradients() only the models the loss does not train (a GAN's "
+      "discriminator in the generator's loss), or take input gradients "
+      "there."
+    )
   for path in paths:
     event = _EVENTS.current(path)
     _EVENTS.events.pop(path, None)

@@ -580,20 +580,31 @@ def test_plain_gradients_differentiate_as_nn_dense(model):
   chex.assert_trees_all_close(actual, expected, rtol=1e-6, atol=1e-7)
 
 
-def test_plain_gradients_are_not_installed():
+@pytest.mark.parametrize("jitted", [False, True], ids=["eager", "jit"])
+def test_plain_gradients_are_not_installed(jitted):
   """Plain gradients handed to fj.TrainState: a kernel's dW is no updated
-  kernel, so each layer keeps its variables, named as unreached."""
+  kernel. Refused, naming the layers the plain use reached; at run time
+  (where the trace cannot tell) each layer keeps its variables, named as
+  unreached."""
   model = WithAuxHead()
   x, y = data()
   variables = model.init(jax.random.key(0), x)
   state = fj.TrainState.create(
     apply_fn=model.apply, params=variables, tx=OPT.to_optax()
   )
+  loss = lambda p: jnp.mean((model.apply(p, x) - y) ** 2)
+
+  def step(state):
+    with fj.plain_gradients():
+      grads = jax.grad(loss)(state.params)
+    return state.apply_gradients(grads=grads)
+
+  with pytest.raises(ValueError, match=r"\['fc1', 'fc2'\].*plain_gradients"):
+    (jax.jit(step) if jitted else step)(state)
+  # Taken in another trace than the install's, they are caught at run time.
   with fj.plain_gradients():
-    grads = jax.grad(lambda p: jnp.mean((model.apply(p, x) - y) ** 2))(
-      state.params
-    )
-  new = state.apply_gradients(grads=grads)
+    grads = jax.jit(jax.grad(loss))(state.params)
+  new = jax.jit(lambda s, g: s.apply_gradients(grads=g))(state, grads)
   chex.assert_trees_all_equal(new.params[COLL], state.params[COLL])
   assert sorted(new.unreached_layers()) == ["aux", "fc1", "fc2"]
 

@@ -579,7 +579,8 @@ def test_a_gan_trains_as_with_nnx_linear(seed):
   """A generator and a discriminator, both FORGE, stepped in turn: the
   generator's loss goes through the discriminator, which it does not train,
   inside ``fj.plain_gradients()``. Without it the error names the
-  discriminator's layer and says so. Both train as nnx.Linear + optax."""
+  discriminator's layer and says so; with the generator inside too, its
+  install is refused. Both train as nnx.Linear + optax."""
   keys = jax.random.split(jax.random.key(seed), 2)
   z = jax.random.normal(keys[0], (4, 2))
   real = jax.random.normal(keys[1], (4, 3))
@@ -590,15 +591,18 @@ def test_a_gan_trains_as_with_nnx_linear(seed):
 
   def g_loss(d, plain):
     def loss(g):
+      if plain == "all":
+        with fj.plain_gradients():
+          return jnp.mean(nnx.softplus(-d(g(z))))
       fake = g(z)
-      if not plain:
+      if plain is None:
         return jnp.mean(nnx.softplus(-d(fake)))
       with fj.plain_gradients():  # the discriminator only
         return jnp.mean(nnx.softplus(-d(fake)))
 
     return loss
 
-  def train(forge, plain=True):
+  def train(forge, plain="discriminator"):
     g = TwoLayerNet(2, 3, nnx.Rngs(seed), forge)
     d = TwoLayerNet(3, 1, nnx.Rngs(seed + 1), forge)
     make = fj.nnx.Optimizer if forge else nnx.Optimizer
@@ -615,7 +619,9 @@ def test_a_gan_trains_as_with_nnx_linear(seed):
     return g, d
 
   with pytest.raises(ValueError, match=r"FORGE layer 'a'.*GAN"):
-    train(True, plain=False)
+    train(True, plain=None)
+  with pytest.raises(ValueError, match=r"\['a', 'b'\].*plain_gradients"):
+    train(True, plain="all")  # the generator too: it would not train
   forge, expected = train(True), train(False)
   for trained, reference in zip(forge, expected):
     assert fj.nnx.wiped_layers(trained) == []

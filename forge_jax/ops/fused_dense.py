@@ -300,7 +300,7 @@ def forge_dense(
     # autodiff of the dense function, as for nn.Dense.
     plain = dataclasses.replace(spec, implementation="xla")
     variables = variables._replace(
-      kernel=plainly_used(variables.kernel, variables.count)
+      kernel=plainly_used(variables.kernel, variables.count, spec.path)
     )
     return _forward(plain, layout, x, variables, bias, layer_index)
   # The variables as they are stored: the custom_vjp's residuals are the
@@ -315,9 +315,10 @@ def forge_dense(
 PLAIN_USE_MARK = -0.5
 
 
-@jax.custom_vjp
-def plainly_used(kernel, count):
-  """``kernel``, used outside FORGE's backward (``fj.plain_gradients``).
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def plainly_used(kernel, count, path=None):
+  """``kernel``, used outside FORGE's backward (``fj.plain_gradients``) by
+  the layer at ``path`` (its module path; None: an unnamed op).
 
   Where this use adds a ``dW`` to the kernel's cotangent (its output, or
   a gradient taken from it, is differentiated with respect to the kernel),
@@ -326,17 +327,21 @@ def plainly_used(kernel, count):
   loss FORGE trains) the sum would be the new kernel plus this ``dW``: the
   count then moved by half a step, and ``fj.TrainState`` poisons the layer
   instead of installing it. Alone, the cotangent says the layer was not
-  reached (``intact`` 0): its ``dW`` is not installed either.
+  reached (``intact`` 0): its ``dW`` is not installed either, and the
+  install refuses it (:func:`forge_jax.layer_context.record_plain_backward`).
   """
-  del count
+  del count, path
   return kernel
 
 
-def _plainly_used_fwd(kernel, count):
+def _plainly_used_fwd(kernel, count, path):
+  del path
   return kernel, count
 
 
-def _plainly_used_bwd(count, ct):
+def _plainly_used_bwd(path, count, ct):
+  if path is not None:
+    layer_context.record_plain_backward(path)
   axes = tuple(range(jnp.ndim(count), jnp.ndim(ct)))
   used = jnp.any(ct != 0, axis=axes)
   return ct, jnp.where(used, PLAIN_USE_MARK, 0.0).astype(jnp.result_type(count))
