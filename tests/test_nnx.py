@@ -1208,6 +1208,17 @@ def test_tensor_parallel_matches_one_device(seed):
     assert sum(leaf.ndim == 2 for leaf in leaves) == 5
 
 
+def test_int8_column_shards_must_hold_whole_blocks():
+  """A kernel whose columns are sharded into shards narrower than an int8
+  block: refused at construction with what to change, as ForgeDense does,
+  instead of JAX's error for the block scales' sharding."""
+  mesh = fj.parallel.make_mesh(model=2)
+  init = nnx.with_partitioning(nnx.initializers.lecun_normal(), (None, "model"))
+  with jax.set_mesh(mesh):
+    with pytest.raises(ValueError, match="multiple of the int8 block size"):
+      fj.nnx.Linear(8, 8, optimizer=INT8, kernel_init=init, rngs=nnx.Rngs(0))
+
+
 @pytest.mark.parametrize(
   "scanned",
   # The scanned stacks' norms by default; unstacked ForgeDense layers' in
