@@ -580,6 +580,24 @@ def test_plain_gradients_differentiate_as_nn_dense(model):
   chex.assert_trees_all_close(actual, expected, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("dtype", [None, jnp.bfloat16])
+def test_integer_inputs_are_promoted_as_nn_dense_promotes_them(dtype):
+  """int32 inputs (a feature index, a count): the output is nn.Dense's,
+  bit for bit, and the layer steps."""
+  x = jnp.arange(12, dtype=jnp.int32).reshape(4, 3)
+  dense = nn.Dense(5, dtype=dtype)
+  forge = fj.ForgeDense(5, optimizer=OPT, dtype=dtype)
+  variables = forge.init(jax.random.key(0), x)
+  expected = dense.apply(dense.init(jax.random.key(0), x), x)
+  chex.assert_trees_all_equal(forge.apply(variables, x), expected)
+  state = fj.TrainState.create(
+    apply_fn=forge.apply, params=variables, tx=OPT.to_optax()
+  )
+  grads = jax.grad(lambda p: jnp.sum(forge.apply(p, x).astype(jnp.float32)))
+  new = state.apply_gradients(grads=grads(state.params))
+  assert float(new.params[COLL]["count"]) == 1.0
+
+
 @pytest.mark.parametrize("jitted", [False, True], ids=["eager", "jit"])
 def test_plain_gradients_are_not_installed(jitted):
   """Plain gradients handed to fj.TrainState: a kernel's dW is no updated

@@ -279,6 +279,9 @@ def forge_dense(
   """
   stacked = layer_index is not None
   viewed = _viewed(variables, jnp.shape(x)[-1:], stacked)
+  if not jnp.issubdtype(jnp.result_type(x), jnp.inexact):
+    # Integer or boolean inputs, as flax.linen.Dense promotes them.
+    x = jnp.asarray(x, spec.dtype or jnp.result_type(x, viewed.kernel))
   _validate(x, viewed, bias, spec, layer_index)
   if factors is not None:
     _check_factors(x, viewed, bias, spec, layout, factors, where)
