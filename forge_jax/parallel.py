@@ -586,14 +586,15 @@ def _data_parallel_message(
     "inside the backward pass, from the gradient of the tokens a shard "
     "sees, so each replica would apply a different partial update (or, "
     "under shard_map, the replicas' new weights would be summed). Do one "
-    "of: shard the kernel over that axis too (FSDP, e.g. "
-    f"nn.with_partitioning(init, ({data_axes[0]!r}, None)): the layer "
+    "of: shard the kernel over that axis too (FSDP, e.g. kernel_init="
+    f"nn.with_partitioning(init, ({data_axes[0]!r}, None)), in NNX "
+    "nnx.with_partitioning: the layer "
     "gathers it just in time and reduce-scatters its gradient); shard the "
     "batch only over axes that shard the kernel as tensor / sequence "
     "parallelism; keep the batch replicated over that axis (a mesh axis of "
     "size 1, or no batch axis in the input partitioning); train this layer "
-    "with nn.Dense + optax; or opt in with "
-    "ForgeDense(data_parallel='psum'), which all-reduces dW over the data "
+    "as flax's own (nn.Dense, nnx.Linear) + optax; or opt in with the "
+    "layer's data_parallel='psum', which all-reduces dW over the data "
     "axes inside the backward pass before the update (it materializes a "
     "float32 dW per shard and keeps W, m and v whole on every replica: the "
     "cost of ordinary data parallelism)."
@@ -842,14 +843,15 @@ def check_unpartitioned(x: jax.Array, variables, where: str = "forge_dense"):
       "the kernel may be replicated"
     )
     raise DataParallelError(
-      f"{where}: called inside shard_map over mesh axis {axis!r} (size "
+      f"{where}: called inside shard_map (or jax.pmap, which runs as one) "
+      f"over mesh axis {axis!r} (size "
       f"{sizes[axis]}), and the input {reason}. shard_map's transpose sums "
       "a replicated input's cotangent over the axis, and FORGE's cotangent "
       "is the updated kernel: the replicas' new weights would be added "
-      "together. Use a partitioned ForgeDense under jit instead "
-      "(kernel_init=nn.with_partitioning(...), see forge_jax.parallel); for "
-      "data parallelism, nn.Dense + optax, or "
-      "ForgeDense(data_parallel='psum')."
+      "together. Use a partitioned layer under jit instead "
+      "(kernel_init=nn.with_partitioning(...) or nnx.with_partitioning, see "
+      "forge_jax.parallel); for data parallelism, flax's own layer + optax, "
+      "or the layer's data_parallel='psum'."
     )
   auto = [
     a
@@ -887,8 +889,9 @@ def check_unpartitioned(x: jax.Array, variables, where: str = "forge_dense"):
       raise DataParallelError(
         _data_parallel_message(where, bad, sizes, tuple(k_spec))
         + " Under Explicit mesh axes, "
-        "give ForgeDense its partitioning (kernel_init="
-        "nn.with_partitioning(...)) so that it runs per shard."
+        "give the layer its partitioning (kernel_init="
+        "nn.with_partitioning(...) or nnx.with_partitioning) so that it "
+        "runs per shard."
       )
 
 
