@@ -75,6 +75,7 @@ def test_layer_step_rule_free_variant_streams_and_leaves_no_trace():
   assert min(moved("mosaic")) > 0.2  # W, m and v
 
 
+@pytest.mark.slow  # the Mosaic kernel's interpret mode, for a benchmark
 def test_layer_step_kernel_only_variant_steps_as_the_mosaic_variant():
   """The kernel-only variant (FORGE's bookkeeping left out) takes the same
   first step as the Mosaic variant from the same variables: W, its state

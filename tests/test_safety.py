@@ -308,12 +308,6 @@ def test_non_forge_optimizer_raises_type_error(optimizer, extra, seed):
 # Wrong inputs and tampered variables.
 
 
-def test_integer_inputs_raise_type_error(seed):
-  x = jax.random.randint(jax.random.key(seed), (4, 6), 0, 10)
-  with pytest.raises(TypeError, match="floating"):
-    fj.ForgeDense(3, optimizer=OPT).init(jax.random.key(seed), x)
-
-
 def test_wrong_input_width_raises(seed):
   layer = fj.ForgeDense(5, optimizer=OPT)
   variables = layer.init(jax.random.key(seed), jnp.ones((4, 12)))
