@@ -47,6 +47,7 @@ def test_reference_step_rounds_stochastically_as_the_fused_step():
   assert_same_bits(fused[:2], expected[:2], "fused step")
 
 
+@pytest.mark.slow  # the Mosaic kernel's interpret mode, for a benchmark
 def test_layer_step_rule_free_variant_streams_and_leaves_no_trace():
   """The one-layer step's rule-free variant stores the layer's W and state
   unchanged, and the Mosaic variant after it in the same process steps them
@@ -156,8 +157,9 @@ def test_run_grid_walks_the_product_of_the_named_flags(tmp_path):
 @pytest.mark.parametrize(
   "variant",
   [
-    "m and v as e4m3",
-    # The same encoding on one leaf: with --run-slow (CI time).
+    # A probe of the benchmarks, not of the package: with --run-slow (CI
+    # time).
+    pytest.param("m and v as e4m3", marks=pytest.mark.slow),
     pytest.param("v as e4m3", marks=pytest.mark.slow),
   ],
 )
