@@ -683,10 +683,23 @@ def wiped_layers(model) -> list[str]:
 
 
 _STATEFUL_BLOCK = (
-  "fj.nnx.scan's block changed its variables (dropout's rng counts, batch "
+  "fj.nnx.scan's block changes its variables (dropout's rng counts, batch "
   "statistics, ...): fj.nnx.scan runs stateless blocks; use nnx.scan for "
   "this one."
 )
+
+
+def _stateful(layers) -> bool:
+  """Whether the block keeps state its call changes: rng streams of its own
+  (``nnx.Dropout(rngs=...)``) or batch statistics in training mode. The
+  scan's layers are slices, so such changes would be lost, with no error
+  outside a gradient."""
+  if jax.tree.leaves(nnx.state(layers, nnx.RngCount)):
+    return True
+  return any(
+    isinstance(module, nnx.BatchNorm) and not module.use_running_average
+    for _, module in nnx.iter_modules(layers)
+  )
 
 
 def _inexact(path, variable) -> bool:
@@ -760,6 +773,8 @@ def scan(
         "fj.nnx.scan inside the block of another fj.nnx.scan: the outer "
         "backward hands its layers' variables over as whole stacks"
       )
+    if _stateful(layers):
+      raise NotImplementedError(_STATEFUL_BLOCK)
     graphdef, forge, others, fixed = nnx.split(
       layers, OverwriteWithGradient, _inexact, ...
     )

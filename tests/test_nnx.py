@@ -860,8 +860,23 @@ def test_scan_refuses_what_it_cannot_honor(seed):
 
   stack = make(nnx.Rngs(seed, dropout=seed))
   forward = fj.nnx.scan(lambda x, block: block(x))
-  with pytest.raises(NotImplementedError, match="changed its variables"):
+  with pytest.raises(NotImplementedError, match="changes its variables"):
     nnx.grad(lambda s: forward(jnp.ones((2, 4)), s).sum(), argnums=WRT)(stack)
+  # Outside a gradient too: the rng counts (or batch statistics) a block
+  # changes would be dropped, each call drawing the same masks.
+  with pytest.raises(NotImplementedError, match="changes its variables"):
+    forward(jnp.ones((2, 4)), stack)
+
+  @nnx.split_rngs(splits=2)
+  @nnx.vmap(in_axes=(0,), out_axes=0)
+  def make_normed(rngs):
+    return nnx.Sequential(
+      fj.nnx.Linear(4, 4, optimizer=OPT, rngs=rngs),
+      nnx.BatchNorm(4, use_running_average=False, rngs=rngs),
+    )
+
+  with pytest.raises(NotImplementedError, match="changes its variables"):
+    forward(jnp.ones((2, 4)), make_normed(nnx.Rngs(seed)))
 
 
 def _compiled(model, optimizer, x, y):
