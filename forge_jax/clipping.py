@@ -108,7 +108,10 @@ def global_norm(grads) -> jax.Array:
   ForgeDense layers (or :func:`value_and_grad`'s grads): each layer's
   ``grad_sq_norm`` in FORGE's collection is its part, every other leaf is a
   gradient. ``optax.global_norm`` of all the gradients, ``dW`` included,
-  without a ``dW`` stored; float32.
+  without a ``dW`` stored; float32. Gradients taken inside
+  ``fj.plain_gradients()`` hold each ``dW`` in the layer's kernel entry
+  instead (and no ``grad_sq_norm``): take their norm as
+  ``optax.global_norm(fj.to_dense(grads))``.
   """
   forge, others = _split(grads)
   total = jnp.zeros((), jnp.float32)

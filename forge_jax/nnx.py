@@ -559,7 +559,8 @@ def global_norm(grads) -> jax.Array:
   A Linear's part is its ``grad_sq_norm`` (the sum of the squared ``dW``
   elements its backward pass accumulated; summed over a stack's layers);
   every other floating leaf that is not an :class:`OverwriteWithGradient`
-  is a gradient.
+  is a gradient. Gradients taken inside ``fj.plain_gradients()`` hold each
+  ``dW`` in the Linear's kernel entry instead (and no ``grad_sq_norm``).
   """
   total = jnp.zeros((), jnp.float32)
   forge, others = nnx.filter_state(
