@@ -117,6 +117,9 @@ def scan(
   rng_splits = dict(split_rngs)
 
   class ForgeScan(scanned):  # pylint: disable=missing-class-docstring
+    # Unwrapped: flax would run the block's setup() here, at the stack's
+    # scope, where a parameter it declares (unstacked) meets its stack.
+    @nn.nowrap
     def __call__(self, carry, *args):
       _check_in_axes(in_axes, len(args))
       mutable = [
@@ -163,6 +166,7 @@ def scan(
       )
       return out, None
 
+    @nn.nowrap
     def _layer_rngs(self, splits):
       """``(per-layer keys [L], broadcast keys)`` of the rng streams given."""
       split, broadcast = {}, {}

@@ -155,6 +155,45 @@ def test_forge_dense_says_which_collection_a_lift_misses():
     )
 
 
+class SetupBlock(nn.Module):
+  """A block written with setup(): a submodule and a parameter of its own."""
+
+  def setup(self):
+    self.fc = fj.ForgeDense(8, optimizer=OPT)
+    self.gain = self.param("gain", nn.initializers.constant(0.5), (8,))
+
+  def __call__(self, x, _=None):
+    return x + self.gain * nn.gelu(self.fc(x)), None
+
+
+def test_fj_scan_of_a_setup_block_with_a_parameter_trains_like_nn_scan():
+  """fj.scan runs the block's setup() per layer, as nn.scan does, not at
+  the stack's scope (where its parameter, unstacked, met the stack)."""
+
+  def model(scan):
+    class Model(nn.Module):
+      @nn.compact
+      def __call__(self, x):
+        x, _ = scan(
+          SetupBlock,
+          variable_axes={True: 0},
+          split_rngs={"params": True},
+          length=3,
+        )(name="layers")(x)
+        return nn.Dense(4, name="head")(x)
+
+    return Model()
+
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore", fj.ForgeMemoryWarning)
+    expected, expected_losses = train(model(nn.scan))
+  state, losses = train(model(fj.scan))
+  np.testing.assert_allclose(losses, expected_losses, rtol=1e-6)
+  chex.assert_trees_all_close(
+    state.params, expected.params, rtol=1e-5, atol=1e-6
+  )
+
+
 def test_fj_scan_passes_dropout_rngs_split_per_layer():
   state, losses = train(stacked_model(fj.scan, rate=0.5))
   assert all(np.isfinite(losses))
