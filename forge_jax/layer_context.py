@@ -319,9 +319,10 @@ def take_backwards(paths) -> list[bool]:
   layer in the current gradient computation, outside any conditional, and
   in every gradient computation of this trace that traced any of these
   layers since their last install and whose gradients no install took:
-  whichever of them is being installed then reached the layer. (A gradient traced for
-  a diagnostic after the training gradient, reaching a layer the training
-  loss does not, says nothing of the gradient being installed.)
+  whichever of them is being installed then reached the layer. (A
+  gradient traced for a diagnostic after the training gradient, reaching
+  a layer the training loss does not, says nothing of the gradient being
+  installed.)
 
   Forgets the layers' events, so the next call says False until a forward
   or backward is traced again (:func:`last_pass` keeps the pass, which
@@ -344,13 +345,13 @@ def take_backwards(paths) -> list[bool]:
     for c in pending & _EVENTS.unsettled
     if any(t == trace for t in _EVENTS.traces[c])
   }
-  decisions, taken = [], set()
-  plain_only = [
-    layer_name(path)
-    for path in paths
-    if any(t == trace for t in _EVENTS.plain.pop(path, ()))
-    and not _EVENTS.backwards.get(path)
-  ]
+  plain_only = []
+  for path in paths:
+    plain_traces = _EVENTS.plain.pop(path, ())
+    if any(t == trace for t in plain_traces) and not _EVENTS.backwards.get(
+      path
+    ):
+      plain_only.append(layer_name(path))
   if plain_only:
     raise ValueError(
       f"The gradient installed for the FORGE layers {plain_only} was taken "
@@ -360,6 +361,7 @@ def take_backwards(paths) -> list[bool]:
       "discriminator in the generator's loss), or take input gradients "
       "there."
     )
+  decisions, taken = [], set()
   for path in paths:
     event = _EVENTS.current(path)
     _EVENTS.events.pop(path, None)

@@ -201,8 +201,9 @@ def install_layer(old, written, backward_traced: bool):
   ``old`` and ``written`` (its cotangents) are mappings of the layer's
   variables with ``count`` and ``intact`` entries. With ``backward_traced``
   the layer's backward wrote ``written``: it is returned as it is (the
-  update stays in place). Installed eagerly, the flags themselves decide. Otherwise, where ``intact`` is 0 (the loss did
+  update stays in place). Otherwise, where ``intact`` is 0 (the loss did
   not reach the layer; for stacks, per layer) the old values stay.
+  Installed eagerly, the written flags themselves decide.
 
   A reached layer's backward moves its ``count`` by one, or by none when
   it skipped every element (``skipped`` the kernel's size). Anything else
@@ -402,7 +403,7 @@ def check_layer_optimizers(tx, collection, params=None):
   check_optimizers(tx, {optimizer for _, optimizer in layers})
 
 
-def check_probed(frozen: Optional["LayerProbe"], owned: Optional["LayerProbe"]):
+def check_probed(frozen: Optional[LayerProbe], owned: Optional[LayerProbe]):
   """Refuses what the layer probes (:func:`probe_layers`) found: in
   ``frozen``, layers ``tx`` freezes; in ``owned`` (the probe of the tree
   ``tx`` steps, where the layers own their biases), layers whose biases
