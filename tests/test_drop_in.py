@@ -619,7 +619,9 @@ def test_plain_gradients_differentiate_as_nn_dense(model):
   chex.assert_trees_all_close(actual, expected, rtol=1e-6, atol=1e-7)
 
 
-@pytest.mark.parametrize("dtype", [None, jnp.bfloat16])
+@pytest.mark.parametrize(
+  "dtype", [pytest.param(None, marks=pytest.mark.slow), jnp.bfloat16]
+)
 def test_integer_inputs_are_promoted_as_nn_dense_promotes_them(dtype):
   """int32 inputs (a feature index, a count): the output is nn.Dense's,
   bit for bit, and the layer steps."""
@@ -637,7 +639,11 @@ def test_integer_inputs_are_promoted_as_nn_dense_promotes_them(dtype):
   assert float(new.params[COLL]["count"]) == 1.0
 
 
-@pytest.mark.parametrize("jitted", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize(
+  "jitted",
+  [False, pytest.param(True, marks=pytest.mark.slow)],
+  ids=["eager", "jit"],
+)
 def test_plain_gradients_are_not_installed(jitted):
   """Plain gradients handed to fj.TrainState: a kernel's dW is no updated
   kernel. Refused, naming the layers the plain use reached; at run time
