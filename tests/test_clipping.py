@@ -805,7 +805,9 @@ MOMENTUM_OPT = fj.sgd(0.05, momentum=0.9)
 
 
 @pytest.mark.parametrize(
-  "wrap", [jax.jit, jax.checkpoint], ids=["jit", "remat"]
+  "wrap",
+  [jax.jit, pytest.param(jax.checkpoint, marks=pytest.mark.slow)],
+  ids=["jit", "remat"],
 )
 def test_exact_clipping_through_a_wrapped_apply_traced_again(wrap, seed):
   """The loss calls ``wrap(model.apply)``, made once: JAX serves its later
