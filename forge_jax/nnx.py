@@ -100,28 +100,6 @@ class NotInstalledWarning(UserWarning):
   ``nnx.Param``, so FORGE's kernels would never train)."""
 
 
-def _check_block_split(variables: ForgeVariables, features: tuple):
-  """int8 states' blocks of columns must not straddle the shards of a
-  kernel that its metadata placed on a mesh (checked before the states
-  take the kernel's sharding, which a block-scale leaf cannot divide)."""
-  kernel = variables.kernel
-  if isinstance(kernel, jax.core.Tracer) or not isinstance(
-    getattr(kernel, "sharding", None), jax.sharding.NamedSharding
-  ):
-    return
-  spec = tuple(kernel.sharding.spec) + (None, None)
-  column = spec[1]
-  axes = (
-    () if column is None else (column,) if isinstance(column, str) else column
-  )
-  parallel.check_block_split(
-    f"fj.nnx.Linear{features}",
-    variables,
-    tuple(axes),
-    dict(kernel.sharding.mesh.shape),
-  )
-
-
 def _value(variable):
   return variable.get_value()
 
@@ -199,7 +177,11 @@ class Linear(nnx.Module):
     sharding = {k: metadata[k] for k in _SHARDING_KEYS if k in metadata}
     kernel = self.kernel.get_value()
     variables = init_variables(optimizer, kernel)
-    _check_block_split(variables, (in_features, out_features))
+    # Before the states take the kernel's sharding, which an int8 block
+    # scale leaf of a too narrow column shard cannot divide.
+    parallel.check_placed_block_split(
+      f"fj.nnx.Linear{(in_features, out_features)}", variables
+    )
 
     def state_variable(leaf):
       follows = parallel.follows_kernel(jnp.shape(leaf), jnp.shape(kernel))

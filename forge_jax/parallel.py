@@ -682,6 +682,21 @@ def check_block_split(where, variables, n_axes: Axes, sizes):
     )
 
 
+def check_placed_block_split(where, variables):
+  """:func:`check_block_split` for a kernel already placed on a mesh (its
+  ``NamedSharding`` says which axes split its columns); nothing for a
+  traced or unplaced kernel."""
+  kernel = variables.kernel
+  sharding = getattr(kernel, "sharding", None)
+  if isinstance(kernel, jax.core.Tracer) or not isinstance(
+    sharding, NamedSharding
+  ):
+    return
+  spec = tuple(sharding.spec)
+  columns = _axes(spec[1]) if len(spec) > 1 else ()
+  check_block_split(where, variables, columns, dict(sharding.mesh.shape))
+
+
 def _check_divisible(where, name, shape, dims, sizes):
   for d, (n, axes) in enumerate(zip(shape, dims)):
     parts = math.prod(sizes[a] for a in axes)
