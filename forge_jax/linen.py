@@ -89,12 +89,18 @@ def _warn_stacked(path, transform: str, layer: str):
     else "fj.scan over the layers (or unrolled layers) instead of "
     f"nn.{transform}"
   )
+  shared = (
+    "its backward raises"
+    if transform == "vmap"
+    else "it takes the sum of their updates and is poisoned (see "
+    "fj.wiped_layers)"
+  )
   warnings.warn(
     f"{layer} {'/'.join(path)!r} runs inside nn.{transform}. With its "
     "variables broadcast (variable_axes None, variable_broadcast: one "
-    "kernel for every iteration) it takes the sum of their updates and "
-    "is poisoned (see fj.wiped_layers): use nn.Dense for a shared kernel. "
-    "With its variables stacked it trains correctly, but the transpose of "
+    f"kernel for every iteration) {shared}: use nn.Dense for a shared "
+    "kernel. With its variables stacked it trains correctly, but the "
+    "transpose of "
     f"nn.{transform} keeps the "
     "updated kernels and optimizer states of all layers beside the old ones "
     "until the step ends, which costs more memory than optax. Write "
@@ -825,8 +831,8 @@ def wiped_layers(variables) -> list[str]:
   A layer whose output does not reach the loss in a step receives zero
   cotangents; an overwrite-with-gradient step then stores zeros (``intact``
   0). A kernel used several times by one loss under a transform that
-  traces its backward once (``jax.vmap`` with shared weights, a
-  ``lax.scan`` over micro-batches, variables that ``nn.scan`` broadcasts)
+  traces its backward once (a ``lax.scan`` over micro-batches, variables
+  that ``nn.scan`` broadcasts; ``jax.vmap`` with shared weights raises)
   receives the sum of the uses' updates (``intact`` above 1, or a NaN
   ``count``: ``fj.TrainState`` makes it NaN where the count did not move as
   one backward moves it, which also catches a clip or scaling applied to

@@ -631,18 +631,22 @@ def check_not_frozen(model, tx, wrt, layers):
   refuses a ``tx`` that steps a layer's bias by another layer's rule."""
   selected = nnx.state(model, wrt)
   names = leaf_paths(selected)
+  # The kernel is not an nnx.Param, so ``wrt`` is asked about an nnx.Param
+  # at its path: what it would select were the layer an nnx.Linear.
+  selects = nnx.filterlib.to_predicate(wrt)
   left_out = [
     _name(path)
     for path, layer in layers
-    if layer.bias is not None
+    if not selects((*path, "kernel"), nnx.Param(jnp.zeros((), jnp.float32)))
+    or layer.bias is not None
     and not any(name[: len(path) + 1] == (*path, "bias") for name in names)
   ]
   if left_out:
     raise ValueError(
       frozen_message(
         left_out,
-        f"wrt={wrt!r} leaves the bias of the layers {{paths}} out, as for "
-        "frozen layers",
+        f"wrt={wrt!r} leaves the layers {{paths}} out (their kernel or "
+        "bias), as for frozen layers",
       )
     )
   probed = probe_layers(
@@ -656,7 +660,7 @@ def wiped_layers(model) -> list[str]:
   zeros (``intact`` 0: installed without :func:`install`, e.g. by
   ``nnx.update(model, grads)`` after a step the layer's output did not
   reach) or with cotangents no single backward wrote (a kernel shared
-  under ``jax.vmap`` or a ``lax.scan``, a clip of FORGE's collection: see
+  under a ``lax.scan``, a clip of FORGE's collection: see
   :func:`forge_jax.wiped_layers`); their next step makes the kernel NaN.
   Stacked layers are named ``path[i]``."""
   names = []

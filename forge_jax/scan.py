@@ -47,6 +47,7 @@ from forge_jax.linen import (
   FORGE_COLLECTION,
   ForgeMemoryWarning,
 )
+from forge_jax.ops import fused_dense
 
 
 def scan(
@@ -270,6 +271,23 @@ class _PullbackLayout(NamedTuple):
   sources: tuple
 
 
+def _checked_unshared(forge, d_out, path):
+  """``d_out``, its float leaves passed through
+  :func:`forge_jax.ops.fused_dense.check_unshared` against the stacks."""
+  leaves, treedef = jax.tree.flatten(d_out)
+  floats = [
+    i
+    for i, leaf in enumerate(leaves)
+    if jnp.issubdtype(jnp.result_type(leaf), jnp.inexact)
+  ]
+  checked = fused_dense.check_unshared(
+    jax.tree.leaves(forge)[0], [leaves[i] for i in floats], path
+  )
+  for i, leaf in zip(floats, checked):
+    leaves[i] = leaf
+  return jax.tree.unflatten(treedef, leaves)
+
+
 def _zero_cotangent(value):
   """A zero cotangent for ``value`` (float0 for integer and key arrays)."""
   if jnp.issubdtype(jnp.result_type(value), jnp.inexact):
@@ -395,6 +413,9 @@ def scan_stacks(
 
   def run_bwd(residuals, d_out):
     forge, others, saved, per_layer, args = residuals
+    # Checked here, not only per layer: under jax.vmap the loop below maps
+    # its carried stacks once a layer's update is mapped.
+    d_out = _checked_unshared(forge, d_out, path)
     ((treedef, sources),) = layout
 
     def body(i, loop_carry):

@@ -208,8 +208,8 @@ def install_layer(old, written, backward_traced: bool):
   A reached layer's backward moves its ``count`` by one, or by none when
   it skipped every element (``skipped`` the kernel's size). Anything else
   is not what a backward wrote: the sum of several uses' updates (a kernel
-  that ``jax.vmap`` with shared weights, or a ``lax.scan`` over
-  micro-batches, stepped under one traced backward), or cotangents changed
+  that a ``lax.scan`` over micro-batches stepped under one traced
+  backward), or cotangents changed
   on their way (a gradient clip, loss scaling applied to FORGE's
   collection). Such a layer is poisoned as a wiped one (its ``count``
   NaN: its next step turns it NaN, ``fj.wiped_layers`` names it). The

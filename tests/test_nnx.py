@@ -497,6 +497,17 @@ def test_called_twice_in_one_loss_raises(seed):
     nnx.grad(lambda m: m(x).sum(), argnums=WRT)(model)
 
 
+def test_a_layer_shared_across_nnx_vmap_raises(seed):
+  """nnx.vmap over examples with the model broadcast maps the backward but
+  not the kernel: it raises at trace time, naming the layer, instead of
+  summing one update an example into the kernel."""
+  model, (x, _) = _mlp(seed)
+  fj.nnx.Optimizer(model, OPT.to_optax(), wrt=nnx.Param)  # names the layers
+  per_example = nnx.vmap(lambda m, xi: (m(xi) ** 2).sum(), in_axes=(None, 0))
+  with pytest.raises(ValueError, match="layer 'layers/1'.*jax.vmap"):
+    fj.nnx.grad(lambda m: per_example(m, x).sum())(model)
+
+
 def test_grad_of_params_only_raises(seed):
   model, (x, y) = _mlp(seed)
   with pytest.raises(ValueError, match="fj.nnx.TRAINABLE"):
@@ -540,6 +551,21 @@ def test_optimizer_refuses_to_freeze_a_forge_layer(seed):
   with pytest.raises(ValueError, match=r"\['layers/1'\].*FORGE"):
     fj.nnx.Optimizer(model, freezing("layers", 1, "bias"), wrt=nnx.Param)
   fj.nnx.Optimizer(model, freezing("norm", "scale"), wrt=nnx.Param)
+
+  # Bias-free layers: ``wrt`` is read as for nnx.Linear's kernel.
+  bias_free, _ = _mlp(seed, features=(6, 8, 8, 4), use_bias=False)
+  with pytest.raises(ValueError, match=r"\['layers/0', 'layers/1'\].*FORGE"):
+    fj.nnx.Optimizer(bias_free, OPT.to_optax(), wrt=head_only)
+  fj.nnx.Optimizer(bias_free, OPT.to_optax(), wrt=nnx.Param)
+  kernels_only = nnx.All(nnx.Param, nnx.PathContains("bias"))
+  with pytest.raises(ValueError, match=r"\['layers/0', 'layers/1', 'layers/2'"):
+    fj.nnx.Optimizer(model, OPT.to_optax(), wrt=kernels_only)
+
+  # LoRA on a frozen FORGE base: the base would train in the backward.
+  base = fj.nnx.Linear(6, 4, use_bias=False, optimizer=OPT, rngs=nnx.Rngs(0))
+  lora = nnx.LoRA(6, 2, 4, base_module=base, rngs=nnx.Rngs(1))
+  with pytest.raises(ValueError, match=r"\['base_module'\].*nnx.Linear"):
+    fj.nnx.Optimizer(lora, OPT.to_optax(), wrt=nnx.LoRAParam)
 
 
 def test_optimizer_takes_each_bias_by_its_layer_rule(seed):

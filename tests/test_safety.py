@@ -102,19 +102,15 @@ def test_kernel_used_twice_by_the_loss_raises(seed):
     jax.jit(jax.grad(twice))(variables)
 
 
-@pytest.mark.parametrize("transform", ["jax.vmap", "lax.scan"])
-def test_shared_kernel_under_a_transform_poisons_the_layer(transform, seed):
-  """A transform that runs one traced backward several times with one
-  kernel (per-example ``jax.vmap`` with shared weights, a ``lax.scan`` over
-  micro-batches) sums the uses' updates, and their counts: fj.TrainState
-  poisons such a layer, ``fj.wiped_layers`` names it and its next step
-  turns the kernel NaN, as for a wiped layer."""
+def test_shared_kernel_under_lax_scan_poisons_the_layer(seed):
+  """A ``lax.scan`` over micro-batches with one kernel runs one traced
+  backward several times: the uses' updates are summed, and their counts.
+  fj.TrainState poisons such a layer, ``fj.wiped_layers`` names it and its
+  next step turns the kernel NaN, as for a wiped layer."""
   x, _ = make_batch(seed, (3, 5, 6), 4)
   model = Encoder()
 
   def loss(v):
-    if transform == "jax.vmap":
-      return jax.vmap(model.apply, in_axes=(None, 0))(v, x).sum()
     total = lambda carry, xs: (carry + model.apply(v, xs).sum(), None)
     return lax.scan(total, 0.0, x)[0]
 
@@ -124,6 +120,72 @@ def test_shared_kernel_under_a_transform_poisons_the_layer(transform, seed):
   assert fj.wiped_layers(state.params) == ["proj"]
   state = step(state)
   assert np.isnan(np.asarray(state.params[COLL]["proj"]["kernel"])).all()
+
+
+class ScannedEncoder(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    stack = fj.scan(
+      _ScanBlock, variable_axes={True: 0}, split_rngs={"params": True}, length=2
+    )
+    return stack(name="stack")(x)[0]
+
+
+class _ScanBlock(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    return nn.tanh(fj.ForgeDense(x.shape[-1], optimizer=OPT)(x)), None
+
+
+class VmappedEncoder(nn.Module):
+  """nn.vmap over examples, every collection broadcast: one kernel."""
+
+  @nn.compact
+  def __call__(self, x):
+    mapped = nn.vmap(
+      Encoder,
+      variable_axes={"params": None, COLL: None},
+      split_rngs={"params": False},
+      in_axes=0,
+    )
+    return mapped(name="mapped")(x)
+
+
+@pytest.mark.parametrize(
+  "form", ["grad(vmap)", "vmap(grad)", "jit", "lax.map", "nn.vmap", "fj.scan"]
+)
+def test_a_kernel_shared_across_vmap_raises(form, seed):
+  """A backward mapped over examples but not over the kernel would step
+  the one kernel once a slice, and JAX would sum (or stack) the updates as
+  gradients: it raises at trace time, naming the layer, before anything is
+  installed."""
+  x, _ = make_batch(seed, (3, 5, 6), 4)
+  model = {"nn.vmap": VmappedEncoder(), "fj.scan": ScannedEncoder()}.get(
+    form, Encoder()
+  )
+  variables = model.init(jax.random.key(seed), x if form == "nn.vmap" else x[0])
+  per_example = lambda v, xi: (model.apply(v, xi) ** 2).sum()
+  computations = {
+    "grad(vmap)": lambda: jax.grad(
+      lambda v: jax.vmap(per_example, in_axes=(None, 0))(v, x).sum()
+    )(variables),
+    "vmap(grad)": lambda: jax.vmap(jax.grad(per_example), in_axes=(None, 0))(
+      variables, x
+    ),
+    "jit": lambda: jax.jit(
+      jax.grad(lambda v: jax.vmap(lambda xi: per_example(v, xi))(x).sum())
+    )(variables),
+    "lax.map": lambda: jax.grad(
+      lambda v: lax.map(lambda xi: per_example(v, xi), x, batch_size=3).sum()
+    )(variables),
+    "nn.vmap": lambda: jax.grad(lambda v: (model.apply(v, x) ** 2).sum())(
+      variables
+    ),
+  }
+  computations["fj.scan"] = computations["grad(vmap)"]
+  name = {"nn.vmap": "mapped/proj", "fj.scan": "stack"}.get(form, "proj")
+  with pytest.raises(ValueError, match=f"layer '{name}.*jax.vmap"):
+    computations[form]()
 
 
 def test_cotangents_changed_before_install_poison_the_layer(seed):

@@ -472,6 +472,51 @@ def check_differentiated(x, variables, bias, path=None):
     )
 
 
+def check_unshared(kernel, dy, path=None):
+  """``dy`` (an array or a tree of them), unchanged; raises where
+  ``jax.vmap`` maps the backward over ``dy`` but not over ``kernel``.
+
+  There every mapped slice's backward steps the one shared kernel, and
+  JAX combines the slices' new variables as if they were gradients:
+  summed where the vmap is inside the gradient (the sum of the updates,
+  not the update of the summed gradient), one a slice where it is outside
+  (per-example "gradients" that are updates; their mean is not the
+  update of the mean gradient either). Only the batching rule sees which
+  operands are mapped, so the check is a ``custom_vmap`` that passes
+  ``dy`` through. An ensemble (the kernel mapped too) passes.
+  """
+
+  @jax.custom_batching.custom_vmap
+  def unshared(kernel, dy):
+    del kernel
+    return dy
+
+  @unshared.def_vmap
+  def _check(axis_size, in_batched, kernel, dy):
+    del axis_size, kernel
+    kernel_mapped, dy_mapped = in_batched
+    if any(jax.tree.leaves(dy_mapped)) and not kernel_mapped:
+      layer = (
+        "a ForgeDense layer"
+        if path is None
+        else f"the FORGE layer {layer_context.layer_name(path)!r}"
+      )
+      raise ValueError(
+        f"The backward of {layer} is mapped by jax.vmap (or nn.vmap, "
+        "nnx.vmap, lax.map with a batch_size, jax.jacrev) over a kernel "
+        "shared by the mapped slices: each slice's backward would step "
+        "the same kernel, and JAX would sum (or stack) those updates as if "
+        "they were gradients, which trains it wrong. Apply the layer to "
+        "the whole batch instead (it takes any leading dimensions, so the "
+        "mapped axis can join the batch), map the kernel too (an "
+        "ensemble: nn.vmap with variable_axes for FORGE's collection), or "
+        "use nn.Dense / nnx.Linear for per-example gradients."
+      )
+    return dy, dy_mapped
+
+  return unshared(kernel, dy)
+
+
 def primal_values(tree):
   """The values inside a fwd rule's ``CustomVJPPrimal`` wrappers."""
   return jax.tree.map(
@@ -1029,6 +1074,9 @@ def _axis_offset(axes, local_size):
 
 def _forge_dense_bwd(spec, layout, defers, residuals, dy):
   x, variables, bias, layer_index, needs_dx = residuals
+  if isinstance(dy, SymbolicZero):
+    dy = jnp.zeros(dy.shape, dy.dtype)
+  dy = check_unshared(variables.kernel, dy, spec.path)
   # The kernel as the forward read it: the same array twice is one kernel
   # used twice.
   gradient_pass = layer_context.record_backward(
@@ -1036,8 +1084,6 @@ def _forge_dense_bwd(spec, layout, defers, residuals, dy):
   )
   stored_shape = jnp.shape(variables.kernel)
   variables = _viewed(variables, jnp.shape(x)[-1:], layer_index is not None)
-  if isinstance(dy, SymbolicZero):
-    dy = jnp.zeros(dy.shape, dy.dtype)
   backward = functools.partial(
     _local_backward, spec, layout, gradient_pass, needs_dx.needed
   )
