@@ -193,6 +193,8 @@ class _Events:
     self.conditional: set[tuple] = set()
     #: (path, pass) -> (computation, the kernel the backward read).
     self.kernels: dict[tuple, tuple[int, weakref.ref]] = {}
+    #: path -> (computation, the applied kernel a lifted forward read).
+    self.lifted: dict[tuple, tuple[int, weakref.ref]] = {}
     #: path -> the computations that traced its forward (its backward),
     #: since its last install.
     self.forwards: dict[tuple, set[int]] = {}
@@ -243,6 +245,27 @@ def record_forward(path: tuple, optimizer, conditional: bool = False):
     _EVENTS.conditional.add(path)
   else:
     _EVENTS.conditional.discard(path)
+
+
+def record_lifted_forward(path: tuple, applied_kernel) -> bool:
+  """Records that the forward of the ForgeDense at ``path`` ran inside a
+  lifted transform (``nn.remat``, ``nn.jit``, ...) that passes it its own
+  copy of the kernel, reading ``applied_kernel``, the array given to the
+  outermost ``apply``. Returns whether this computation already ran such a
+  forward on the same array: the layer called twice, which the backward's
+  own check cannot see (each call's backward reads its own copy)."""
+  path = tuple(path)
+  try:
+    ref = weakref.ref(applied_kernel)
+  except TypeError:  # not weakly referenceable
+    return False
+  previous = _EVENTS.lifted.get(path)
+  _EVENTS.lifted[path] = (_EVENTS.computation, ref)
+  return (
+    previous is not None
+    and previous[0] == _EVENTS.computation
+    and previous[1]() is applied_kernel
+  )
 
 
 def record_backward(path: Optional[tuple], deferred: bool, kernel=None) -> str:

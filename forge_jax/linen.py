@@ -82,6 +82,23 @@ def _in_conditional(scope) -> bool:
   )
 
 
+def _applied_kernel(module: nn.Module):
+  """The FORGE kernel at ``module``'s path in the variables of the
+  outermost module being applied (flax's module stack), or None. Inside a
+  lifted transform the module reads its own copy of that array."""
+  stack = getattr(getattr(nn.module, "_context", None), "module_stack", ())
+  top = next((m for m in stack if m is not None), None)
+  if top is None or top.scope is None:
+    return None
+  node = top.variables.get(FORGE_COLLECTION)
+  path = tuple(module.path)
+  if node is None or path[: len(top.path)] != tuple(top.path):
+    return None
+  for name in path[len(top.path) :] + ("kernel",):
+    node = node.get(name) if isinstance(node, Mapping) else None
+  return node
+
+
 def _warn_stacked(path, transform: str, layer: str):
   fix = (
     "fj.scan(...) with the same arguments instead of nn.scan(...)"
@@ -206,9 +223,12 @@ class _ForgeLinear(nn.Module):
       transform = inner if context is None else None
       if transform is not None:
         _warn_stacked(path, transform, type(self).__name__)
+      conditional = _in_conditional(self.scope)
       layer_context.record_forward(
-        path, self.optimizer, conditional=_in_conditional(self.scope)
+        path, self.optimizer, conditional=conditional
       )
+      if context is None and transform is None and not conditional:
+        self._check_single_lifted_use(path, kernel)
     spec = FusedDenseSpec(
       optimizer=self.optimizer,
       implementation=self.implementation,
@@ -414,6 +434,27 @@ class _ForgeLinear(nn.Module):
         "cast, or another optimizer's state): FORGE writes the updated "
         "weights back through whatever produced them, so pass them as "
         "init created them."
+      )
+
+  def _check_single_lifted_use(self, path, kernel):
+    # Inside nn.remat, nn.jit and other lifted transforms each call reads
+    # its own copy of the kernel; the array the outermost apply holds at
+    # this path tells two calls of one layer from two layers.
+    applied = _applied_kernel(self)
+    if (
+      applied is not None
+      and applied is not kernel
+      and not layer_context.is_discovering()
+      and layer_context.record_lifted_forward(path, applied)
+    ):
+      raise ValueError(
+        f"{self._where()} was called twice in one loss through a lifted "
+        "transform (nn.remat, nn.checkpoint, nn.jit, ...: a block applied "
+        "repeatedly, as in ALBERT or a universal transformer). FORGE "
+        "updates the kernel inside each call's backward, so a shared "
+        "kernel would receive the updates summed together. Use one "
+        f"{type(self).__name__} per use (fj.scan for repeated blocks), or "
+        "flax's layer for shared weights."
       )
 
   def _check_single_use(self, kernel):

@@ -102,6 +102,53 @@ def test_kernel_used_twice_by_the_loss_raises(seed):
     jax.jit(jax.grad(twice))(variables)
 
 
+class _Block(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    return nn.tanh(fj.ForgeDense(x.shape[-1], optimizer=OPT)(x))
+
+
+class Repeated(nn.Module):
+  """One lifted block applied ``times`` times (ALBERT's shared layers)."""
+
+  lift: str = "remat"
+  times: int = 2
+
+  @nn.compact
+  def __call__(self, x):
+    lifted = {"remat": nn.remat, "checkpoint": nn.checkpoint, "jit": nn.jit}
+    block = lifted[self.lift](_Block)()
+    for _ in range(self.times):
+      x = block(x)
+    return fj.ForgeDense(4, optimizer=OPT, name="head")(x)
+
+
+@pytest.mark.parametrize("lift", ["remat", "checkpoint", "jit"])
+def test_a_lifted_block_applied_twice_raises(lift, seed):
+  """Inside a lifted transform each call's backward reads its own copy of
+  the kernel, so the backward's check cannot see a block applied twice;
+  the forward compares the array the outermost apply holds and raises,
+  naming the layer. Applied once, and two models of the same structure
+  in one loss, train."""
+  x, _ = make_batch(seed, (4, 6), 4)
+  twice = Repeated(lift)
+  variables = twice.init(jax.random.key(seed), x)
+  with pytest.raises(
+    ValueError, match="_Block_0/ForgeDense_0' was called twice"
+  ):
+    jax.grad(lambda v: twice.apply(v, x).sum())(variables)
+  once = Repeated(lift, times=1)
+  a, b = (once.init(jax.random.key(seed + i), x) for i in range(2))
+  grads = jax.jit(
+    jax.grad(lambda vs: (once.apply(vs[0], x) * once.apply(vs[1], x)).sum())
+  )((a, b))
+  for v, g in zip((a, b), grads):
+    state = fj.TrainState.create(
+      apply_fn=once.apply, params=v, tx=OPT.to_optax()
+    )
+    assert fj.wiped_layers(state.apply_gradients(grads=g).params) == []
+
+
 def test_shared_kernel_under_lax_scan_poisons_the_layer(seed):
   """A ``lax.scan`` over micro-batches with one kernel runs one traced
   backward several times: the uses' updates are summed, and their counts.
