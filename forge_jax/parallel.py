@@ -841,8 +841,9 @@ def check_unpartitioned(x: jax.Array, variables, where: str = "forge_dense"):
   if mesh.empty:
     return
   sizes = _mesh_sizes(mesh)
-  manual = [a for a in mesh.manual_axes if sizes.get(a, 1) > 1]
-  for axis in manual:
+  # Axes of size 1 too: the step must be right on the devices it is meant
+  # for, and check_vma would refuse it there with a type error of its own.
+  for axis in mesh.manual_axes:
     x_vary, k_vary = _varying(x), _varying(variables.kernel)
     tracked = x_vary is not None and axis in (
       _varying(lax.axis_index(axis)) or frozenset()

@@ -1013,10 +1013,13 @@ def test_data_parallel_is_refused_with_advice():
 
 
 @needs_devices
+@pytest.mark.parametrize("data", [2, 1])
 @pytest.mark.parametrize("check_vma", [True, False])
-def test_data_parallel_under_user_shard_map_is_refused(check_vma):
-  """shard_map's transpose would sum the replicas' new kernels."""
-  mesh = parallel.make_mesh(model=1, data=2)
+def test_data_parallel_under_user_shard_map_is_refused(check_vma, data):
+  """shard_map's transpose would sum the replicas' new kernels. A data
+  axis of size 1 is refused alike: the step is meant for more devices, and
+  check_vma would otherwise fail with a type error of JAX's."""
+  mesh = parallel.make_mesh(model=1, data=data)
   spec = fj.FusedDenseSpec(fj.sgd(0.1), "xla")
   variables = fj.init_variables(fj.sgd(0.1), jnp.ones((4, 3)))
   x = jnp.ones((8, 4))
