@@ -59,6 +59,7 @@ from forge_jax.ops.fused_dense import (
 from forge_jax.optimizers import ForgeOptimizer, not_elementwise_message
 from forge_jax.scan import scan_stacks
 from forge_jax.train_state import (
+  check_decay_masks,
   check_optimizers,
   check_probed,
   check_transformation,
@@ -589,6 +590,7 @@ class Optimizer(nnx.Optimizer):
     super().__init__(model, tx, wrt=wrt, **kwargs)
     layers = forge_layers(model)
     check_optimizers(tx, {layer.optimizer for _, layer in layers})
+    check_decay_masks(tuple((path, layer.optimizer) for path, layer in layers))
     check_not_frozen(model, tx, wrt, layers)
     for path, layer in layers:
       _INSTALLED.add(layer.layer_key)

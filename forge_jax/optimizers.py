@@ -302,7 +302,7 @@ class Adam(ForgeOptimizer):
     u = mu_hat / _adam_denominator(
       state.nu * s.inv_bc2, self.eps_root, self.eps
     )
-    if _has_weight_decay(self.weight_decay):
+    if has_weight_decay(self.weight_decay):
       u = u + s.weight_decay * kernel
     return kernel + s.neg_lr * u
 
@@ -350,8 +350,10 @@ def _adam_denominator(nu_hat, eps_root: float, eps: float):
   return jnp.sqrt(nu_hat + eps_root if eps_root else nu_hat) + eps
 
 
-def _has_weight_decay(weight_decay) -> bool:
-  # optax.add_decayed_weights skips a constant zero; a schedule always applies.
+def has_weight_decay(weight_decay) -> bool:
+  """Whether a rule with ``weight_decay`` decays at all: optax's
+  ``add_decayed_weights`` skips a constant zero; a schedule always
+  applies."""
   return callable(weight_decay) or weight_decay != 0.0
 
 
@@ -499,7 +501,7 @@ class Lion(ForgeOptimizer):
 
   def update_kernel(self, grad, kernel, state, s):
     u = jnp.sign((1.0 - self.b1) * grad + self.b1 * state.mu)
-    if _has_weight_decay(self.weight_decay):
+    if has_weight_decay(self.weight_decay):
       u = u + s.weight_decay * kernel
     return kernel + s.neg_lr * u
 
@@ -796,7 +798,9 @@ def adamw(
   """FORGE version of :func:`optax.adamw` (storage options: ForgeOptimizer).
 
   ``mask`` is handed to the optax equivalent (``to_optax()``) for the
-  parameters optax owns; every ForgeDense kernel is decayed.
+  parameters optax owns; every ForgeDense kernel is decayed, and a mask
+  function that leaves a layer's kernel out (asked at the path where
+  ``nn.Dense`` keeps it) is refused when the layer's update is installed.
   """
   return Adam(
     learning_rate,

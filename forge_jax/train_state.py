@@ -28,6 +28,7 @@ from forge_jax.clipping import layer_at, with_layer
 from forge_jax.linen import FORGE_COLLECTION, forge_layers
 from forge_jax.optimizers import (
   WHOLE_GRADIENT_TRANSFORMATIONS,
+  has_weight_decay,
   transformation_names,
 )
 
@@ -401,6 +402,36 @@ def check_layer_optimizers(tx, collection, params=None):
     by_kernels = by_params = None
   check_probed(by_kernels if by_kernels is not None else by_params, by_params)
   check_optimizers(tx, {optimizer for _, optimizer in layers})
+  check_decay_masks(layers)
+
+
+def check_decay_masks(layers: tuple):
+  """Refuses a weight-decay ``mask`` (a function of the parameters) of a
+  layer's optimizer that leaves out that layer's kernel, asked at the path
+  where ``nn.Dense`` keeps it: FORGE decays every kernel it steps, and the
+  mask reaches only the parameters optax owns. ``layers``: ``(path,
+  optimizer)`` pairs."""
+  left_out = []
+  for path, optimizer in layers:
+    mask = getattr(optimizer, "mask", None)
+    if not callable(mask) or not has_weight_decay(optimizer.weight_decay):
+      continue
+    try:
+      decided = mask(_kernel_probe_tree([path]))
+    except Exception:  # noqa: BLE001 (a mask written for another tree)
+      continue
+    node = decided
+    for key in (*path, "kernel"):
+      node = node.get(key) if isinstance(node, Mapping) else None
+    if node is not None and not np.all(np.asarray(node)):
+      left_out.append("/".join(map(str, path)))
+  if left_out:
+    raise ValueError(
+      f"The weight-decay mask leaves out the kernels of the FORGE layers "
+      f"{left_out}, but FORGE decays every kernel it steps: the mask "
+      "reaches only the parameters optax owns (biases, norms). Make those "
+      "layers nn.Dense / nnx.Linear, or keep their kernels in the mask."
+    )
 
 
 def check_probed(frozen: Optional[LayerProbe], owned: Optional[LayerProbe]):
@@ -569,13 +600,20 @@ def _probed_kernels(tx, layers: tuple) -> Optional[LayerProbe]:
   (``optax.multi_transform``, ``optax.masked``) treats them. (A learning
   rate that starts at zero leaves both unmoved on the first step.) None
   where ``tx`` cannot run on such a tree."""
+  params = _kernel_probe_tree([path for path, _ in layers])
+  return probe_layers(tx, layers, params)
+
+
+def _kernel_probe_tree(paths) -> dict:
+  """A tree with a kernel-shaped leaf at each of ``paths``, named
+  ``kernel`` where ``nn.Dense`` keeps one."""
   params = {}
-  for path, _ in layers:
+  for path in paths:
     node = params
     for key in path:
       node = node.setdefault(key, {})
     node["kernel"] = np.zeros((2, 3), np.float32)  # the probe's rank
-  return probe_layers(tx, layers, params)
+  return params
 
 
 def check_optimizers(tx, optimizers):

@@ -568,6 +568,16 @@ def test_optimizer_refuses_to_freeze_a_forge_layer(seed):
     fj.nnx.Optimizer(lora, OPT.to_optax(), wrt=nnx.LoRAParam)
 
 
+def test_optimizer_refuses_a_decay_mask_without_a_forge_kernel(seed):
+  head_undecayed = lambda p: jax.tree_util.tree_map_with_path(
+    lambda path, _: "1" not in jax.tree_util.keystr(path), p
+  )
+  opt = fj.adamw(1e-2, weight_decay=0.1, mask=head_undecayed)
+  model = MLP((6, 8, 4), nnx.Rngs(seed), opt, implementation="xla")
+  with pytest.raises(ValueError, match=r"mask leaves out.*\['layers/1'\]"):
+    fj.nnx.Optimizer(model, opt.to_optax(), wrt=nnx.Param)
+
+
 def test_optimizer_takes_each_bias_by_its_layer_rule(seed):
   """Linears on two rules: a tx that steps the Lion layer's bias by AdamW
   is refused, naming it; labels that give it Lion pass."""

@@ -235,6 +235,40 @@ def test_a_kernel_shared_across_vmap_raises(form, seed):
     computations[form]()
 
 
+class Projection(nn.Module):
+  optimizer: fj.ForgeOptimizer
+
+  @nn.compact
+  def __call__(self, x):
+    x = fj.ForgeDense(8, optimizer=self.optimizer, name="body")(x)
+    return fj.ForgeDense(4, optimizer=self.optimizer, name="proj")(x)
+
+
+def test_a_decay_mask_that_leaves_out_a_forge_kernel_is_refused(seed):
+  """FORGE decays every kernel it steps; a mask (asked at the path where
+  nn.Dense keeps the kernel) that leaves one out is refused, naming the
+  layer. Masks by rank keep kernels and pass."""
+  x, _ = make_batch(seed, (4, 6), 4)
+  skip_proj = lambda p: jax.tree_util.tree_map_with_path(
+    lambda path, _: "proj" not in jax.tree_util.keystr(path), p
+  )
+  by_rank = lambda p: jax.tree.map(lambda a: a.ndim > 1, p)
+  for mask, refused in ((skip_proj, True), (by_rank, False)):
+    opt = fj.adamw(1e-2, weight_decay=0.1, mask=mask)
+    model = Projection(opt)
+    state = fj.TrainState.create(
+      apply_fn=model.apply,
+      params=model.init(jax.random.key(seed), x),
+      tx=opt.to_optax(),
+    )
+    grads = jax.grad(lambda v: model.apply(v, x).sum())(state.params)
+    if refused:
+      with pytest.raises(ValueError, match=r"mask leaves out.*\['proj'\]"):
+        state.apply_gradients(grads=grads)
+    else:
+      assert fj.wiped_layers(state.apply_gradients(grads=grads).params) == []
+
+
 def test_cotangents_changed_before_install_poison_the_layer(seed):
   """FORGE's cotangents are the new variables: a gradient clip applied to
   all of grads clips them too. A count that moved neither by one step nor
