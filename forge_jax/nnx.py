@@ -392,6 +392,13 @@ class Embed(Linear):
       "fj.nnx.Embed",
     )
 
+  def attend(self, query: jax.Array) -> jax.Array:
+    raise NotImplementedError(
+      "fj.nnx.Embed.attend: a head tied to a FORGE table would return its "
+      "gradient to the table, which FORGE updates in the lookup's backward "
+      "pass alone. Use nnx.Embed for tied embeddings."
+    )
+
 
 def _hashable(rules):
   """Logical axis rules as nested tuples (a static attribute is hashed)."""

@@ -8,7 +8,7 @@
   reference.
 * With the fused kernel (GPU), the compiled train step holds no
   table-sized gradient.
-* Non-integer tokens and ``attend`` (a tied head) raise.
+* Non-integer tokens and ``attend`` (a tied head) raise, Linen and NNX.
 * ``fj.nnx.Embed`` is ``nnx.Embed`` (initialization, lookups) and trains as
   ``nnx.Embed`` + optax under ``fj.nnx.Optimizer``.
 """
@@ -263,6 +263,9 @@ def test_tokens_must_be_integers_and_attend_is_refused():
   variables = model.init(jax.random.key(0), jnp.zeros((2,), jnp.int32))
   with pytest.raises(NotImplementedError, match="tied"):
     model.apply(variables, jnp.ones((2, 4)), method=fj.ForgeEmbed.attend)
+  table = fj.nnx.Embed(8, 4, optimizer=OPT, rngs=nnx.Rngs(0))
+  with pytest.raises(NotImplementedError, match="tied.*nnx.Embed"):
+    table.attend(jnp.ones((2, 4)))
 
 
 class NNXLM(nnx.Module):
