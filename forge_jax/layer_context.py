@@ -195,6 +195,9 @@ class _Events:
     self.kernels: dict[tuple, tuple[int, weakref.ref]] = {}
     #: path -> (computation, the applied kernel a lifted forward read).
     self.lifted: dict[tuple, tuple[int, weakref.ref]] = {}
+    #: path -> (computation, the kernel read, the count written) of each
+    #: backward that stepped the layer since its last install.
+    self.updates: dict[tuple, list[tuple[int, Any, Any]]] = {}
     #: path -> the computations that traced its forward (its backward),
     #: since its last install.
     self.forwards: dict[tuple, set[int]] = {}
@@ -298,6 +301,43 @@ def record_backward(path: Optional[tuple], deferred: bool, kernel=None) -> str:
   return name
 
 
+def record_update(path: Optional[tuple], kernel, count):
+  """Records that the backward just traced for the ForgeDense at ``path``
+  stepped it: it read ``kernel`` and wrote ``count`` (its cotangent for
+  the layer's ``count``). :func:`take_backwards` tells from these an
+  install of one backward's gradient from one of several combined."""
+  if path is None or gradient_pass() not in (None, SCALED):
+    return
+  _EVENTS.updates.setdefault(tuple(path), []).append(
+    (_EVENTS.computation, _weak(kernel), _weak(count))
+  )
+
+
+def _weak(value):
+  """A weak reference to ``value``, or a dead one where it takes none."""
+  try:
+    return weakref.ref(value)
+  except TypeError:  # not weakly referenceable (a Python scalar)
+    return lambda: None
+
+
+def _combined(path: tuple, written_count) -> bool:
+  """Whether the gradient installed for ``path``, whose ``count`` entry is
+  ``written_count``, is not one backward's: its count is none of the
+  counts the layer's backwards wrote, and several gradient computations
+  stepped the same kernel since the last install (gradient accumulation).
+  Forgets the layer's updates."""
+  updates = _EVENTS.updates.pop(path, [])
+  if any(count() is written_count for _, _, count in updates):
+    return False
+  by_kernel = {}
+  for computation, kernel, _ in updates:
+    read = kernel()
+    if read is not None:
+      by_kernel.setdefault(id(read), set()).add(computation)
+  return any(len(computations) > 1 for computations in by_kernel.values())
+
+
 def record_plain_backward(path: tuple):
   """Records that a plain use (:func:`plain_gradients`) of the kernel of the
   ForgeDense at ``path`` was differentiated with respect to the kernel."""
@@ -335,7 +375,7 @@ def last_event(path: tuple) -> Optional[str]:
   return _EVENTS.current(tuple(path))
 
 
-def take_backwards(paths) -> list[bool]:
+def take_backwards(paths, written_counts=None) -> list[bool]:
   """For each ForgeDense at ``paths`` (the layers one install writes):
   whether its cotangents can be taken as its backward wrote them. That
   holds where the fused op's backward was the last event traced for the
@@ -353,9 +393,30 @@ def take_backwards(paths) -> list[bool]:
   traced their backwards: their gradients are taken.
 
   Raises for a layer whose gradient in this trace came only from a plain
-  use (:func:`record_plain_backward`): it would not train.
+  use (:func:`record_plain_backward`): it would not train. With
+  ``written_counts`` (each layer's installed ``count`` entry), raises for
+  layers whose installed gradient combines several backwards' updates of
+  one kernel (:func:`record_update`): summed or averaged updates are not
+  the update of the summed gradient.
   """
   paths = [tuple(path) for path in paths]
+  counts = [None] * len(paths) if written_counts is None else written_counts
+  combined = [
+    layer_name(path)
+    for path, count in zip(paths, counts)
+    if _combined(path, count) and written_counts is not None
+  ]
+  if combined:
+    raise ValueError(
+      f"The gradient installed for the FORGE layers {combined} combines "
+      "the gradients of several gradient computations of their kernels "
+      "(gradient accumulation: grads summed or averaged over "
+      "micro-batches). FORGE's gradients are updates: each backward "
+      "already stepped the layer, and combining steps is not stepping by "
+      "the combined gradient. Install one gradient a step (a larger batch "
+      "instead of accumulation); take gradients that are not installed "
+      "(diagnostics) inside fj.plain_gradients()."
+    )
   pending = set()
   for path in paths:
     pending |= _EVENTS.forwards.pop(path, set())

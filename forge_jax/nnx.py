@@ -410,6 +410,16 @@ def _hashable(rules):
   )
 
 
+def _written_count(written, path):
+  """The ``count`` gradient ``written`` holds for the layer at ``path``,
+  or None where it holds none."""
+  try:
+    count = _at(written, path)["count"]
+  except (KeyError, IndexError, TypeError):
+    return None
+  return _value(count) if isinstance(count, nnx.Variable) else count
+
+
 def forge_layers(model) -> list[tuple[tuple, Linear]]:
   """``(path, layer)`` of every :class:`Linear` in ``model``."""
   return [
@@ -447,7 +457,8 @@ def install(model, grads) -> dict[str, jax.Array]:
   written = nnx.state(grads, OverwriteWithGradient)
   reached = {}
   traced = layer_context.take_backwards(
-    [layer.layer_key for _, layer in layers]
+    [layer.layer_key for _, layer in layers],
+    [_written_count(written, path) for path, _ in layers],
   )
   for (path, layer), backward_traced in zip(layers, traced):
     _INSTALLED.add(layer.layer_key)

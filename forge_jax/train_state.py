@@ -185,7 +185,10 @@ def install(old, cotangents):
   """
   new, reached = cotangents, {}
   layers = list(forge_layers(old))
-  traced = layer_context.take_backwards([path for path, _ in layers])
+  traced = layer_context.take_backwards(
+    [path for path, _ in layers],
+    [_written_count(layer_at(cotangents, path)) for path, _ in layers],
+  )
   for (path, layer), backward_traced in zip(layers, traced):
     written = layer_at(cotangents, path)
     installed, reached["/".join(path)] = install_layer(
@@ -194,6 +197,11 @@ def install(old, cotangents):
     if installed is not written:
       new = with_layer(new, path, installed)
   return new, reached
+
+
+def _written_count(written):
+  """A layer's installed ``count`` entry, or None where it has none."""
+  return written.get("count") if isinstance(written, Mapping) else None
 
 
 def install_layer(old, written, backward_traced: bool):

@@ -86,6 +86,26 @@ def test_tokens_outside_the_table_index_as_nn_embed():
   assert np.isnan(outputs[0][0, 3]).all() and np.isnan(outputs[0][0, 4]).all()
 
 
+@pytest.mark.parametrize("token_dtype", [jnp.uint8, jnp.int8, jnp.uint16])
+def test_narrow_tokens_look_up_their_rows_in_a_larger_table(token_dtype):
+  """Tokens of a dtype narrower than the table's range (uint8 bytes in a
+  vocabulary padded past 256) look up the rows their values name, as in
+  int32, Linen and NNX: the one-hot's range and the bounds do not wrap."""
+  vocab = 300 if token_dtype != jnp.uint16 else 70000
+  high = 127 if token_dtype == jnp.int8 else 255
+  tokens = jnp.asarray([[0, 5, 100, high]], token_dtype)
+  module = fj.ForgeEmbed(vocab, 4, optimizer=OPT)
+  variables = module.init(jax.random.key(0), tokens)
+  table = np.asarray(variables[fj.FORGE_COLLECTION]["kernel"])
+  rows = np.asarray(module.apply(variables, tokens))
+  np.testing.assert_array_equal(rows[0], table[[0, 5, 100, high]])
+  layer = fj.nnx.Embed(vocab, 4, optimizer=OPT, rngs=nnx.Rngs(0))
+  np.testing.assert_array_equal(
+    np.asarray(layer(tokens))[0],
+    np.asarray(layer(jnp.asarray(tokens, jnp.int32)))[0],
+  )
+
+
 def _table(variables, forge):
   if forge:
     return variables[fj.FORGE_COLLECTION]["embed"]["kernel"]

@@ -508,6 +508,23 @@ def test_a_layer_shared_across_nnx_vmap_raises(seed):
     fj.nnx.grad(lambda m: per_example(m, x).sum())(model)
 
 
+def test_accumulated_gradients_are_refused(seed):
+  """Averaged micro-batch gradients would install averaged updates: the
+  optimizer refuses them, naming the layers."""
+  model, (x, y) = _mlp(seed)
+  optimizer = fj.nnx.Optimizer(model, OPT.to_optax(), wrt=nnx.Param)
+
+  @nnx.jit
+  def accumulate(model, optimizer, x, y):
+    grads = [
+      fj.nnx.grad(cross_entropy)(model, x[i::2], y[i::2]) for i in (0, 1)
+    ]
+    optimizer.update(model, jax.tree.map(lambda a, b: (a + b) / 2, *grads))
+
+  with pytest.raises(ValueError, match=r"\['layers/0', 'layers/1'\] combines"):
+    accumulate(model, optimizer, x, y)
+
+
 def test_grad_of_params_only_raises(seed):
   model, (x, y) = _mlp(seed)
   with pytest.raises(ValueError, match="fj.nnx.TRAINABLE"):

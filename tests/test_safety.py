@@ -269,6 +269,28 @@ def test_a_decay_mask_that_leaves_out_a_forge_kernel_is_refused(seed):
       assert fj.wiped_layers(state.apply_gradients(grads=grads).params) == []
 
 
+@pytest.mark.parametrize("jit", [True, False])
+def test_accumulated_gradients_are_refused(jit, seed):
+  """Gradients of several micro-batches summed or averaged, then installed
+  once: FORGE's gradients are updates, so the install refuses a gradient
+  that combines several backwards of one kernel, naming the layer. One
+  micro-batch's gradient installs."""
+  x, _ = make_batch(seed, (4, 4, 6), 4)
+  model = Encoder()
+  state = _state(model, seed, x[0])
+  grad = jax.grad(lambda v, xs: (model.apply(v, xs) ** 2).sum())
+
+  def accumulate(state, micro_batches):
+    grads = [grad(state.params, xs) for xs in micro_batches]
+    mean = jax.tree.map(lambda *g: sum(g) / len(g), *grads)
+    return state.apply_gradients(grads=mean)
+
+  step = jax.jit(accumulate) if jit else accumulate
+  with pytest.raises(ValueError, match=r"\['proj'\] combines"):
+    step(state, list(x[:2]))
+  assert fj.wiped_layers(step(state, list(x[:1])).params) == []
+
+
 def test_cotangents_changed_before_install_poison_the_layer(seed):
   """FORGE's cotangents are the new variables: a gradient clip applied to
   all of grads clips them too. A count that moved neither by one step nor

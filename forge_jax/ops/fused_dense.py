@@ -372,6 +372,12 @@ def one_hot_lookup(tokens, num_embeddings: int, dtype, product, where: str):
     raise TypeError(
       f"{where} looks up integer tokens, got {jnp.result_type(tokens)}"
     )
+  if jnp.iinfo(jnp.result_type(tokens)).bits < 32:
+    # The one-hot's index range, the shift of negative tokens and the range
+    # check are in the tokens' dtype: int8 / uint8 / 16-bit tokens wrap in
+    # a table past their range. Widened, each means what nn.Embed's index
+    # means.
+    tokens = jnp.asarray(tokens, jnp.int32)
   tokens = jnp.where(tokens < 0, tokens + num_embeddings, tokens)
   rows = product(jax.nn.one_hot(tokens, num_embeddings, dtype=dtype))
   inside = jnp.logical_and(tokens >= 0, tokens < num_embeddings)
@@ -1079,9 +1085,8 @@ def _forge_dense_bwd(spec, layout, defers, residuals, dy):
   dy = check_unshared(variables.kernel, dy, spec.path)
   # The kernel as the forward read it: the same array twice is one kernel
   # used twice.
-  gradient_pass = layer_context.record_backward(
-    spec.path, defers, variables.kernel
-  )
+  kernel = variables.kernel
+  gradient_pass = layer_context.record_backward(spec.path, defers, kernel)
   stored_shape = jnp.shape(variables.kernel)
   variables = _viewed(variables, jnp.shape(x)[-1:], layer_index is not None)
   backward = functools.partial(
@@ -1098,6 +1103,7 @@ def _forge_dense_bwd(spec, layout, defers, residuals, dy):
   new_variables = new_variables._replace(
     kernel=jnp.reshape(new_variables.kernel, stored_shape)
   )
+  layer_context.record_update(spec.path, kernel, new_variables.count)
   factors = None  # zeros: the sink's cotangent outside the deferred pass
   if gradient_pass == layer_context.DEFERRED:
     x_c = jnp.asarray(
