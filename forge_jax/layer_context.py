@@ -323,12 +323,14 @@ def _weak(value):
 
 def _combined(path: tuple, written_count) -> bool:
   """Whether the gradient installed for ``path``, whose ``count`` entry is
-  ``written_count``, is not one backward's: its count is none of the
-  counts the layer's backwards wrote, and several gradient computations
-  stepped the same kernel since the last install (gradient accumulation).
-  Forgets the layer's updates."""
+  ``written_count`` (None: not known), is not one backward's: its count is
+  none of the counts the layer's backwards wrote, and several gradient
+  computations stepped the same kernel since the last install (gradient
+  accumulation). Forgets the layer's updates."""
   updates = _EVENTS.updates.pop(path, [])
-  if any(count() is written_count for _, _, count in updates):
+  if written_count is None or any(
+    count() is written_count for _, _, count in updates
+  ):
     return False
   by_kernel = {}
   for computation, kernel, _ in updates:
@@ -400,11 +402,12 @@ def take_backwards(paths, written_counts=None) -> list[bool]:
   the update of the summed gradient.
   """
   paths = [tuple(path) for path in paths]
-  counts = [None] * len(paths) if written_counts is None else written_counts
+  if written_counts is None:
+    written_counts = [None] * len(paths)
   combined = [
     layer_name(path)
-    for path, count in zip(paths, counts)
-    if _combined(path, count) and written_counts is not None
+    for path, count in zip(paths, written_counts)
+    if _combined(path, count)
   ]
   if combined:
     raise ValueError(

@@ -84,8 +84,9 @@ def _in_conditional(scope) -> bool:
 
 def _applied_kernel(module: nn.Module):
   """The FORGE kernel at ``module``'s path in the variables of the
-  outermost module being applied (flax's module stack), or None. Inside a
-  lifted transform the module reads its own copy of that array."""
+  outermost module being applied, or None. Inside a lifted transform the
+  module reads its own copy of that array. Read from flax's module stack,
+  which flax keeps private: where it is missing, None."""
   stack = getattr(getattr(nn.module, "_context", None), "module_stack", ())
   top = next((m for m in stack if m is not None), None)
   if top is None or top.scope is None:

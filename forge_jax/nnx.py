@@ -658,8 +658,10 @@ def check_not_frozen(model, tx, wrt, layers):
     _name(path)
     for path, layer in layers
     if not selects((*path, "kernel"), nnx.Param(jnp.zeros((), jnp.float32)))
-    or layer.bias is not None
-    and not any(name[: len(path) + 1] == (*path, "bias") for name in names)
+    or (
+      layer.bias is not None
+      and not any(name[: len(path) + 1] == (*path, "bias") for name in names)
+    )
   ]
   if left_out:
     raise ValueError(
