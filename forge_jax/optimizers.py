@@ -24,9 +24,19 @@ trains and not to ``to_optax()`` (:func:`forge_jax.optax_with_storage`
 applies them to the other parameters):
 
 * ``state_dtype``: None (the optax alias's dtypes: the kernel's, or
-  ``mu_dtype``), ``'float32'``, ``'bfloat16'``, ``'float16'`` or ``'int8'``
-  (blocks of 64 with absmax scales; second moments stored as their square
-  root).
+  ``mu_dtype``), ``'float32'``, ``'bfloat16'``, ``'float16'`` (rules
+  without a second moment: float16 flushes ``(1 - b2) g**2`` to zero) or
+  ``'int8'`` (blocks of 64 with absmax scales; second moments stored as
+  their square root).
+
+The rule runs in float32 whatever the storage. With a 16-bit ``mu_dtype``
+(``accumulator_dtype``) optax multiplies the stored moment by ``b1`` in
+that dtype, ``b1`` rounded to it too, before adding the gradient's term:
+there FORGE's moments differ from optax's by that product's rounding
+(about 1e-4 relative after a few steps).
+
+Hyperparameters are Python numbers or optax schedules; concrete scalar
+arrays are taken as numbers (the optimizers are hashed static arguments).
 * ``second_moment_bits`` (the rules with a second moment: adam, adamw,
   nadam, nadamw, radam, rmsprop, adagrad): 8 (default) or 4: with
   ``state_dtype='int8'``, the second moments' square roots on 15 levels, two
@@ -46,6 +56,7 @@ from typing import Any, Callable, ClassVar, NamedTuple, Optional, Union
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from forge_jax import quantization
@@ -110,6 +121,7 @@ class ForgeOptimizer(abc.ABC):
   Attributes:
     state_dtype: storage of every per-element state leaf: None (as optax:
       the kernel's dtype, or ``mu_dtype``), 'float32', 'bfloat16', 'float16'
+      (not for a rule with a second moment, which float16 flushes to zero)
       or 'int8' (:mod:`forge_jax.quantization`: 64-element blocks along the
       output axis, an absmax scale each; second moments as ``sqrt``).
     second_moment_bits: 8, or 4 to store int8 second moments (``nu``,
@@ -134,9 +146,22 @@ class ForgeOptimizer(abc.ABC):
   nonnegative_state: ClassVar[tuple[str, ...]] = ()
 
   def __post_init__(self):
+    for field in dataclasses.fields(self):
+      object.__setattr__(
+        self, field.name, _hyperparameter(field.name, getattr(self, field.name))
+      )
     object.__setattr__(
       self, "state_dtype", quantization.canonical_state_dtype(self.state_dtype)
     )
+    if self.state_dtype == "float16" and self.nonnegative_state:
+      raise ValueError(
+        f"state_dtype='float16' cannot hold {type(self).__name__}'s second "
+        f"moment ({', '.join(self.nonnegative_state)}): float16 flushes "
+        "values below 6e-8 to zero, where the squares of ordinary gradients "
+        "(times 1 - b2) fall, and those elements would step by m / eps. "
+        "Use 'bfloat16' (float32's range) or 'int8' (stores the square "
+        "root)."
+      )
     if self.second_moment_bits not in quantization.SECOND_MOMENT_BITS:
       raise ValueError(
         f"second_moment_bits={self.second_moment_bits!r} must be one of "
@@ -348,6 +373,24 @@ def _adam_denominator(nu_hat, eps_root: float, eps: float):
   to the same value, and the fused kernels save an instruction per
   element."""
   return jnp.sqrt(nu_hat + eps_root if eps_root else nu_hat) + eps
+
+
+def _hyperparameter(name: str, value):
+  """``value`` as a field of a (hashable) optimizer: a concrete scalar
+  array (``jnp.asarray(1e-3)``, a NumPy scalar), which optax takes, as a
+  Python number; anything else unchanged. Refuses traced and non-scalar
+  arrays, which a static, hashed optimizer cannot hold."""
+  if not isinstance(value, (jax.Array, np.ndarray, np.generic)):
+    return value
+  if isinstance(value, jax.core.Tracer) or np.ndim(value) != 0:
+    raise TypeError(
+      f"{name}={value!r}: FORGE's optimizers are static (hashed by jit), so "
+      "each hyperparameter is a Python number, a concrete scalar or an "
+      "optax schedule (a function of the step count); a traced or "
+      "non-scalar array cannot be one. For a value that changes during "
+      "training, give a schedule."
+    )
+  return np.asarray(value).item()
 
 
 def has_weight_decay(weight_decay) -> bool:

@@ -1243,15 +1243,14 @@ def test_state_overflowing_its_bfloat16_storage_is_skipped_and_counted(
   assert float(new.skipped) == kernel.size
 
 
-def test_float16_second_moment_overflowing_is_skipped_and_counted():
-  """AdamW's float16 second moment overflows from gradients above about
-  8,000 (0.001 g**2 > 65504) while float32 holds it: those elements keep
-  their old values and count as skipped instead of storing an infinite
-  moment that would stall their weights. (The Mosaic kernel takes no
-  float16 states.)"""
-  optimizer = fj.adamw(1e-3, state_dtype="float16")
+def test_float16_momentum_overflowing_is_skipped_and_counted():
+  """A float16 momentum overflows from gradients past 65504 while float32
+  holds them: those elements keep their old values and count as skipped
+  instead of storing an infinite moment that would stall their weights.
+  (The Mosaic kernel takes no float16 states.)"""
+  optimizer = fj.sgd(1e-3, momentum=0.9, state_dtype="float16")
   kernel = jnp.ones((128, 128), jnp.bfloat16)
-  x = jnp.full((64, 128), 2.0**8, jnp.bfloat16)  # dW = 2**14 everywhere
+  x = jnp.full((64, 128), 2.0**10, jnp.bfloat16)  # dW = 2**16 everywhere
   new = _fused_step(optimizer, kernel, x, "triton")
   np.testing.assert_array_equal(new.kernel, kernel)
   old_state = optimizer.init(kernel)
@@ -1260,6 +1259,16 @@ def test_float16_second_moment_overflowing_is_skipped_and_counted():
   ):
     np.testing.assert_array_equal(new_leaf, old_leaf)
   assert float(new.skipped) == kernel.size
+
+
+def test_float16_second_moments_are_refused():
+  """float16 flushes (1 - b2) * g**2 of ordinary gradients to zero, where
+  Adam would step by m / eps: a rule with a second moment refuses float16
+  storage, naming the moment and what to use."""
+  for make in (fj.adamw, fj.rmsprop, fj.adagrad):
+    with pytest.raises(ValueError, match="float16.*'bfloat16'.*'int8'"):
+      make(1e-3, state_dtype="float16")
+  fj.lion(1e-3, state_dtype="float16")
 
 
 def test_triton_kernel_refuses_int8_stacks_whose_offsets_wrap():

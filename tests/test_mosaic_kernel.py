@@ -806,7 +806,7 @@ def test_mosaic_refuses_what_it_cannot_run_and_auto_falls_back(monkeypatch):
     mosaic.check_supported(
       x, x[:, :1].repeat(256, 1), kernel, int8, CONFIGS["single-buffered"]
     )
-  f16 = fj.adamw(1e-3, state_dtype="float16")
+  f16 = fj.lion(1e-3, state_dtype="float16")
   with pytest.raises(ValueError, match=r"state dtype float16 is not"):
     backends.select("mosaic", x, x[:, :1].repeat(256, 1), kernel, f16)
   # 4-bit second moments: on a GPU whose JAX lowers no concatenate in
@@ -1176,7 +1176,7 @@ def test_auto_selects_mosaic_on_hopper_and_triton_where_it_cannot_run():
   # int8 states: Mosaic too (the Triton kernel trained a 14B-shaped scanned
   # model to NaN); float16 states: Triton only.
   int8 = int8_sr(fj.adamw(1e-3))
-  f16 = fj.adamw(1e-3, state_dtype="float16")
+  f16 = fj.lion(1e-3, state_dtype="float16")
   selected = lambda impl, opt: backends.select(impl, x, dy, kernel, opt)
   assert selected("auto", int8).__wrapped__ is mosaic.mosaic_update
   assert selected("auto", f16).__wrapped__ is triton_kernel.triton_update

@@ -291,6 +291,21 @@ def test_accumulated_gradients_are_refused(jit, seed):
   assert fj.wiped_layers(step(state, list(x[:1])).params) == []
 
 
+def test_hyperparameters_as_scalar_arrays_are_numbers():
+  """optax takes jnp / NumPy scalars for hyperparameters; FORGE's static,
+  hashed optimizers hold them as Python numbers (the same values), and
+  refuse traced or non-scalar arrays with what to give instead."""
+  opt = fj.adamw(jnp.asarray(1e-2), weight_decay=np.float32(0.1))
+  as_floats = (float(np.float32(1e-2)), float(np.float32(0.1)))
+  assert opt == fj.adamw(as_floats[0], weight_decay=as_floats[1])
+  hash(opt)
+  assert isinstance(opt.learning_rate, float)
+  with pytest.raises(TypeError, match="schedule"):
+    jax.jit(lambda lr: fj.sgd(lr).learning_rate)(1e-2)
+  with pytest.raises(TypeError, match="schedule"):
+    fj.sgd(jnp.ones(2))
+
+
 def test_cotangents_changed_before_install_poison_the_layer(seed):
   """FORGE's cotangents are the new variables: a gradient clip applied to
   all of grads clips them too. A count that moved neither by one step nor
