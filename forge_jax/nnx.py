@@ -584,6 +584,14 @@ class Optimizer(nnx.Optimizer):
   cannot be right beside FORGE's layers (``optax.MultiSteps``,
   ``clip_by_global_norm``, another rule than the layers') are refused.
 
+  The layers' optimizer states and step counts live in the model, as
+  :class:`OverwriteWithGradient` variables: a new ``Optimizer`` for a
+  trained model starts ``tx``'s state afresh (the biases') but not theirs.
+  To restart the whole optimizer, make the model anew or restore both
+  from a checkpoint (``nnx.state(model)`` holds the layers' states; a
+  state filtered by ``nnx.Param`` holds neither their kernels nor their
+  states).
+
   Attributes:
     reached: one float32 variable per layer (``[L]`` for a stack): whether
       the last step's loss reached it; :meth:`unreached_layers` names the
