@@ -17,9 +17,11 @@ initialized one, or ``jax.eval_shape`` of the function that creates it); its
 static fields (``apply_fn``, ``tx``) are kept, its arrays only give shapes,
 dtypes and shardings: a fresh state on another mesh restores onto that
 mesh, and a leaf not sharded over the mesh of the others (a step counter)
-is restored replicated on it. ``jax.eval_shape`` gives no shardings: its
-leaves restore as they were saved. Restoring checks every leaf's dtype and
-shape against it and raises instead of casting. A checkpoint without the gradient-norm
+is restored replicated on it; a fresh state on one device restores onto
+that device, its step counter too. ``jax.eval_shape`` gives no shardings:
+its leaves restore as they were saved. Restoring checks every leaf's dtype
+and shape against it, and that the checkpoint holds no leaf it lacks, and
+raises instead of casting or dropping. A checkpoint without the gradient-norm
 leaves (each layer's ``grad_sq_norm`` and ``fj.TrainState.grad_norm``: what
 the last step measured, not what the next one needs) restores them as
 zeros; any other leaf missing raises. A checkpoint also records the layout
@@ -38,7 +40,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from forge_jax import quantization
 from forge_jax.train_state import key_name
@@ -56,30 +58,38 @@ def _checkpointer():
   return ocp.StandardCheckpointer()
 
 
-def _mesh(tree):
-  """The mesh of the first leaf of ``tree`` sharded over one, or None."""
-  for x in jax.tree.leaves(tree):
-    sharding = getattr(x, "sharding", None)
+def _placement(tree):
+  """Where a leaf of the abstract state ``tree`` without a sharding of its
+  own (a Python scalar: ``TrainState.step`` at 0) is restored: replicated
+  on the mesh of the first leaf sharded over one, else on the device of
+  the first leaf on one; None where no leaf says."""
+  shardings = [getattr(x, "sharding", None) for x in jax.tree.leaves(tree)]
+  for sharding in shardings:
     if isinstance(sharding, NamedSharding):
-      return sharding.mesh
+      return NamedSharding(sharding.mesh, PartitionSpec())
+  for sharding in shardings:
+    if isinstance(sharding, SingleDeviceSharding):
+      return sharding
   return None
 
 
-def _abstract(x, mesh=None):
-  """A leaf of an abstract state as a ``ShapeDtypeStruct``. Under a ``mesh``
-  (the state's), a leaf not sharded over it (a Python scalar, an
-  uncommitted scalar of a fresh state) is replicated on it: restored on
-  the device it was saved from, a step on the mesh would refuse it."""
+def _abstract(x, placement=None):
+  """A leaf of an abstract state as a ``ShapeDtypeStruct``. A leaf not
+  sharded like the state (a Python scalar, an uncommitted scalar of a fresh
+  state) goes to ``placement`` (:func:`_placement`): restored where it was
+  saved (every device of a mesh), a step on the state's devices would
+  refuse it."""
   if not isinstance(x, jax.ShapeDtypeStruct):
     if not hasattr(x, "dtype"):  # a Python scalar (TrainState.step at 0)
       x = np.asarray(x)
     x = jax.ShapeDtypeStruct(
       np.shape(x), x.dtype, sharding=getattr(x, "sharding", None)
     )
-  if mesh is not None and not isinstance(x.sharding, NamedSharding):
-    x = jax.ShapeDtypeStruct(
-      x.shape, x.dtype, sharding=NamedSharding(mesh, PartitionSpec())
-    )
+  on_mesh = isinstance(placement, NamedSharding)
+  if (on_mesh and not isinstance(x.sharding, NamedSharding)) or (
+    placement is not None and x.sharding is None
+  ):
+    x = jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=placement)
   return x
 
 
@@ -169,11 +179,11 @@ def restore(path: str, abstract_state: Any) -> Any:
   saved_leaves = _named_leaves(saved_tree)
   saved = {name: np.dtype(leaf.dtype) for name, leaf in saved_leaves.items()}
   flat, treedef = jax.tree_util.tree_flatten_with_path(abstract_state)
-  mesh = _mesh(abstract_state)
+  placement = _placement(abstract_state)
   problems, leaves, zeros = [], [], set()
   for key, value in flat:
     name = _path_name(key)
-    want = _abstract(value, mesh)
+    want = _abstract(value, placement)
     if name not in saved and _zero_if_missing(name):
       zeros.add(name)
     elif name not in saved:
@@ -195,6 +205,12 @@ def restore(path: str, abstract_state: Any) -> Any:
         f"abstract state wants {tuple(want.shape)}"
       )
     leaves.append(want)
+  wanted_names = {_path_name(key) for key, _ in flat}
+  problems += [
+    f"{name}: in the checkpoint, not in the abstract state"
+    for name in saved
+    if name not in wanted_names
+  ]
   if problems:
     raise TypeError(
       f"checkpoint {path} does not match the abstract state "

@@ -837,6 +837,11 @@ def test_checkpoint_without_gradient_norms_restores_them_as_zeros(
   path = checkpoint.save(str(tmp_path / "no_count"), without_count)
   with pytest.raises(TypeError, match="count: not in the checkpoint"):
     checkpoint.restore(path, _new_state(seed, state_class=fj.TrainState))
+  # A leaf the abstract state lacks is not dropped: refused, named.
+  path = checkpoint.save(str(tmp_path / "extra"), without_norms)
+  fewer = without_count.replace(grad_norm=None)
+  with pytest.raises(TypeError, match="count: in the checkpoint, not in"):
+    checkpoint.restore(path, fewer)
 
 
 def test_resumed_training_takes_the_same_steps(tmp_path, seed):

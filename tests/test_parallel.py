@@ -542,6 +542,17 @@ def test_checkpoint_restores_onto_the_mesh_of_its_abstract_state(tmp_path):
       restored = checkpoint.restore(path, fresh(mesh))
       assert restored.step.sharding.mesh == mesh
       _assert_trees_close(_host(step(restored).params), expected)
+  # Onto one device: every leaf there, the step counter (a Python int in
+  # a fresh state) too.
+  variables = parallel.strip_boxes(Net().init(jax.random.key(0), x))
+  one_device = fj.TrainState.create(
+    apply_fn=Net().apply, params=variables, tx=OPT.to_optax()
+  )
+  restored = checkpoint.restore(path, one_device)
+  assert {d for leaf in jax.tree.leaves(restored) for d in leaf.devices()} == {
+    jax.devices()[0]
+  }
+  _assert_trees_close(_host(step(restored).params), expected)
 
 
 @needs_devices
