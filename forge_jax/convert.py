@@ -161,11 +161,23 @@ def to_dense(
 
 
 def _fill(fresh, dense_variables, rename):
-  """``fresh`` (the FORGE model's init) with the dense leaves in place."""
-  dense = traverse_util.flatten_dict(unfreeze(dense_variables))
+  """``fresh`` (the FORGE model's init) with the dense leaves in place.
+  Values a model sows (``self.sow``: tuples, the init's outputs rather than
+  state) are left out on both sides."""
+  # sow appends to a plain tuple; optimizer states are NamedTuples.
+  sown = lambda leaf: type(leaf) is tuple  # noqa: E721
+  dense = {
+    key: leaf
+    for key, leaf in traverse_util.flatten_dict(
+      unfreeze(dense_variables)
+    ).items()
+    if not sown(leaf)
+  }
   flat = traverse_util.flatten_dict(unfreeze(fresh), keep_empty_nodes=True)
   used, missing, out = set(), [], {}
   for key, leaf in flat.items():
+    if sown(leaf):
+      continue
     if leaf is traverse_util.empty_node:
       out[key] = leaf
       continue

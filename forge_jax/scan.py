@@ -86,8 +86,10 @@ def scan(
 
   While a collection other than ``params`` and FORGE's (and exact
   clipping's factor sinks, sliced per layer like every other collection)
-  is mutable (a decode cache, ``sow``'s intermediates), the call runs as
-  ``nn.scan`` itself: correct, without the in-place backward.
+  is mutable (a decode cache, ``sow``'s intermediates: named in
+  ``mutable`` though the variables do not hold them yet, or
+  ``mutable=True``), the call runs as ``nn.scan`` itself: correct, without
+  the in-place backward.
 
   Raises:
     ValueError: for an argument of ``nn.scan`` that fj.scan cannot honor
@@ -123,12 +125,7 @@ def scan(
     @nn.nowrap
     def __call__(self, carry, *args):
       _check_in_axes(in_axes, len(args))
-      mutable = [
-        c
-        for c in self.variables
-        if c not in ("params", FORGE_COLLECTION, FACTORS_COLLECTION)
-        and self.is_mutable_collection(c)
-      ]
+      mutable = _mutable_others(self)
       if self.is_initializing() or mutable:
         if mutable and not self.is_initializing():
           warnings.warn(
@@ -269,6 +266,32 @@ class _PullbackLayout(NamedTuple):
 
   treedef: Any
   sources: tuple
+
+
+#: Collections fj.scan's in-place call handles itself.
+_OWN_COLLECTIONS = ("params", FORGE_COLLECTION, FACTORS_COLLECTION)
+
+#: A collection name no module uses: mutable only where every collection
+#: not named otherwise is (``mutable=True``, a deny list).
+_ANY_OTHER = "<any other collection>"
+
+
+def _mutable_others(module: nn.Module) -> list:
+  """The collections other than :data:`_OWN_COLLECTIONS` that ``module``'s
+  apply may write: those it holds or ``mutable`` names (a block's ``sow``
+  creates its collection as it writes it), or every other collection."""
+  names = set(module.variables)
+  named = module.scope.mutable
+  if isinstance(named, str):
+    names.add(named)
+  elif isinstance(named, (list, tuple, set, frozenset)):
+    names.update(c for c in named if isinstance(c, str))
+  names.add(_ANY_OTHER)
+  return sorted(
+    c
+    for c in names
+    if c not in _OWN_COLLECTIONS and module.is_mutable_collection(c)
+  )
 
 
 def _checked_unshared(forge, d_out, path):

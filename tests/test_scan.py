@@ -201,6 +201,81 @@ def test_matches_nn_scan_and_optax(seed):
   assert fj.wiped_layers(forge.params) == []
 
 
+class SowingBlock(nn.Module):
+  """A block that sows an auxiliary loss, as a mixture of experts sows its
+  load-balancing term."""
+
+  forge: bool = True
+
+  @nn.compact
+  def __call__(self, x):
+    dense = (
+      functools.partial(fj.ForgeDense, optimizer=OPT)
+      if self.forge
+      else nn.Dense
+    )
+    h = jnp.tanh(dense(WIDTH, name="fc")(x))
+    self.sow("losses", "aux", jnp.mean(h**2))
+    return h, None
+
+
+class SowingStack(nn.Module):
+  forge: bool = True
+
+  @nn.compact
+  def __call__(self, x):
+    scan = fj.scan if self.forge else nn.scan
+    stack = scan(
+      SowingBlock,
+      variable_axes={True: 0},
+      split_rngs={"params": True},
+      length=LAYERS,
+    )
+    return stack(self.forge, name="stack")(x)[0]
+
+
+def test_a_sown_auxiliary_loss_trains_as_under_nn_scan(seed):
+  """A collection the call may write but the variables do not hold yet
+  (``sow``'s, named in ``mutable``) makes fj.scan run as nn.scan: the sown
+  values come back, and a loss that adds them trains as nn.scan + optax.
+  fj.from_dense converts the flax model's init, sown values and all."""
+  x = jax.random.normal(jax.random.key(seed), (3, TOKENS, WIDTH))
+  forge, plain = SowingStack(True), SowingStack(False)
+  dense_variables = plain.init(jax.random.key(seed), x)
+  # from_dense leaves out what the init sowed; so does the reference.
+  variables = fj.from_dense(dense_variables, forge, x)
+  assert set(variables) == {"params", COLL}
+  dense_variables = {"params": dense_variables["params"]}
+
+  def loss(model, v):
+    y, sown = model.apply(v, x, mutable=["losses"])
+    aux = sum(jnp.sum(a) for a in jax.tree.leaves(sown["losses"]))
+    return jnp.mean(y**2) + aux, aux
+
+  with pytest.warns(fj.ForgeMemoryWarning, match="losses"):
+    (_, aux), grads = jax.value_and_grad(
+      functools.partial(loss, forge), has_aux=True
+    )(variables)
+  (_, aux_ref), ref_grads = jax.value_and_grad(
+    functools.partial(loss, plain), has_aux=True
+  )(dense_variables)
+  np.testing.assert_allclose(aux, aux_ref, rtol=1e-6)
+  assert float(aux) > 0
+  state = fj.TrainState.create(
+    apply_fn=forge.apply, params=variables, tx=OPT.to_optax()
+  )
+  ref = TrainState.create(
+    apply_fn=plain.apply, params=dense_variables, tx=OPT.to_optax()
+  )
+  new = fj.to_dense(state.apply_gradients(grads=grads).params)
+  want = ref.apply_gradients(grads=ref_grads).params
+  jax.tree.map(
+    functools.partial(np.testing.assert_allclose, rtol=1e-5, atol=1e-6),
+    new,
+    want,
+  )
+
+
 def test_nonfinite_dy_skips_every_stacked_layer(seed):
   """A NaN target in one token: the loss's cotangent, and through the
   residual stream every layer's dY, has a NaN row, so each layer of the
