@@ -301,6 +301,10 @@ def record_backward(path: Optional[tuple], deferred: bool, kernel=None) -> str:
   return name
 
 
+#: The most updates of a layer :func:`record_update` keeps.
+_KEPT_UPDATES = 8
+
+
 def record_update(path: Optional[tuple], kernel, count):
   """Records that the backward just traced for the ForgeDense at ``path``
   stepped it: it read ``kernel`` and wrote ``count`` (its cotangent for
@@ -308,9 +312,11 @@ def record_update(path: Optional[tuple], kernel, count):
   install of one backward's gradient from one of several combined."""
   if path is None or gradient_pass() not in (None, SCALED):
     return
-  _EVENTS.updates.setdefault(tuple(path), []).append(
-    (_EVENTS.computation, _weak(kernel), _weak(count))
-  )
+  updates = _EVENTS.updates.setdefault(tuple(path), [])
+  updates.append((_EVENTS.computation, _weak(kernel), _weak(count)))
+  # Gradients taken and never installed (an analysis loop) add up: two
+  # suffice to tell a combined gradient.
+  del updates[:-_KEPT_UPDATES]
 
 
 def _weak(value):
