@@ -47,6 +47,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import itertools
+import sys
 import weakref
 from typing import Any, NamedTuple, Optional
 
@@ -236,8 +237,10 @@ def layer_name(path: tuple) -> str:
 
 def record_forward(path: tuple, optimizer, conditional: bool = False):
   """Records that the forward of the ForgeDense at module ``path``, with
-  ``optimizer``, was traced (``conditional``: inside a conditional)."""
+  ``optimizer``, was traced (``conditional``: inside a conditional; a
+  branch of ``jax.lax.cond`` or ``switch`` is found here too)."""
   path = tuple(path)
+  conditional = conditional or _in_lax_branch()
   if _EVENTS.last == BACKWARD:
     _EVENTS.computation += 1
   _EVENTS.last = FORWARD
@@ -248,6 +251,26 @@ def record_forward(path: tuple, optimizer, conditional: bool = False):
     _EVENTS.conditional.add(path)
   else:
     _EVENTS.conditional.discard(path)
+
+
+_CONDITIONALS = "jax._src.lax.control_flow.conditionals"
+
+
+def _in_lax_branch() -> bool:
+  """Whether the caller runs inside a branch that ``jax.lax.cond`` or
+  ``jax.lax.switch`` is tracing (``nn.cond`` included). Such a branch's
+  layers trace a backward whether or not the branch runs, and the branch
+  not taken writes zeros as their new variables, so their install checks
+  the written flags at run time. JAX does not say which transform a trace
+  belongs to; its call frames do."""
+  frame = sys._getframe(1)  # pylint: disable=protected-access
+  while frame is not None:
+    if frame.f_globals.get("__name__") == _CONDITIONALS and (
+      frame.f_code.co_name in ("cond", "switch", "_switch_internal")
+    ):
+      return True
+    frame = frame.f_back
+  return False
 
 
 def record_lifted_forward(path: tuple, applied_kernel) -> bool:

@@ -443,7 +443,7 @@ class _ForgeLinear(nn.Module):
     # this path tells two calls of one layer from two layers.
     applied = _applied_kernel(self)
     if (
-      applied is not None
+      isinstance(applied, jax.core.Tracer)
       and applied is not kernel
       and not layer_context.is_discovering()
       and layer_context.record_lifted_forward(path, applied)
@@ -460,9 +460,15 @@ class _ForgeLinear(nn.Module):
 
   def _check_single_use(self, kernel):
     # The cotangent of a kernel used twice would be the sum of two updated
-    # kernels. Module instances live for one trace, and so does the tracer.
+    # kernels. Module instances live for one trace, and so does the tracer;
+    # a concrete kernel (a bound module's, called eagerly or closed over by
+    # jit) is inference, which may call a layer as often as it likes.
     previous = getattr(self, "_forge_kernel_in_use", None)
-    if previous is not None and previous is kernel:
+    if (
+      previous is not None
+      and previous is kernel
+      and isinstance(kernel, jax.core.Tracer)
+    ):
       raise ValueError(
         f"{self._where()} was called twice in one forward pass. "
         "FORGE updates the kernel inside each call's backward, so a shared "

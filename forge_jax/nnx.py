@@ -561,7 +561,13 @@ def global_norm(grads) -> jax.Array:
   elements its backward pass accumulated; summed over a stack's layers);
   every other floating leaf that is not an :class:`OverwriteWithGradient`
   is a gradient. Gradients taken inside ``fj.plain_gradients()`` hold each
-  ``dW`` in the Linear's kernel entry instead (and no ``grad_sq_norm``).
+  ``dW`` in the Linear's kernel entry instead (and no ``grad_sq_norm``):
+  this misses them. Their norm is ``optax.global_norm`` of the
+  ``nnx.Param`` entries and the Linears' ``kernel`` entries::
+
+    kernels = [g for path, g in nnx.to_flat_state(
+        nnx.state(grads, fj.nnx.OverwriteWithGradient)) if path[-1] == "kernel"]
+    optax.global_norm((nnx.state(grads, nnx.Param), kernels))
   """
   total = jnp.zeros((), jnp.float32)
   forge, others = nnx.filter_state(

@@ -12,7 +12,9 @@ It is the rule the FORGE layers' XLA backend applies
 (:func:`forge_jax.ops.update.apply_update`), run on each parameter viewed as
 2-D (``[-1, last axis]``; quantization blocks run along the last axis). An
 element whose gradient is not finite keeps its parameter and state, as in
-the FORGE layers. The rule computes the new parameters; the updates it
+the FORGE layers, and a step with no finite gradient element (a NaN batch)
+leaves the step count too, as a layer's non-finite ``dY`` leaves its
+``count``. The rule computes the new parameters; the updates it
 returns are their float32 differences from the old ones, which
 ``optax.apply_updates`` adds back. For bfloat16 parameters that gives the
 rule's values (unless a step shrinks a parameter more than 2**16-fold: the
@@ -108,10 +110,14 @@ def optax_with_storage(
         rules, paths, grads, params_def.flatten_up_to(params), per_param
       )
     ]
+    # A step whose every gradient element is non-finite (a NaN batch) keeps
+    # every parameter and state, and its count stays, as the layers' does
+    # for a non-finite dY: their bias corrections and schedules stay in step.
+    taken = jnp.any(jnp.stack([jnp.any(jnp.isfinite(g)) for g in grads]))
     return params_def.unflatten(
       [step for step, _ in stepped]
     ), StoredOptaxState(
-      count=optax.safe_increment(state.count),
+      count=jnp.where(taken, optax.safe_increment(state.count), state.count),
       state=_fields_outside(params_def, [new for _, new in stepped], state_def),
     )
 

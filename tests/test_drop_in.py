@@ -347,6 +347,47 @@ def test_unreached_layer_keeps_kernel_state_and_count_bit_for_bit():
   )
 
 
+@pytest.mark.parametrize("branch", ["lax.cond", "lax.switch"])
+def test_a_layer_in_the_branch_not_taken_keeps_its_variables(branch):
+  """A jitted step whose loss picks the aux head by jax.lax.cond (switch)
+  on a traced flag: the branch not taken still traces its layers'
+  backwards, and writes zeros as their new variables. The install checks
+  their written flags at run time, so the aux head keeps its variables
+  bit for bit until a step takes its branch, and then trains."""
+  model = WithAuxHead()
+  x, y = data()
+  variables = model.init(jax.random.key(0), x)
+  state = fj.TrainState.create(
+    apply_fn=model.apply, params=variables, tx=OPT.to_optax()
+  )
+  loss = lambda p, use_aux: jnp.mean((model.apply(p, x, use_aux) - y) ** 2)
+
+  @jax.jit
+  def step(state, use_aux):
+    def branchwise(p):
+      if branch == "lax.cond":
+        return jax.lax.cond(
+          use_aux, lambda p: loss(p, True), lambda p: loss(p, False), p
+        )
+      return jax.lax.switch(
+        use_aux.astype(jnp.int32),
+        [lambda p: loss(p, False), lambda p: loss(p, True)],
+        p,
+      )
+
+    return state.apply_gradients(grads=jax.grad(branchwise)(state.params))
+
+  before = jax.tree.map(np.asarray, state.params[COLL]["aux"])
+  state = step(state, jnp.asarray(False))
+  chex.assert_trees_all_equal(state.params[COLL]["aux"], before)
+  assert state.unreached_layers() == ["aux"]
+  assert fj.wiped_layers(state.params) == []
+  state = step(state, jnp.asarray(True))
+  assert state.unreached_layers() == []
+  assert float(state.params[COLL]["aux"]["count"]) == 1.0
+  assert np.isfinite(np.asarray(state.params[COLL]["aux"]["kernel"])).all()
+
+
 @pytest.mark.parametrize("eager", [False, True], ids=["jit", "eager"])
 def test_a_diagnostic_gradient_before_the_install_does_not_wipe(eager):
   """The training gradient (the main head), then a diagnostic gradient that

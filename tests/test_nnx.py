@@ -451,6 +451,32 @@ def test_unreached_layer_keeps_its_variables_bit_for_bit(seed):
   assert np.isnan(other_step(model, optimizer, x, y))
 
 
+def test_the_head_of_the_branch_not_taken_keeps_its_variables(seed):
+  """jax.lax.cond picks the head by a traced flag: the branch not taken
+  traces its head's backward too, and writes zeros as its new variables;
+  the install checks the written flags at run time and keeps them."""
+  model = Branches(nnx.Rngs(seed))
+  optimizer = fj.nnx.Optimizer(model, OPT.to_optax(), wrt=nnx.Param)
+  x, y = make_batch(seed, (5, 6), 4)
+  branchwise = lambda m, x, y, second: jax.lax.cond(
+    second,
+    lambda: cross_entropy(lambda x: m(x, 1), x, y),
+    lambda: cross_entropy(lambda x: m(x, 0), x, y),
+  )
+  step = forge_step(branchwise)
+  before = forge_values(model)
+  step(model, optimizer, x, y, jnp.asarray(False))
+  after = forge_values(model)
+  for a, b in zip(
+    jax.tree.leaves(after["heads"][1]), jax.tree.leaves(before["heads"][1])
+  ):
+    assert_bitwise_equal(a, b, "heads[1]")
+  assert optimizer.unreached_layers() == ["heads/1"]
+  step(model, optimizer, x, y, jnp.asarray(True))
+  assert float(forge_values(model)["heads"][1]["count"]) == 1.0
+  assert fj.nnx.wiped_layers(model) == []
+
+
 def test_a_gradient_taken_elsewhere_does_not_wipe_an_unreached_layer(seed):
   """A gradient of the task-1 loss traced for a diagnostic (its own jit,
   never installed) must not vouch for head 1 in a step on task 0."""

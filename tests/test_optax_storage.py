@@ -293,6 +293,13 @@ def test_non_finite_gradient_elements_keep_their_values(seed):
   assert not changed[1, 2] and not changed[3, 4]
   assert changed.sum() == changed.size - 2
   assert float(state.state.mu["w"][1, 2]) == 0.0
+  assert int(state.count) == 1  # some elements stepped: a step taken
+  # No finite element at all (a NaN batch): everything stays, the count
+  # too, as a layer's count stays for a non-finite dY.
+  nan = {"w": jnp.full((8, 64), jnp.nan, BF16)}
+  kept, after = _stepper(tx)(new, state, nan)
+  assert_bitwise_equal(kept["w"], new["w"], "w")
+  assert int(after.count) == 1
 
 
 def test_int8_states_skip_elements_whose_square_overflows(seed):
