@@ -461,13 +461,14 @@ class _ForgeLinear(nn.Module):
   def _check_single_use(self, kernel):
     # The cotangent of a kernel used twice would be the sum of two updated
     # kernels. Module instances live for one trace, and so does the tracer;
-    # a concrete kernel (a bound module's, called eagerly or closed over by
-    # jit) is inference, which may call a layer as often as it likes.
+    # a concrete kernel after init (a bound module's, called eagerly or
+    # closed over by jit, whose setup() layers outlive each call) is
+    # inference, which may call a layer as often as it likes.
     previous = getattr(self, "_forge_kernel_in_use", None)
     if (
       previous is not None
       and previous is kernel
-      and isinstance(kernel, jax.core.Tracer)
+      and (isinstance(kernel, jax.core.Tracer) or self.is_initializing())
     ):
       raise ValueError(
         f"{self._where()} was called twice in one forward pass. "

@@ -61,6 +61,30 @@ def test_called_twice_in_one_forward_raises(seed):
     jax.jit(jax.grad(loss))(variables)
 
 
+def test_a_bound_module_may_call_its_layers_again_for_inference(seed):
+  """model.bind(variables) keeps its submodules between calls: calling it
+  again (an eval loop, jitted or not) is inference with concrete kernels,
+  as with nn.Dense; differentiating two uses still raises."""
+  x, _ = make_batch(seed, (4, 6), 4)
+
+  class SetupLayers(nn.Module):  # its layers outlive each bound call
+    def setup(self):
+      self.layers = [fj.ForgeDense(6, optimizer=OPT) for _ in range(2)]
+
+    def __call__(self, x):
+      return self.layers[1](nn.relu(self.layers[0](x)))
+
+  model = SetupLayers()
+  bound = model.bind(model.init(jax.random.key(seed), x))
+  first = np.asarray(bound(x))
+  bound.layers[0](x)
+  np.testing.assert_array_equal(np.asarray(bound(x)), first)
+  np.testing.assert_array_equal(np.asarray(jax.jit(bound.__call__)(x)), first)
+  variables = SharedLayer(twice=False).init(jax.random.key(seed), x)
+  with pytest.raises(ValueError, match="twice"):
+    jax.grad(lambda v: SharedLayer(twice=True).apply(v, x).sum())(variables)
+
+
 class Encoder(nn.Module):
   layer: str = "proj"
 
