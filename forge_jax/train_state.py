@@ -47,6 +47,13 @@ class TrainState(train_state.TrainState):
   they are, through every step: write their new values with
   ``state.replace(params={**state.params, 'batch_stats': new})``.
 
+  The layers' optimizer states and step counts are variables too, in
+  ``params``: a state created anew from ``state.params`` (another ``tx``)
+  restarts ``tx``'s state, not theirs, and ``state.replace(params=...)``
+  with older variables takes their older states with them. To restart the
+  whole optimizer, initialize the model's variables anew and carry the
+  weights over (``fj.to_dense`` / ``fj.from_dense`` give fresh states).
+
   Global-norm clipping (``optax.clip_by_global_norm`` cannot be in ``tx``:
   FORGE's layers update before the global norm exists) is set at creation
   and takes :meth:`value_and_grad` in place of ``jax.value_and_grad``::
