@@ -196,9 +196,9 @@ class _Events:
     self.kernels: dict[tuple, tuple[int, weakref.ref]] = {}
     #: path -> (computation, the applied kernel a lifted forward read).
     self.lifted: dict[tuple, tuple[int, weakref.ref]] = {}
-    #: path -> (computation, the kernel read, the count written) of each
-    #: backward that stepped the layer since its last install.
-    self.updates: dict[tuple, list[tuple[int, Any, Any]]] = {}
+    #: path -> (computation, the kernel read, the count written, the
+    #: trace) of each backward that stepped the layer since its last install.
+    self.updates: dict[tuple, list[tuple[int, Any, Any, Any]]] = {}
     #: path -> the computations that traced its forward (its backward),
     #: since its last install.
     self.forwards: dict[tuple, set[int]] = {}
@@ -336,7 +336,9 @@ def record_update(path: Optional[tuple], kernel, count):
   if path is None or gradient_pass() not in (None, SCALED):
     return
   updates = _EVENTS.updates.setdefault(tuple(path), [])
-  updates.append((_EVENTS.computation, _weak(kernel), _weak(count)))
+  updates.append(
+    (_EVENTS.computation, _weak(kernel), _weak(count), _current_trace())
+  )
   # Gradients taken and never installed (an analysis loop) add up: two
   # suffice to tell a combined gradient.
   del updates[:-_KEPT_UPDATES]
@@ -353,16 +355,21 @@ def _weak(value):
 def _combined(path: tuple, written_count) -> bool:
   """Whether the gradient installed for ``path``, whose ``count`` entry is
   ``written_count`` (None: not known), is not one backward's: its count is
-  none of the counts the layer's backwards wrote, and several gradient
-  computations stepped the same kernel since the last install (gradient
-  accumulation). Forgets the layer's updates."""
-  updates = _EVENTS.updates.pop(path, [])
+  none of the counts the layer's backwards in this trace wrote, and several
+  gradient computations of this trace stepped the same kernel since the
+  last install (gradient accumulation). Forgets the layer's updates."""
+  trace = _current_trace()
+  # Only this trace's: a gradient taken elsewhere (eagerly, in another jit)
+  # reaches the install as another array, whichever one it is.
+  updates = [
+    update for update in _EVENTS.updates.pop(path, []) if update[3] == trace
+  ]
   if written_count is None or any(
-    count() is written_count for _, _, count in updates
+    count() is written_count for _, _, count, _ in updates
   ):
     return False
   by_kernel = {}
-  for computation, kernel, _ in updates:
+  for computation, kernel, _, _ in updates:
     read = kernel()
     if read is not None:
       by_kernel.setdefault(id(read), set()).add(computation)

@@ -100,6 +100,13 @@ def _applied_kernel(module: nn.Module):
   return node
 
 
+def _differentiated(value) -> bool:
+  """Whether ``value`` is being differentiated (a tracer of JAX's JVP or
+  linearization, which carries a tangent): a second use then sums two
+  updates, while inference may use a layer as often as it likes."""
+  return isinstance(value, jax.core.Tracer) and hasattr(value, "tangent")
+
+
 def _warn_stacked(path, transform: str, layer: str):
   fix = (
     "fj.scan(...) with the same arguments instead of nn.scan(...)"
@@ -443,7 +450,7 @@ class _ForgeLinear(nn.Module):
     # this path tells two calls of one layer from two layers.
     applied = _applied_kernel(self)
     if (
-      isinstance(applied, jax.core.Tracer)
+      _differentiated(applied)
       and applied is not kernel
       and not layer_context.is_discovering()
       and layer_context.record_lifted_forward(path, applied)

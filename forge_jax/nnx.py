@@ -671,7 +671,7 @@ def check_not_frozen(model, tx, wrt, layers):
   left_out = [
     _name(path)
     for path, layer in layers
-    if not selects((*path, "kernel"), nnx.Param(jnp.zeros((), jnp.float32)))
+    if not selects((*path, "kernel"), nnx.Param(_value(layer.kernel)))
     or (
       layer.bias is not None
       and not any(name[: len(path) + 1] == (*path, "bias") for name in names)

@@ -600,6 +600,9 @@ def test_optimizer_refuses_to_freeze_a_forge_layer(seed):
   with pytest.raises(ValueError, match=r"\['layers/0', 'layers/1'\].*FORGE"):
     fj.nnx.Optimizer(bias_free, OPT.to_optax(), wrt=head_only)
   fj.nnx.Optimizer(bias_free, OPT.to_optax(), wrt=nnx.Param)
+  # A filter on values sees the kernel's own.
+  matrices = nnx.All(nnx.Param, lambda path, v: jnp.ndim(v[...]) > 1)
+  fj.nnx.Optimizer(bias_free, OPT.to_optax(), wrt=matrices)
   kernels_only = nnx.All(nnx.Param, nnx.PathContains("bias"))
   with pytest.raises(ValueError, match=r"\['layers/0', 'layers/1', 'layers/2'"):
     fj.nnx.Optimizer(model, OPT.to_optax(), wrt=kernels_only)

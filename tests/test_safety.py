@@ -163,6 +163,8 @@ def test_a_lifted_block_applied_twice_raises(lift, seed):
     ValueError, match="_Block_0/ForgeDense_0' was called twice"
   ):
     jax.grad(lambda v: twice.apply(v, x).sum())(variables)
+  # Inference may apply the model twice (test-time augmentation), jitted.
+  jax.jit(lambda v: twice.apply(v, x) + twice.apply(v, 2 * x))(variables)
   once = Repeated(lift, times=1)
   a, b = (once.init(jax.random.key(seed + i), x) for i in range(2))
   grads = jax.jit(
@@ -317,6 +319,12 @@ def test_accumulated_gradients_are_refused(jit, seed):
   with pytest.raises(ValueError, match=r"\['proj'\] combines"):
     step(state, list(x[:2]))
   assert fj.wiped_layers(step(state, list(x[:1])).params) == []
+  # Gradients taken eagerly, one of them installed by a jitted apply (a
+  # retry after a bad batch): another trace's arrays, not a combination.
+  grad(state.params, x[0])
+  retried = grad(state.params, x[1])
+  installed = jax.jit(lambda s, g: s.apply_gradients(grads=g))(state, retried)
+  assert fj.wiped_layers(installed.params) == []
 
 
 def test_hyperparameters_as_scalar_arrays_are_numbers():
