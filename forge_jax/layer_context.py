@@ -235,12 +235,13 @@ def layer_name(path: tuple) -> str:
   return _DISPLAY_NAMES.get(tuple(path), "/".join(map(str, path)))
 
 
-def record_forward(path: tuple, optimizer, conditional: bool = False):
+def record_forward(path: tuple, optimizer) -> bool:
   """Records that the forward of the ForgeDense at module ``path``, with
-  ``optimizer``, was traced (``conditional``: inside a conditional; a
-  branch of ``jax.lax.cond`` or ``switch`` is found here too)."""
+  ``optimizer``, was traced, and returns whether inside a conditional (a
+  branch of ``jax.lax.cond`` or ``switch``: ``nn.cond``, ``nnx.cond``, a
+  ``lax.cond`` around ``apply``)."""
   path = tuple(path)
-  conditional = conditional or _in_lax_branch()
+  conditional = _in_lax_branch()
   if _EVENTS.last == BACKWARD:
     _EVENTS.computation += 1
   _EVENTS.last = FORWARD
@@ -251,6 +252,7 @@ def record_forward(path: tuple, optimizer, conditional: bool = False):
     _EVENTS.conditional.add(path)
   else:
     _EVENTS.conditional.discard(path)
+  return conditional
 
 
 _CONDITIONALS = "jax._src.lax.control_flow.conditionals"
@@ -258,7 +260,8 @@ _CONDITIONALS = "jax._src.lax.control_flow.conditionals"
 
 def _in_lax_branch() -> bool:
   """Whether the caller runs inside a branch that ``jax.lax.cond`` or
-  ``jax.lax.switch`` is tracing (``nn.cond`` included). Such a branch's
+  ``jax.lax.switch`` is tracing (flax's and nnx's conditionals call
+  them). Such a branch's
   layers trace a backward whether or not the branch runs, and the branch
   not taken writes zeros as their new variables, so their install checks
   the written flags at run time. JAX does not say which transform a trace
@@ -273,6 +276,14 @@ def _in_lax_branch() -> bool:
   return False
 
 
+def _weak(value):
+  """A weak reference to ``value``, or a dead one where it takes none."""
+  try:
+    return weakref.ref(value)
+  except TypeError:  # not weakly referenceable (a Python scalar)
+    return lambda: None
+
+
 def record_lifted_forward(path: tuple, applied_kernel) -> bool:
   """Records that the forward of the ForgeDense at ``path`` ran inside a
   lifted transform (``nn.remat``, ``nn.jit``, ...) that passes it its own
@@ -281,12 +292,8 @@ def record_lifted_forward(path: tuple, applied_kernel) -> bool:
   forward on the same array: the layer called twice, which the backward's
   own check cannot see (each call's backward reads its own copy)."""
   path = tuple(path)
-  try:
-    ref = weakref.ref(applied_kernel)
-  except TypeError:  # not weakly referenceable
-    return False
   previous = _EVENTS.lifted.get(path)
-  _EVENTS.lifted[path] = (_EVENTS.computation, ref)
+  _EVENTS.lifted[path] = (_EVENTS.computation, _weak(applied_kernel))
   return (
     previous is not None
     and previous[0] == _EVENTS.computation
@@ -344,21 +351,12 @@ def record_update(path: Optional[tuple], kernel, count):
   del updates[:-_KEPT_UPDATES]
 
 
-def _weak(value):
-  """A weak reference to ``value``, or a dead one where it takes none."""
-  try:
-    return weakref.ref(value)
-  except TypeError:  # not weakly referenceable (a Python scalar)
-    return lambda: None
-
-
-def _combined(path: tuple, written_count) -> bool:
+def _combined(path: tuple, written_count, trace) -> bool:
   """Whether the gradient installed for ``path``, whose ``count`` entry is
   ``written_count`` (None: not known), is not one backward's: its count is
   none of the counts the layer's backwards in this trace wrote, and several
   gradient computations of this trace stepped the same kernel since the
-  last install (gradient accumulation). Forgets the layer's updates."""
-  trace = _current_trace()
+  last install (gradient accumulation). Forgets the layer's updates. ``trace``: the install's."""
   # Only this trace's: a gradient taken elsewhere (eagerly, in another jit)
   # reaches the install as another array, whichever one it is.
   updates = [
@@ -438,12 +436,13 @@ def take_backwards(paths, written_counts=None) -> list[bool]:
   the update of the summed gradient.
   """
   paths = [tuple(path) for path in paths]
+  trace = _current_trace()
   if written_counts is None:
     written_counts = [None] * len(paths)
   combined = [
     layer_name(path)
     for path, count in zip(paths, written_counts)
-    if _combined(path, count)
+    if _combined(path, count, trace)
   ]
   if combined:
     raise ValueError(
@@ -462,7 +461,6 @@ def take_backwards(paths, written_counts=None) -> list[bool]:
     pending |= _EVENTS.backwards.get(path, set())
   # Only this trace's: a gradient another jit traced (a diagnostic of its
   # own, or one a plain nnx.update took) is not the one installed here.
-  trace = _current_trace()
   pending = {
     c
     for c in pending & _EVENTS.unsettled

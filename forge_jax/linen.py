@@ -68,20 +68,6 @@ def _stacking_transform(scope) -> Optional[str]:
   return None
 
 
-#: Flax's lifted conditionals: a layer inside traces its backward whether or
-#: not its branch runs.
-_CONDITIONAL_TRANSFORMS = ("cond", "switch")
-
-
-def _in_conditional(scope) -> bool:
-  """Whether the module's scope path passes a lifted conditional."""
-  return any(
-    re.search(rf"\b{name}\(", part)
-    for part in getattr(scope, "debug_path", ())
-    for name in _CONDITIONAL_TRANSFORMS
-  )
-
-
 def _applied_kernel(module: nn.Module):
   """The FORGE kernel at ``module``'s path in the variables of the
   outermost module being applied, or None. Inside a lifted transform the
@@ -231,10 +217,7 @@ class _ForgeLinear(nn.Module):
       transform = inner if context is None else None
       if transform is not None:
         _warn_stacked(path, transform, type(self).__name__)
-      conditional = _in_conditional(self.scope)
-      layer_context.record_forward(
-        path, self.optimizer, conditional=conditional
-      )
+      conditional = layer_context.record_forward(path, self.optimizer)
       if context is None and transform is None and not conditional:
         self._check_single_lifted_use(path, kernel)
     spec = FusedDenseSpec(

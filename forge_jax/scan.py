@@ -298,11 +298,7 @@ def _checked_unshared(forge, d_out, path):
   """``d_out``, its float leaves passed through
   :func:`forge_jax.ops.fused_dense.check_unshared` against the stacks."""
   leaves, treedef = jax.tree.flatten(d_out)
-  floats = [
-    i
-    for i, leaf in enumerate(leaves)
-    if jnp.issubdtype(jnp.result_type(leaf), jnp.inexact)
-  ]
+  floats = [i for i, leaf in enumerate(leaves) if _differentiable(leaf)]
   checked = fused_dense.check_unshared(
     jax.tree.leaves(forge)[0], [leaves[i] for i in floats], path
   )
@@ -311,9 +307,14 @@ def _checked_unshared(forge, d_out, path):
   return jax.tree.unflatten(treedef, leaves)
 
 
+def _differentiable(value) -> bool:
+  """Whether ``value`` has a cotangent of its own dtype (not float0)."""
+  return jnp.issubdtype(jnp.result_type(value), jnp.inexact)
+
+
 def _zero_cotangent(value):
   """A zero cotangent for ``value`` (float0 for integer and key arrays)."""
-  if jnp.issubdtype(jnp.result_type(value), jnp.inexact):
+  if _differentiable(value):
     return jnp.zeros_like(value)
   return np.zeros(jnp.shape(value), jax.dtypes.float0)
 
