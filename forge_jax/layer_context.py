@@ -51,8 +51,8 @@ import sys
 import weakref
 from typing import Any, NamedTuple, Optional
 
+from jax._src import core as jax_core  # a trace's parents: no public API
 from jax.experimental.xla_metadata import set_xla_metadata
-from jax.extend import core as extend_core
 
 FORWARD = "forward"
 BACKWARD = "backward"
@@ -188,8 +188,17 @@ class _Events:
     self.last: Optional[str] = None
     #: path -> (FORWARD or BACKWARD, its computation)
     self.events: dict[tuple, tuple[str, int]] = {}
-    self.optimizers: dict[tuple, Any] = {}
+    #: path -> the traces its last backward nests in (:func:`_lineage`).
+    self.backward_lineage: dict[tuple, tuple] = {}
+    #: path -> (optimizer, the traces it nests in) of its last forwards,
+    #: oldest first.
+    self.optimizers: dict[tuple, list[tuple[Any, tuple]]] = {}
     self.passes: dict[tuple, Optional[str]] = {}
+    #: path -> (the kernel read, the pass, the optimizer) of its last
+    #: backwards, oldest first.
+    self.backward_records: dict[
+      tuple, list[tuple[Any, Optional[str], Any]]
+    ] = {}
     #: Paths whose last forward ran inside a conditional.
     self.conditional: set[tuple] = set()
     #: (path, pass) -> (computation, the kernel the backward read).
@@ -235,6 +244,17 @@ def layer_name(path: tuple) -> str:
   return _DISPLAY_NAMES.get(tuple(path), "/".join(map(str, path)))
 
 
+#: The most forwards, backwards and updates of a layer path the records
+#: keep (the layers of several models may share a path).
+_KEPT_RECORDS = 8
+
+
+def _keep(records: dict, path: tuple, record):
+  kept = records.setdefault(path, [])
+  kept.append(record)
+  del kept[:-_KEPT_RECORDS]
+
+
 def record_forward(path: tuple, optimizer) -> bool:
   """Records that the forward of the ForgeDense at module ``path``, with
   ``optimizer``, was traced, and returns whether inside a conditional (a
@@ -247,7 +267,7 @@ def record_forward(path: tuple, optimizer) -> bool:
   _EVENTS.last = FORWARD
   _EVENTS.events[path] = (FORWARD, _EVENTS.computation)
   _EVENTS.forwards.setdefault(path, set()).add(_EVENTS.computation)
-  _EVENTS.optimizers[path] = optimizer
+  _keep(_EVENTS.optimizers, path, (optimizer, _lineage()))
   if conditional:
     _EVENTS.conditional.add(path)
   else:
@@ -301,12 +321,15 @@ def record_lifted_forward(path: tuple, applied_kernel) -> bool:
   )
 
 
-def record_backward(path: Optional[tuple], deferred: bool, kernel=None) -> str:
+def record_backward(
+  path: Optional[tuple], deferred: bool, kernel=None, optimizer=None
+) -> str:
   """Records that the fused op's backward was traced for the ForgeDense at
   ``path`` (None: an unnamed op, recorded only in :func:`running`'s
-  list), reading ``kernel``, and returns the pass it runs as: the
-  :func:`gradient_pass`, but :data:`NORM_ONLY` for a layer in a
-  :data:`DEFERRED` pass that has no factor sink (``deferred`` False).
+  list), reading ``kernel``, stepping by ``optimizer``, and returns the
+  pass it runs as: the :func:`gradient_pass`, but :data:`NORM_ONLY` for a
+  layer in a :data:`DEFERRED` pass that has no factor sink (``deferred``
+  False).
 
   Raises if this computation already traced a backward of the same pass
   that read the same ``kernel`` at ``path``."""
@@ -318,21 +341,17 @@ def record_backward(path: Optional[tuple], deferred: bool, kernel=None) -> str:
     _check_single_backward(path, name, kernel)
     _EVENTS.last = BACKWARD
     _EVENTS.events[path] = (BACKWARD, _EVENTS.computation)
+    _EVENTS.backward_lineage[path] = _lineage()
     _EVENTS.backwards.setdefault(path, set()).add(_EVENTS.computation)
     _EVENTS.unsettled.add(_EVENTS.computation)
     traces = _EVENTS.traces.setdefault(_EVENTS.computation, [])
-    trace = _current_trace()
-    if not any(t == trace for t in traces):
-      traces.append(trace)
+    traces += [t for t in _lineage() if not _within(t, traces)]
     _EVENTS.passes[path] = name
+    _keep(_EVENTS.backward_records, path, (_weak(kernel), name, optimizer))
   traced = _TRACED.get()
   if traced is not None:
     traced.append(name)
   return name
-
-
-#: The most updates of a layer :func:`record_update` keeps.
-_KEPT_UPDATES = 8
 
 
 def record_update(path: Optional[tuple], kernel, count):
@@ -342,26 +361,34 @@ def record_update(path: Optional[tuple], kernel, count):
   install of one backward's gradient from one of several combined."""
   if path is None or gradient_pass() not in (None, SCALED):
     return
-  updates = _EVENTS.updates.setdefault(tuple(path), [])
-  updates.append(
-    (_EVENTS.computation, _weak(kernel), _weak(count), _current_trace())
+  # Gradients taken and never installed (an analysis loop) add up: the
+  # last few suffice to tell a combined gradient.
+  _keep(
+    _EVENTS.updates,
+    tuple(path),
+    (_EVENTS.computation, _weak(kernel), _weak(count), _lineage()),
   )
-  # Gradients taken and never installed (an analysis loop) add up: two
-  # suffice to tell a combined gradient.
-  del updates[:-_KEPT_UPDATES]
 
 
-def _combined(path: tuple, written_count, trace) -> bool:
+def _combined(path: tuple, written_count, kernel, trace) -> bool:
   """Whether the gradient installed for ``path``, whose ``count`` entry is
   ``written_count`` (None: not known), is not one backward's: its count is
   none of the counts the layer's backwards in this trace wrote, and several
   gradient computations of this trace stepped the same kernel since the
-  last install (gradient accumulation). Forgets the layer's updates. ``trace``: the install's."""
+  last install (gradient accumulation). Forgets the layer's updates of
+  ``kernel``, the installed layer's old kernel (None: not known), and
+  those of no known kernel. ``trace``: the install's."""
   # Only this trace's: a gradient taken elsewhere (eagerly, in another jit)
-  # reaches the install as another array, whichever one it is.
-  updates = [
-    update for update in _EVENTS.updates.pop(path, []) if update[3] == trace
-  ]
+  # reaches the install as another array, whichever one it is. Another
+  # model's layer at the same path (another kernel) keeps its updates.
+  updates, kept = [], []
+  for update in _EVENTS.updates.pop(path, []):
+    read = update[1]()
+    other = read is not None and kernel is not None and read is not kernel
+    (kept if other else updates).append(update)
+  if kept:
+    _EVENTS.updates[path] = kept
+  updates = [update for update in updates if _within(trace, update[3])]
   if written_count is None or any(
     count() is written_count for _, _, count, _ in updates
   ):
@@ -377,7 +404,7 @@ def _combined(path: tuple, written_count, trace) -> bool:
 def record_plain_backward(path: tuple):
   """Records that a plain use (:func:`plain_gradients`) of the kernel of the
   ForgeDense at ``path`` was differentiated with respect to the kernel."""
-  _EVENTS.plain.setdefault(tuple(path), []).append(_current_trace())
+  _EVENTS.plain.setdefault(tuple(path), []).append(_lineage())
 
 
 def _check_single_backward(path, name, kernel):
@@ -400,22 +427,19 @@ def _check_single_backward(path, name, kernel):
       "a layer called in a Python loop). FORGE updates the kernel inside "
       "each use's backward, so a shared kernel would receive the updates "
       "summed together. Use one layer per use, or flax's layer for shared "
-      "weights."
+      "weights. (Two models made from one initialization's arrays, in one "
+      "loss, look the same: give each its own copy, "
+      "jax.tree.map(jnp.copy, variables).)"
     )
   _EVENTS.kernels[(path, name)] = (_EVENTS.computation, ref)
 
 
-def last_event(path: tuple) -> Optional[str]:
-  """The last event traced for the ForgeDense at ``path`` in the current
-  gradient computation, or None."""
-  return _EVENTS.current(tuple(path))
-
-
-def take_backwards(paths, written_counts=None) -> list[bool]:
+def take_backwards(paths, written_counts=None, kernels=None) -> list[bool]:
   """For each ForgeDense at ``paths`` (the layers one install writes):
   whether its cotangents can be taken as its backward wrote them. That
   holds where the fused op's backward was the last event traced for the
-  layer in the current gradient computation, outside any conditional, and
+  layer in the current gradient computation, in the install's trace (or a
+  body traced inside it), outside any conditional, and
   in every gradient computation of this trace that traced any of these
   layers since their last install and whose gradients no install took:
   whichever of them is being installed then reached the layer. (A
@@ -433,16 +457,20 @@ def take_backwards(paths, written_counts=None) -> list[bool]:
   ``written_counts`` (each layer's installed ``count`` entry), raises for
   layers whose installed gradient combines several backwards' updates of
   one kernel (:func:`record_update`): summed or averaged updates are not
-  the update of the summed gradient.
+  the update of the summed gradient. ``kernels``: each layer's old kernel,
+  so that the updates of another model's layer at the same path stay
+  recorded for that layer's install.
   """
   paths = [tuple(path) for path in paths]
   trace = _current_trace()
   if written_counts is None:
     written_counts = [None] * len(paths)
+  if kernels is None:
+    kernels = [None] * len(paths)
   combined = [
     layer_name(path)
-    for path, count in zip(paths, written_counts)
-    if _combined(path, count, trace)
+    for path, count, kernel in zip(paths, written_counts, kernels)
+    if _combined(path, count, kernel, trace)
   ]
   if combined:
     raise ValueError(
@@ -462,16 +490,14 @@ def take_backwards(paths, written_counts=None) -> list[bool]:
   # Only this trace's: a gradient another jit traced (a diagnostic of its
   # own, or one a plain nnx.update took) is not the one installed here.
   pending = {
-    c
-    for c in pending & _EVENTS.unsettled
-    if any(t == trace for t in _EVENTS.traces[c])
+    c for c in pending & _EVENTS.unsettled if _within(trace, _EVENTS.traces[c])
   }
   plain_only = []
   for path in paths:
     plain_traces = _EVENTS.plain.pop(path, ())
-    if any(t == trace for t in plain_traces) and not _EVENTS.backwards.get(
-      path
-    ):
+    if any(
+      _within(trace, lineage) for lineage in plain_traces
+    ) and not _EVENTS.backwards.get(path):
       plain_only.append(layer_name(path))
   if plain_only:
     raise ValueError(
@@ -488,8 +514,13 @@ def take_backwards(paths, written_counts=None) -> list[bool]:
     _EVENTS.events.pop(path, None)
     backwards = _EVENTS.backwards.pop(path, set())
     taken |= backwards
+    # Traced in this trace (or a body inside it): a backward traced
+    # elsewhere (eagerly, another jit) wrote another gradient than the one
+    # this trace installs each time it runs.
+    here = _within(trace, _EVENTS.backward_lineage.pop(path, ()))
     decisions.append(
       event == BACKWARD
+      and here
       and path not in _EVENTS.conditional
       and pending <= backwards
     )
@@ -499,15 +530,66 @@ def take_backwards(paths, written_counts=None) -> list[bool]:
   return decisions
 
 
-def _current_trace():
-  """The trace JAX is tracing into (comparable with ``==``): a jit's, where
-  its gradients' backwards run and their install is traced."""
-  return extend_core.get_opaque_trace_state(convention="flax")
+def _current_trace() -> weakref.ref:
+  """A weak reference to the trace JAX is tracing into: a jit's, where its
+  gradients' backwards run and their install is traced."""
+  return weakref.ref(jax_core.trace_ctx.trace)
 
 
-def optimizer(path: tuple):
-  """The optimizer of the ForgeDense at ``path`` last traced, or None."""
-  return _EVENTS.optimizers.get(tuple(path))
+def _lineage() -> tuple:
+  """Weak references to the trace JAX is tracing into and to the traces it
+  nests in, innermost first: a ``scan`` or ``remat`` body's, then its
+  jit's (eagerly, evaluation's)."""
+  refs, trace = [], jax_core.trace_ctx.trace
+  while trace is not None:
+    refs.append(weakref.ref(trace))
+    trace = getattr(trace, "parent_trace", None)
+  # Evaluation's only when eager: every trace nests in it, but an eager
+  # install takes only what was computed eagerly.
+  return tuple(refs[:-1]) if len(refs) > 1 else tuple(refs)
+
+
+def _within(trace: weakref.ref, lineage) -> bool:
+  """Whether ``trace`` is one of ``lineage``'s (:func:`_lineage`)."""
+  return any(t is trace for t in lineage)
+
+
+def optimizers(path: tuple, kernel=None) -> tuple:
+  """The optimizers the ForgeDense at ``path`` may have, the likeliest
+  first; empty where no forward of it was traced.
+
+  The layers of several models (a learning-rate sweep, a GAN's two
+  networks) may share a path. The optimizer is the one of the forward that
+  read ``kernel`` (the layer's kernel as an install holds it, which its
+  backward reads), else of the last forward traced inside the current
+  trace, else any optimizer of the path's last forwards, the last first
+  (a jitted ``apply`` reads a tracer that no eager install holds)."""
+  path = tuple(path)
+  for read, _, optimizer in reversed(_EVENTS.backward_records.get(path, [])):
+    if kernel is not None and read() is kernel:
+      return (optimizer,)
+  records = _EVENTS.optimizers.get(path, [])
+  if not isinstance(jax_core.trace_ctx.trace, jax_core.EvalTrace):
+    trace = _current_trace()
+    for optimizer, lineage in reversed(records):
+      if _within(trace, lineage):
+        return (optimizer,)
+  return tuple(dict.fromkeys(record[0] for record in reversed(records)))
+
+
+def stepped_unclipped(path: tuple, kernel=None) -> bool:
+  """Whether the backward that stepped the ForgeDense at ``path`` ran
+  outside clipping's passes (:data:`SCALED`, :data:`DEFERRED`): the last
+  backward that read ``kernel``, else (none recorded, or None) the last
+  event of the current gradient computation, if a backward."""
+  path = tuple(path)
+  for read, name, _ in reversed(_EVENTS.backward_records.get(path, [])):
+    if kernel is not None and read() is kernel:
+      return name not in (SCALED, DEFERRED)
+  return _EVENTS.current(path) == BACKWARD and _EVENTS.passes.get(path) not in (
+    SCALED,
+    DEFERRED,
+  )
 
 
 def last_pass(path: tuple) -> Optional[str]:

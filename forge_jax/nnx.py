@@ -459,6 +459,7 @@ def install(model, grads) -> dict[str, jax.Array]:
   traced = layer_context.take_backwards(
     [layer.layer_key for _, layer in layers],
     [_written_count(written, path) for path, _ in layers],
+    [_value(layer.kernel) for _, layer in layers],
   )
   for (path, layer), backward_traced in zip(layers, traced):
     _INSTALLED.add(layer.layer_key)

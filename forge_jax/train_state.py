@@ -195,6 +195,7 @@ def install(old, cotangents):
   traced = layer_context.take_backwards(
     [path for path, _ in layers],
     [_written_count(layer_at(cotangents, path)) for path, _ in layers],
+    [layer.get("kernel") for _, layer in layers],
   )
   for (path, layer), backward_traced in zip(layers, traced):
     written = layer_at(cotangents, path)
@@ -323,10 +324,8 @@ def check_clipped(collection):
   :meth:`TrainState.value_and_grad`): their layers stepped unclipped."""
   unclipped = [
     "/".join(path)
-    for path, _ in forge_layers(collection)
-    if layer_context.last_event(path) == layer_context.BACKWARD
-    and layer_context.last_pass(path)
-    not in (layer_context.SCALED, layer_context.DEFERRED)
+    for path, layer in forge_layers(collection)
+    if layer_context.stepped_unclipped(path, layer.get("kernel"))
   ]
   if unclipped:
     raise ValueError(
@@ -407,8 +406,8 @@ def check_layer_optimizers(tx, collection, params=None):
   where ``tx`` cannot run on kernel-shaped probes at the layers' paths
   (labels given as a pytree of that tree, not as a function)."""
   layers = tuple(
-    (path, layer_context.optimizer(path))
-    for path, _ in forge_layers(collection)
+    (path, _followed(tx, layer_context.optimizers(path, layer.get("kernel"))))
+    for path, layer in forge_layers(collection)
   )
   try:
     by_kernels = _probed_kernels(tx, layers)
@@ -418,6 +417,18 @@ def check_layer_optimizers(tx, collection, params=None):
   check_probed(by_kernels if by_kernels is not None else by_params, by_params)
   check_optimizers(tx, {optimizer for _, optimizer in layers})
   check_decay_masks(layers)
+
+
+def _followed(tx, candidates: tuple):
+  """Of a layer's candidate optimizers (the likeliest first), the first
+  whose rule ``tx`` may be; else the first (None where there are none)."""
+  for optimizer in candidates:
+    try:
+      if _same_rule(tx, optimizer) is not False:
+        return optimizer
+    except TypeError:  # an unhashable tx: nothing to compare with
+      break
+  return candidates[0] if candidates else None
 
 
 def check_decay_masks(layers: tuple):

@@ -499,6 +499,29 @@ def test_a_gradient_taken_elsewhere_does_not_wipe_an_unreached_layer(seed):
   assert fj.nnx.wiped_layers(model) == []
 
 
+def test_eager_gradients_installed_by_a_jitted_update_keep_unreached_heads(
+  seed,
+):
+  """Gradients taken eagerly and installed by ``nnx.jit(optimizer.update)``:
+  the update's cached trace cannot trust a backward traced elsewhere, so
+  a later step whose loss does not reach head 0 keeps it bit for bit."""
+  model = Branches(nnx.Rngs(seed))
+  optimizer = fj.nnx.Optimizer(model, OPT.to_optax(), wrt=nnx.Param)
+  x, y = make_batch(seed, (5, 6), 4)
+  loss = lambda task: lambda m: cross_entropy(lambda x: m(x, task), x, y)
+  update = nnx.jit(lambda o, m, g: o.update(m, g))
+  update(optimizer, model, fj.nnx.grad(loss(0))(model))
+  before = forge_values(model)
+  update(optimizer, model, fj.nnx.grad(loss(1))(model))
+  for a, b in zip(
+    jax.tree.leaves(forge_values(model)["heads"][0]),
+    jax.tree.leaves(before["heads"][0]),
+  ):
+    assert_bitwise_equal(a, b, "heads[0]")
+  assert optimizer.unreached_layers() == ["heads/0"]
+  assert fj.nnx.wiped_layers(model) == []
+
+
 class Twice(nnx.Module):
   def __init__(self, rngs):
     self.fc = fj.nnx.Linear(4, 4, optimizer=OPT, rngs=rngs)

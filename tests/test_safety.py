@@ -455,6 +455,132 @@ def test_another_models_backward_does_not_vouch_for_a_layer(seed):
   assert float(new_a.params[COLL]["head0"]["count"]) == 1.0
 
 
+@pytest.mark.parametrize("where", ["eager", "own jit"])
+def test_gradients_taken_outside_a_jitted_install_keep_unreached_layers(
+  where, seed
+):
+  """Gradients taken eagerly (or in a jit of their own) and installed by a
+  jitted ``apply_gradients``: the install's trace, cached after its first
+  call, cannot trust a backward traced elsewhere. A later step whose loss
+  does not reach head0 keeps it bit for bit, as the eager install does."""
+  x, _ = make_batch(seed, (4, 6), 4)
+  state = _two_heads_state(seed, x)
+  loss = lambda v, task: (state.apply_fn(v, x, task) ** 2).mean()
+  grad = jax.grad(loss, argnums=0)
+  if where == "own jit":
+    grad = jax.jit(grad, static_argnums=1)
+  install = jax.jit(lambda s, g: s.apply_gradients(grads=g))
+  state = install(state, grad(state.params, 0))
+  before = host_copy(state.params[COLL]["head0"])
+  state = install(state, grad(state.params, 1))
+  assert_bitwise_equal(
+    state.params[COLL]["head0"]["kernel"], before["kernel"], "head0"
+  )
+  assert state.unreached_layers() == ["head0"]
+  assert fj.wiped_layers(state.params) == []
+
+
+# ---------------------------------------------------------------------------
+# Several models whose layers share paths, in one process (a sweep, a GAN).
+
+
+def _sweep_state(optimizer, seed, x, tx=None, jit_apply=True):
+  model = MLP((8, 4), optimizer)
+  return fj.TrainState.create(
+    apply_fn=jax.jit(model.apply) if jit_apply else model.apply,
+    params=model.init(jax.random.key(seed), x),
+    tx=(tx or optimizer).to_optax(),
+  )
+
+
+def test_models_at_the_same_paths_with_other_optimizers_train_in_turn(seed):
+  """A learning-rate sweep whose models train in turn, with jitted
+  ``apply`` and eager installs: each model's install checks tx against its
+  own layers' optimizer, not the one traced last at the paths, and each
+  trains as it does alone."""
+  x, _ = make_batch(seed, (4, 6), 4)
+  optimizers = (fj.adamw(1e-2), fj.adamw(3e-2))
+  loss = lambda s: lambda v: (s.apply_fn(v, x) ** 2).mean()
+  states = [_sweep_state(opt, seed, x) for opt in optimizers]
+  alone = []
+  for state in states:
+    for _ in range(2):
+      state = state.apply_gradients(grads=jax.grad(loss(state))(state.params))
+    alone.append(state)
+  for _ in range(2):
+    grads = [jax.grad(loss(state))(state.params) for state in states]
+    states = [s.apply_gradients(grads=g) for s, g in zip(states, grads)]
+  for state, reference in zip(states, alone):
+    assert_bitwise_equal(
+      state.params[COLL]["fc1"]["kernel"],
+      reference.params[COLL]["fc1"]["kernel"],
+      "fc1",
+    )
+    assert_bitwise_equal(
+      state.params["params"]["fc1"]["bias"],
+      reference.params["params"]["fc1"]["bias"],
+      "fc1's bias",
+    )
+
+
+def test_a_wrong_tx_is_refused_beside_a_model_that_it_fits(seed):
+  """Model A's tx is model B's optimizer; B's layers share A's paths and
+  are traced after A's: A's install still refuses its tx. (Known by the
+  kernel its backward read; through a jitted ``apply`` the install would
+  accept the optimizer of any recent model at those paths.)"""
+  x, _ = make_batch(seed, (4, 6), 4)
+  slow, fast = fj.adamw(1e-2), fj.adamw(3e-2)
+  a = _sweep_state(slow, seed, x, tx=fast, jit_apply=False)
+  b = _sweep_state(fast, seed, x, jit_apply=False)
+  loss = lambda s: lambda v: (s.apply_fn(v, x) ** 2).mean()
+  grads_a = jax.grad(loss(a))(a.params)
+  b.apply_gradients(grads=jax.grad(loss(b))(b.params))
+  with pytest.raises(ValueError, match="tx is not the optimizer"):
+    a.apply_gradients(grads=grads_a)
+
+
+def test_the_clipping_check_reads_each_models_own_backward(seed):
+  """Model A steps clipped and B unclipped, their layers at the same paths:
+  A's install takes A's clipped gradient whichever was taken last, and A's
+  unclipped gradient (``jax.grad`` where ``max_grad_norm`` is set) is
+  refused even after B's clipped one."""
+  x, _ = make_batch(seed, (4, 6), 4)
+  model = MLP((8, 4), OPT)
+  params = model.init(jax.random.key(seed), x)
+  a = fj.TrainState.create(
+    apply_fn=model.apply, params=params, tx=OPT.to_optax(), max_grad_norm=0.1
+  )
+  b = fj.TrainState.create(
+    apply_fn=model.apply,
+    params=jax.tree.map(jnp.copy, params),
+    tx=OPT.to_optax(),
+    max_grad_norm=0.1,
+  )
+  loss = lambda v: (model.apply(v, x) ** 2).mean()
+  clipped_a = a.value_and_grad(loss)(a.params)[1]
+  jax.grad(loss)(jax.tree.map(jnp.copy, params))  # another model, unclipped
+  assert fj.wiped_layers(a.apply_gradients(grads=clipped_a).params) == []
+  unclipped_a = jax.grad(loss)(a.params)
+  b.value_and_grad(loss)(b.params)
+  with pytest.raises(ValueError, match="stepped with unclipped gradients"):
+    a.apply_gradients(grads=unclipped_a)
+
+
+def test_accumulation_is_refused_beside_another_models_install(seed):
+  """Model A's gradients of two micro-batches averaged; model B, its
+  layers at the same paths, installs a step in between: A's install still
+  refuses the combination."""
+  x, _ = make_batch(seed, (2, 4, 6), 4)
+  model = Encoder()
+  a, b = _state(model, seed, x[0]), _state(model, seed + 1, x[0])
+  grad = jax.grad(lambda v, xs: (model.apply(v, xs) ** 2).sum())
+  grads = [grad(a.params, xs) for xs in x]
+  b.apply_gradients(grads=grad(b.params, x[0]))
+  mean = jax.tree.map(lambda *g: sum(g) / len(g), *grads)
+  with pytest.raises(ValueError, match=r"\['proj'\] combines"):
+    a.apply_gradients(grads=mean)
+
+
 def test_a_layer_in_a_branch_that_does_not_run_keeps_its_variables(seed):
   """``nn.cond`` traces both branches' backwards, but only one runs: the
   layer of the other keeps its variables, and steps when its branch runs."""

@@ -1086,7 +1086,9 @@ def _forge_dense_bwd(spec, layout, defers, residuals, dy):
   # The kernel as the forward read it: the same array twice is one kernel
   # used twice.
   kernel = variables.kernel
-  gradient_pass = layer_context.record_backward(spec.path, defers, kernel)
+  gradient_pass = layer_context.record_backward(
+    spec.path, defers, kernel, spec.optimizer
+  )
   stored_shape = jnp.shape(variables.kernel)
   variables = _viewed(variables, jnp.shape(x)[-1:], layer_index is not None)
   backward = functools.partial(
