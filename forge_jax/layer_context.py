@@ -10,7 +10,8 @@ Four trace-time channels between the parts of the package:
   each ForgeDense records, by module path, that its forward ran, and the
   fused op's backward that it ran after it. :class:`forge_jax.TrainState`
   installs the new variables of a layer whose backward ran last, in the
-  gradient computation being installed, without reading the old ones (so
+  gradient computation being installed and inside the install's own trace,
+  without reading the old ones (so
   updates stay in place), and checks the others at run time (a layer the
   loss did not reach gets zero cotangents and keeps its variables). A
   forward traced after a backward starts another gradient computation:
@@ -26,7 +27,10 @@ Four trace-time channels between the parts of the package:
   traced inside a conditional (``nn.cond``, ``nn.switch``) is never
   trusted: its backward is traced whether or not its branch runs. A
   backward traced twice for one kernel in one computation and pass (the
-  kernel used twice by the loss) raises.
+  kernel used twice by the loss) raises. Several models may share layer
+  paths: what a check asks of a layer's backward (its optimizer, its
+  clipping pass, its updates) it reads from the backward that read the
+  installed layer's kernel.
 * :func:`gradient_pass` / :func:`running`: which backward pass of
   :mod:`forge_jax.clipping`'s gradient functions is being traced (a
   norm-only pass computes each layer's ``grad_sq_norm`` and updates
