@@ -1036,6 +1036,13 @@ WHOLE_GRADIENT_TRANSFORMATIONS = (
   "scale_by_shampoo",
   "scale_by_muon",
   "scale_by_sm3",
+  "scale_by_backtracking_linesearch",
+  "scale_by_zoom_linesearch",
+  "scale_by_polyak",
+  "scale_by_dog",
+  "scale_by_distance_over_gradients",
+  "prodigy",
+  "sam",
 )
 
 

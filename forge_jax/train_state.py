@@ -299,6 +299,14 @@ def check_transformation(tx, clipping_advice: str = CLIPPING_ADVICE):
       "Pass tx=opt.to_optax(), with an optax schedule as the learning rate "
       "if it changes (the schedule gives its value at any step, to log)."
     )
+  if "reduce_on_plateau" in names:
+    raise ValueError(
+      "tx holds reduce_on_plateau: it scales the updates of tx by a factor "
+      "kept in tx's state, which FORGE's layers never see (they step "
+      "inside the backward pass by their own optimizer), so only the other "
+      "parameters would slow down. Pass tx=opt.to_optax(), with an optax "
+      "schedule as the learning rate of opt."
+    )
   if "zero_nans" in names:
     raise ValueError(
       "tx holds zero_nans: the ForgeDense layers keep their weights and "

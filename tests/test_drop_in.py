@@ -920,6 +920,18 @@ def test_stock_train_state_still_fails_loudly_on_an_unreached_layer():
       ),
       "inject_hyperparams",
     ),
+    (
+      optax.chain(OPT.to_optax(), optax.contrib.reduce_on_plateau()),
+      "reduce_on_plateau",
+    ),
+    (
+      optax.chain(
+        OPT.to_optax(),
+        optax.scale_by_backtracking_linesearch(max_backtracking_steps=4),
+      ),
+      "scale_by_backtracking_linesearch",
+    ),
+    (optax.polyak_sgd(), "scale_by_polyak"),
   ],
   ids=[
     "multi_steps",
@@ -927,6 +939,9 @@ def test_stock_train_state_still_fails_loudly_on_an_unreached_layer():
     "apply_if_finite",
     "zero_nans",
     "inject_hyperparams",
+    "reduce_on_plateau",
+    "linesearch",
+    "polyak",
   ],
 )
 def test_train_state_refuses_whole_gradient_transformations(tx, match):

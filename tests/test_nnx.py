@@ -747,6 +747,11 @@ def test_misuse_raises(seed):
     fj.nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
   with pytest.raises(ValueError, match="MultiSteps"):
     fj.nnx.Optimizer(model, optax.MultiSteps(OPT.to_optax(), 2), wrt=nnx.Param)
+  # Driven by update(..., value=loss), it would slow the other parameters
+  # alone.
+  plateau = optax.chain(OPT.to_optax(), optax.contrib.reduce_on_plateau())
+  with pytest.raises(ValueError, match="reduce_on_plateau"):
+    fj.nnx.Optimizer(model, plateau, wrt=nnx.Param)
   clipped = optax.chain(optax.clip_by_global_norm(1.0), OPT.to_optax())
   with pytest.raises(ValueError, match="fj.nnx.global_norm"):
     fj.nnx.Optimizer(model, clipped, wrt=nnx.Param)
