@@ -260,7 +260,13 @@ class Linear(nnx.Module):
       spec,
       layer_index,
       layout,
-      where=f"fj.nnx.Linear({self.in_features}, {self.out_features})",
+      where=self._where(),
+    )
+
+  def _where(self) -> str:
+    """The layer as error messages show it."""
+    return (
+      f"fj.nnx.{type(self).__name__}({self.in_features}, {self.out_features})"
     )
 
   def _layer_id(self) -> int:
@@ -268,7 +274,7 @@ class Linear(nnx.Module):
       return 0  # unused: keep the spec (and its jit cache key) as before
     if self.layer_id is None:
       raise ValueError(
-        f"fj.nnx.Linear({self.in_features}, {self.out_features}) rounds "
+        f"{self._where()} rounds "
         "stochastically (its weights or 4-bit second moments) but has no "
         "layer_id to seed the rounding: create "
         "fj.nnx.Optimizer(model, ...) before the first step (it numbers "
@@ -299,7 +305,7 @@ class Linear(nnx.Module):
       and actual == wanted
     ):
       return
-    where = f"fj.nnx.Linear({self.in_features}, {self.out_features})"
+    where = self._where()
     if stacked is not None:
       raise TypeError(
         f"{where}: its variables are {actual} but {wanted} was expected: "
@@ -333,7 +339,7 @@ class Linear(nnx.Module):
       self.output_partitioning,
       resolve,
       self.data_parallel,
-      where=f"fj.nnx.Linear({self.in_features}, {self.out_features})",
+      where=self._where(),
     )
 
 

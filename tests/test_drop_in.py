@@ -1607,3 +1607,67 @@ def test_stacks_past_2_31_elements_train_like_xla_on_gpu(storage):
       atol=2e-3,
       err_msg=implementation,
     )
+
+
+class NormedPair(nn.Module):
+  """Two bfloat16 layers with a LayerNorm and GELU between them: the second
+  layer's input comes out of float32 ops."""
+
+  optimizer: Any = None  # None: nn.Dense
+  implementation: str = "xla"
+
+  @nn.compact
+  def __call__(self, x):
+    def dense(name):
+      if self.optimizer is None:
+        return nn.Dense(128, dtype=jnp.bfloat16, name=name)
+      return fj.ForgeDense(
+        128,
+        optimizer=self.optimizer,
+        implementation=self.implementation,
+        dtype=jnp.bfloat16,
+        name=name,
+      )
+
+    h = nn.gelu(nn.LayerNorm(dtype=jnp.bfloat16)(dense("fc1")(x)))
+    return dense("fc2")(h)
+
+
+@pytest.mark.parametrize("implementation", ["xla", "triton", "mosaic"])
+def test_16bit_compute_steps_as_nn_dense_after_float32_ops(
+  implementation, seed
+):
+  """With ``dtype=bfloat16``, ``dW`` reads the input rounded to bfloat16,
+  as ``nn.Dense``'s gradient does, also where a float32 op made it (XLA's
+  CPU compiler, allowed excess precision, would drop that rounding from a
+  float32-accumulating dot): one Adam step equals optax's to float32
+  rounding, where a flipped sign would move an element by twice the
+  learning rate."""
+  kx, ky = jax.random.split(jax.random.key(seed))
+  x = jax.random.normal(kx, (64, 128)).astype(jnp.bfloat16)
+  y = jax.random.normal(ky, (64, 128))
+  lr = 1e-2
+  steps = {}
+  for name, model, tx, create in (
+    ("optax", NormedPair(), optax.adam(lr), FlaxTrainState.create),
+    (
+      "forge",
+      NormedPair(fj.adam(lr), implementation),
+      fj.adam(lr).to_optax(),
+      fj.TrainState.create,
+    ),
+  ):
+    variables = model.init(jax.random.key(seed), x)
+    state = create(apply_fn=model.apply, params=variables, tx=tx)
+    loss = lambda v, f=model.apply: jnp.mean((f(v, x) - y) ** 2)
+    new = state.apply_gradients(grads=jax.jit(jax.grad(loss))(state.params))
+    collection = "params" if name == "optax" else fj.FORGE_COLLECTION
+    steps[name] = {
+      layer: np.asarray(new.params[collection][layer]["kernel"])
+      - np.asarray(variables[collection][layer]["kernel"])
+      for layer in ("fc1", "fc2")
+    }
+  for layer in ("fc1", "fc2"):
+    np.testing.assert_allclose(
+      steps["forge"][layer], steps["optax"][layer], rtol=0, atol=1e-3 * lr
+    )

@@ -33,8 +33,22 @@ from forge_jax.ops import stacks
 from forge_jax.ops.update import apply_update
 
 
+def as_stored(*operands) -> tuple:
+  """``operands`` as their dtypes hold them, for a dot that accumulates in
+  float32. XLA's CPU compiler computes such a dot of 16-bit operands in
+  float32 and, allowed excess precision, then drops the rounding of an
+  operand made by a float32 op (the input after a LayerNorm or GELU): the
+  product would read values neither ``nn.Dense``'s gradient nor the
+  kernels see. An optimization barrier keeps the rounded operands."""
+  if all(jnp.dtype(a.dtype).itemsize >= 4 for a in operands):
+    return operands
+  return lax.optimization_barrier(operands)
+
+
 def weight_gradient(x, dy, precision=None):
-  """``dW = x.T @ dy`` in float32, with the dimension numbers autodiff uses."""
+  """``dW = x.T @ dy`` in float32, with the dimension numbers autodiff uses
+  (on the operands :func:`as_stored`)."""
+  x, dy = as_stored(x, dy)
   batch_axes = tuple(range(x.ndim - 1))
   return lax.dot_general(
     x,
@@ -61,6 +75,7 @@ def weight_gradient_sq_norm(x, dy, precision=None, data_axes=()):
     if data_axes:
       grad = lax.psum(grad, data_axes)
     return jnp.sum(jnp.square(grad))
+  x, dy = as_stored(x, dy)
   gram = lambda a: lax.dot_general(
     a,
     a,
