@@ -471,6 +471,14 @@ def take_backwards(paths, written_counts=None, kernels=None) -> list[bool]:
     written_counts = [None] * len(paths)
   if kernels is None:
     kernels = [None] * len(paths)
+  # An install traced inside the gradient's trace (a branch of a lax.cond
+  # that skips bad steps, closing over the grads) holds the very count a
+  # backward wrote.
+  written_here = [
+    count is not None
+    and any(update[2]() is count for update in _EVENTS.updates.get(path, ()))
+    for path, count in zip(paths, written_counts)
+  ]
   combined = [
     layer_name(path)
     for path, count, kernel in zip(paths, written_counts, kernels)
@@ -513,15 +521,16 @@ def take_backwards(paths, written_counts=None, kernels=None) -> list[bool]:
       "there."
     )
   decisions, taken = [], set()
-  for path in paths:
+  for path, wrote in zip(paths, written_here):
     event = _EVENTS.current(path)
     _EVENTS.events.pop(path, None)
     backwards = _EVENTS.backwards.pop(path, set())
     taken |= backwards
-    # Traced in this trace (or a body inside it): a backward traced
-    # elsewhere (eagerly, another jit) wrote another gradient than the one
-    # this trace installs each time it runs.
-    here = _within(trace, _EVENTS.backward_lineage.pop(path, ()))
+    # Traced in this trace (or a body inside it), or installing what it
+    # wrote: a backward traced elsewhere (eagerly, another jit) wrote
+    # another gradient than the one this trace installs each time it runs.
+    lineage = _EVENTS.backward_lineage.pop(path, ())
+    here = wrote or _within(trace, lineage)
     decisions.append(
       event == BACKWARD
       and here

@@ -470,18 +470,27 @@ def check_decay_masks(layers: tuple):
 
 def check_probed(frozen: Optional[LayerProbe], owned: Optional[LayerProbe]):
   """Refuses what the layer probes (:func:`probe_layers`) found: in
-  ``frozen``, layers ``tx`` freezes; in ``owned`` (the probe of the tree
-  ``tx`` steps, where the layers own their biases), layers whose biases
-  ``tx`` steps by another rule than their own. A ``None`` probe (``tx``
-  could not run on it) refuses nothing."""
+  ``frozen``, layers ``tx`` freezes; in either probe (``owned``: the probe
+  of the tree ``tx`` steps, where the layers own their biases), layers
+  whose kernels or biases ``tx`` steps by another rule than their own. A
+  ``None`` probe (``tx`` could not run on it) refuses nothing."""
   if frozen is not None and frozen.frozen:
     raise ValueError(frozen_message(frozen.frozen))
-  if owned is not None and owned.misruled:
+  # A kernel at a layer's path says what tx would do there were the layer
+  # nn.Dense: with one rule for all layers, that tx singles it out.
+  misruled = [
+    *(frozen.misruled if frozen is not None and not frozen.mixed else ()),
+    *(owned.misruled if owned is not None else ()),
+  ]
+  if misruled:
     raise ValueError(
-      f"tx steps the biases of the FORGE layers {list(owned.misruled)} by "
-      "another rule than their layer's own optimizer: the layers' "
-      "optimizers differ, and tx follows another layer's. Step each "
-      "layer's bias by its own rule: optax.multi_transform({'a': "
+      f"tx steps the FORGE layers {sorted(set(misruled))} by another rule "
+      "than their own optimizer (a learning rate or rule of their own, or "
+      "another layer's), but FORGE steps each layer's kernel by the "
+      "layer's optimizer in the backward pass: only the bias would follow "
+      "tx. Give such a layer the optimizer it should follow "
+      "(fj.ForgeDense(..., optimizer=fj.adamw(...)) / fj.nnx.Linear), and "
+      "step its bias by that optimizer's rule: optax.multi_transform({'a': "
       "opt_a.to_optax(), 'b': opt_b.to_optax()}, labels), the labels "
       "naming each layer's optimizer by its path (the parameters no layer "
       "owns may take any of them)."
@@ -515,13 +524,16 @@ class LayerProbe(NamedTuple):
   Attributes:
     frozen: layers whose every leaf ``tx`` leaves unchanged while their
       rule moves it.
-    misruled: where the optimizers of the layers owning leaves differ,
-      layers whose leaves ``tx`` steps unlike their rule (unlike
-      ``opt.to_optax()`` and ``fj.optax_with_storage(opt)`` both).
+    misruled: layers whose leaves ``tx`` steps unlike their rule (unlike
+      ``opt.to_optax()`` and ``fj.optax_with_storage(opt)`` both), where
+      the optimizers of the layers owning leaves differ or ``tx`` steps
+      other layers' leaves by it.
+    mixed: whether the optimizers of the layers owning leaves differ.
   """
 
   frozen: tuple
   misruled: tuple
+  mixed: bool = False
 
 
 def probe_layers(tx, layers: tuple, params) -> Optional[LayerProbe]:
@@ -616,16 +628,22 @@ def _probe_layers(tx, layers, treedef, names, ranks) -> Optional[LayerProbe]:
     for path, leaves in owned.items()
     if moves(by_rule[rules[path]][0], leaves) and not moves(by_tx, leaves)
   )
-  mixed = len({rules[path] for path in owned}) > 1
-  misruled = tuple(
-    name(path)
+  off_rule = {
+    name(path): not any(
+      follows(taken, leaves) for taken in by_rule[rules[path]]
+    )
     for path, leaves in owned.items()
-    if mixed
-    and name(path) not in frozen
-    and moves(by_tx, leaves)
-    and not any(follows(taken, leaves) for taken in by_rule[rules[path]])
-  )
-  return LayerProbe(frozen, misruled)
+    if name(path) not in frozen and moves(by_tx, leaves)
+  }
+  # With one rule for every layer, tx stepping some layers by it and others
+  # otherwise singles those out by their paths (a learning rate of their
+  # own), which their kernels never follow. Where it steps none by it, it
+  # treats all alike (a weight-decay mask on biases): the rule's probe of
+  # a kernel (check_optimizers) decides.
+  mixed = len({rules[path] for path in owned}) > 1
+  singled_out = mixed or not all(off_rule.values())
+  misruled = tuple(n for n, off in off_rule.items() if off and singled_out)
+  return LayerProbe(frozen, misruled, mixed)
 
 
 def _probed_kernels(tx, layers: tuple) -> Optional[LayerProbe]:

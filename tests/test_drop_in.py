@@ -1119,6 +1119,30 @@ def test_layers_on_several_rules_take_each_bias_by_its_layer_rule():
     )
 
 
+class ThreeLayers(nn.Module):
+  """Three AdamW layers; ``fc3`` has no bias."""
+
+  @nn.compact
+  def __call__(self, x):
+    h = nn.gelu(fj.ForgeDense(8, OPT, name="fc1")(x))
+    h = nn.gelu(fj.ForgeDense(8, OPT, name="fc3", use_bias=False)(h))
+    return fj.ForgeDense(4, OPT, name="fc2")(h)
+
+
+@pytest.mark.parametrize("layer", ["fc2", "fc3"])
+def test_a_learning_rate_of_its_own_for_a_forge_layer_is_refused(layer):
+  """Discriminative learning rates by path in tx (a layer on a tenth of the
+  rate, through ``optax.multi_transform``): FORGE steps the layer's kernel
+  by its own optimizer, so only its bias would follow. Refused, naming the
+  layer, with or without a bias; the same labels with the layers' own
+  rule everywhere train."""
+  slow = fj.adamw(1e-3, weight_decay=0.1)
+  with pytest.raises(ValueError, match=rf"\['{layer}'\] by another rule"):
+    train(ThreeLayers(), steps=1, tx=by_layer({layer: slow}))
+  _, losses = train(ThreeLayers(), steps=2, tx=by_layer({layer: OPT}))
+  assert np.isfinite(losses).all()
+
+
 def test_train_state_accepts_a_learning_rate_warmed_up_from_zero():
   """A schedule that starts at 0 leaves the probe unmoved on its first
   step, the layers' rule too: that is no freezing."""

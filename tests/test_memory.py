@@ -346,3 +346,55 @@ def test_xla_reference_temp_follows_its_row_chunks(
   assert backends.chunk_rows(k, n) == k // 8
   chunked = temp()
   assert chunked < 0.5 * whole, (chunked, whole)
+
+
+def _kernel_selects(hlo: str, shapes) -> int:
+  """``select``s of kernel-shaped arrays in an optimized HLO module: the
+  install's run-time choice between a layer's written and old values."""
+  found = re.finditer(r"=\s*\w+\[([\d,]*)\][^=\n]*?\bselect\(", hlo)
+  return sum(
+    tuple(int(d) for d in m.group(1).split(",") if d) in shapes for m in found
+  )
+
+
+@pytest.mark.parametrize("branch", ["cond", "switch"])
+def test_an_install_in_a_branch_closing_over_the_gradient_stays_in_place(
+  branch,
+):
+  """A step that skips non-finite losses with ``lax.cond`` / ``switch``
+  around ``apply_gradients`` (the branch closing over the gradient taken
+  in the step): the install traced in the branch holds the counts the
+  backwards wrote, so it takes the layers' new variables in place, with no
+  more selects than the plain step."""
+  opt = fj.adamw(1e-2)
+  model = nn.Sequential(
+    [
+      fj.ForgeDense(32, optimizer=opt),
+      nn.gelu,
+      fj.ForgeDense(16, optimizer=opt),
+    ]
+  )
+  x = jnp.ones((8, 16))
+  state = fj.TrainState.create(
+    apply_fn=model.apply,
+    params=model.init(jax.random.key(0), x),
+    tx=opt.to_optax(),
+  )
+
+  def step(state, skip):
+    loss_fn = lambda v: jnp.mean(state.apply_fn(v, x) ** 2)
+    loss, grads = jax.value_and_grad(loss_fn)(state.params)
+    install = lambda s: s.apply_gradients(grads=grads)
+    if skip == "cond":
+      return jax.lax.cond(jnp.isfinite(loss), install, lambda s: s, state)
+    if skip == "switch":
+      index = jnp.where(jnp.isfinite(loss), 0, 1)
+      return jax.lax.switch(index, [install, lambda s: s], state)
+    return install(state)
+
+  hlo = lambda skip: (
+    jax.jit(functools.partial(step, skip=skip)).lower(state).compile().as_text()
+  )
+  shapes = {(16, 32), (32, 16)}
+  plain = _kernel_selects(hlo(None), shapes)
+  assert _kernel_selects(hlo(branch), shapes) == plain

@@ -747,6 +747,19 @@ def test_misuse_raises(seed):
     fj.nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
   with pytest.raises(ValueError, match="MultiSteps"):
     fj.nnx.Optimizer(model, optax.MultiSteps(OPT.to_optax(), 2), wrt=nnx.Param)
+  # A learning rate of its own for the second layer, by path: its kernel
+  # would not follow.
+  by_path = lambda state: jax.tree_util.tree_map_with_path(
+    lambda path, _: (
+      "slow" if 1 in [getattr(k, "key", None) for k in path] else "rest"
+    ),
+    state,
+  )
+  groups = {"slow": fj.adamw(1e-3).to_optax(), "rest": OPT.to_optax()}
+  with pytest.raises(ValueError, match=r"\['layers/1'\] by another rule"):
+    fj.nnx.Optimizer(
+      model, optax.multi_transform(groups, by_path), wrt=nnx.Param
+    )
   # Driven by update(..., value=loss), it would slow the other parameters
   # alone.
   plateau = optax.chain(OPT.to_optax(), optax.contrib.reduce_on_plateau())
