@@ -198,6 +198,8 @@ class _Events:
     #: oldest first.
     self.optimizers: dict[tuple, list[tuple[Any, tuple]]] = {}
     self.passes: dict[tuple, Optional[str]] = {}
+    #: path -> the name flax's twin of the layer keeps its weight under.
+    self.weights: dict[tuple, str] = {}
     #: path -> (the kernel read, the pass, the optimizer) of its last
     #: backwards, oldest first.
     self.backward_records: dict[
@@ -259,9 +261,10 @@ def _keep(records: dict, path: tuple, record):
   del kept[:-_KEPT_RECORDS]
 
 
-def record_forward(path: tuple, optimizer) -> bool:
+def record_forward(path: tuple, optimizer, weight: str = "kernel") -> bool:
   """Records that the forward of the ForgeDense at module ``path``, with
-  ``optimizer``, was traced, and returns whether inside a conditional (a
+  ``optimizer``, was traced (``weight``: the name flax's twin of the layer
+  keeps its weight under), and returns whether inside a conditional (a
   branch of ``jax.lax.cond`` or ``switch``: ``nn.cond``, ``nnx.cond``, a
   ``lax.cond`` around ``apply``)."""
   path = tuple(path)
@@ -272,6 +275,7 @@ def record_forward(path: tuple, optimizer) -> bool:
   _EVENTS.events[path] = (FORWARD, _EVENTS.computation)
   _EVENTS.forwards.setdefault(path, set()).add(_EVENTS.computation)
   _keep(_EVENTS.optimizers, path, (optimizer, _lineage()))
+  _EVENTS.weights[path] = weight
   if conditional:
     _EVENTS.conditional.add(path)
   else:
@@ -588,6 +592,12 @@ def optimizers(path: tuple, kernel=None) -> tuple:
       if _within(trace, lineage):
         return (optimizer,)
   return tuple(dict.fromkeys(record[0] for record in reversed(records)))
+
+
+def weight_name(path: tuple) -> str:
+  """The name flax's twin of the ForgeDense at ``path`` keeps its weight
+  under: ``'embedding'`` for an embedding's table, else ``'kernel'``."""
+  return _EVENTS.weights.get(tuple(path), "kernel")
 
 
 def stepped_unclipped(path: tuple, kernel=None) -> bool:

@@ -137,6 +137,9 @@ class _ForgeLinear(nn.Module):
   #: should prompt, for a layer without ``input_partitioning`` (``{axis}``:
   #: the axis); None: declare ``input_partitioning``.
   undeclared_input_advice: ClassVar[Optional[str]] = None
+  #: The name flax's own layer keeps the weight under (checks of tx and of
+  #: weight-decay masks ask about a leaf so named).
+  twin_weight: ClassVar[str] = "kernel"
 
   def _fused(
     self,
@@ -217,7 +220,9 @@ class _ForgeLinear(nn.Module):
       transform = inner if context is None else None
       if transform is not None:
         _warn_stacked(path, transform, type(self).__name__)
-      conditional = layer_context.record_forward(path, self.optimizer)
+      conditional = layer_context.record_forward(
+        path, self.optimizer, self.twin_weight
+      )
       if context is None and transform is None and not conditional:
         self._check_single_lifted_use(path, kernel)
     spec = FusedDenseSpec(
@@ -606,6 +611,7 @@ class ForgeEmbed(_ForgeLinear):
   mesh: Optional[Any] = None
   data_parallel: str = "auto"
 
+  twin_weight: ClassVar[str] = "embedding"
   undeclared_input_advice: ClassVar[str] = (
     "ForgeEmbed has no input_partitioning: shard the table over {axis!r} "
     "too, embedding_init=nn.with_partitioning(init, ({axis!r}, None)) (each "

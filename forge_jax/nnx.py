@@ -145,6 +145,10 @@ class Linear(nnx.Module):
   ``jax.shard_map`` (:mod:`forge_jax.parallel`).
   """
 
+  #: The name nnx's own layer keeps the weight under (checks of tx and of
+  #: weight-decay masks ask about a leaf so named).
+  twin_weight = "kernel"
+
   def __init__(
     self,
     in_features: int,
@@ -242,7 +246,9 @@ class Linear(nnx.Module):
       context if context is not None and context.index is not None else None
     )
     self._check_variables(variables, stacked)
-    layer_context.record_forward(self.layer_key, self.optimizer)
+    layer_context.record_forward(
+      self.layer_key, self.optimizer, self.twin_weight
+    )
     spec = FusedDenseSpec(
       optimizer=self.optimizer,
       implementation=self.implementation,
@@ -357,6 +363,8 @@ class Embed(Linear):
   looked-up rows, with ``nnx.Embed``'s indexing: negative tokens count from
   the end, tokens outside the table look up NaN rows.
   """
+
+  twin_weight = "embedding"
 
   def __init__(
     self,
@@ -629,7 +637,10 @@ class Optimizer(nnx.Optimizer):
     super().__init__(model, tx, wrt=wrt, **kwargs)
     layers = forge_layers(model)
     check_optimizers(tx, {layer.optimizer for _, layer in layers})
-    check_decay_masks(tuple((path, layer.optimizer) for path, layer in layers))
+    check_decay_masks(
+      tuple((path, layer.optimizer) for path, layer in layers),
+      {path: layer.twin_weight for path, layer in layers},
+    )
     check_not_frozen(model, tx, wrt, layers)
     for path, layer in layers:
       _INSTALLED.add(layer.layer_key)

@@ -417,14 +417,15 @@ def check_layer_optimizers(tx, collection, params=None):
     (path, _followed(tx, layer_context.optimizers(path, layer.get("kernel"))))
     for path, layer in forge_layers(collection)
   )
+  weights = {path: layer_context.weight_name(path) for path, _ in layers}
   try:
-    by_kernels = _probed_kernels(tx, layers)
+    by_kernels = _probed_kernels(tx, layers, weights)
     by_params = None if params is None else probe_layers(tx, layers, params)
   except TypeError:  # an unhashable tx: nothing to probe
     by_kernels = by_params = None
   check_probed(by_kernels if by_kernels is not None else by_params, by_params)
   check_optimizers(tx, {optimizer for _, optimizer in layers})
-  check_decay_masks(layers)
+  check_decay_masks(layers, weights)
 
 
 def _followed(tx, candidates: tuple):
@@ -439,23 +440,27 @@ def _followed(tx, candidates: tuple):
   return candidates[0] if candidates else None
 
 
-def check_decay_masks(layers: tuple):
+def check_decay_masks(layers: tuple, weights: Optional[Mapping] = None):
   """Refuses a weight-decay ``mask`` (a function of the parameters) of a
   layer's optimizer that leaves out that layer's kernel, asked at the path
-  where ``nn.Dense`` keeps it: FORGE decays every kernel it steps, and the
+  where flax's layer keeps it: FORGE decays every kernel it steps, and the
   mask reaches only the parameters optax owns. ``layers``: ``(path,
-  optimizer)`` pairs."""
+  optimizer)`` pairs; ``weights``: by path, the name flax's layer keeps
+  its weight under (``'embedding'`` for an embedding; ``'kernel'`` where
+  absent)."""
+  weights = weights or {}
   left_out = []
   for path, optimizer in layers:
     mask = getattr(optimizer, "mask", None)
     if not callable(mask) or not has_weight_decay(optimizer.weight_decay):
       continue
+    weight = weights.get(path, "kernel")
     try:
-      decided = mask(_kernel_probe_tree([path]))
+      decided = mask(_kernel_probe_tree([path], {path: weight}))
     except Exception:  # noqa: BLE001 (a mask written for another tree)
       continue
     node = decided
-    for key in (*path, "kernel"):
+    for key in (*path, weight):
       node = node.get(key) if isinstance(node, Mapping) else None
     if node is not None and not np.all(np.asarray(node)):
       left_out.append("/".join(map(str, path)))
@@ -464,7 +469,9 @@ def check_decay_masks(layers: tuple):
       f"The weight-decay mask leaves out the kernels of the FORGE layers "
       f"{left_out}, but FORGE decays every kernel it steps: the mask "
       "reaches only the parameters optax owns (biases, norms). Make those "
-      "layers nn.Dense / nnx.Linear, or keep their kernels in the mask."
+      "layers flax's own (nn.Dense, nn.Embed, nnx.Linear), give them an "
+      "optimizer without weight decay (fj.adamw(..., weight_decay=0.0)), "
+      "or keep their kernels in the mask."
     )
 
 
@@ -646,25 +653,29 @@ def _probe_layers(tx, layers, treedef, names, ranks) -> Optional[LayerProbe]:
   return LayerProbe(frozen, misruled, mixed)
 
 
-def _probed_kernels(tx, layers: tuple) -> Optional[LayerProbe]:
+def _probed_kernels(tx, layers: tuple, weights=None) -> Optional[LayerProbe]:
   """:func:`probe_layers` on a tree with a kernel at each of ``layers``'
-  paths (where ``nn.Dense`` keeps one): how freezing by name
+  paths (where flax's layer keeps one; ``weights`` as for
+  :func:`check_decay_masks`): how freezing by name
   (``optax.multi_transform``, ``optax.masked``) treats them. (A learning
   rate that starts at zero leaves both unmoved on the first step.) None
   where ``tx`` cannot run on such a tree."""
-  params = _kernel_probe_tree([path for path, _ in layers])
+  params = _kernel_probe_tree([path for path, _ in layers], weights)
   return probe_layers(tx, layers, params)
 
 
-def _kernel_probe_tree(paths) -> dict:
-  """A tree with a kernel-shaped leaf at each of ``paths``, named
-  ``kernel`` where ``nn.Dense`` keeps one."""
+def _kernel_probe_tree(paths, weights=None) -> dict:
+  """A tree with a kernel-shaped leaf at each of ``paths``, named as flax's
+  layer names its weight (``weights`` by path: ``'kernel'`` where absent,
+  as for ``nn.Dense``)."""
+  weights = weights or {}
   params = {}
   for path in paths:
     node = params
     for key in path:
       node = node.setdefault(key, {})
-    node["kernel"] = np.zeros((2, 3), np.float32)  # the probe's rank
+    # The probe's rank.
+    node[weights.get(path, "kernel")] = np.zeros((2, 3), np.float32)
   return params
 
 

@@ -341,3 +341,26 @@ def test_nnx_embed_is_nnx_embed_and_trains_as_optax(seed):
     rtol=1e-5,
     atol=1e-7,
   )
+
+
+def test_a_decay_mask_that_leaves_out_the_table_is_refused():
+  """The usual AdamW mask by leaf name, no decay on ``embedding`` leaves:
+  FORGE would decay the table all the same, so the mask is asked about a
+  leaf named as ``nn.Embed`` / ``nnx.Embed`` name it, and refused."""
+  no_decay = lambda params: jax.tree_util.tree_map_with_path(
+    lambda path, _: getattr(path[-1], "key", None) != "embedding", params
+  )
+  opt = fj.adamw(1e-2, weight_decay=0.1, mask=no_decay)
+  tokens = jnp.arange(6) % 5
+  model = fj.ForgeEmbed(5, 4, optimizer=opt, implementation="xla")
+  state = fj.TrainState.create(
+    apply_fn=model.apply,
+    params=model.init(jax.random.key(0), tokens),
+    tx=opt.to_optax(),
+  )
+  grads = jax.grad(lambda v: jnp.sum(model.apply(v, tokens) ** 2))(state.params)
+  with pytest.raises(ValueError, match="leaves out the kernels"):
+    state.apply_gradients(grads=grads)
+  table = fj.nnx.Embed(5, 4, optimizer=opt, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="leaves out the kernels"):
+    fj.nnx.Optimizer(table, opt.to_optax(), wrt=nnx.Param)
