@@ -16,6 +16,7 @@ leaves between paths.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from typing import Any, Callable, Iterable, Optional
 
 import flax.linen as nn
@@ -96,6 +97,14 @@ def from_dense(
   """
   rename = dense_path if rename is None else rename
   rngs = jax.random.key(0) if rngs is None else rngs
+  if isinstance(dense_variables, Mapping) and "params" not in dense_variables:
+    raise ValueError(
+      "dense_variables has no 'params' collection (its top level holds "
+      f"{sorted(map(str, dense_variables))[:8]}): pass the flax model's "
+      "whole variables, {'params': params, ...}, as model.init returns "
+      "them; for a checkpoint of the parameters alone, "
+      "{'params': params}."
+    )
 
   def convert(dense_variables):
     fresh = forge_model.init(rngs, *init_args, **init_kwargs)

@@ -193,6 +193,9 @@ def test_mismatches_name_the_leaves():
   wrong["params"]["Dense_0"]["kernel"] = jnp.ones((8, 5))
   with pytest.raises(ValueError, match="shape"):
     fj.from_dense(wrong, Model(fj.adam(1e-3)), x)
+  # The parameters alone, as many checkpoints hold them.
+  with pytest.raises(ValueError, match="no 'params' collection"):
+    fj.from_dense(dense_vars["params"], Model(fj.adam(1e-3)), x)
 
 
 def test_to_dense_refuses_two_layers_at_one_path():
