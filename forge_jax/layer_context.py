@@ -600,18 +600,27 @@ def weight_name(path: tuple) -> str:
   return _EVENTS.weights.get(tuple(path), "kernel")
 
 
-def stepped_unclipped(path: tuple, kernel=None) -> bool:
-  """Whether the backward that stepped the ForgeDense at ``path`` ran
-  outside clipping's passes (:data:`SCALED`, :data:`DEFERRED`): the last
-  backward that read ``kernel``, else (none recorded, or None) the last
-  event of the current gradient computation, if a backward."""
+def stepping_pass(path: tuple, kernel=None) -> Optional[tuple]:
+  """``(pass,)`` of the backward that stepped the ForgeDense at ``path``:
+  the last backward that read ``kernel``, else (none recorded, or None)
+  the last event of the current gradient computation, if a backward; None
+  where neither is."""
   path = tuple(path)
   for read, name, _ in reversed(_EVENTS.backward_records.get(path, [])):
     if kernel is not None and read() is kernel:
-      return name not in (SCALED, DEFERRED)
-  return _EVENTS.current(path) == BACKWARD and _EVENTS.passes.get(path) not in (
-    SCALED,
-    DEFERRED,
+      return (name,)
+  if _EVENTS.current(path) == BACKWARD:
+    return (_EVENTS.passes.get(path),)
+  return None
+
+
+def forward_only(path: tuple, kernel=None) -> bool:
+  """Whether the current gradient computation traced the forward of the
+  ForgeDense at ``path`` and no backward stepped it (its output's gradient
+  stopped: the loss does not reach it)."""
+  return (
+    stepping_pass(path, kernel) is None
+    and _EVENTS.current(tuple(path)) == FORWARD
   )
 
 

@@ -159,7 +159,9 @@ class TrainState(train_state.TrainState):
         "of state.params (jax.grad(loss)(state.params)), not "
         "state.params['params'] alone."
       )
-    check_layer_optimizers(self.tx, old, self.params.get("params"))
+    check_layer_optimizers(
+      self.tx, old, self.params.get("params"), grads[FORGE_COLLECTION]
+    )
     new, reached = install(old, grads[FORGE_COLLECTION])
     grads = {**grads, FORGE_COLLECTION: new}
     state = super().apply_gradients(grads=grads, reached=reached, **kwargs)
@@ -330,11 +332,14 @@ def check_clipped(collection):
   """Refuses a clipped step whose ForgeDense backward passes were traced
   without clipping (by ``jax.value_and_grad``, not
   :meth:`TrainState.value_and_grad`): their layers stepped unclipped."""
-  unclipped = [
-    "/".join(path)
-    for path, layer in forge_layers(collection)
-    if layer_context.stepped_unclipped(path, layer.get("kernel"))
-  ]
+  unclipped = []
+  for path, layer in forge_layers(collection):
+    stepped = layer_context.stepping_pass(path, layer.get("kernel"))
+    if stepped is not None and stepped[0] not in (
+      layer_context.SCALED,
+      layer_context.DEFERRED,
+    ):
+      unclipped.append("/".join(path))
   if unclipped:
     raise ValueError(
       f"max_grad_norm is set, but the ForgeDense layers {unclipped} "
@@ -403,7 +408,7 @@ def _steps_match(tx, reference) -> bool | None:
   return same if moved else None
 
 
-def check_layer_optimizers(tx, collection, params=None):
+def check_layer_optimizers(tx, collection, params=None, written=None):
   """Refuses a ``tx`` that is not the optimizer of the ForgeDense layers
   traced last (the parameters it trains would follow another rule), that
   would freeze some of them, or that steps a layer's bias by another
@@ -412,7 +417,9 @@ def check_layer_optimizers(tx, collection, params=None):
 
   ``params``: the tree ``tx`` steps (the ``'params'`` collection), probed
   where ``tx`` cannot run on kernel-shaped probes at the layers' paths
-  (labels given as a pytree of that tree, not as a function)."""
+  (labels given as a pytree of that tree, not as a function). ``written``:
+  the gradient being installed (FORGE's collection), whose layers the loss
+  did not reach may be frozen (their output's gradient stopped)."""
   layers = tuple(
     (path, _followed(tx, layer_context.optimizers(path, layer.get("kernel"))))
     for path, layer in forge_layers(collection)
@@ -423,9 +430,32 @@ def check_layer_optimizers(tx, collection, params=None):
     by_params = None if params is None else probe_layers(tx, layers, params)
   except TypeError:  # an unhashable tx: nothing to probe
     by_kernels = by_params = None
-  check_probed(by_kernels if by_kernels is not None else by_params, by_params)
+  probe = by_kernels if by_kernels is not None else by_params
+  if probe is not None and written is not None:
+    unreached = _unreached(collection, written)
+    probe = probe._replace(
+      frozen=tuple(n for n in probe.frozen if n not in unreached)
+    )
+  check_probed(probe, by_params)
   check_optimizers(tx, {optimizer for _, optimizer in layers})
   check_decay_masks(layers, weights)
+
+
+def _unreached(collection, written) -> set:
+  """Names of the layers of ``collection`` that the gradient ``written``
+  (FORGE's collection) does not step: their written flags say so, or, where
+  traced, the gradient traced their forward and no backward."""
+  names = set()
+  for path, layer in forge_layers(collection):
+    flags = layer_at(written, path)
+    flags = flags.get("intact") if isinstance(flags, Mapping) else None
+    if flags is not None and not isinstance(flags, jax.core.Tracer):
+      unreached = not np.any(np.asarray(flags) > 0)
+    else:
+      unreached = layer_context.forward_only(path, layer.get("kernel"))
+    if unreached:
+      names.add("/".join(map(str, path)))
+  return names
 
 
 def _followed(tx, candidates: tuple):

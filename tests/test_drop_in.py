@@ -996,6 +996,37 @@ def test_train_state_refuses_a_tx_that_freezes_forge_layers(how):
   assert np.isfinite(losses).all()
 
 
+class FrozenBody(nn.Module):
+  """A body whose output's gradient is stopped (frozen), then a head."""
+
+  @nn.compact
+  def __call__(self, x):
+    h = lax.stop_gradient(nn.gelu(fj.ForgeDense(8, OPT, name="body")(x)))
+    return fj.ForgeDense(4, OPT, name="head")(h)
+
+
+def test_a_frozen_forge_layer_behind_stop_gradient_may_be_labelled_frozen():
+  """A body frozen as the refusal advises, its output's gradient stopped,
+  and labelled frozen in tx too (so that weight decay spares its bias): the
+  loss never reaches it, so tx's freezing label is right, and the step
+  trains the head and keeps the body bit for bit."""
+  labels = lambda p: jax.tree_util.tree_map_with_path(
+    lambda path, _: (
+      "frozen" if "body" in jax.tree_util.keystr(path) else "train"
+    ),
+    p,
+  )
+  tx = optax.multi_transform(
+    {"train": OPT.to_optax(), "frozen": optax.set_to_zero()}, labels
+  )
+  before = FrozenBody().init(jax.random.key(0), data()[0])
+  state, losses = train(FrozenBody(), steps=2, tx=tx)
+  assert np.isfinite(losses).all()
+  body = lambda v: {c: v[c]["body"] for c in ("params", fj.FORGE_COLLECTION)}
+  chex.assert_trees_all_equal(body(state.params), body(before))
+  assert float(state.params[fj.FORGE_COLLECTION]["head"]["count"]) == 2.0
+
+
 def test_train_state_keeps_the_other_collections_of_the_variables():
   """Created from the whole variables (the README's recipe), a model with
   BatchNorm keeps its batch_stats in state.params through every step
