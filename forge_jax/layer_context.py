@@ -11,8 +11,8 @@ Four trace-time channels between the parts of the package:
   fused op's backward that it ran after it. :class:`forge_jax.TrainState`
   installs the new variables of a layer whose backward ran last, in the
   gradient computation being installed and inside the install's own trace,
-  without reading the old ones (so
-  updates stay in place), and checks the others at run time (a layer the
+  without reading the old ones (so updates stay in place), and checks the
+  others at run time (a layer the
   loss did not reach gets zero cotangents and keeps its variables). A
   forward traced after a backward starts another gradient computation:
   the earlier one's backwards are no longer trusted, since its gradients
@@ -447,10 +447,11 @@ def take_backwards(paths, written_counts=None, kernels=None) -> list[bool]:
   whether its cotangents can be taken as its backward wrote them. That
   holds where the fused op's backward was the last event traced for the
   layer in the current gradient computation, in the install's trace (or a
-  body traced inside it), outside any conditional, and
-  in every gradient computation of this trace that traced any of these
-  layers since their last install and whose gradients no install took:
-  whichever of them is being installed then reached the layer. (A
+  body traced inside it, or writing the count the install holds), outside
+  any conditional, and in every gradient computation of this trace that
+  traced any of these layers since their last install and whose gradients
+  no install took: whichever of them is being installed then reached the
+  layer. (A
   gradient traced for a diagnostic after the training gradient, reaching
   a layer the training loss does not, says nothing of the gradient being
   installed.)
@@ -576,11 +577,11 @@ def optimizers(path: tuple, kernel=None) -> tuple:
   first; empty where no forward of it was traced.
 
   The layers of several models (a learning-rate sweep, a GAN's two
-  networks) may share a path. The optimizer is the one of the forward that
-  read ``kernel`` (the layer's kernel as an install holds it, which its
-  backward reads), else of the last forward traced inside the current
-  trace, else any optimizer of the path's last forwards, the last first
-  (a jitted ``apply`` reads a tracer that no eager install holds)."""
+  networks) may share a path. The optimizer is the one of the backward
+  that read ``kernel`` (the layer's kernel as an install holds it), else
+  of the last forward traced inside the current trace, else any optimizer
+  of the path's last forwards, the last first (inside a jitted ``apply``
+  the backward reads a tracer that no eager install holds)."""
   path = tuple(path)
   for read, _, optimizer in reversed(_EVENTS.backward_records.get(path, [])):
     if kernel is not None and read() is kernel:

@@ -409,11 +409,11 @@ def _steps_match(tx, reference) -> bool | None:
 
 
 def check_layer_optimizers(tx, collection, params=None, written=None):
-  """Refuses a ``tx`` that is not the optimizer of the ForgeDense layers
-  traced last (the parameters it trains would follow another rule), that
-  would freeze some of them, or that steps a layer's bias by another
-  layer's rule where the layers' optimizers differ (a bias-free layer's
-  rule plays no part in ``tx``).
+  """Refuses a ``tx`` that is not the optimizer of the ForgeDense layers of
+  ``collection`` (the parameters it trains would follow another rule),
+  that would freeze some of them the gradient steps, or that steps some of
+  them by another rule than their own (a learning rate of their own by
+  path, another layer's rule).
 
   ``params``: the tree ``tx`` steps (the ``'params'`` collection), probed
   where ``tx`` cannot run on kernel-shaped probes at the layers' paths
