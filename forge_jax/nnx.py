@@ -66,6 +66,7 @@ from forge_jax.train_state import (
   frozen_message,
   install_layer,
   leaf_paths,
+  probe_kernels,
   probe_layers,
 )
 
@@ -703,10 +704,12 @@ def check_not_frozen(model, tx, wrt, layers):
         "bias), as for frozen layers",
       )
     )
-  probed = probe_layers(
-    tx, tuple((path, layer.optimizer) for path, layer in layers), selected
+  optimizers = tuple((path, layer.optimizer) for path, layer in layers)
+  probed = probe_layers(tx, optimizers, selected)
+  kernels = probe_kernels(
+    tx, optimizers, {path: layer.twin_weight for path, layer in layers}
   )
-  check_probed(probed, probed)
+  check_probed(probed, probed, kernels)
 
 
 def wiped_layers(model) -> list[str]:

@@ -420,13 +420,17 @@ def check_layer_optimizers(tx, collection, params=None, written=None):
   (labels given as a pytree of that tree, not as a function). ``written``:
   the gradient being installed (FORGE's collection), whose layers the loss
   did not reach may be frozen (their output's gradient stopped)."""
-  layers = tuple(
-    (path, _followed(tx, layer_context.optimizers(path, layer.get("kernel"))))
+  candidates = {
+    path: layer_context.optimizers(path, layer.get("kernel"))
     for path, layer in forge_layers(collection)
-  )
+  }
+  layers = tuple((path, _followed(tx, c)) for path, c in candidates.items())
+  ambiguous = {
+    "/".join(map(str, p)) for p, c in candidates.items() if len(c) > 1
+  }
   weights = {path: layer_context.weight_name(path) for path, _ in layers}
   try:
-    by_kernels = _probed_kernels(tx, layers, weights)
+    by_kernels = probe_kernels(tx, layers, weights)
     by_params = None if params is None else probe_layers(tx, layers, params)
   except TypeError:  # an unhashable tx: nothing to probe
     by_kernels = by_params = None
@@ -436,7 +440,7 @@ def check_layer_optimizers(tx, collection, params=None, written=None):
     probe = probe._replace(
       frozen=tuple(n for n in probe.frozen if n not in unreached)
     )
-  check_probed(probe, by_params)
+  check_probed(probe, by_params, by_kernels, ambiguous)
   check_optimizers(tx, {optimizer for _, optimizer in layers})
   check_decay_masks(layers, weights)
 
@@ -505,19 +509,33 @@ def check_decay_masks(layers: tuple, weights: Optional[Mapping] = None):
     )
 
 
-def check_probed(frozen: Optional[LayerProbe], owned: Optional[LayerProbe]):
+def check_probed(
+  frozen: Optional[LayerProbe],
+  owned: Optional[LayerProbe],
+  kernels: Optional[LayerProbe] = None,
+  ambiguous=(),
+):
   """Refuses what the layer probes (:func:`probe_layers`) found: in
-  ``frozen``, layers ``tx`` freezes; in either probe (``owned``: the probe
-  of the tree ``tx`` steps, where the layers own their biases), layers
-  whose kernels or biases ``tx`` steps by another rule than their own. A
-  ``None`` probe (``tx`` could not run on it) refuses nothing."""
+  ``frozen``, layers ``tx`` freezes; in ``owned`` (the probe of the tree
+  ``tx`` steps, where the layers own their biases), where the layers'
+  optimizers differ, layers whose biases ``tx`` steps by another layer's
+  rule; in ``kernels`` (:func:`probe_kernels`), where one rule is every
+  layer's, layers whose kernel ``tx`` would step by another (a learning
+  rate of their own by path), but for the ``ambiguous`` ones (their
+  optimizer not known). A ``None`` probe (``tx`` could not run on it)
+  refuses nothing."""
   if frozen is not None and frozen.frozen:
     raise ValueError(frozen_message(frozen.frozen))
-  # A kernel at a layer's path says what tx would do there were the layer
-  # nn.Dense: with one rule for all layers, that tx singles it out.
+  # Biases alone may take rules of their own (no weight decay on some, by
+  # rank or name): only a kernel at a layer's path, where nn.Dense keeps
+  # one, says that tx singles the layer out.
   misruled = [
-    *(frozen.misruled if frozen is not None and not frozen.mixed else ()),
-    *(owned.misruled if owned is not None else ()),
+    *(owned.misruled if owned is not None and owned.mixed else ()),
+    *(
+      name
+      for name in (kernels.misruled if kernels is not None else ())
+      if not kernels.mixed and name not in ambiguous
+    ),
   ]
   if misruled:
     raise ValueError(
@@ -674,16 +692,16 @@ def _probe_layers(tx, layers, treedef, names, ranks) -> Optional[LayerProbe]:
   }
   # With one rule for every layer, tx stepping some layers by it and others
   # otherwise singles those out by their paths (a learning rate of their
-  # own), which their kernels never follow. Where it steps none by it, it
-  # treats all alike (a weight-decay mask on biases): the rule's probe of
-  # a kernel (check_optimizers) decides.
+  # own, on a kernel probe), which their kernels never follow. Where it
+  # steps none by it, it treats all alike: the rule's probe of a kernel
+  # (check_optimizers) decides.
   mixed = len({rules[path] for path in owned}) > 1
   singled_out = mixed or not all(off_rule.values())
   misruled = tuple(n for n, off in off_rule.items() if off and singled_out)
   return LayerProbe(frozen, misruled, mixed)
 
 
-def _probed_kernels(tx, layers: tuple, weights=None) -> Optional[LayerProbe]:
+def probe_kernels(tx, layers: tuple, weights=None) -> Optional[LayerProbe]:
   """:func:`probe_layers` on a tree with a kernel at each of ``layers``'
   paths (where flax's layer keeps one; ``weights`` as for
   :func:`check_decay_masks`): how freezing by name

@@ -1174,6 +1174,36 @@ def test_a_learning_rate_of_its_own_for_a_forge_layer_is_refused(layer):
   assert np.isfinite(losses).all()
 
 
+class RankTwoBias(nn.Module):
+  """A ForgeDenseGeneral with a ``[2, 4]`` bias beside a ForgeDense."""
+
+  @nn.compact
+  def __call__(self, x):
+    h = fj.ForgeDenseGeneral((2, 4), optimizer=OPT, name="heads")(x)
+    return fj.ForgeDense(4, OPT, name="out")(nn.gelu(h.reshape(x.shape)))
+
+
+def test_rules_of_their_own_for_some_biases_alone_pass():
+  """Biases may take rules of their own, on some layers only: a decay mask
+  by rank (the ``[2, 4]`` bias decayed, the other not) and a bias at twice
+  the rate, by path. Only a kernel at a layer's path would single the
+  layer out."""
+  by_rank = optax.adamw(
+    1e-2, weight_decay=0.1, mask=lambda p: jax.tree.map(lambda a: a.ndim > 1, p)
+  )
+  label = lambda path, _: "fast" if path[-2:] == ("out", "bias") else "rest"
+  fast_bias = optax.multi_transform(
+    {
+      "fast": fj.adamw(2e-2, weight_decay=0.1).to_optax(),
+      "rest": OPT.to_optax(),
+    },
+    lambda params: traverse_util.path_aware_map(label, params),
+  )
+  for tx in (by_rank, fast_bias):
+    _, losses = train(RankTwoBias(), steps=2, tx=tx)
+    assert np.isfinite(losses).all()
+
+
 def test_train_state_accepts_a_learning_rate_warmed_up_from_zero():
   """A schedule that starts at 0 leaves the probe unmoved on its first
   step, the layers' rule too: that is no freezing."""
