@@ -685,9 +685,11 @@ def test_mosaic_int8_states_match_reference_bits(
     assert (bits(new) != bits(old)).any(), f"{name}: a leaf did not move"
 
 
-# One buffer, as the package's rolled configs (QUANTIZED_CONFIGS) take it,
-# by default; two with --run-slow.
-@pytest.mark.parametrize("slots", [1, pytest.param(2, marks=pytest.mark.slow)])
+# One and two buffers with --run-slow: the compiled GPU test
+# (test_compiled_rolled_int8_update_gives_the_unrolled_bits) runs the
+# package's rolled configs by default.
+@pytest.mark.slow
+@pytest.mark.parametrize("slots", [1, 2])
 def test_mosaic_rolled_epilogue_gives_the_unrolled_bits(slots, seed):
   """Two int8 sub-tiles a part, updated in a loop that rotates them through
   its carry (one or two buffers: the second sub-tile's loads issued on the
