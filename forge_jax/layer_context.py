@@ -12,13 +12,12 @@ Four trace-time channels between the parts of the package:
   installs the new variables of a layer whose backward ran last, in the
   gradient computation being installed and inside the install's own trace,
   without reading the old ones (so updates stay in place), and checks the
-  others at run time (a layer the
-  loss did not reach gets zero cotangents and keeps its variables). A
-  forward traced after a backward starts another gradient computation:
-  the earlier one's backwards are no longer trusted, since its gradients
-  may never be installed (a gradient taken for a diagnostic, another
-  model's) and the loss being installed may not reach those layers. Nor
-  is a layer trusted that an earlier gradient computation of the same
+  others at run time (a layer the loss did not reach gets zero cotangents
+  and keeps its variables). A forward traced after a backward starts
+  another gradient computation: the earlier one's backwards are no longer
+  trusted, since its gradients may never be installed (a gradient taken
+  for a diagnostic, another model's) and the loss being installed may not
+  reach those layers. Nor is a layer trusted that an earlier gradient computation of the same
   layers, not yet installed, did not reach: that gradient may be the one
   installed.
   Installing forgets the layer's events: a later trace that traces neither
@@ -197,7 +196,6 @@ class _Events:
     #: path -> (optimizer, the traces it nests in) of its last forwards,
     #: oldest first.
     self.optimizers: dict[tuple, list[tuple[Any, tuple]]] = {}
-    self.passes: dict[tuple, Optional[str]] = {}
     #: path -> the name flax's twin of the layer keeps its weight under.
     self.weights: dict[tuple, str] = {}
     #: path -> (the kernel read, the pass, the optimizer) of its last
@@ -354,7 +352,6 @@ def record_backward(
     _EVENTS.unsettled.add(_EVENTS.computation)
     traces = _EVENTS.traces.setdefault(_EVENTS.computation, [])
     traces += [t for t in _lineage() if not _within(t, traces)]
-    _EVENTS.passes[path] = name
     _keep(_EVENTS.backward_records, path, (_weak(kernel), name, optimizer))
   traced = _TRACED.get()
   if traced is not None:
@@ -451,10 +448,9 @@ def take_backwards(paths, written_counts=None, kernels=None) -> list[bool]:
   any conditional, and in every gradient computation of this trace that
   traced any of these layers since their last install and whose gradients
   no install took: whichever of them is being installed then reached the
-  layer. (A
-  gradient traced for a diagnostic after the training gradient, reaching
-  a layer the training loss does not, says nothing of the gradient being
-  installed.)
+  layer. (A gradient traced for a diagnostic after the training gradient,
+  reaching a layer the training loss does not, says nothing of the
+  gradient being installed.)
 
   Forgets the layers' events, so the next call says False until a forward
   or backward is traced again (:func:`last_pass` keeps the pass, which
@@ -583,9 +579,9 @@ def optimizers(path: tuple, kernel=None) -> tuple:
   of the path's last forwards, the last first (inside a jitted ``apply``
   the backward reads a tracer that no eager install holds)."""
   path = tuple(path)
-  for read, _, optimizer in reversed(_EVENTS.backward_records.get(path, [])):
-    if kernel is not None and read() is kernel:
-      return (optimizer,)
+  backward = _backward_of(path, kernel)
+  if backward is not None:
+    return (backward[2],)
   records = _EVENTS.optimizers.get(path, [])
   if not isinstance(jax_core.trace_ctx.trace, jax_core.EvalTrace):
     trace = _current_trace()
@@ -593,6 +589,17 @@ def optimizers(path: tuple, kernel=None) -> tuple:
       if _within(trace, lineage):
         return (optimizer,)
   return tuple(dict.fromkeys(record[0] for record in reversed(records)))
+
+
+def _backward_of(path: tuple, kernel) -> Optional[tuple]:
+  """The record (kernel read, pass, optimizer) of the last backward of the
+  ForgeDense at ``path`` that read ``kernel``; None where none did (or
+  ``kernel`` is None)."""
+  if kernel is not None:
+    for record in reversed(_EVENTS.backward_records.get(path, [])):
+      if record[0]() is kernel:
+        return record
+  return None
 
 
 def weight_name(path: tuple) -> str:
@@ -607,11 +614,11 @@ def stepping_pass(path: tuple, kernel=None) -> Optional[tuple]:
   the last event of the current gradient computation, if a backward; None
   where neither is."""
   path = tuple(path)
-  for read, name, _ in reversed(_EVENTS.backward_records.get(path, [])):
-    if kernel is not None and read() is kernel:
-      return (name,)
+  backward = _backward_of(path, kernel)
+  if backward is not None:
+    return (backward[1],)
   if _EVENTS.current(path) == BACKWARD:
-    return (_EVENTS.passes.get(path),)
+    return (last_pass(path),)
   return None
 
 
@@ -628,7 +635,8 @@ def forward_only(path: tuple, kernel=None) -> bool:
 def last_pass(path: tuple) -> Optional[str]:
   """The pass the last backward of the ForgeDense at ``path`` ran as (see
   :func:`record_backward`; None: a plain ``jax.grad`` or none traced)."""
-  return _EVENTS.passes.get(tuple(path))
+  records = _EVENTS.backward_records.get(tuple(path))
+  return records[-1][1] if records else None
 
 
 class DeferrableLayer(NamedTuple):
