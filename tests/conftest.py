@@ -410,6 +410,17 @@ def jaxpr_equations(jaxpr, *, kernel_bodies=False):
           yield from jaxpr_equations(sub, kernel_bodies=kernel_bodies)
 
 
+def selects_of_shape(jaxpr, shape) -> int:
+  """How many ``select_n`` of ``shape`` ``jaxpr`` holds, sub-jaxprs too:
+  an install's run-time choice between a layer's written and old values
+  is one."""
+  return sum(
+    eqn.primitive.name == "select_n"
+    and any(v.aval.shape == shape for v in eqn.outvars)
+    for eqn in jaxpr_equations(jaxpr)
+  )
+
+
 def assert_within_rounding(actual, expected, what, identical):
   """The rule's float32 arithmetic may be compiled differently from the
   reference's (FMA contraction: XLA's fusion of the interpreter's tile, or

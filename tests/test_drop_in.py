@@ -24,7 +24,7 @@ from jax import lax
 import forge_jax as fj
 from forge_jax.ops import backends, fused_dense
 
-from conftest import jaxpr_equations
+from conftest import jaxpr_equations, selects_of_shape
 
 COLL = fj.FORGE_COLLECTION
 OPT = fj.adamw(1e-2, weight_decay=0.1)
@@ -431,15 +431,6 @@ def test_a_diagnostic_gradient_before_the_install_does_not_wipe(eager):
   assert fj.wiped_layers(state.params) == []
 
 
-def _selects_of_shape(jaxpr, shape) -> int:
-  """How many ``select_n`` of ``shape`` ``jaxpr`` holds, sub-jaxprs too."""
-  return sum(
-    eqn.primitive.name == "select_n"
-    and any(v.aval.shape == shape for v in eqn.outvars)
-    for eqn in jaxpr_equations(jaxpr)
-  )
-
-
 def _fused_kernels(jaxpr) -> set:
   """The fused kernels ``jaxpr`` calls ('mosaic', 'triton'): each kernel's
   calls are one jitted function, named after its entry point."""
@@ -538,7 +529,7 @@ def test_bare_forge_dense_model_installs_its_update_as_written():
   state, step, bare = traced_step(fj.ForgeDense(4, optimizer=OPT))
   _, _, named = traced_step(Wrapped())
   shape = state.params[COLL]["kernel"].shape
-  assert _selects_of_shape(bare, shape) == _selects_of_shape(named, shape)
+  assert selects_of_shape(bare, shape) == selects_of_shape(named, shape)
 
   new = jax.jit(step)(state)
   assert new.unreached_layers() == []
