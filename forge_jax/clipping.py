@@ -131,17 +131,23 @@ def clip_gradients(grads, norm, max_norm):
   ``norm``, on every gradient outside FORGE's collection (whose layers were
   clipped in their backward pass by :func:`value_and_grad`)."""
   forge, others = _split(grads)
-  trigger = norm < max_norm
-
-  def clip(t):
-    if not jnp.issubdtype(jnp.result_type(t), jnp.inexact):
-      return t
-    return lax.select(trigger, t, (t / norm.astype(t.dtype)) * max_norm)
-
-  others = jax.tree.map(clip, others)
+  others = jax.tree.map(lambda t: clipped(t, norm, max_norm), others)
   if not forge:
     return others
   return {**others, FORGE_COLLECTION: forge}
+
+
+def clipped(gradient, norm, max_norm):
+  """``gradient`` (one leaf) as ``optax.clip_by_global_norm(max_norm)``
+  leaves it when the global norm is ``norm`` (integer leaves as they
+  are)."""
+  if not jnp.issubdtype(jnp.result_type(gradient), jnp.inexact):
+    return gradient
+  return lax.select(
+    norm < max_norm,
+    gradient,
+    (gradient / norm.astype(gradient.dtype)) * max_norm,
+  )
 
 
 def delayed_norm(previous_norm) -> jax.Array:

@@ -10,8 +10,9 @@ value, which :class:`Optimizer` (or :func:`install`) writes into the model.
 
 The training loop changes in one way: ``nnx.Optimizer`` and
 ``nnx.grad`` (``nnx.value_and_grad``) become their ``fj.nnx`` namesakes;
-:func:`global_norm` of the grads is the step's global gradient norm
-(global-norm clipping is Linen's, ``fj.TrainState``).
+:func:`global_norm` of the grads is the step's global gradient norm, and
+``fj.nnx.Optimizer(..., max_grad_norm=c)`` clips by it (gradients from
+:meth:`Optimizer.value_and_grad`).
 :func:`grad` differentiates FORGE's variables too (``nnx.grad`` with
 ``argnums=nnx.DiffState(0, fj.nnx.TRAINABLE)`` does the same), and
 :class:`Optimizer` installs them before optax steps the parameters::
@@ -59,6 +60,7 @@ from forge_jax.ops.fused_dense import (
 from forge_jax.optimizers import ForgeOptimizer, not_elementwise_message
 from forge_jax.scan import scan_stacks
 from forge_jax.train_state import (
+  check_clipped,
   check_decay_masks,
   check_optimizers,
   check_probed,
@@ -596,6 +598,89 @@ def global_norm(grads) -> jax.Array:
   return jnp.sqrt(clipping.squared_norm(others, total))
 
 
+#: What :func:`forge_jax.train_state.check_transformation` advises instead
+#: of ``clip_by_global_norm`` in an NNX ``tx``.
+CLIPPING_ADVICE = (
+  "Remove it from tx and clip with fj.nnx.Optimizer(model, tx, wrt=..., "
+  "max_grad_norm=max_norm), taking the gradient with "
+  "optimizer.value_and_grad(loss_fn) in place of "
+  "fj.nnx.value_and_grad(loss_fn)."
+)
+
+
+def _map_gradients(grads, other: Callable, forge: Callable, *more):
+  """``grads`` (an ``nnx.State`` of variables) with each floating gradient
+  ``g`` replaced by ``other(g, *the same leaf of more)`` and each of
+  FORGE's variables ``v`` by ``forge(name, v, *...)``, ``name`` its key."""
+
+  def one(path, variable, *others):
+    values = [_value(v) for v in (variable, *others)]
+    if isinstance(variable, OverwriteWithGradient):
+      return variable.replace(forge(getattr(path[-1], "key", None), *values))
+    if jnp.issubdtype(jnp.result_type(values[0]), jnp.inexact):
+      return variable.replace(other(*values))
+    return variable
+
+  return jax.tree_util.tree_map_with_path(
+    one, grads, *more, is_leaf=lambda v: isinstance(v, nnx.Variable)
+  )
+
+
+def _clipped_value_and_grad(
+  f, differentiated, has_aux, max_norm, clip, previous_norm
+):
+  """``value_and_grad`` of ``f(model, ...)`` with respect to the model's
+  ``differentiated`` variables, FORGE's layers clipped by the global norm
+  (:mod:`forge_jax.clipping`): ``'exact'`` runs the pullback of one
+  forward pass twice, norm only, then seeded with ``min(1, max_norm /
+  ||g||)``; ``'delayed'`` once, seeded by ``previous_norm``. The model's
+  other variables (batch statistics, rng counts) take the forward's
+  updates, as ``nnx.value_and_grad`` gives them."""
+
+  def value_and_grad_fn(model, *args, **kwargs):
+    graphdef, diff, rest = nnx.split(model, differentiated, ...)
+
+    def loss(diff):
+      inner = nnx.merge(graphdef, diff, rest, copy=True)
+      out = f(inner, *args, **kwargs)
+      value, aux = out if has_aux else (out, None)
+      return value, (aux, nnx.state(inner, nnx.Not(differentiated)))
+
+    value, pullback, (aux, updates) = jax.vjp(loss, diff, has_aux=True)
+    seed = lambda scale: jnp.asarray(scale, jnp.result_type(value))
+    if clip == "exact":
+      with layer_context.running(layer_context.NORM_ONLY):
+        (measured,) = pullback(seed(1.0))
+      scale = clipping.clip_scale(global_norm(measured), max_norm)
+      with layer_context.running(layer_context.SCALED):
+        (stepped,) = pullback(seed(scale))
+      # The layers' new variables from the clipped pass, with the norm of
+      # their unclipped dW; the other gradients unclipped.
+      grads = _map_gradients(
+        measured,
+        lambda unclipped, _: unclipped,
+        lambda name, norm_only, new: (
+          norm_only if name == "grad_sq_norm" else new
+        ),
+        stepped,
+      )
+    else:
+      scale = clipping.clip_scale(
+        clipping.delayed_norm(previous_norm[...]), max_norm
+      )
+      with layer_context.running(layer_context.SCALED):
+        (stepped,) = pullback(seed(scale))
+      grads = _map_gradients(
+        stepped,
+        lambda g: g / scale.astype(g.dtype),
+        lambda name, v: v / scale**2 if name == "grad_sq_norm" else v,
+      )
+    nnx.update(model, updates)
+    return ((value, aux) if has_aux else value), grads
+
+  return value_and_grad_fn
+
+
 class Optimizer(nnx.Optimizer):
   """``nnx.Optimizer`` (same arguments) that installs FORGE's variables.
 
@@ -605,6 +690,19 @@ class Optimizer(nnx.Optimizer):
   layers' optimizer as ``tx`` (``opt.to_optax()``); transformations that
   cannot be right beside FORGE's layers (``optax.MultiSteps``,
   ``clip_by_global_norm``, another rule than the layers') are refused.
+
+  Global-norm clipping is ``max_grad_norm`` (and ``clip``, as for
+  ``fj.TrainState``), with the gradient from :meth:`value_and_grad`::
+
+    optimizer = fj.nnx.Optimizer(model, opt.to_optax(), wrt=nnx.Param,
+                                 max_grad_norm=1.0)
+    loss, grads = optimizer.value_and_grad(loss_fn)(model, batch)
+    optimizer.update(model, grads)
+
+  ``'exact'`` equals ``optax.chain(optax.clip_by_global_norm(max_grad_norm),
+  tx)`` with ``nnx.Linear`` (two backward passes of one forward);
+  ``'delayed'`` clips by the previous step's norm (one backward pass; the
+  first step is not clipped).
 
   The layers' optimizer states and step counts live in the model, as
   :class:`OverwriteWithGradient` variables: a new ``Optimizer`` for a
@@ -620,14 +718,24 @@ class Optimizer(nnx.Optimizer):
       others.
     layer_paths: the layers' paths in the model, in the order of
       ``reached``.
+    grad_norm: the last step's global gradient norm over the gradients
+      ``update`` took, before clipping (float32; 0.0 before the first
+      step).
+    max_grad_norm, clip: the clipping (None: none).
   """
 
-  def __init__(self, model, tx, *, wrt, **kwargs):
-    check_transformation(
-      tx,
-      "Global-norm clipping is not available for fj.nnx models (Linen's "
-      "fj.TrainState has it); fj.nnx.global_norm(grads) reports the norm.",
-    )
+  def __init__(
+    self,
+    model,
+    tx,
+    *,
+    wrt,
+    max_grad_norm: Optional[float] = None,
+    clip: str = "exact",
+    **kwargs,
+  ):
+    check_transformation(tx, CLIPPING_ADVICE)
+    clipping.check_clipping(max_grad_norm, clip)
     owned = nnx.state(model, nnx.All(wrt, OverwriteWithGradient))
     if jax.tree.leaves(owned):
       raise ValueError(
@@ -655,9 +763,56 @@ class Optimizer(nnx.Optimizer):
         for _, layer in layers
       ]
     )
+    self.max_grad_norm = max_grad_norm
+    self.clip = clip
+    self.grad_norm = nnx.OptState(jnp.zeros((), jnp.float32))
+
+  def value_and_grad(self, f: Callable, *, has_aux: bool = False):
+    """:func:`value_and_grad` of ``f(model, *args, **kwargs)`` with respect
+    to the model's ``wrt`` and FORGE's variables, for this optimizer's
+    clipping: with ``max_grad_norm``, the layers step with their gradient
+    clipped by the global norm (``'exact'``: this step's, in two backward
+    passes of one forward; ``'delayed'``: the previous step's, in one), and
+    :meth:`update` clips the other gradients alike. The returned gradients
+    of the other variables are unclipped, so :func:`global_norm` of them is
+    the step's norm."""
+    if self.max_grad_norm is None:
+      return value_and_grad(
+        f, argnums=nnx.DiffState(0, self.wrt), has_aux=has_aux
+      )
+    return _clipped_value_and_grad(
+      f,
+      nnx.Any(self.wrt, OverwriteWithGradient),
+      has_aux,
+      self.max_grad_norm,
+      self.clip,
+      self.grad_norm,
+    )
 
   def update(self, model, grads, /, **kwargs):
-    """Installs FORGE's variables, then steps the others with ``tx``."""
+    """Installs FORGE's variables, then steps the others with ``tx``
+    (clipped by the global norm where ``max_grad_norm`` is set)."""
+    norm = global_norm(grads)
+    if self.max_grad_norm is not None:
+      check_clipped(
+        [
+          (_name(path), layer.layer_key, _value(layer.kernel))
+          for path, layer in forge_layers(model)
+        ],
+        "take the gradient with optimizer.value_and_grad(loss_fn), not "
+        "fj.nnx.value_and_grad(loss_fn).",
+      )
+      reference = (
+        norm
+        if self.clip == "exact"
+        else clipping.delayed_norm(self.grad_norm[...])
+      )
+      grads = _map_gradients(
+        grads,
+        lambda g: clipping.clipped(g, reference, self.max_grad_norm),
+        lambda name, value: value,
+      )
+    self.grad_norm[...] = norm
     reached = install(model, grads)
     for name, flags in zip(self.layer_paths, self.reached):
       flags[...] = reached[name]

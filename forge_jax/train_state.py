@@ -143,7 +143,14 @@ class TrainState(train_state.TrainState):
       else None
     )
     if self.max_grad_norm is not None:
-      check_clipped(old or {})
+      check_clipped(
+        [
+          ("/".join(path), path, layer.get("kernel"))
+          for path, layer in forge_layers(old or {})
+        ],
+        "take the gradient with state.value_and_grad(loss_fn), not "
+        "jax.value_and_grad(loss_fn).",
+      )
       reference = (
         kwargs["grad_norm"]
         if self.clip == "exact"
@@ -328,23 +335,23 @@ def check_transformation(tx, clipping_advice: str = CLIPPING_ADVICE):
     )
 
 
-def check_clipped(collection):
-  """Refuses a clipped step whose ForgeDense backward passes were traced
-  without clipping (by ``jax.value_and_grad``, not
-  :meth:`TrainState.value_and_grad`): their layers stepped unclipped."""
+def check_clipped(layers, advice: str):
+  """Refuses a clipped step whose FORGE layers' backward passes were
+  traced without clipping: they stepped unclipped. ``layers``: ``(name,
+  key, kernel)`` of each layer, ``key`` its :mod:`forge_jax.layer_context`
+  path; ``advice``: how to take the gradient instead."""
   unclipped = []
-  for path, layer in forge_layers(collection):
-    stepped = layer_context.stepping_pass(path, layer.get("kernel"))
+  for name, key, kernel in layers:
+    stepped = layer_context.stepping_pass(key, kernel)
     if stepped is not None and stepped[0] not in (
       layer_context.SCALED,
       layer_context.DEFERRED,
     ):
-      unclipped.append("/".join(path))
+      unclipped.append(name)
   if unclipped:
     raise ValueError(
-      f"max_grad_norm is set, but the ForgeDense layers {unclipped} "
-      "stepped with unclipped gradients: take the gradient with "
-      "state.value_and_grad(loss_fn), not jax.value_and_grad(loss_fn)."
+      f"max_grad_norm is set, but the FORGE layers {unclipped} stepped "
+      f"with unclipped gradients: {advice}"
     )
 
 

@@ -766,7 +766,7 @@ def test_misuse_raises(seed):
   with pytest.raises(ValueError, match="reduce_on_plateau"):
     fj.nnx.Optimizer(model, plateau, wrt=nnx.Param)
   clipped = optax.chain(optax.clip_by_global_norm(1.0), OPT.to_optax())
-  with pytest.raises(ValueError, match="fj.nnx.global_norm"):
+  with pytest.raises(ValueError, match="max_grad_norm=max_norm"):
     fj.nnx.Optimizer(model, clipped, wrt=nnx.Param)
   with pytest.raises(TypeError, match="elementwise|forge_jax"):
     fj.nnx.Linear(2, 3, optimizer=optax.adam(1e-3), rngs=nnx.Rngs(0))
@@ -1382,3 +1382,118 @@ def test_global_norm_is_optax_global_norm_of_the_gradient(scanned, seed):
   np.testing.assert_allclose(
     fj.nnx.global_norm(grads), optax.tree.norm(ref_grads), rtol=1e-6
   )
+
+
+# ---------------------------------------------------------------------------
+# Global-norm clipping: fj.nnx.Optimizer(..., max_grad_norm=c).
+
+
+class Normed(nnx.Module):
+  """BatchNorm on the input, an MLP, dropout: a model whose forward
+  changes its other variables (batch statistics, rng counts)."""
+
+  def __init__(self, rngs, optimizer=None):
+    self.norm = nnx.BatchNorm(6, rngs=rngs)
+    self.mlp = MLP((6, 16, 16, 4), rngs, optimizer)
+    self.dropout = nnx.Dropout(0.25, rngs=rngs)
+
+  def __call__(self, x):
+    return self.dropout(self.mlp(self.norm(x)))
+
+
+@pytest.mark.parametrize("clip", ["exact", "delayed"])
+def test_clipping_matches_clip_by_global_norm(clip, seed):
+  """``max_grad_norm=c`` trains as nnx.Linear + ``optax.chain(
+  clip_by_global_norm(c), tx)`` ('exact'), or with each gradient scaled by
+  ``min(1, c / ||g_prev||)`` ('delayed'); ``grad_norm`` is the unclipped
+  norm, and the batch statistics and dropout masks follow nnx's."""
+  model = Normed(nnx.Rngs(seed), OPT)
+  ref = Normed(nnx.Rngs(seed))
+  batches = make_batches(seed, STEPS, (10, 6), 4)
+  ref_grads = nnx.grad(cross_entropy)(Normed(nnx.Rngs(seed)), *batches[0])
+  max_norm = 0.5 * float(optax.tree.norm(ref_grads))
+  optimizer = fj.nnx.Optimizer(
+    model, OPT.to_optax(), wrt=nnx.Param, max_grad_norm=max_norm, clip=clip
+  )
+  alias = optax.adamw(1e-2, weight_decay=0.1)
+  if clip == "exact":
+    alias = optax.chain(optax.clip_by_global_norm(max_norm), alias)
+  ref_optimizer = nnx.Optimizer(ref, alias, wrt=nnx.Param)
+
+  @nnx.jit
+  def step(model, optimizer, x, y):
+    loss_fn = lambda m: cross_entropy(m, x, y)
+    loss, grads = optimizer.value_and_grad(loss_fn)(model)
+    optimizer.update(model, grads)
+    return loss
+
+  @nnx.jit
+  def ref_step(model, optimizer, x, y, scale):
+    loss, grads = nnx.value_and_grad(cross_entropy)(model, x, y)
+    scaled = jax.tree.map(lambda g: g * scale, grads)
+    optimizer.update(model, scaled)
+    return loss, optax.tree.norm(grads)
+
+  previous = None
+  for number, (x, y) in enumerate(batches):
+    scale = 1.0
+    if clip == "delayed" and previous is not None and previous >= max_norm:
+      scale = max_norm / previous
+    loss = step(model, optimizer, x, y)
+    ref_loss, norm = ref_step(ref, ref_optimizer, x, y, scale)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+    np.testing.assert_allclose(optimizer.grad_norm[...], norm, rtol=1e-5)
+    ours, theirs = kernels_and_biases(model), kernels_and_biases(ref)
+    for name in theirs:
+      assert_rel_close(ours[name], theirs[name], 1e-5, f"{number} {name}")
+    np.testing.assert_allclose(
+      model.norm.mean[...], ref.norm.mean[...], rtol=1e-6
+    )
+    previous = float(norm)
+  assert previous is not None and float(optimizer.grad_norm[...]) > max_norm
+
+
+def test_clipping_through_fj_nnx_scan(seed):
+  """The stacks of fj.nnx.scan step clipped as nnx.scan + optax.chain."""
+  model = Stack(3, 8, 16, nnx.Rngs(seed), fj.nnx.scan, optimizer=OPT)
+  ref = Stack(3, 8, 16, nnx.Rngs(seed), nnx.scan)
+  batches = make_batches(seed, 3, (10, 8), CLASSES)
+  max_norm = 0.05
+  optimizer = fj.nnx.Optimizer(
+    model, OPT.to_optax(), wrt=nnx.Param, max_grad_norm=max_norm
+  )
+  ref_optimizer = nnx.Optimizer(
+    ref,
+    optax.chain(
+      optax.clip_by_global_norm(max_norm),
+      optax.adamw(1e-2, weight_decay=0.1),
+    ),
+    wrt=nnx.Param,
+  )
+
+  @nnx.jit
+  def step(model, optimizer, x, y):
+    grads = optimizer.value_and_grad(cross_entropy)(model, x, y)[1]
+    optimizer.update(model, grads)
+
+  for x, y in batches:
+    step(model, optimizer, x, y)
+    reference_step()(ref, ref_optimizer, x, y)
+    assert float(optimizer.grad_norm[...]) > max_norm
+  ours, theirs = _stack_values(model), _stack_values(ref)
+  for name in theirs:
+    assert_rel_close(ours[name], theirs[name], 1e-5, name)
+
+
+def test_clipping_refuses_unclipped_layers(seed):
+  """With ``max_grad_norm``, gradients from fj.nnx.value_and_grad (whose
+  layers stepped unclipped) are refused; ``clip`` is checked."""
+  model, (x, y) = _mlp(seed)
+  optimizer = fj.nnx.Optimizer(
+    model, OPT.to_optax(), wrt=nnx.Param, max_grad_norm=1.0
+  )
+  grads = fj.nnx.grad(cross_entropy)(model, x, y)
+  with pytest.raises(ValueError, match="optimizer.value_and_grad"):
+    optimizer.update(model, grads)
+  with pytest.raises(ValueError, match="clip="):
+    fj.nnx.Optimizer(model, OPT.to_optax(), wrt=nnx.Param, clip="late")
