@@ -707,23 +707,23 @@ def _train_against_nnx(model, ref, tx, ref_tx, wrt, batches):
   return ours, theirs
 
 
-def test_optimizer_lets_a_label_function_freeze_one_linear_bias(seed):
-  """Labels as a function of the parameters, 'frozen' for one Linear's
-  bias alone: they leave its kernel, asked at its path, trained, so tx
-  passes, and the model trains as nnx.Linear + nnx.Optimizer with the
-  same labels, that bias kept bit for bit."""
+@pytest.mark.parametrize("how", ["labels", "wrt"])
+def test_optimizer_lets_one_linear_bias_be_frozen(how, seed):
+  """One Linear's bias frozen alone, by labels as a function of the
+  parameters (they leave its kernel, asked at its path, trained) or by a
+  ``wrt`` that leaves it out: the step passes and trains as nnx.Linear +
+  nnx.Optimizer frozen alike, that bias kept bit for bit."""
   features = (6, 8, 4)
   model, ref = MLP(features, nnx.Rngs(seed), OPT), MLP(features, nnx.Rngs(seed))
   initial = kernels_and_biases(ref)
-  bias_0 = lambda name: name.startswith("['layers'][0]['bias']")
-  ours, _ = _train_against_nnx(
-    model,
-    ref,
-    _freezing(bias_0),
-    _freezing(bias_0, OPTAX_OPT),
-    nnx.Param,
-    make_batches(seed, 3, (5, 6), 4),
-  )
+  if how == "labels":
+    bias_0 = lambda name: name.startswith("['layers'][0]['bias']")
+    tx, ref_tx, wrt = _freezing(bias_0), _freezing(bias_0, OPTAX_OPT), nnx.Param
+  else:
+    tx, ref_tx = OPT.to_optax(), OPTAX_OPT
+    wrt = nnx.All(nnx.Param, lambda path, _: path != ("layers", 0, "bias"))
+  batches = make_batches(seed, 3, (5, 6), 4)
+  ours, _ = _train_against_nnx(model, ref, tx, ref_tx, wrt, batches)
   assert ours.keys() == initial.keys()
   for key, value in initial.items():
     frozen = key == (("layers", 0), "bias")
