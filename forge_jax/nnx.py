@@ -35,7 +35,7 @@ import functools
 import itertools
 import warnings
 from types import MappingProxyType
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Mapping, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -67,9 +67,9 @@ from forge_jax.train_state import (
   check_transformation,
   frozen_message,
   install_layer,
-  leaf_paths,
   probe_kernels,
   probe_layers,
+  unreached_layer,
 )
 
 
@@ -689,7 +689,10 @@ class Optimizer(nnx.Optimizer):
   variables ``wrt`` selects with ``tx``, as ``nnx.Optimizer`` does. Pass the
   layers' optimizer as ``tx`` (``opt.to_optax()``); transformations that
   cannot be right beside FORGE's layers (``optax.MultiSteps``,
-  ``clip_by_global_norm``, another rule than the layers') are refused.
+  ``clip_by_global_norm``, another rule than the layers') are refused. A
+  layer that ``wrt`` leaves out or ``tx`` freezes is refused at the
+  ``update`` whose grads step it (its kernel would train in the backward
+  pass); with its output's gradient stopped it stays as it was.
 
   Global-norm clipping is ``max_grad_norm`` (and ``clip``, as for
   ``fj.TrainState``), with the gradient from :meth:`value_and_grad`::
@@ -750,7 +753,8 @@ class Optimizer(nnx.Optimizer):
       tuple((path, layer.optimizer) for path, layer in layers),
       {path: layer.twin_weight for path, layer in layers},
     )
-    check_not_frozen(model, tx, wrt, layers)
+    # Refused at update unless the grads do not step them.
+    self._frozen_layers = frozen_layers(model, tx, wrt, layers)
     for path, layer in layers:
       _INSTALLED.add(layer.layer_key)
       layer_context.name_layer(layer.layer_key, _name(path))
@@ -791,7 +795,11 @@ class Optimizer(nnx.Optimizer):
 
   def update(self, model, grads, /, **kwargs):
     """Installs FORGE's variables, then steps the others with ``tx``
-    (clipped by the global norm where ``max_grad_norm`` is set)."""
+    (clipped by the global norm where ``max_grad_norm`` is set).
+
+    Refuses grads that step a layer ``wrt`` or ``tx`` freezes: its kernel
+    would train in the backward pass."""
+    check_frozen_unreached(self._frozen_layers, self.wrt, model, grads)
     norm = global_norm(grads)
     if self.max_grad_norm is not None:
       check_clipped(
@@ -831,40 +839,75 @@ class Optimizer(nnx.Optimizer):
     return names
 
 
-def check_not_frozen(model, tx, wrt, layers):
-  """Refuses a ``wrt`` or ``tx`` that would freeze some of ``layers`` (the
-  model's ``(path, Linear)`` pairs): a ``wrt`` that leaves a layer's bias
-  out, or a ``tx`` that leaves it unchanged (:func:`forge_jax.train_state.
-  probe_layers`). Their kernels step in the backward pass either way. Also
-  refuses a ``tx`` that steps a layer's bias by another layer's rule."""
+class FrozenLayers(NamedTuple):
+  """The paths of the :class:`Linear` layers an :class:`Optimizer` freezes:
+  those its ``wrt`` leaves out (their kernel, asked as for
+  ``nnx.Linear``'s) and those its ``tx`` steps by exactly zero."""
+
+  by_wrt: tuple
+  by_tx: tuple
+
+
+def frozen_layers(model, tx, wrt, layers) -> FrozenLayers:
+  """The :class:`FrozenLayers` of ``layers`` (the model's ``(path,
+  Linear)`` pairs); ``tx`` is probed by
+  :func:`forge_jax.train_state.probe_kernels`, else by a bias probe. Their
+  kernels step in the backward pass either way, unless the loss does not
+  reach them: :func:`check_frozen_unreached` decides at the update.
+
+  Refuses at once a ``tx`` that steps a layer's kernel or bias by another
+  rule than the layer's, which no gradient makes right."""
   selected = nnx.state(model, wrt)
-  names = leaf_paths(selected)
   # The kernel is not an nnx.Param, so ``wrt`` is asked about an nnx.Param
-  # at its path: what it would select were the layer an nnx.Linear.
+  # at its path: what it would select were the layer an nnx.Linear. A bias
+  # it leaves out stays as nnx.Linear's would.
   selects = nnx.filterlib.to_predicate(wrt)
-  left_out = [
+  left_out = tuple(
     _name(path)
     for path, layer in layers
     if not selects((*path, "kernel"), nnx.Param(_value(layer.kernel)))
-    or (
-      layer.bias is not None
-      and not any(name[: len(path) + 1] == (*path, "bias") for name in names)
-    )
-  ]
-  if left_out:
-    raise ValueError(
-      frozen_message(
-        left_out,
-        f"wrt={wrt!r} leaves the layers {{paths}} out (their kernel or "
-        "bias), as for frozen layers",
-      )
-    )
+  )
   optimizers = tuple((path, layer.optimizer) for path, layer in layers)
   probed = probe_layers(tx, optimizers, selected)
   kernels = probe_kernels(
     tx, optimizers, {path: layer.twin_weight for path, layer in layers}
   )
-  check_probed(probed, probed, kernels)
+  check_probed(None, probed, kernels)
+  # As Linen's: the kernel probe, where tx runs on it, says whether a
+  # layer is frozen (a bias alone may be); else the bias probe.
+  frozen = kernels if kernels is not None else probed
+  return FrozenLayers(left_out, () if frozen is None else tuple(frozen.frozen))
+
+
+def check_frozen_unreached(frozen: FrozenLayers, wrt, model, grads):
+  """Refuses ``grads`` that step a layer of ``frozen``: the loss reaches
+  it, and its kernel steps though ``wrt`` or ``tx`` freezes it. A layer
+  whose output's gradient is stopped stays as the frozen ``nnx.Linear``
+  would."""
+  if not frozen.by_wrt and not frozen.by_tx:
+    return
+  written = nnx.state(grads, OverwriteWithGradient)
+  unreached = set()
+  for path, layer in forge_layers(model):
+    try:
+      flags = _at(written, path)["intact"]
+    except (KeyError, IndexError, TypeError):
+      unreached.add(_name(path))  # install refuses grads without it
+      continue
+    if isinstance(flags, nnx.Variable):
+      flags = _value(flags)
+    if unreached_layer(flags, layer.layer_key, _value(layer.kernel)):
+      unreached.add(_name(path))
+  stepped = lambda paths: [path for path in paths if path not in unreached]
+  if stepped(frozen.by_wrt):
+    raise ValueError(
+      frozen_message(
+        stepped(frozen.by_wrt),
+        f"wrt={wrt!r} leaves the layers {{paths}} out, as for frozen layers",
+      )
+    )
+  if stepped(frozen.by_tx):
+    raise ValueError(frozen_message(stepped(frozen.by_tx)))
 
 
 def wiped_layers(model) -> list[str]:

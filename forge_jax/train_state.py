@@ -454,19 +454,25 @@ def check_layer_optimizers(tx, collection, params=None, written=None):
 
 def _unreached(collection, written) -> set:
   """Names of the layers of ``collection`` that the gradient ``written``
-  (FORGE's collection) does not step: their written flags say so, or, where
-  traced, the gradient traced their forward and no backward."""
+  (FORGE's collection) does not step (:func:`unreached_layer`)."""
   names = set()
   for path, layer in forge_layers(collection):
     flags = layer_at(written, path)
     flags = flags.get("intact") if isinstance(flags, Mapping) else None
-    if flags is not None and not isinstance(flags, jax.core.Tracer):
-      unreached = not np.any(np.asarray(flags) > 0)
-    else:
-      unreached = layer_context.forward_only(path, layer.get("kernel"))
-    if unreached:
+    if unreached_layer(flags, path, layer.get("kernel")):
       names.add("/".join(map(str, path)))
   return names
+
+
+def unreached_layer(flags, key: tuple, kernel) -> bool:
+  """Whether a gradient does not step the layer keyed ``key`` in
+  :mod:`forge_jax.layer_context`, whose old kernel is ``kernel``: its
+  written ``intact`` ``flags`` say so, or, where traced (or None), the
+  gradient traced its forward and no backward (its output's gradient
+  stopped)."""
+  if flags is not None and not isinstance(flags, jax.core.Tracer):
+    return not np.any(np.asarray(flags) > 0)
+  return layer_context.forward_only(key, kernel)
 
 
 def _followed(tx, candidates: tuple):

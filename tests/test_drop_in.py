@@ -1018,6 +1018,53 @@ def test_a_frozen_forge_layer_behind_stop_gradient_may_be_labelled_frozen():
   assert float(state.params[fj.FORGE_COLLECTION]["head"]["count"]) == 2.0
 
 
+class Pair(nn.Module):
+  """``fc1 -> gelu -> fc2``."""
+
+  dense: Any = None  # None: FORGE's layers; else nn.Dense
+
+  @nn.compact
+  def __call__(self, x):
+    layer = self.dense or functools.partial(fj.ForgeDense, optimizer=OPT)
+    return layer(4, name="fc2")(nn.gelu(layer(8, name="fc1")(x)))
+
+
+def test_train_state_lets_a_label_function_freeze_one_forge_bias():
+  """Labels as a function of the parameters, 'frozen' for fc1's bias
+  alone: they leave fc1's kernel, asked at its path, trained, so tx
+  passes, and the model trains as nn.Dense under the same labels, fc1's
+  bias kept bit for bit."""
+  # flax's TrainState steps params['params'] with tx beside FORGE's
+  # collection, the whole params of nn.Dense's model: by the path's end.
+  label = lambda path, _: "frozen" if path[-2:] == ("fc1", "bias") else "train"
+  tx = optax.multi_transform(
+    {"train": OPT.to_optax(), "frozen": optax.set_to_zero()},
+    lambda params: traverse_util.path_aware_map(label, params),
+  )
+  before = Pair().init(jax.random.key(0), data()[0])
+  state, losses = train(Pair(), steps=3, tx=tx)
+  expected, expected_losses = train(
+    Pair(dense=nn.Dense), steps=3, state_cls=FlaxTrainState, tx=tx
+  )
+  np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
+  chex.assert_trees_all_equal(
+    state.params["params"]["fc1"]["bias"], before["params"]["fc1"]["bias"]
+  )
+  for name in ("fc1", "fc2"):
+    chex.assert_trees_all_close(
+      {
+        "kernel": state.params[COLL][name]["kernel"],
+        **state.params["params"][name],
+      },
+      expected.params["params"][name],
+      rtol=1e-5,
+      atol=1e-6,
+    )
+  assert not np.array_equal(
+    state.params[COLL]["fc1"]["kernel"], before[COLL]["fc1"]["kernel"]
+  )
+
+
 def test_train_state_keeps_the_other_collections_of_the_variables():
   """Created from the whole variables (the README's recipe), a model with
   BatchNorm keeps its batch_stats in state.params through every step

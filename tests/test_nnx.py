@@ -17,6 +17,7 @@ import os
 import re
 import warnings
 
+import chex
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -594,15 +595,27 @@ def test_gradient_without_an_installer_warns(seed):
     fj.nnx.value_and_grad(cross_entropy)(model, x, y)
 
 
+def _refused_at_update(model, tx, wrt, match, x, y):
+  """``fj.nnx.Optimizer(model, tx, wrt=wrt)`` refuses the first step's
+  gradient (``match``) and leaves the model as it was."""
+  optimizer = fj.nnx.Optimizer(model, tx, wrt=wrt)
+  before = nnx.to_pure_dict(nnx.state(model))
+  grads = fj.nnx.grad(cross_entropy)(model, x, y)
+  with pytest.raises(ValueError, match=match):
+    optimizer.update(model, grads)
+  chex.assert_trees_all_equal(nnx.to_pure_dict(nnx.state(model)), before)
+
+
 def test_optimizer_refuses_to_freeze_a_forge_layer(seed):
   """Freezing a module by ``wrt`` or by a frozen label cannot reach a
-  Linear's kernel, which steps in the backward pass: refused, naming the
-  layer; the other layers may be frozen."""
-  model, _ = _mlp(seed, features=(6, 8, 8, 4))
+  Linear's kernel, which steps in the backward pass: a step the loss
+  reaches it in is refused, naming the layer; the other layers may be
+  frozen, and a Linear's bias alone too."""
+  model, (x, y) = _mlp(seed, features=(6, 8, 8, 4))
   model.norm = nnx.LayerNorm(4, rngs=nnx.Rngs(seed))
   head_only = nnx.All(nnx.Param, nnx.PathContains(2))
-  with pytest.raises(ValueError, match=r"\['layers/0', 'layers/1'\].*FORGE"):
-    fj.nnx.Optimizer(model, OPT.to_optax(), wrt=head_only)
+  match = r"\['layers/0', 'layers/1'\].*FORGE"
+  _refused_at_update(model, OPT.to_optax(), head_only, match, x, y)
 
   def freezing(*path):
     labels = jax.tree.map(lambda _: "train", nnx.state(model, nnx.Param))
@@ -614,27 +627,163 @@ def test_optimizer_refuses_to_freeze_a_forge_layer(seed):
       {"train": OPT.to_optax(), "frozen": optax.set_to_zero()}, labels
     )
 
-  with pytest.raises(ValueError, match=r"\['layers/1'\].*FORGE"):
-    fj.nnx.Optimizer(model, freezing("layers", 1, "bias"), wrt=nnx.Param)
+  # Labels as a pytree of the parameters hold no kernel: a frozen bias
+  # stands for its module.
+  tx = freezing("layers", 1, "bias")
+  _refused_at_update(model, tx, nnx.Param, r"\['layers/1'\].*FORGE", x, y)
   fj.nnx.Optimizer(model, freezing("norm", "scale"), wrt=nnx.Param)
 
   # Bias-free layers: ``wrt`` is read as for nnx.Linear's kernel.
   bias_free, _ = _mlp(seed, features=(6, 8, 8, 4), use_bias=False)
-  with pytest.raises(ValueError, match=r"\['layers/0', 'layers/1'\].*FORGE"):
-    fj.nnx.Optimizer(bias_free, OPT.to_optax(), wrt=head_only)
+  _refused_at_update(bias_free, OPT.to_optax(), head_only, match, x, y)
   fj.nnx.Optimizer(bias_free, OPT.to_optax(), wrt=nnx.Param)
-  # A filter on values sees the kernel's own.
+  # A filter on values sees the kernel's own; the biases it leaves out
+  # stay, as nnx.Linear's would.
   matrices = nnx.All(nnx.Param, lambda path, v: jnp.ndim(v[...]) > 1)
-  fj.nnx.Optimizer(bias_free, OPT.to_optax(), wrt=matrices)
-  kernels_only = nnx.All(nnx.Param, nnx.PathContains("bias"))
-  with pytest.raises(ValueError, match=r"\['layers/0', 'layers/1', 'layers/2'"):
-    fj.nnx.Optimizer(model, OPT.to_optax(), wrt=kernels_only)
+  for m in (bias_free, model):
+    optimizer = fj.nnx.Optimizer(m, OPT.to_optax(), wrt=matrices)
+    optimizer.update(m, fj.nnx.grad(cross_entropy)(m, x, y))
+  biases_only = nnx.All(nnx.Param, nnx.PathContains("bias"))
+  match = r"\['layers/0', 'layers/1', 'layers/2'"
+  _refused_at_update(model, OPT.to_optax(), biases_only, match, x, y)
 
   # LoRA on a frozen FORGE base: the base would train in the backward.
   base = fj.nnx.Linear(6, 4, use_bias=False, optimizer=OPT, rngs=nnx.Rngs(0))
   lora = nnx.LoRA(6, 2, 4, base_module=base, rngs=nnx.Rngs(1))
-  with pytest.raises(ValueError, match=r"\['base_module'\].*nnx.Linear"):
-    fj.nnx.Optimizer(lora, OPT.to_optax(), wrt=nnx.LoRAParam)
+  match = r"\['base_module'\].*nnx.Linear"
+  _refused_at_update(lora, OPT.to_optax(), nnx.LoRAParam, match, x, y)
+
+
+def _frozen_labels(frozen):
+  """optax.multi_transform labels as a function of the parameters:
+  'frozen' for the leaves whose path ``frozen(keystr)`` picks."""
+  return lambda params: jax.tree_util.tree_map_with_path(
+    lambda path, _: "frozen" if frozen(jax.tree_util.keystr(path)) else "train",
+    params,
+  )
+
+
+def _freezing(frozen, train=OPT.to_optax()):
+  return optax.multi_transform(
+    {"train": train, "frozen": optax.set_to_zero()}, _frozen_labels(frozen)
+  )
+
+
+#: The optax alias of OPT, for nnx.Linear.
+OPTAX_OPT = optax.adamw(1e-2, weight_decay=0.1)
+
+
+def _train_against_nnx(model, ref, tx, ref_tx, wrt, batches):
+  """Trains ``model`` (FORGE) and ``ref`` (nnx.Linear) by the same steps,
+  differentiating ``wrt`` as nnx.Optimizer's own loop does, and checks
+  that their losses, kernels and biases agree; returns both models'
+  kernels and biases."""
+  optimizer = fj.nnx.Optimizer(model, tx, wrt=wrt)
+  ref_optimizer = nnx.Optimizer(ref, ref_tx, wrt=wrt)
+
+  @nnx.jit
+  def step(model, optimizer, x, y):
+    loss, grads = fj.nnx.value_and_grad(
+      cross_entropy, argnums=nnx.DiffState(0, wrt)
+    )(model, x, y)
+    optimizer.update(model, grads)
+    return loss
+
+  @nnx.jit
+  def ref_step(model, optimizer, x, y):
+    loss, grads = nnx.value_and_grad(
+      cross_entropy, argnums=nnx.DiffState(0, wrt)
+    )(model, x, y)
+    optimizer.update(model, grads)
+    return loss
+
+  for x, y in batches:
+    np.testing.assert_allclose(
+      step(model, optimizer, x, y), ref_step(ref, ref_optimizer, x, y), 1e-6
+    )
+  ours, theirs = kernels_and_biases(model), kernels_and_biases(ref)
+  for key in theirs:
+    assert_rel_close(ours[key], theirs[key], RTOL, str(key))
+  return ours, theirs
+
+
+@pytest.mark.parametrize("how", ["labels", "wrt"])
+def test_optimizer_lets_one_linear_bias_be_frozen(how, seed):
+  """One Linear's bias frozen alone, by labels as a function of the
+  parameters (they leave its kernel, asked at its path, trained) or by a
+  ``wrt`` that leaves it out: the step passes and trains as nnx.Linear +
+  nnx.Optimizer frozen alike, that bias kept bit for bit."""
+  features = (6, 8, 4)
+  model, ref = MLP(features, nnx.Rngs(seed), OPT), MLP(features, nnx.Rngs(seed))
+  initial = kernels_and_biases(ref)
+  if how == "labels":
+    bias_0 = lambda name: name.startswith("['layers'][0]['bias']")
+    tx, ref_tx, wrt = _freezing(bias_0), _freezing(bias_0, OPTAX_OPT), nnx.Param
+  else:
+    tx, ref_tx = OPT.to_optax(), OPTAX_OPT
+    wrt = nnx.All(nnx.Param, lambda path, _: path != ("layers", 0, "bias"))
+  batches = make_batches(seed, 3, (5, 6), 4)
+  ours, _ = _train_against_nnx(model, ref, tx, ref_tx, wrt, batches)
+  assert ours.keys() == initial.keys()
+  for key, value in initial.items():
+    frozen = key == (("layers", 0), "bias")
+    assert np.array_equal(ours[key], value) == frozen, key
+
+
+class StoppedBody(nnx.Module):
+  """``body -> gelu -> head``; where ``stop``, the body's output gradient
+  is stopped (the body frozen as FORGE's refusal advises)."""
+
+  def __init__(self, rngs, optimizer=None, stop=True):
+    linear = nnx.Linear
+    if optimizer is not None:
+      linear = lambda *a, **k: fj.nnx.Linear(*a, optimizer=optimizer, **k)
+    self.body = linear(6, 8, rngs=rngs)
+    self.head = linear(8, 4, rngs=rngs)
+    self.stop = stop
+
+  def __call__(self, x):
+    h = nnx.gelu(self.body(x))
+    return self.head(jax.lax.stop_gradient(h) if self.stop else h)
+
+
+@pytest.mark.parametrize("how", ["labels", "wrt"])
+def test_optimizer_lets_a_stopped_linear_be_frozen(how, seed):
+  """A body frozen by a label (so that weight decay spares its bias too)
+  or by ``wrt``, its output's gradient stopped: nothing steps its kernel,
+  so the step passes and trains as nnx.Linear + nnx.Optimizer, the body
+  kept bit for bit. The same freezing without the stop_gradient would
+  train the body's kernel in the backward pass: refused at the update,
+  naming the body."""
+  in_body = lambda name: name.startswith("['body']")
+  if how == "labels":
+    tx, ref_tx, wrt = (
+      _freezing(in_body),
+      _freezing(in_body, OPTAX_OPT),
+      nnx.Param,
+    )
+  else:
+    tx, ref_tx = OPT.to_optax(), OPTAX_OPT
+    wrt = nnx.All(nnx.Param, nnx.PathContains("head"))
+  model = StoppedBody(nnx.Rngs(seed), OPT)
+  ref = StoppedBody(nnx.Rngs(seed))
+  initial = kernels_and_biases(ref)
+  batches = make_batches(seed, 3, (5, 6), 4)
+  ours, _ = _train_against_nnx(model, ref, tx, ref_tx, wrt, batches)
+  for key, value in initial.items():
+    assert np.array_equal(ours[key], value) == (key[0] == ("body",)), key
+
+  reached = StoppedBody(nnx.Rngs(seed), OPT, stop=False)
+  optimizer = fj.nnx.Optimizer(reached, tx, wrt=wrt)
+  before = nnx.to_pure_dict(nnx.state(reached))
+
+  @nnx.jit
+  def step(model, optimizer, x, y):
+    optimizer.update(model, fj.nnx.grad(cross_entropy)(model, x, y))
+
+  with pytest.raises(ValueError, match=r"\['body'\].*FORGE layers"):
+    step(reached, optimizer, *batches[0])
+  chex.assert_trees_all_equal(nnx.to_pure_dict(nnx.state(reached)), before)
 
 
 def test_optimizer_refuses_a_decay_mask_without_a_forge_kernel(seed):
