@@ -166,6 +166,10 @@ class TrainState(train_state.TrainState):
         "of state.params (jax.grad(loss)(state.params)), not "
         "state.params['params'] alone."
       )
+    # Also here, not only in create: a tx swapped in by replace(tx=...)
+    # or the constructor steps the probes alike while its values (an
+    # injected learning rate, a plateau's scale) equal the layers'.
+    _check_transformation_once(self.tx)
     check_layer_optimizers(
       self.tx, old, self.params.get("params"), grads[FORGE_COLLECTION]
     )
@@ -333,6 +337,20 @@ def check_transformation(tx, clipping_advice: str = CLIPPING_ADVICE):
       "gradients never reach tx, so it would act on the other parameters "
       "only. Remove it from tx."
     )
+
+
+def _check_transformation_once(tx):
+  """:func:`check_transformation`, asked once per hashable ``tx`` that
+  passes it (a step traced or run eagerly again asks nothing)."""
+  try:
+    _check_hashable_transformation(tx)
+  except TypeError:  # an unhashable tx: checked each time
+    check_transformation(tx)
+
+
+@functools.lru_cache(maxsize=64)
+def _check_hashable_transformation(tx):
+  check_transformation(tx)
 
 
 def check_clipped(layers, advice: str):

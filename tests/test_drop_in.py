@@ -942,6 +942,48 @@ def test_train_state_refuses_whole_gradient_transformations(tx, match):
     fj.TrainState.create(apply_fn=model.apply, params=variables, tx=tx)
 
 
+SGD = fj.sgd(1e-2, momentum=0.9)
+
+
+@pytest.mark.parametrize(
+  "tx, match",
+  [
+    (
+      optax.inject_hyperparams(optax.sgd)(learning_rate=1e-2, momentum=0.9),
+      "inject_hyperparams",
+    ),
+    (
+      optax.chain(SGD.to_optax(), optax.contrib.reduce_on_plateau()),
+      "reduce_on_plateau",
+    ),
+  ],
+  ids=["inject_hyperparams", "reduce_on_plateau"],
+)
+def test_train_state_refuses_a_tx_swapped_in_after_create(tx, match):
+  """A tx given by state.replace(tx=...) (or the constructor) rather than
+  create: until its hyperparameters change it steps like the layers' rule,
+  and then only the other parameters would follow them. Refused at the
+  step; swapping in the layers' own rule passes."""
+  model = nn.Sequential(
+    [fj.ForgeDense(8, optimizer=SGD), nn.gelu, fj.ForgeDense(4, optimizer=SGD)]
+  )
+  x, y = data()
+  state = fj.TrainState.create(
+    apply_fn=model.apply,
+    params=model.init(jax.random.key(0), x),
+    tx=SGD.to_optax(),
+  )
+  grads = jax.grad(lambda p: jnp.mean((model.apply(p, x) - y) ** 2))
+
+  def swapped(tx):
+    return state.replace(tx=tx, opt_state=tx.init(state.params["params"]))
+
+  new = swapped(SGD.to_optax()).apply_gradients(grads=grads(state.params))
+  assert float(new.params[COLL]["layers_0"]["count"]) == 1.0
+  with pytest.raises(ValueError, match=match):
+    swapped(tx).apply_gradients(grads=grads(state.params))
+
+
 @pytest.mark.parametrize(
   "tx",
   [
