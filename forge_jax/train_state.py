@@ -295,7 +295,11 @@ def check_transformation(tx, clipping_advice: str = CLIPPING_ADVICE):
       "layers update inside every backward pass and never store the "
       "gradient it would accumulate, so the kernels would step every "
       "micro-step and the rest every k-th. Use a larger micro-batch "
-      "instead: FORGE frees the gradient memory to make room for it."
+      "instead: FORGE frees the gradient memory to make room for it. (To "
+      "skip non-finite steps, as MultiSteps(tx, 1, should_skip_update_fn="
+      "optax.skip_not_finite) does, drop it: each layer skips a step whose "
+      "gradient is not finite, and tx=fj.optax_with_storage(opt) keeps the "
+      "other parameters where theirs is not.)"
     )
   if "clip_by_global_norm" in names:
     raise ValueError(
