@@ -707,7 +707,10 @@ def check_not_frozen(model, tx, wrt, layers):
   optimizers = tuple((path, layer.optimizer) for path, layer in layers)
   probed = probe_layers(tx, optimizers, selected)
   kernels = probe_kernels(
-    tx, optimizers, {path: layer.twin_weight for path, layer in layers}
+    tx,
+    optimizers,
+    {path: layer.twin_weight for path, layer in layers},
+    selected,
   )
   check_probed(probed, probed, kernels)
 
