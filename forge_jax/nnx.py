@@ -870,7 +870,10 @@ def frozen_layers(model, tx, wrt, layers) -> FrozenLayers:
   optimizers = tuple((path, layer.optimizer) for path, layer in layers)
   probed = probe_layers(tx, optimizers, selected)
   kernels = probe_kernels(
-    tx, optimizers, {path: layer.twin_weight for path, layer in layers}
+    tx,
+    optimizers,
+    {path: layer.twin_weight for path, layer in layers},
+    selected,
   )
   check_probed(None, probed, kernels)
   # As Linen's: the kernel probe, where tx runs on it, says whether a

@@ -842,8 +842,9 @@ def adamw(
 
   ``mask`` is handed to the optax equivalent (``to_optax()``) for the
   parameters optax owns; every ForgeDense kernel is decayed, and a mask
-  function that leaves a layer's kernel out (asked at the path where
-  ``nn.Dense`` keeps it) is refused when the layer's update is installed.
+  (a function of the parameters, or a pytree of them or of a prefix) that
+  leaves a layer's kernel out (asked at the path where ``nn.Dense`` keeps
+  it) is refused when the layer's update is installed.
   """
   return Adam(
     learning_rate,

@@ -14,6 +14,7 @@ optax transformations that cannot be right for FORGE's layers.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, Callable, Mapping, NamedTuple, Optional
 
@@ -459,7 +460,7 @@ def check_layer_optimizers(tx, collection, params=None, written=None):
   }
   weights = {path: layer_context.weight_name(path) for path, _ in layers}
   try:
-    by_kernels = probe_kernels(tx, layers, weights)
+    by_kernels = probe_kernels(tx, layers, weights, params)
     by_params = None if params is None else probe_layers(tx, layers, params)
   except TypeError:  # an unhashable tx: nothing to probe
     by_kernels = by_params = None
@@ -469,9 +470,9 @@ def check_layer_optimizers(tx, collection, params=None, written=None):
     probe = probe._replace(
       frozen=tuple(n for n in probe.frozen if n not in unreached)
     )
-  check_probed(probe, by_params, by_kernels, ambiguous)
   check_optimizers(tx, {optimizer for _, optimizer in layers})
   check_decay_masks(layers, weights)
+  check_probed(probe, by_params, by_kernels, ambiguous)
 
 
 def _unreached(collection, written) -> set:
@@ -510,38 +511,62 @@ def _followed(tx, candidates: tuple):
 
 
 def check_decay_masks(layers: tuple, weights: Optional[Mapping] = None):
-  """Refuses a weight-decay ``mask`` (a function of the parameters) of a
-  layer's optimizer that leaves out that layer's kernel, asked at the path
-  where flax's layer keeps it: FORGE decays every kernel it steps, and the
-  mask reaches only the parameters optax owns. ``layers``: ``(path,
-  optimizer)`` pairs; ``weights``: by path, the name flax's layer keeps
-  its weight under (``'embedding'`` for an embedding; ``'kernel'`` where
-  absent)."""
+  """Refuses a weight-decay ``mask`` of a layer's optimizer that leaves out
+  that layer's kernel, asked at the path where flax's layer keeps it:
+  FORGE decays every kernel it steps, and the mask reaches only the
+  parameters optax owns. The mask may be a function of the parameters or
+  a pytree of them or of a prefix (:func:`mask_at`). ``layers``:
+  ``(path, optimizer)`` pairs; ``weights``: by path, the name flax's layer
+  keeps its weight under (``'embedding'`` for an embedding; ``'kernel'``
+  where absent)."""
   weights = weights or {}
   left_out = []
   for path, optimizer in layers:
     mask = getattr(optimizer, "mask", None)
-    if not callable(mask) or not has_weight_decay(optimizer.weight_decay):
+    if mask is None or not has_weight_decay(optimizer.weight_decay):
       continue
-    weight = weights.get(path, "kernel")
-    try:
-      decided = mask(_kernel_probe_tree([path], {path: weight}))
-    except Exception:  # noqa: BLE001 (a mask written for another tree)
-      continue
-    node = decided
-    for key in (*path, weight):
-      node = node.get(key) if isinstance(node, Mapping) else None
-    if node is not None and not np.all(np.asarray(node)):
+    keys = (*path, weights.get(path, "kernel"))
+    if callable(mask):
+      try:
+        mask = mask(_kernel_probe_tree([path], {path: keys[-1]}))
+      except Exception:  # noqa: BLE001 (a mask written for another tree)
+        continue
+    decided = mask_at(mask, keys)
+    if decided is not None and not np.all(np.asarray(decided)):
       left_out.append("/".join(map(str, path)))
   if left_out:
-    raise ValueError(
-      f"The weight-decay mask leaves out the kernels of the FORGE layers "
-      f"{left_out}, but FORGE decays every kernel it steps: the mask "
-      "reaches only the parameters optax owns (biases, norms). Make those "
-      "layers flax's own (nn.Dense, nn.Embed, nnx.Linear), give them an "
-      "optimizer without weight decay (fj.adamw(..., weight_decay=0.0)), "
-      "or keep their kernels in the mask."
-    )
+    raise ValueError(undecayed_message(left_out))
+
+
+def mask_at(mask, keys: tuple):
+  """What the mask pytree ``mask`` says of the parameter at key path
+  ``keys``: the first leaf on the way there, which optax applies to the
+  whole subtree below it (a mask may be a prefix of the parameters); None
+  where ``mask`` has no such path, or holds no leaf on it."""
+  node = mask
+  for key in keys:
+    if node is None:
+      return None
+    if isinstance(node, Mapping):
+      node = node.get(key)
+    elif isinstance(node, (list, tuple)) and not hasattr(node, "_fields"):
+      node = node[key] if isinstance(key, int) and key < len(node) else None
+    else:
+      return node
+  return None if isinstance(node, (Mapping, list, tuple)) else node
+
+
+def undecayed_message(paths) -> str:
+  """The error for a weight-decay mask that leaves out the kernels of the
+  FORGE layers at ``paths``."""
+  return (
+    f"The weight-decay mask leaves out the kernels of the FORGE layers "
+    f"{list(paths)}, but FORGE decays every kernel it steps: the mask "
+    "reaches only the parameters optax owns (biases, norms). Make those "
+    "layers flax's own (nn.Dense, nn.Embed, nnx.Linear), give them an "
+    "optimizer without weight decay (fj.adamw(..., weight_decay=0.0)), "
+    "or keep their kernels in the mask."
+  )
 
 
 def check_probed(
@@ -551,27 +576,44 @@ def check_probed(
   ambiguous=(),
 ):
   """Refuses what the layer probes (:func:`probe_layers`) found: in
-  ``frozen``, layers ``tx`` freezes; in ``owned`` (the probe of the tree
-  ``tx`` steps, where the layers own their biases), where the layers'
-  optimizers differ, layers whose biases ``tx`` steps by another layer's
-  rule; in ``kernels`` (:func:`probe_kernels`), where one rule is every
-  layer's, layers whose kernel ``tx`` would step by another (a learning
-  rate of their own by path), but for the ``ambiguous`` ones (their
-  optimizer not known). A ``None`` probe (``tx`` could not run on it)
-  refuses nothing."""
+  ``frozen``, layers ``tx`` freezes; in ``kernels`` (:func:`probe_kernels`),
+  where one rule is every layer's, layers whose kernel ``tx`` would step
+  by another (a learning rate of their own by path, a weight-decay mask
+  that leaves it out), but for the ``ambiguous`` ones (their optimizer not
+  known); in ``owned`` (the probe of the tree ``tx`` steps, where the
+  layers own their biases), where the layers' optimizers differ, layers
+  whose biases ``tx`` steps by another rule than their layer's, with or
+  without its weight decay (then their kernels, where probed, by it). A
+  ``None`` probe (``tx`` could not run on it) refuses nothing."""
   if frozen is not None and frozen.frozen:
     raise ValueError(frozen_message(frozen.frozen))
-  # Biases alone may take rules of their own (no weight decay on some, by
-  # rank or name): only a kernel at a layer's path, where nn.Dense keeps
-  # one, says that tx singles the layer out.
-  misruled = [
-    *(owned.misruled if owned is not None and owned.mixed else ()),
-    *(
+  off_kernels = tuple(
+    name
+    for name in (kernels.off_rule if kernels is not None else ())
+    if name not in ambiguous
+  )
+  if kernels is not None and not kernels.mixed:
+    misruled = off_kernels
+  elif owned is not None and owned.mixed:
+    # Biases alone may take rules of their own (no weight decay on some, by
+    # rank or name): only a kernel at a layer's path, where nn.Dense keeps
+    # one, says that tx singles the layer out. On several rules, a bias
+    # stepped by another than its layer's rule says so too (a bias-free
+    # layer's rule plays no part in tx).
+    misruled = tuple(
       name
-      for name in (kernels.misruled if kernels is not None else ())
-      if not kernels.mixed and name not in ambiguous
-    ),
+      for name in owned.misruled
+      if name not in owned.undecayed or name in off_kernels
+    )
+  else:
+    misruled = ()
+  undecayed = [
+    name
+    for name in misruled
+    if kernels is not None and name in kernels.undecayed
   ]
+  if undecayed:
+    raise ValueError(undecayed_message(undecayed))
   if misruled:
     raise ValueError(
       f"tx steps the FORGE layers {sorted(set(misruled))} by another rule "
@@ -619,24 +661,36 @@ class LayerProbe(NamedTuple):
       the optimizers of the layers owning leaves differ or ``tx`` steps
       other layers' leaves by it.
     mixed: whether the optimizers of the layers owning leaves differ.
+    off_rule: every layer whose leaves ``tx`` steps unlike its rule.
+    undecayed: those of ``off_rule`` whose leaves ``tx`` steps as their
+      rule would without its weight decay.
   """
 
   frozen: tuple
   misruled: tuple
   mixed: bool = False
+  off_rule: tuple = ()
+  undecayed: tuple = ()
 
 
-def probe_layers(tx, layers: tuple, params) -> Optional[LayerProbe]:
+def probe_layers(
+  tx, layers: tuple, params, weights=None
+) -> Optional[LayerProbe]:
   """Steps a tree of ``params``' structure (the tree ``tx`` steps: a
   layer's bias there) through ``tx`` and each of ``layers``' rules
   (``(path, optimizer)`` pairs) for the probe's steps: catches a module
   frozen by path, or stepped by another layer's rule, with labels or a
-  mask given as a pytree of ``params``. A layer without parameters there
-  (no bias) says nothing. None where ``tx`` cannot run on a tree like
-  ``params``."""
+  mask given as a pytree of ``params``. A layer owns the leaves under its
+  path, or with ``weights`` (by path, as for :func:`check_decay_masks`)
+  only its weight there. A layer without leaves there (no bias) says
+  nothing. None where ``tx`` cannot run on a tree like ``params``."""
   leaves, treedef = jax.tree.flatten(params)
   ranks = tuple(np.ndim(leaf) for leaf in leaves)
-  return _probe_layers(tx, layers, treedef, leaf_paths(params), ranks)
+  owners = tuple(
+    (*path, weights.get(path, "kernel")) if weights is not None else path
+    for path, _ in layers
+  )
+  return _probe_layers(tx, layers, owners, treedef, leaf_paths(params), ranks)
 
 
 def key_name(key):
@@ -667,12 +721,15 @@ def _probe_of_rank(values, rank: int) -> np.ndarray:
 
 
 @functools.lru_cache(maxsize=64)
-def _probe_layers(tx, layers, treedef, names, ranks) -> Optional[LayerProbe]:
+def _probe_layers(
+  tx, layers, owners, treedef, names, ranks
+) -> Optional[LayerProbe]:
   """:func:`probe_layers` on the structure ``treedef`` whose leaves have
-  key paths ``names`` and ``ranks`` dimensions."""
+  key paths ``names`` and ``ranks`` dimensions, each layer owning those
+  under its entry of ``owners``."""
   owned = {
-    path: [i for i, name in enumerate(names) if name[: len(path)] == path]
-    for path, opt in layers
+    path: [i for i, name in enumerate(names) if name[: len(owner)] == owner]
+    for (path, opt), owner in zip(layers, owners)
     if opt is not None
   }
   owned = {path: leaves for path, leaves in owned.items() if leaves}
@@ -696,14 +753,19 @@ def _probe_layers(tx, layers, treedef, names, ranks) -> Optional[LayerProbe]:
             taken[i].append(np.asarray(step))
         return taken
 
-      by_tx = steps(tx)
-      by_rule = {
-        opt: (
+      def steps_of(opt):
+        """Per leaf: the steps of ``opt``'s optax forms (none for None)."""
+        if opt is None:
+          return ()
+        return (
           steps(opt.to_optax()),
           steps(optax_storage.optax_with_storage(opt)),
         )
-        for opt in {rules[path] for path in owned}
-      }
+
+      by_tx = steps(tx)
+      optimizers = {rules[path] for path in owned}
+      by_rule = {opt: steps_of(opt) for opt in optimizers}
+      undecayed_rule = {opt: steps_of(_undecayed(opt)) for opt in optimizers}
   except Exception:  # pylint: disable=broad-exception-caught
     return None
   moves = lambda taken, leaves: any(
@@ -718,33 +780,130 @@ def _probe_layers(tx, layers, treedef, names, ranks) -> Optional[LayerProbe]:
     for path, leaves in owned.items()
     if moves(by_rule[rules[path]][0], leaves) and not moves(by_tx, leaves)
   )
+  stepped = {
+    path: leaves
+    for path, leaves in owned.items()
+    if name(path) not in frozen and moves(by_tx, leaves)
+  }
   off_rule = {
     name(path): not any(
       follows(taken, leaves) for taken in by_rule[rules[path]]
     )
-    for path, leaves in owned.items()
-    if name(path) not in frozen and moves(by_tx, leaves)
+    for path, leaves in stepped.items()
   }
+  undecayed = tuple(
+    name(path)
+    for path, leaves in stepped.items()
+    if off_rule[name(path)]
+    and any(follows(taken, leaves) for taken in undecayed_rule[rules[path]])
+  )
   # With one rule for every layer, tx stepping some layers by it and others
   # otherwise singles those out by their paths (a learning rate of their
   # own, on a kernel probe), which their kernels never follow. Where it
   # steps none by it, it treats all alike: the rule's probe of a kernel
   # (check_optimizers) decides.
-  mixed = len({rules[path] for path in owned}) > 1
+  mixed = len(optimizers) > 1
   singled_out = mixed or not all(off_rule.values())
   misruled = tuple(n for n, off in off_rule.items() if off and singled_out)
-  return LayerProbe(frozen, misruled, mixed)
+  return LayerProbe(
+    frozen,
+    misruled,
+    mixed,
+    tuple(n for n, off in off_rule.items() if off),
+    undecayed,
+  )
 
 
-def probe_kernels(tx, layers: tuple, weights=None) -> Optional[LayerProbe]:
+def _undecayed(optimizer):
+  """``optimizer`` without its weight decay; None where it has none (or is
+  not a dataclass)."""
+  weight_decay = getattr(optimizer, "weight_decay", 0.0)
+  if not dataclasses.is_dataclass(optimizer) or not has_weight_decay(
+    weight_decay
+  ):
+    return None
+  return dataclasses.replace(optimizer, weight_decay=0.0)
+
+
+def probe_kernels(
+  tx, layers: tuple, weights=None, params=None
+) -> Optional[LayerProbe]:
   """:func:`probe_layers` on a tree with a kernel at each of ``layers``'
   paths (where flax's layer keeps one; ``weights`` as for
-  :func:`check_decay_masks`): how freezing by name
-  (``optax.multi_transform``, ``optax.masked``) treats them. (A learning
-  rate that starts at zero leaves both unmoved on the first step.) None
-  where ``tx`` cannot run on such a tree."""
-  params = _kernel_probe_tree([path for path, _ in layers], weights)
-  return probe_layers(tx, layers, params)
+  :func:`check_decay_masks`), judging those kernels alone: how freezing by
+  name (``optax.multi_transform``, ``optax.masked``) treats them. (A
+  learning rate that starts at zero leaves both unmoved on the first
+  step.) Where ``tx`` cannot run on that tree, the kernels are added to
+  ``params`` (the tree ``tx`` steps), for labels or masks given as a
+  prefix of it (``{'encoder': False}``). None where ``tx`` cannot run on
+  either tree."""
+  weights = weights or {}
+  paths = [path for path, _ in layers]
+  probe = probe_layers(tx, layers, _kernel_probe_tree(paths, weights), weights)
+  if probe is not None or params is None:
+    return probe
+  for kept in _insertable(params, paths):
+    beside = _with_kernels(params, kept, weights)
+    if beside is not None:
+      probe = probe_layers(tx, layers, beside, weights)
+    if probe is not None:
+      break
+  return probe
+
+
+def _insertable(params, paths) -> list:
+  """The sets of ``paths`` to add kernels at, the largest first: a layer
+  without parameters in ``params`` (no bias) adds modules the tree lacks,
+  which a prefix of ``params`` fits only where its leaf stands above them
+  (``{'encoder': False}`` for a bias-free layer in the encoder). Each set
+  keeps the paths whose modules ``params`` holds to a depth, deeper in
+  each next set."""
+
+  def depth(path):
+    node = params
+    for i, key in enumerate(path):
+      if not isinstance(node, Mapping) or key not in node:
+        return i
+      node = node[key]
+    return len(path)
+
+  depths = {path: depth(path) for path in paths}
+  sets = []
+  for d in range(max(map(len, paths), default=0) + 1):
+    kept = [path for path in paths if depths[path] >= min(d, len(path))]
+    if kept and kept not in sets:
+      sets.append(kept)
+  return sets
+
+
+def _with_kernels(params, paths, weights):
+  """``params`` with a kernel-shaped leaf at each of ``paths`` (named as
+  for :func:`_kernel_probe_tree`), its mappings of their own types (an
+  ``nnx.State``); None where a leaf stands on a path."""
+
+  def add(node, keys):
+    if not keys:
+      return None if node is not None else np.zeros((2, 3), np.float32)
+    if node is None:
+      node = {}
+    if not isinstance(node, Mapping):
+      return None
+    # An nnx.State wraps the mappings it holds: its raw ones keep their type.
+    entries = dict(getattr(node, "raw_mapping", node))
+    child = add(entries.get(keys[0]), keys[1:])
+    if child is None:
+      return None
+    entries[keys[0]] = child
+    try:
+      return type(node)(entries)
+    except TypeError:  # a mapping not made from a dict
+      return entries
+
+  for path in paths:
+    params = add(params, (*path, weights.get(path, "kernel")))
+    if params is None:
+      return None
+  return params
 
 
 def _kernel_probe_tree(paths, weights=None) -> dict:

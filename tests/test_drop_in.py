@@ -1284,6 +1284,210 @@ def test_rules_of_their_own_for_some_biases_alone_pass():
     assert np.isfinite(losses).all()
 
 
+NO_BIAS_DECAY = lambda p: jax.tree.map(lambda a: jnp.ndim(a) > 1, p)
+RATES = {"fc0": 1e-3, "fc1": 3e-3, "fc2": 1e-2}
+RATE_OPTS = {name: fj.adamw(lr, weight_decay=0.1) for name, lr in RATES.items()}
+
+
+class LayerwiseRates(nn.Module):
+  """Three layers, each on its own learning rate (layer-wise decay)."""
+
+  dense: Any = None  # None: FORGE's layers; else nn.Dense
+
+  @nn.compact
+  def __call__(self, x):
+    for name, opt in RATE_OPTS.items():
+      features = 4 if name == "fc2" else 8
+      if self.dense is not None:
+        layer = self.dense(features, name=name)
+      else:
+        layer = fj.ForgeDense(features, opt, name=name)
+      x = layer(x) if name == "fc2" else nn.gelu(layer(x))
+    return x
+
+
+def by_rate(rule, labels=None):
+  """``optax.multi_transform`` of ``rule(lr)`` for each layer's rate,
+  labelled by path (``labels``: a pytree of the parameters; else a
+  function of them)."""
+  label = lambda path, _: next(name for name in RATES if name in path)
+  return optax.multi_transform(
+    {name: rule(lr) for name, lr in RATES.items()},
+    labels or (lambda params: traverse_util.path_aware_map(label, params)),
+  )
+
+
+def _adamw_without_bias_decay(lr):
+  return optax.adamw(lr, weight_decay=0.1, mask=NO_BIAS_DECAY)
+
+
+def _chain_without_bias_decay(lr):
+  return optax.chain(
+    optax.scale_by_adam(),
+    optax.masked(optax.add_decayed_weights(0.1), NO_BIAS_DECAY),
+    optax.scale_by_learning_rate(lr),
+  )
+
+
+@pytest.mark.parametrize(
+  "rule", [_adamw_without_bias_decay, _chain_without_bias_decay]
+)
+@pytest.mark.parametrize("labels", ["function", "pytree", "prefix"])
+def test_layerwise_rates_without_bias_decay_train_as_nn_dense(rule, labels):
+  """Layer-wise learning rates (each layer on its own ``fj.adamw``, tx a
+  ``multi_transform`` of the rates labelled by path: a function, a pytree
+  of the parameters or a prefix of it) with no weight decay on biases
+  (each rate's rule masked by rank): every kernel follows its layer's
+  rule, so FORGE trains as nn.Dense under the same tx."""
+  x, _ = data()
+  label = lambda path, _: next(name for name in RATES if name in path)
+
+  def tx(model):
+    if labels == "function":
+      return by_rate(rule)
+    # The labels' tree is the one tx steps: FORGE's 'params' collection,
+    # all of flax's variables.
+    variables = model.init(jax.random.key(0), x)
+    tree = variables["params"] if COLL in variables else variables
+    if labels == "prefix":
+      prefix = {name: name for name in RATES}
+      return by_rate(
+        rule, prefix if tree is not variables else {"params": prefix}
+      )
+    return by_rate(rule, traverse_util.path_aware_map(label, tree))
+
+  state, losses = train(LayerwiseRates(), tx=tx(LayerwiseRates()))
+  flax_model = LayerwiseRates(dense=nn.Dense)
+  expected, expected_losses = train(
+    flax_model, state_cls=FlaxTrainState, tx=tx(flax_model)
+  )
+  np.testing.assert_allclose(losses, expected_losses, rtol=1e-6)
+  forge = state.params[COLL]
+  for name in RATES:
+    chex.assert_trees_all_close(
+      {"kernel": forge[name]["kernel"], **state.params["params"][name]},
+      expected.params["params"][name],
+      rtol=1e-5,
+      atol=1e-7,
+    )
+
+
+@pytest.mark.parametrize(
+  "tx, refused",
+  [
+    # One rate for all: fc1 and fc2 would step by fc0's.
+    (_adamw_without_bias_decay(1e-3), r"\['fc1', 'fc2'\] by another rule"),
+    # fc1's rule decays nothing: its kernel would not be decayed.
+    (
+      by_rate(
+        lambda lr: (
+          optax.adam(lr)
+          if lr == RATES["fc1"]
+          else _adamw_without_bias_decay(lr)
+        )
+      ),
+      r"mask leaves out.*\['fc1'\]",
+    ),
+    # A prefix of the parameters labelling fc1 with fc0's rate.
+    (
+      by_rate(
+        _adamw_without_bias_decay, {"fc0": "fc0", "fc1": "fc0", "fc2": "fc2"}
+      ),
+      r"\['fc1'\] by another rule",
+    ),
+  ],
+  ids=["one_rate", "undecayed_layer", "prefix_with_another_rate"],
+)
+def test_layerwise_rates_refuse_another_rule_than_the_layers(tx, refused):
+  with pytest.raises(ValueError, match=refused):
+    train(LayerwiseRates(), steps=1, tx=tx)
+
+
+class Encoder(nn.Module):
+  """An embedding and a dense layer: FORGE's on ``optimizer``, or flax's
+  (``optimizer`` None)."""
+
+  optimizer: Any = None
+
+  @nn.compact
+  def __call__(self, tokens):
+    if self.optimizer is None:
+      return nn.gelu(
+        nn.Dense(8, name="body")(nn.Embed(16, 8, name="embed")(tokens))
+      )
+    opt = self.optimizer
+    h = fj.ForgeEmbed(16, 8, optimizer=opt, name="embed")(tokens)
+    return nn.gelu(fj.ForgeDense(8, opt, name="body")(h))
+
+
+class MaskedEncoder(nn.Module):
+  """An encoder, a LayerNorm, a bias-free layer and a projection: FORGE's
+  layers on ``optimizer``, or flax's (``optimizer`` None)."""
+
+  optimizer: Any = OPT
+
+  @nn.compact
+  def __call__(self, tokens):
+    h = nn.LayerNorm(name="norm")(
+      Encoder(self.optimizer, name="encoder")(tokens)
+    )
+    if self.optimizer is None:
+      h = nn.Dense(8, use_bias=False, name="mix")(h)
+      return nn.Dense(4, name="proj")(h)
+    h = fj.ForgeDense(8, self.optimizer, use_bias=False, name="mix")(h)
+    return fj.ForgeDense(4, self.optimizer, name="proj")(h)
+
+
+@pytest.mark.parametrize("where", ["optimizer", "tx"])
+def test_a_decay_mask_tree_that_leaves_out_a_forge_kernel_is_refused(where):
+  """A weight-decay mask given as a pytree, a prefix of the parameters (as
+  optax allows), on the layers' optimizer or on tx: a leaf above a FORGE
+  layer (``'encoder': False``) applies to its whole subtree, so
+  nn.Dense + optax would leave the table and kernel below undecayed while
+  FORGE decays them: refused, naming the layers. A tree that keeps the
+  kernels decayed (the LayerNorm left out) trains as flax's layers + optax
+  under the same mask."""
+  tokens = jnp.arange(6) % 16
+  y = jax.random.normal(jax.random.key(1), (6, 4))
+
+  def forge(mask):
+    opt = fj.adamw(1e-2, weight_decay=0.1, mask=mask)
+    if where == "optimizer":
+      return MaskedEncoder(opt), opt.to_optax()
+    return MaskedEncoder(), optax.adamw(1e-2, weight_decay=0.1, mask=mask)
+
+  for left_out, names in (
+    ({"encoder": False, "norm": False, "proj": True}, "'encoder/body', 'e"),
+    ({"encoder": True, "norm": False, "proj": False}, "'proj'"),
+  ):
+    model, tx = forge(left_out)
+    with pytest.raises(ValueError, match=rf"mask leaves out.*\[{names}"):
+      train(model, steps=1, tx=tx, x_y=(tokens, y))
+
+  kept = {"encoder": True, "norm": False, "proj": True}
+  model, tx = forge(kept)
+  state, losses = train(model, tx=tx, x_y=(tokens, y))
+  expected, expected_losses = train(
+    MaskedEncoder(None),
+    state_cls=FlaxTrainState,
+    # flax's TrainState steps all variables, the bias-free layer's kernel
+    # among them.
+    tx=optax.adamw(
+      1e-2, weight_decay=0.1, mask={"params": {**kept, "mix": True}}
+    ),
+    x_y=(tokens, y),
+  )
+  np.testing.assert_allclose(losses, expected_losses, rtol=1e-6)
+  forge_encoder = state.params[COLL]["encoder"]
+  flax_encoder = expected.params["params"]["encoder"]
+  chex.assert_trees_all_close(
+    (forge_encoder["embed"]["kernel"], forge_encoder["body"]["kernel"]),
+    (flax_encoder["embed"]["embedding"], flax_encoder["body"]["kernel"]),
+    rtol=1e-5,
+    atol=1e-7,
+  )
+
+
 def test_train_state_accepts_a_learning_rate_warmed_up_from_zero():
   """A schedule that starts at 0 leaves the probe unmoved on its first
   step, the layers' rule too: that is no freezing."""

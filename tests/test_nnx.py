@@ -815,6 +815,84 @@ def test_optimizer_takes_each_bias_by_its_layer_rule(seed):
   fj.nnx.Optimizer(model, tx, wrt=nnx.Param)
 
 
+def test_optimizer_refuses_a_decay_mask_tree_without_a_forge_kernel(seed):
+  """A weight-decay mask given as an ``nnx.State`` prefix of the
+  parameters, on the layers' optimizer or on tx: a leaf above a Linear
+  (``1: False``) applies to its whole subtree, so nnx.Linear + optax would
+  leave its kernel undecayed while FORGE decays it: refused, naming it. A
+  tree that keeps the kernels decayed (the LayerNorm left out) passes."""
+  left_out = nnx.State({"layers": {0: True, 1: False}, "norm": False})
+  kept = nnx.State({"layers": {0: True, 1: True}, "norm": False})
+  for mask, refused in ((left_out, True), (kept, False)):
+    opt = fj.adamw(1e-2, weight_decay=0.1, mask=mask)
+    on_optimizer = MLP((6, 8, 4), nnx.Rngs(seed), opt, implementation="xla")
+    on_tx, _ = _mlp(seed)
+    for model, tx in (
+      (on_optimizer, opt.to_optax()),
+      (on_tx, optax.adamw(1e-2, weight_decay=0.1, mask=mask)),
+    ):
+      model.norm = nnx.LayerNorm(4, rngs=nnx.Rngs(seed))
+      if refused:
+        with pytest.raises(ValueError, match=r"mask leaves out.*\['layers/1'"):
+          fj.nnx.Optimizer(model, tx, wrt=nnx.Param)
+      else:
+        fj.nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+
+class LayerwiseMLP(MLP):
+  """``MLP`` whose layers each take their own optimizer (``optimizers``;
+  None: nnx.Linear layers)."""
+
+  def __init__(self, features, rngs, optimizers=None):
+    def linear(i, o, opt):
+      if opt is None:
+        return nnx.Linear(i, o, rngs=rngs)
+      return fj.nnx.Linear(i, o, optimizer=opt, implementation="xla", rngs=rngs)
+
+    shapes = list(zip(features[:-1], features[1:]))
+    self.layers = nnx.List(
+      [
+        linear(i, o, opt)
+        for (i, o), opt in zip(shapes, optimizers or [None] * len(shapes))
+      ]
+    )
+
+
+def test_optimizer_takes_layerwise_rates_without_bias_decay(seed):
+  """Layer-wise learning rates (each Linear on its own ``fj.adamw``, tx a
+  ``multi_transform`` labelled by path: a function, or an ``nnx.State``
+  prefix) with no weight decay on biases (each rate's rule masked by
+  rank): trains as nnx.Linear + nnx.Optimizer under the same tx. One rate
+  for all is refused, naming the layers on other rates."""
+  features, rates = (6, 8, 8, 4), (1e-3, 3e-3, 1e-2)
+  no_bias_decay = lambda p: jax.tree.map(lambda a: jnp.ndim(a) > 1, p)
+  rules = {
+    f"g{i}": optax.adamw(lr, weight_decay=0.1, mask=no_bias_decay)
+    for i, lr in enumerate(rates)
+  }
+  by_path = lambda params: jax.tree_util.tree_map_with_path(
+    lambda path, _: f"g{path[1].key}", params
+  )
+  prefix = nnx.State({"layers": {i: f"g{i}" for i in range(len(rates))}})
+  opts = [fj.adamw(lr, weight_decay=0.1) for lr in rates]
+  for labels in (by_path, prefix):
+    model = LayerwiseMLP(features, nnx.Rngs(seed), opts)
+    ref = LayerwiseMLP(features, nnx.Rngs(seed))
+    tx = optax.multi_transform(rules, labels)
+    optimizer = fj.nnx.Optimizer(model, tx, wrt=nnx.Param)
+    ref_optimizer = nnx.Optimizer(ref, tx, wrt=nnx.Param)
+    step, ref_step = forge_step(), reference_step()
+    for i, batch in enumerate(make_batches(seed, 3, (5, 6), 4)):
+      loss = step(model, optimizer, *batch)
+      np.testing.assert_allclose(loss, ref_step(ref, ref_optimizer, *batch))
+      ours, theirs = kernels_and_biases(model), kernels_and_biases(ref)
+      for key in theirs:
+        assert_rel_close(ours[key], theirs[key], RTOL, f"step {i} {key}")
+  model = LayerwiseMLP(features, nnx.Rngs(seed), opts)
+  with pytest.raises(ValueError, match=r"\['layers/1', 'layers/2'\] by"):
+    fj.nnx.Optimizer(model, rules["g0"], wrt=nnx.Param)
+
+
 class TwoLayerNet(nnx.Module):
   def __init__(self, features_in, features_out, rngs, forge: bool):
     def linear(i, o):
