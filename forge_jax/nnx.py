@@ -859,13 +859,14 @@ def frozen_layers(model, tx, wrt, layers) -> FrozenLayers:
   rule than the layer's, which no gradient makes right."""
   selected = nnx.state(model, wrt)
   # The kernel is not an nnx.Param, so ``wrt`` is asked about an nnx.Param
-  # at its path: what it would select were the layer an nnx.Linear. A bias
-  # it leaves out stays as nnx.Linear's would.
+  # at its path, named as nnx's twin names it (an Embed's 'embedding'):
+  # what it would select were the layer nnx's own. A bias it leaves out
+  # stays as nnx.Linear's would.
   selects = nnx.filterlib.to_predicate(wrt)
   left_out = tuple(
     _name(path)
     for path, layer in layers
-    if not selects((*path, "kernel"), nnx.Param(_value(layer.kernel)))
+    if not selects((*path, layer.twin_weight), nnx.Param(_value(layer.kernel)))
   )
   optimizers = tuple((path, layer.optimizer) for path, layer in layers)
   probed = probe_layers(tx, optimizers, selected)

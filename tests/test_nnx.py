@@ -786,6 +786,45 @@ def test_optimizer_lets_a_stopped_linear_be_frozen(how, seed):
   chex.assert_trees_all_equal(nnx.to_pure_dict(nnx.state(reached)), before)
 
 
+class EmbeddedHead(nnx.Module):
+  """``embed -> gelu -> head`` of fj.nnx's or nnx's layers; where ``stop``,
+  the table's output gradient is stopped."""
+
+  def __init__(self, rngs, optimizer=None, stop=False):
+    if optimizer is None:
+      self.embed = nnx.Embed(11, 8, rngs=rngs)
+      self.head = nnx.Linear(8, 4, rngs=rngs)
+    else:
+      self.embed = fj.nnx.Embed(11, 8, optimizer=optimizer, rngs=rngs)
+      self.head = fj.nnx.Linear(8, 4, optimizer=optimizer, rngs=rngs)
+    self.stop = stop
+
+  def __call__(self, tokens):
+    h = nnx.gelu(self.embed(tokens))
+    return self.head(jax.lax.stop_gradient(h) if self.stop else h)
+
+
+def test_optimizer_asks_wrt_about_an_embed_table_by_its_name(seed):
+  """A ``wrt`` that leaves out every ``'embedding'`` freezes fj.nnx.Embed's
+  table as it would nnx.Embed's: refused at the update the loss reaches it
+  in; with its output's gradient stopped, the step trains as nnx.Embed +
+  nnx.Optimizer frozen alike, the table kept bit for bit."""
+  wrt = nnx.All(nnx.Param, nnx.Not(nnx.PathContains("embedding")))
+  tokens = jax.random.randint(jax.random.key(seed), (5,), 0, 11)
+  labels = jax.random.randint(jax.random.key(seed + 1), (5,), 0, 4)
+  model = EmbeddedHead(nnx.Rngs(seed), OPT)
+  match = r"\['embed'\].*FORGE"
+  _refused_at_update(model, OPT.to_optax(), wrt, match, tokens, labels)
+
+  model = EmbeddedHead(nnx.Rngs(seed), OPT, stop=True)
+  ref = EmbeddedHead(nnx.Rngs(seed), stop=True)
+  initial = np.asarray(ref.embed.embedding[...])
+  batches = [(tokens, labels), (tokens[::-1], labels)]
+  _train_against_nnx(model, ref, OPT.to_optax(), OPTAX_OPT, wrt, batches)
+  np.testing.assert_array_equal(model.embed.kernel[...], initial)
+  np.testing.assert_array_equal(ref.embed.embedding[...], initial)
+
+
 def test_optimizer_refuses_a_decay_mask_without_a_forge_kernel(seed):
   head_undecayed = lambda p: jax.tree_util.tree_map_with_path(
     lambda path, _: "1" not in jax.tree_util.keystr(path), p
