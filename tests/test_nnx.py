@@ -786,6 +786,35 @@ def test_optimizer_lets_a_stopped_linear_be_frozen(how, seed):
   chex.assert_trees_all_equal(nnx.to_pure_dict(nnx.state(reached)), before)
 
 
+def test_a_frozen_body_stepped_in_one_jit_is_refused_in_another(seed):
+  """Gradients from one jit, an evaluation's forward, the update in another
+  jit: the update cannot tell which computation's gradient it installs,
+  so a body ``wrt`` freezes that the gradient stepped is refused, the model
+  kept as it was. With the body's output gradient stopped the same loop
+  trains the head alone, the body kept bit for bit."""
+  wrt = nnx.All(nnx.Param, nnx.PathContains("head"))
+  x, y = make_batch(seed, (5, 6), 4)
+  for stop in (False, True):
+    model = StoppedBody(nnx.Rngs(seed), OPT, stop=stop)
+    optimizer = fj.nnx.Optimizer(model, OPT.to_optax(), wrt=wrt)
+    before = nnx.to_pure_dict(nnx.state(model))
+    grad_fn = fj.nnx.grad(cross_entropy, argnums=nnx.DiffState(0, wrt))
+    grads = nnx.jit(grad_fn)(model, x, y)
+    nnx.jit(lambda model, x: model(x))(model, x)
+    update = nnx.jit(
+      lambda model, optimizer, grads: optimizer.update(model, grads)
+    )
+    if not stop:
+      with pytest.raises(ValueError, match=r"\['body'\].*FORGE layers"):
+        update(model, optimizer, grads)
+      chex.assert_trees_all_equal(nnx.to_pure_dict(nnx.state(model)), before)
+      continue
+    update(model, optimizer, grads)
+    after = nnx.to_pure_dict(nnx.state(model))
+    chex.assert_trees_all_equal(after["body"], before["body"])
+    assert float(model.head.count[...]) == 1.0
+
+
 class EmbeddedHead(nnx.Module):
   """``embed -> gelu -> head`` of fj.nnx's or nnx's layers; where ``stop``,
   the table's output gradient is stopped."""
