@@ -1702,6 +1702,103 @@ def test_clipping_through_fj_nnx_scan(seed):
     assert_rel_close(ours[name], theirs[name], 1e-5, name)
 
 
+class CallDropout(nnx.Module):
+  """An MLP whose dropout draws from the ``rngs`` it is called with."""
+
+  def __init__(self, rngs, optimizer=None):
+    self.mlp = MLP((6, 16, 4), rngs, optimizer)
+    self.dropout = nnx.Dropout(0.25)
+
+  def __call__(self, x, rngs):
+    return self.dropout(self.mlp(x), rngs=rngs)
+
+
+def test_clipping_takes_graph_nodes_among_the_loss_arguments(seed):
+  """An ``nnx.Rngs`` passed to the loss (dropout drawn at call time) takes
+  the forward's updates as with nnx.value_and_grad: the masks, rng counts
+  and clipped steps follow nnx.Linear + ``optax.chain(clip_by_global_norm,
+  tx)``."""
+  model, ref = CallDropout(nnx.Rngs(seed), OPT), CallDropout(nnx.Rngs(seed))
+  rngs, ref_rngs = nnx.Rngs(dropout=seed), nnx.Rngs(dropout=seed)
+  max_norm = 0.05
+  optimizer = fj.nnx.Optimizer(
+    model, OPT.to_optax(), wrt=nnx.Param, max_grad_norm=max_norm
+  )
+  ref_optimizer = nnx.Optimizer(
+    ref,
+    optax.chain(optax.clip_by_global_norm(max_norm), OPTAX_OPT),
+    wrt=nnx.Param,
+  )
+
+  def loss_fn(model, x, y, rngs):
+    logits = model(x, rngs)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+  @nnx.jit
+  def step(model, optimizer, x, y, rngs):
+    loss, grads = optimizer.value_and_grad(loss_fn)(model, x, y, rngs)
+    optimizer.update(model, grads)
+    return loss
+
+  @nnx.jit
+  def ref_step(model, optimizer, x, y, rngs):
+    loss, grads = nnx.value_and_grad(loss_fn)(model, x, y, rngs)
+    optimizer.update(model, grads)
+    return loss
+
+  for x, y in make_batches(seed, 3, (10, 6), 4):
+    np.testing.assert_allclose(
+      step(model, optimizer, x, y, rngs),
+      ref_step(ref, ref_optimizer, x, y, ref_rngs),
+      rtol=1e-6,
+    )
+    assert float(optimizer.grad_norm[...]) > max_norm
+  assert int(rngs.dropout.count[...]) == int(ref_rngs.dropout.count[...]) == 3
+  ours, theirs = kernels_and_biases(model), kernels_and_biases(ref)
+  for name in theirs:
+    assert_rel_close(ours[name], theirs[name], 1e-5, name)
+
+
+def test_delayed_clipping_refuses_a_gradient_function_made_outside(seed):
+  """``optimizer.value_and_grad(loss_fn)`` taken before ``nnx.jit``, from
+  the optimizer outside the step, reads that optimizer's norm at trace
+  time: 'delayed' would seed every compiled step with it, so it is
+  refused. Called eagerly it reads the current norm and trains as the
+  gradient function taken inside a jitted step."""
+  max_norm = 0.05
+  models = [MLP((6, 8, 4), nnx.Rngs(seed), OPT) for _ in range(2)]
+  optimizers = [
+    fj.nnx.Optimizer(
+      m, OPT.to_optax(), wrt=nnx.Param, max_grad_norm=max_norm, clip="delayed"
+    )
+    for m in models
+  ]
+  outside = optimizers[0].value_and_grad(cross_entropy)
+
+  @nnx.jit
+  def stale_step(model, optimizer, x, y):
+    optimizer.update(model, outside(model, x, y)[1])
+
+  @nnx.jit
+  def step(model, optimizer, x, y):
+    grads = optimizer.value_and_grad(cross_entropy)(model, x, y)[1]
+    optimizer.update(model, grads)
+
+  batches = make_batches(seed, 3, (5, 6), 4)
+  with pytest.raises(ValueError, match="inside the step"):
+    stale_step(models[0], optimizers[0], *batches[0])
+  for x, y in batches:
+    optimizers[0].update(models[0], outside(models[0], x, y)[1])
+    step(models[1], optimizers[1], x, y)
+    np.testing.assert_allclose(
+      optimizers[0].grad_norm[...], optimizers[1].grad_norm[...], rtol=1e-6
+    )
+  assert float(optimizers[1].grad_norm[...]) > max_norm
+  ours, theirs = kernels_and_biases(models[0]), kernels_and_biases(models[1])
+  for name in theirs:
+    assert_rel_close(ours[name], theirs[name], 1e-6, name)
+
+
 def test_clipping_refuses_unclipped_layers(seed):
   """With ``max_grad_norm``, gradients from fj.nnx.value_and_grad (whose
   layers stepped unclipped) are refused; ``clip`` is checked."""
