@@ -623,12 +623,17 @@ def stepping_pass(path: tuple, kernel=None) -> Optional[tuple]:
 
 
 def forward_only(path: tuple, kernel=None) -> bool:
-  """Whether the current gradient computation traced the forward of the
-  ForgeDense at ``path`` and no backward stepped it (its output's gradient
-  stopped: the loss does not reach it)."""
+  """Whether the forward of the ForgeDense at ``path`` was traced since its
+  last install and no backward of it was (its output's gradient stopped:
+  the loss does not reach it). Any backward since then counts, not only
+  the current computation's: a gradient traced in one jit and installed
+  in another may be followed by a forward alone (an evaluation), and the
+  install cannot tell which computation's gradient it takes."""
+  path = tuple(path)
   return (
     stepping_pass(path, kernel) is None
-    and _EVENTS.current(tuple(path)) == FORWARD
+    and bool(_EVENTS.forwards.get(path))
+    and not _EVENTS.backwards.get(path)
   )
 
 

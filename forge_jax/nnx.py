@@ -634,19 +634,28 @@ def _clipped_value_and_grad(
   (:mod:`forge_jax.clipping`): ``'exact'`` runs the pullback of one
   forward pass twice, norm only, then seeded with ``min(1, max_norm /
   ||g||)``; ``'delayed'`` once, seeded by ``previous_norm``. The model's
-  other variables (batch statistics, rng counts) take the forward's
-  updates, as ``nnx.value_and_grad`` gives them."""
+  other variables (batch statistics, rng counts) and those of the graph
+  nodes among the other arguments (an ``nnx.Rngs``, a teacher model) take
+  the forward's updates, as ``nnx.value_and_grad`` gives them."""
 
   def value_and_grad_fn(model, *args, **kwargs):
-    graphdef, diff, rest = nnx.split(model, differentiated, ...)
+    if clip == "delayed":
+      _check_traced_alike(model, previous_norm)
+    nodes, rebuild = _graph_nodes((args, kwargs))
+    # One split keeps the references the model shares with the other
+    # arguments; only the model's own variables are differentiated.
+    in_model = nnx.All(differentiated, lambda path, _: path[0] == 0)
+    graphdef, diff, rest = nnx.split((model, nodes), in_model, ...)
 
     def loss(diff):
-      inner = nnx.merge(graphdef, diff, rest, copy=True)
-      out = f(inner, *args, **kwargs)
+      inner, inner_nodes = nnx.merge(graphdef, diff, rest, copy=True)
+      inner_args, inner_kwargs = rebuild(inner_nodes)
+      out = f(inner, *inner_args, **inner_kwargs)
       value, aux = out if has_aux else (out, None)
-      return value, (aux, nnx.state(inner, nnx.Not(differentiated)))
+      return value, (aux, nnx.state((inner, inner_nodes), nnx.Not(in_model)))
 
     value, pullback, (aux, updates) = jax.vjp(loss, diff, has_aux=True)
+    pullback = _of_model(pullback)
     seed = lambda scale: jnp.asarray(scale, jnp.result_type(value))
     if clip == "exact":
       with layer_context.running(layer_context.NORM_ONLY):
@@ -675,10 +684,58 @@ def _clipped_value_and_grad(
         lambda g: g / scale.astype(g.dtype),
         lambda name, v: v / scale**2 if name == "grad_sq_norm" else v,
       )
-    nnx.update(model, updates)
+    nnx.update((model, nodes), updates)
     return ((value, aux) if has_aux else value), grads
 
   return value_and_grad_fn
+
+
+def _graph_nodes(tree):
+  """The graph nodes among ``tree``'s leaves (modules, ``nnx.Rngs``,
+  variables), and a function that rebuilds ``tree`` with others in their
+  places."""
+  is_node = nnx.graphlib.is_graph_node
+  leaves, treedef = jax.tree.flatten(tree, is_leaf=is_node)
+  places = [i for i, leaf in enumerate(leaves) if is_node(leaf)]
+
+  def rebuild(nodes):
+    rebuilt = list(leaves)
+    for place, node in zip(places, nodes):
+      rebuilt[place] = node
+    return jax.tree.unflatten(treedef, rebuilt)
+
+  return [leaves[place] for place in places], rebuild
+
+
+def _of_model(pullback):
+  """``pullback`` of the split ``(model, nodes)``, returning the model's
+  gradients alone (as ``nnx.split(model, ...)`` orders them)."""
+
+  def model_pullback(seed):
+    (grads,) = pullback(seed)
+    return (grads[0] if 0 in grads else nnx.State({}),)
+
+  return model_pullback
+
+
+def _check_traced_alike(model, previous_norm):
+  """Refuses a ``'delayed'`` gradient function whose optimizer is not traced
+  with the model (``optimizer.value_and_grad`` taken outside ``nnx.jit``,
+  from an optimizer the step does not receive): the norm it seeds the
+  layers with would be that optimizer's at trace time, a constant of the
+  compiled step, not the previous step's."""
+  traced = lambda x: isinstance(x, jax.core.Tracer)
+  if traced(previous_norm[...]):
+    return
+  if any(traced(leaf) for leaf in jax.tree.leaves(nnx.state(model))):
+    raise ValueError(
+      "clip='delayed': the gradient function reads the previous step's "
+      "norm from an optimizer outside the traced step (optimizer."
+      "value_and_grad(loss_fn) taken before nnx.jit), so every compiled "
+      "step would clip by its norm at trace time. Take it inside the step, "
+      "from the optimizer the step receives: "
+      "optimizer.value_and_grad(loss_fn)(model, ...)."
+    )
 
 
 class Optimizer(nnx.Optimizer):
@@ -859,13 +916,14 @@ def frozen_layers(model, tx, wrt, layers) -> FrozenLayers:
   rule than the layer's, which no gradient makes right."""
   selected = nnx.state(model, wrt)
   # The kernel is not an nnx.Param, so ``wrt`` is asked about an nnx.Param
-  # at its path: what it would select were the layer an nnx.Linear. A bias
-  # it leaves out stays as nnx.Linear's would.
+  # at its path, named as nnx's twin names it (an Embed's 'embedding'):
+  # what it would select were the layer nnx's own. A bias it leaves out
+  # stays as nnx.Linear's would.
   selects = nnx.filterlib.to_predicate(wrt)
   left_out = tuple(
     _name(path)
     for path, layer in layers
-    if not selects((*path, "kernel"), nnx.Param(_value(layer.kernel)))
+    if not selects((*path, layer.twin_weight), nnx.Param(_value(layer.kernel)))
   )
   optimizers = tuple((path, layer.optimizer) for path, layer in layers)
   probed = probe_layers(tx, optimizers, selected)

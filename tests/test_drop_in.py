@@ -1060,6 +1060,37 @@ def test_a_frozen_forge_layer_behind_stop_gradient_may_be_labelled_frozen():
   assert float(state.params[fj.FORGE_COLLECTION]["head"]["count"]) == 2.0
 
 
+def test_a_frozen_layer_stepped_in_one_jit_is_refused_in_another():
+  """Gradients from one jit, an evaluation's forward, apply_gradients in
+  another jit: it cannot tell which computation's gradient it installs,
+  so a layer tx freezes that the gradient stepped is refused; behind a
+  stop_gradient the same loop keeps the body bit for bit."""
+  frozen = lambda path: any(
+    name in jax.tree_util.keystr(path) for name in ("fc1", "body")
+  )
+  labels = lambda p: jax.tree_util.tree_map_with_path(
+    lambda path, _: "frozen" if frozen(path) else "train", p
+  )
+  tx = optax.multi_transform(
+    {"train": OPT.to_optax(), "frozen": optax.set_to_zero()}, labels
+  )
+  x, y = data()
+  apply = jax.jit(lambda state, grads: state.apply_gradients(grads=grads))
+  for model in (Pair(), FrozenBody()):
+    variables = model.init(jax.random.key(0), x)
+    state = fj.TrainState.create(apply_fn=model.apply, params=variables, tx=tx)
+    loss = lambda params: jnp.mean((model.apply(params, x) - y) ** 2)
+    grads = jax.jit(jax.grad(loss))(state.params)
+    jax.jit(model.apply)(state.params, x)
+    if isinstance(model, Pair):
+      with pytest.raises(ValueError, match=r"\['fc1'\].*FORGE layers"):
+        apply(state, grads)
+      continue
+    layer = lambda v: {c: v[c]["body"] for c in v}
+    state = apply(state, grads)
+    chex.assert_trees_all_equal(layer(state.params), layer(variables))
+
+
 class Pair(nn.Module):
   """``fc1 -> gelu -> fc2``."""
 

@@ -786,6 +786,74 @@ def test_optimizer_lets_a_stopped_linear_be_frozen(how, seed):
   chex.assert_trees_all_equal(nnx.to_pure_dict(nnx.state(reached)), before)
 
 
+def test_a_frozen_body_stepped_in_one_jit_is_refused_in_another(seed):
+  """Gradients from one jit, an evaluation's forward, the update in another
+  jit: the update cannot tell which computation's gradient it installs,
+  so a body ``wrt`` freezes that the gradient stepped is refused, the model
+  kept as it was. With the body's output gradient stopped the same loop
+  trains the head alone, the body kept bit for bit."""
+  wrt = nnx.All(nnx.Param, nnx.PathContains("head"))
+  x, y = make_batch(seed, (5, 6), 4)
+  for stop in (False, True):
+    model = StoppedBody(nnx.Rngs(seed), OPT, stop=stop)
+    optimizer = fj.nnx.Optimizer(model, OPT.to_optax(), wrt=wrt)
+    before = nnx.to_pure_dict(nnx.state(model))
+    grad_fn = fj.nnx.grad(cross_entropy, argnums=nnx.DiffState(0, wrt))
+    grads = nnx.jit(grad_fn)(model, x, y)
+    nnx.jit(lambda model, x: model(x))(model, x)
+    update = nnx.jit(
+      lambda model, optimizer, grads: optimizer.update(model, grads)
+    )
+    if not stop:
+      with pytest.raises(ValueError, match=r"\['body'\].*FORGE layers"):
+        update(model, optimizer, grads)
+      chex.assert_trees_all_equal(nnx.to_pure_dict(nnx.state(model)), before)
+      continue
+    update(model, optimizer, grads)
+    after = nnx.to_pure_dict(nnx.state(model))
+    chex.assert_trees_all_equal(after["body"], before["body"])
+    assert float(model.head.count[...]) == 1.0
+
+
+class EmbeddedHead(nnx.Module):
+  """``embed -> gelu -> head`` of fj.nnx's or nnx's layers; where ``stop``,
+  the table's output gradient is stopped."""
+
+  def __init__(self, rngs, optimizer=None, stop=False):
+    if optimizer is None:
+      self.embed = nnx.Embed(11, 8, rngs=rngs)
+      self.head = nnx.Linear(8, 4, rngs=rngs)
+    else:
+      self.embed = fj.nnx.Embed(11, 8, optimizer=optimizer, rngs=rngs)
+      self.head = fj.nnx.Linear(8, 4, optimizer=optimizer, rngs=rngs)
+    self.stop = stop
+
+  def __call__(self, tokens):
+    h = nnx.gelu(self.embed(tokens))
+    return self.head(jax.lax.stop_gradient(h) if self.stop else h)
+
+
+def test_optimizer_asks_wrt_about_an_embed_table_by_its_name(seed):
+  """A ``wrt`` that leaves out every ``'embedding'`` freezes fj.nnx.Embed's
+  table as it would nnx.Embed's: refused at the update the loss reaches it
+  in; with its output's gradient stopped, the step trains as nnx.Embed +
+  nnx.Optimizer frozen alike, the table kept bit for bit."""
+  wrt = nnx.All(nnx.Param, nnx.Not(nnx.PathContains("embedding")))
+  tokens = jax.random.randint(jax.random.key(seed), (5,), 0, 11)
+  labels = jax.random.randint(jax.random.key(seed + 1), (5,), 0, 4)
+  model = EmbeddedHead(nnx.Rngs(seed), OPT)
+  match = r"\['embed'\].*FORGE"
+  _refused_at_update(model, OPT.to_optax(), wrt, match, tokens, labels)
+
+  model = EmbeddedHead(nnx.Rngs(seed), OPT, stop=True)
+  ref = EmbeddedHead(nnx.Rngs(seed), stop=True)
+  initial = np.asarray(ref.embed.embedding[...])
+  batches = [(tokens, labels), (tokens[::-1], labels)]
+  _train_against_nnx(model, ref, OPT.to_optax(), OPTAX_OPT, wrt, batches)
+  np.testing.assert_array_equal(model.embed.kernel[...], initial)
+  np.testing.assert_array_equal(ref.embed.embedding[...], initial)
+
+
 def test_optimizer_refuses_a_decay_mask_without_a_forge_kernel(seed):
   head_undecayed = lambda p: jax.tree_util.tree_map_with_path(
     lambda path, _: "1" not in jax.tree_util.keystr(path), p
@@ -1710,6 +1778,103 @@ def test_clipping_through_fj_nnx_scan(seed):
   ours, theirs = _stack_values(model), _stack_values(ref)
   for name in theirs:
     assert_rel_close(ours[name], theirs[name], 1e-5, name)
+
+
+class CallDropout(nnx.Module):
+  """An MLP whose dropout draws from the ``rngs`` it is called with."""
+
+  def __init__(self, rngs, optimizer=None):
+    self.mlp = MLP((6, 16, 4), rngs, optimizer)
+    self.dropout = nnx.Dropout(0.25)
+
+  def __call__(self, x, rngs):
+    return self.dropout(self.mlp(x), rngs=rngs)
+
+
+def test_clipping_takes_graph_nodes_among_the_loss_arguments(seed):
+  """An ``nnx.Rngs`` passed to the loss (dropout drawn at call time) takes
+  the forward's updates as with nnx.value_and_grad: the masks, rng counts
+  and clipped steps follow nnx.Linear + ``optax.chain(clip_by_global_norm,
+  tx)``."""
+  model, ref = CallDropout(nnx.Rngs(seed), OPT), CallDropout(nnx.Rngs(seed))
+  rngs, ref_rngs = nnx.Rngs(dropout=seed), nnx.Rngs(dropout=seed)
+  max_norm = 0.05
+  optimizer = fj.nnx.Optimizer(
+    model, OPT.to_optax(), wrt=nnx.Param, max_grad_norm=max_norm
+  )
+  ref_optimizer = nnx.Optimizer(
+    ref,
+    optax.chain(optax.clip_by_global_norm(max_norm), OPTAX_OPT),
+    wrt=nnx.Param,
+  )
+
+  def loss_fn(model, x, y, rngs):
+    logits = model(x, rngs)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+  @nnx.jit
+  def step(model, optimizer, x, y, rngs):
+    loss, grads = optimizer.value_and_grad(loss_fn)(model, x, y, rngs)
+    optimizer.update(model, grads)
+    return loss
+
+  @nnx.jit
+  def ref_step(model, optimizer, x, y, rngs):
+    loss, grads = nnx.value_and_grad(loss_fn)(model, x, y, rngs)
+    optimizer.update(model, grads)
+    return loss
+
+  for x, y in make_batches(seed, 3, (10, 6), 4):
+    np.testing.assert_allclose(
+      step(model, optimizer, x, y, rngs),
+      ref_step(ref, ref_optimizer, x, y, ref_rngs),
+      rtol=1e-6,
+    )
+    assert float(optimizer.grad_norm[...]) > max_norm
+  assert int(rngs.dropout.count[...]) == int(ref_rngs.dropout.count[...]) == 3
+  ours, theirs = kernels_and_biases(model), kernels_and_biases(ref)
+  for name in theirs:
+    assert_rel_close(ours[name], theirs[name], 1e-5, name)
+
+
+def test_delayed_clipping_refuses_a_gradient_function_made_outside(seed):
+  """``optimizer.value_and_grad(loss_fn)`` taken before ``nnx.jit``, from
+  the optimizer outside the step, reads that optimizer's norm at trace
+  time: 'delayed' would seed every compiled step with it, so it is
+  refused. Called eagerly it reads the current norm and trains as the
+  gradient function taken inside a jitted step."""
+  max_norm = 0.05
+  models = [MLP((6, 8, 4), nnx.Rngs(seed), OPT) for _ in range(2)]
+  optimizers = [
+    fj.nnx.Optimizer(
+      m, OPT.to_optax(), wrt=nnx.Param, max_grad_norm=max_norm, clip="delayed"
+    )
+    for m in models
+  ]
+  outside = optimizers[0].value_and_grad(cross_entropy)
+
+  @nnx.jit
+  def stale_step(model, optimizer, x, y):
+    optimizer.update(model, outside(model, x, y)[1])
+
+  @nnx.jit
+  def step(model, optimizer, x, y):
+    grads = optimizer.value_and_grad(cross_entropy)(model, x, y)[1]
+    optimizer.update(model, grads)
+
+  batches = make_batches(seed, 3, (5, 6), 4)
+  with pytest.raises(ValueError, match="inside the step"):
+    stale_step(models[0], optimizers[0], *batches[0])
+  for x, y in batches:
+    optimizers[0].update(models[0], outside(models[0], x, y)[1])
+    step(models[1], optimizers[1], x, y)
+    np.testing.assert_allclose(
+      optimizers[0].grad_norm[...], optimizers[1].grad_norm[...], rtol=1e-6
+    )
+  assert float(optimizers[1].grad_norm[...]) > max_norm
+  ours, theirs = kernels_and_biases(models[0]), kernels_and_biases(models[1])
+  for name in theirs:
+    assert_rel_close(ours[name], theirs[name], 1e-6, name)
 
 
 def test_clipping_refuses_unclipped_layers(seed):
