@@ -198,6 +198,8 @@ def value_and_grad(
     raise ValueError("clip='delayed' needs the previous step's previous_norm")
 
   def value_and_grad_fn(variables, *args, **kwargs):
+    if max_norm is not None and clip == "delayed":
+      _check_traced_alike(variables, previous_norm)
     loss = lambda v: fun(v, *args, **kwargs)
     layers = None
     if max_norm is not None and clip == "exact":
@@ -236,6 +238,24 @@ def value_and_grad(
     return ((value, out[2]) if has_aux else value), grads
 
   return value_and_grad_fn
+
+
+def _check_traced_alike(variables, previous_norm):
+  """Refuses a ``'delayed'`` gradient function whose ``previous_norm`` is
+  not traced with the variables (``state.value_and_grad`` taken outside
+  the jitted step, from a state the step does not receive): every compiled
+  step would clip by that norm, a constant, not the previous step's."""
+  traced = lambda x: isinstance(x, jax.core.Tracer)
+  if traced(previous_norm):
+    return
+  if any(traced(leaf) for leaf in jax.tree.leaves(variables)):
+    raise ValueError(
+      "clip='delayed': the gradient function reads the previous step's "
+      "norm from a state outside the traced step (state.value_and_grad("
+      "loss_fn) taken before jax.jit), so every compiled step would clip "
+      "by that state's norm. Take it inside the step, from the state the "
+      "step receives: state.value_and_grad(loss_fn)(state.params, ...)."
+    )
 
 
 def _deferrable_layers(loss, variables, has_aux):

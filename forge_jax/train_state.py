@@ -127,7 +127,9 @@ class TrainState(train_state.TrainState):
     """``jax.value_and_grad(fun, has_aux=has_aux)`` for this state's
     clipping: with ``max_grad_norm``, FORGE's layers step with their
     gradient clipped (:func:`forge_jax.clipping.value_and_grad`), and
-    :meth:`apply_gradients` clips the other parameters' alike."""
+    :meth:`apply_gradients` clips the other parameters' alike. Take it from
+    the state of each step: ``'delayed'`` clips by this state's
+    ``grad_norm``."""
     return clipping.value_and_grad(
       fun,
       has_aux,

@@ -463,6 +463,39 @@ def test_delayed_clipping_scales_by_the_previous_norm(seed):
     previous = norm
 
 
+def test_delayed_clipping_refuses_a_gradient_function_made_outside(seed):
+  """``state.value_and_grad(loss_fn)`` taken before ``jax.jit`` from the
+  state outside the step carries that state's norm into every compiled
+  step: 'delayed' refuses it; taken inside it reads each step's norm."""
+  opt = fj.sgd(0.5)
+  model = MLP(FEATURES, optimizer=opt)
+  batch = make_batches(seed + 1, 1, (10, 12), FEATURES[-1])[0]
+  state = fj.TrainState.create(
+    apply_fn=model.apply,
+    params=model.init(jax.random.key(seed), batch[0]),
+    tx=opt.to_optax(),
+    max_grad_norm=1e-3,
+    clip="delayed",
+  )
+  outside = state.value_and_grad(_loss(model.apply, batch))
+
+  @jax.jit
+  def stale_step(state):
+    return state.apply_gradients(grads=outside(state.params)[1])
+
+  @jax.jit
+  def step(state):
+    loss_fn = _loss(state.apply_fn, batch)
+    return state.apply_gradients(
+      grads=state.value_and_grad(loss_fn)(state.params)[1]
+    )
+
+  with pytest.raises(ValueError, match="inside the step"):
+    stale_step(state)
+  state = step(step(state))
+  assert float(state.grad_norm) > 1e-3
+
+
 WIDTH, LAYERS, TOKENS = 16, 3, 8
 
 
