@@ -752,6 +752,7 @@ class Optimizer(nnx.Optimizer):
     check_decay_masks(
       tuple((path, layer.optimizer) for path, layer in layers),
       {path: layer.twin_weight for path, layer in layers},
+      _kernel_ranks(layers),
     )
     # Refused at update unless the grads do not step them.
     self._frozen_layers = frozen_layers(model, tx, wrt, layers)
@@ -874,12 +875,20 @@ def frozen_layers(model, tx, wrt, layers) -> FrozenLayers:
     optimizers,
     {path: layer.twin_weight for path, layer in layers},
     selected,
+    _kernel_ranks(layers),
   )
   check_probed(None, probed, kernels)
   # As Linen's: the kernel probe, where tx runs on it, says whether a
   # layer is frozen (a bias alone may be); else the bias probe.
   frozen = kernels if kernels is not None else probed
   return FrozenLayers(left_out, () if frozen is None else tuple(frozen.frozen))
+
+
+def _kernel_ranks(layers) -> dict:
+  """``{path: rank of the kernel}`` of ``(path, Linear)`` pairs (3 for a
+  stack of ``nnx.vmap``-made layers): a weight-decay mask by rank reads
+  it."""
+  return {path: jnp.ndim(_value(layer.kernel)) for path, layer in layers}
 
 
 def check_frozen_unreached(frozen: FrozenLayers, wrt, model, grads):

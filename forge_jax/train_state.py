@@ -459,8 +459,12 @@ def check_layer_optimizers(tx, collection, params=None, written=None):
     "/".join(map(str, p)) for p, c in candidates.items() if len(c) > 1
   }
   weights = {path: layer_context.weight_name(path) for path, _ in layers}
+  ranks = {
+    path: np.ndim(layer.get("kernel"))
+    for path, layer in forge_layers(collection)
+  }
   try:
-    by_kernels = probe_kernels(tx, layers, weights, params)
+    by_kernels = probe_kernels(tx, layers, weights, params, ranks)
     by_params = None if params is None else probe_layers(tx, layers, params)
   except TypeError:  # an unhashable tx: nothing to probe
     by_kernels = by_params = None
@@ -471,7 +475,7 @@ def check_layer_optimizers(tx, collection, params=None, written=None):
       frozen=tuple(n for n in probe.frozen if n not in unreached)
     )
   check_optimizers(tx, {optimizer for _, optimizer in layers})
-  check_decay_masks(layers, weights)
+  check_decay_masks(layers, weights, ranks)
   check_probed(probe, by_params, by_kernels, ambiguous)
 
 
@@ -510,7 +514,11 @@ def _followed(tx, candidates: tuple):
   return candidates[0] if candidates else None
 
 
-def check_decay_masks(layers: tuple, weights: Optional[Mapping] = None):
+def check_decay_masks(
+  layers: tuple,
+  weights: Optional[Mapping] = None,
+  ranks: Optional[Mapping] = None,
+):
   """Refuses a weight-decay ``mask`` of a layer's optimizer that leaves out
   that layer's kernel, asked at the path where flax's layer keeps it:
   FORGE decays every kernel it steps, and the mask reaches only the
@@ -518,8 +526,10 @@ def check_decay_masks(layers: tuple, weights: Optional[Mapping] = None):
   a pytree of them or of a prefix (:func:`mask_at`). ``layers``:
   ``(path, optimizer)`` pairs; ``weights``: by path, the name flax's layer
   keeps its weight under (``'embedding'`` for an embedding; ``'kernel'``
-  where absent)."""
-  weights = weights or {}
+  where absent); ``ranks``: by path, the kernel's number of dimensions
+  (2 where absent), which a mask by rank reads (``nn.DenseGeneral``'s
+  kernels, a scan's stacks)."""
+  weights, ranks = weights or {}, ranks or {}
   left_out = []
   for path, optimizer in layers:
     mask = getattr(optimizer, "mask", None)
@@ -528,7 +538,11 @@ def check_decay_masks(layers: tuple, weights: Optional[Mapping] = None):
     keys = (*path, weights.get(path, "kernel"))
     if callable(mask):
       try:
-        mask = mask(_kernel_probe_tree([path], {path: keys[-1]}))
+        mask = mask(
+          _kernel_probe_tree(
+            [path], {path: keys[-1]}, {path: ranks.get(path, 2)}
+          )
+        )
       except Exception:  # noqa: BLE001 (a mask written for another tree)
         continue
     decided = mask_at(mask, keys)
@@ -826,10 +840,10 @@ def _undecayed(optimizer):
 
 
 def probe_kernels(
-  tx, layers: tuple, weights=None, params=None
+  tx, layers: tuple, weights=None, params=None, ranks=None
 ) -> Optional[LayerProbe]:
   """:func:`probe_layers` on a tree with a kernel at each of ``layers``'
-  paths (where flax's layer keeps one; ``weights`` as for
+  paths (where flax's layer keeps one; ``weights`` and ``ranks`` as for
   :func:`check_decay_masks`), judging those kernels alone: how freezing by
   name (``optax.multi_transform``, ``optax.masked``) treats them. (A
   learning rate that starts at zero leaves both unmoved on the first
@@ -839,11 +853,13 @@ def probe_kernels(
   either tree."""
   weights = weights or {}
   paths = [path for path, _ in layers]
-  probe = probe_layers(tx, layers, _kernel_probe_tree(paths, weights), weights)
+  probe = probe_layers(
+    tx, layers, _kernel_probe_tree(paths, weights, ranks), weights
+  )
   if probe is not None or params is None:
     return probe
   for kept in _insertable(params, paths):
-    beside = _with_kernels(params, kept, weights)
+    beside = _with_kernels(params, kept, weights, ranks)
     if beside is not None:
       probe = probe_layers(tx, layers, beside, weights)
     if probe is not None:
@@ -876,21 +892,21 @@ def _insertable(params, paths) -> list:
   return sets
 
 
-def _with_kernels(params, paths, weights):
-  """``params`` with a kernel-shaped leaf at each of ``paths`` (named as
-  for :func:`_kernel_probe_tree`), its mappings of their own types (an
-  ``nnx.State``); None where a leaf stands on a path."""
+def _with_kernels(params, paths, weights, ranks=None):
+  """``params`` with a kernel-shaped leaf at each of ``paths`` (named and
+  of the rank of :func:`_kernel_probe_tree`'s), its mappings of their own
+  types (an ``nnx.State``); None where a leaf stands on a path."""
 
-  def add(node, keys):
+  def add(node, keys, leaf):
     if not keys:
-      return None if node is not None else np.zeros((2, 3), np.float32)
+      return None if node is not None else leaf
     if node is None:
       node = {}
     if not isinstance(node, Mapping):
       return None
     # An nnx.State wraps the mappings it holds: its raw ones keep their type.
     entries = dict(getattr(node, "raw_mapping", node))
-    child = add(entries.get(keys[0]), keys[1:])
+    child = add(entries.get(keys[0]), keys[1:], leaf)
     if child is None:
       return None
     entries[keys[0]] = child
@@ -899,25 +915,33 @@ def _with_kernels(params, paths, weights):
     except TypeError:  # a mapping not made from a dict
       return entries
 
+  ranks = ranks or {}
   for path in paths:
-    params = add(params, (*path, weights.get(path, "kernel")))
+    weight = _probe_weight(ranks.get(path, 2))
+    params = add(params, (*path, weights.get(path, "kernel")), weight)
     if params is None:
       return None
   return params
 
 
-def _kernel_probe_tree(paths, weights=None) -> dict:
+def _probe_weight(rank: int) -> np.ndarray:
+  """A probe kernel of ``rank`` dimensions (the probe's ``2 x 3`` behind
+  ones): a mask by rank treats it as the layer's kernel."""
+  return np.zeros((1,) * (rank - 2) + (2, 3), np.float32)
+
+
+def _kernel_probe_tree(paths, weights=None, ranks=None) -> dict:
   """A tree with a kernel-shaped leaf at each of ``paths``, named as flax's
   layer names its weight (``weights`` by path: ``'kernel'`` where absent,
-  as for ``nn.Dense``)."""
-  weights = weights or {}
+  as for ``nn.Dense``) and of its kernel's rank (``ranks`` by path: 2
+  where absent)."""
+  weights, ranks = weights or {}, ranks or {}
   params = {}
   for path in paths:
     node = params
     for key in path:
       node = node.setdefault(key, {})
-    # The probe's rank.
-    node[weights.get(path, "kernel")] = np.zeros((2, 3), np.float32)
+    node[weights.get(path, "kernel")] = _probe_weight(ranks.get(path, 2))
   return params
 
 
