@@ -62,6 +62,7 @@ from forge_jax.scan import scan_stacks
 from forge_jax.train_state import (
   check_clipped,
   check_decay_masks,
+  check_named_absent_layers,
   check_optimizers,
   check_probed,
   check_transformation,
@@ -746,8 +747,18 @@ class Optimizer(nnx.Optimizer):
         "WithGradient), which FORGE's backward pass updates: tx would "
         "keep a second optimizer state for them. Use wrt=nnx.Param."
       )
-    super().__init__(model, tx, wrt=wrt, **kwargs)
     layers = forge_layers(model)
+    try:
+      super().__init__(model, tx, wrt=wrt, **kwargs)
+    except (ValueError, TypeError, KeyError):
+      check_named_absent_layers(
+        tx,
+        nnx.state(model, wrt),
+        [path for path, _ in layers],
+        {path: layer.twin_weight for path, layer in layers},
+        _kernel_ranks(layers),
+      )
+      raise
     check_optimizers(tx, {layer.optimizer for _, layer in layers})
     check_decay_masks(
       tuple((path, layer.optimizer) for path, layer in layers),

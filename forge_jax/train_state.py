@@ -114,14 +114,27 @@ class TrainState(train_state.TrainState):
           for path, layer in forge_layers(params[FORGE_COLLECTION])
         },
       )
-    return super().create(
-      apply_fn=apply_fn,
-      params=params,
-      tx=tx,
-      max_grad_norm=max_grad_norm,
-      clip=clip,
-      **kwargs,
-    )
+    try:
+      return super().create(
+        apply_fn=apply_fn,
+        params=params,
+        tx=tx,
+        max_grad_norm=max_grad_norm,
+        clip=clip,
+        **kwargs,
+      )
+    except (ValueError, TypeError, KeyError):
+      if not isinstance(params, Mapping) or FORGE_COLLECTION not in params:
+        raise
+      layers = forge_layers(params[FORGE_COLLECTION])
+      check_named_absent_layers(
+        tx,
+        params["params"],
+        [path for path, _ in layers],
+        {path: layer_context.weight_name(path) for path, _ in layers},
+        {path: np.ndim(layer.get("kernel")) for path, layer in layers},
+      )
+      raise
 
   def value_and_grad(self, fun: Callable, has_aux: bool = False) -> Callable:
     """``jax.value_and_grad(fun, has_aux=has_aux)`` for this state's
@@ -568,6 +581,47 @@ def mask_at(mask, keys: tuple):
     else:
       return node
   return None if isinstance(node, (Mapping, list, tuple)) else node
+
+
+def check_named_absent_layers(tx, params, paths, weights=None, ranks=None):
+  """Where ``tx`` cannot start on ``params`` (the tree it steps), refuses
+  it in FORGE's words if it starts once the FORGE layers at ``paths`` that
+  have no parameters there (no bias: their kernel and state are FORGE's)
+  get their kernels (named and of the rank of
+  :func:`_kernel_probe_tree`'s): its labels or mask, given as a pytree of
+  flax's layers' parameters, name those layers. Returns otherwise."""
+  absent = [path for path in paths if not _holds(params, path)]
+  beside = (
+    _with_kernels(params, absent, weights or {}, ranks) if absent else None
+  )
+  if beside is None:
+    return
+  try:
+    jax.eval_shape(tx.init, beside)
+  except Exception:  # noqa: BLE001 (another cause: the caller raises it)
+    return
+  names = ["/".join(map(str, path)) for path in absent]
+  raise ValueError(
+    "tx cannot start on the tree it steps (the 'params' collection; "
+    "under NNX, nnx.state(model, wrt)), which has no entry for the FORGE "
+    f"layers {names}: they have no bias, and their kernel and optimizer "
+    "state are FORGE's. tx's labels or mask, given as a pytree, name them "
+    "(as for flax's nn.Embed / nn.Dense, whose weight is a parameter). "
+    "Leave them out of that tree, or give the labels or mask as a function "
+    "of the parameters: FORGE steps and decays those layers' kernels by "
+    "their own optimizer (a layer to keep frozen or undecayed is flax's "
+    "own: nn.Embed, nn.Dense, nnx.Linear)."
+  )
+
+
+def _holds(params, path) -> bool:
+  """Whether the tree ``params`` has an entry at the module ``path``."""
+  node = params
+  for key in path:
+    if not isinstance(node, Mapping) or key not in node:
+      return False
+    node = node[key]
+  return True
 
 
 def undecayed_message(paths) -> str:
