@@ -62,6 +62,7 @@ from forge_jax.scan import scan_stacks
 from forge_jax.train_state import (
   check_clipped,
   check_decay_masks,
+  check_named_absent_layers,
   check_optimizers,
   check_probed,
   check_transformation,
@@ -803,12 +804,23 @@ class Optimizer(nnx.Optimizer):
         "WithGradient), which FORGE's backward pass updates: tx would "
         "keep a second optimizer state for them. Use wrt=nnx.Param."
       )
-    super().__init__(model, tx, wrt=wrt, **kwargs)
     layers = forge_layers(model)
+    try:
+      super().__init__(model, tx, wrt=wrt, **kwargs)
+    except (ValueError, TypeError, KeyError):
+      check_named_absent_layers(
+        tx,
+        nnx.state(model, wrt),
+        [path for path, _ in layers],
+        {path: layer.twin_weight for path, layer in layers},
+        _kernel_ranks(layers),
+      )
+      raise
     check_optimizers(tx, {layer.optimizer for _, layer in layers})
     check_decay_masks(
       tuple((path, layer.optimizer) for path, layer in layers),
       {path: layer.twin_weight for path, layer in layers},
+      _kernel_ranks(layers),
     )
     # Refused at update unless the grads do not step them.
     self._frozen_layers = frozen_layers(model, tx, wrt, layers)
@@ -932,12 +944,20 @@ def frozen_layers(model, tx, wrt, layers) -> FrozenLayers:
     optimizers,
     {path: layer.twin_weight for path, layer in layers},
     selected,
+    _kernel_ranks(layers),
   )
   check_probed(None, probed, kernels)
   # As Linen's: the kernel probe, where tx runs on it, says whether a
   # layer is frozen (a bias alone may be); else the bias probe.
   frozen = kernels if kernels is not None else probed
   return FrozenLayers(left_out, () if frozen is None else tuple(frozen.frozen))
+
+
+def _kernel_ranks(layers) -> dict:
+  """``{path: rank of the kernel}`` of ``(path, Linear)`` pairs (3 for a
+  stack of ``nnx.vmap``-made layers): a weight-decay mask by rank reads
+  it."""
+  return {path: jnp.ndim(_value(layer.kernel)) for path, layer in layers}
 
 
 def check_frozen_unreached(frozen: FrozenLayers, wrt, model, grads):

@@ -114,14 +114,27 @@ class TrainState(train_state.TrainState):
           for path, layer in forge_layers(params[FORGE_COLLECTION])
         },
       )
-    return super().create(
-      apply_fn=apply_fn,
-      params=params,
-      tx=tx,
-      max_grad_norm=max_grad_norm,
-      clip=clip,
-      **kwargs,
-    )
+    try:
+      return super().create(
+        apply_fn=apply_fn,
+        params=params,
+        tx=tx,
+        max_grad_norm=max_grad_norm,
+        clip=clip,
+        **kwargs,
+      )
+    except (ValueError, TypeError, KeyError):
+      if not isinstance(params, Mapping) or FORGE_COLLECTION not in params:
+        raise
+      layers = forge_layers(params[FORGE_COLLECTION])
+      check_named_absent_layers(
+        tx,
+        params["params"],
+        [path for path, _ in layers],
+        {path: layer_context.weight_name(path) for path, _ in layers},
+        {path: np.ndim(layer.get("kernel")) for path, layer in layers},
+      )
+      raise
 
   def value_and_grad(self, fun: Callable, has_aux: bool = False) -> Callable:
     """``jax.value_and_grad(fun, has_aux=has_aux)`` for this state's
@@ -461,8 +474,12 @@ def check_layer_optimizers(tx, collection, params=None, written=None):
     "/".join(map(str, p)) for p, c in candidates.items() if len(c) > 1
   }
   weights = {path: layer_context.weight_name(path) for path, _ in layers}
+  ranks = {
+    path: np.ndim(layer.get("kernel"))
+    for path, layer in forge_layers(collection)
+  }
   try:
-    by_kernels = probe_kernels(tx, layers, weights, params)
+    by_kernels = probe_kernels(tx, layers, weights, params, ranks)
     by_params = None if params is None else probe_layers(tx, layers, params)
   except TypeError:  # an unhashable tx: nothing to probe
     by_kernels = by_params = None
@@ -473,7 +490,7 @@ def check_layer_optimizers(tx, collection, params=None, written=None):
       frozen=tuple(n for n in probe.frozen if n not in unreached)
     )
   check_optimizers(tx, {optimizer for _, optimizer in layers})
-  check_decay_masks(layers, weights)
+  check_decay_masks(layers, weights, ranks)
   check_probed(probe, by_params, by_kernels, ambiguous)
 
 
@@ -512,7 +529,11 @@ def _followed(tx, candidates: tuple):
   return candidates[0] if candidates else None
 
 
-def check_decay_masks(layers: tuple, weights: Optional[Mapping] = None):
+def check_decay_masks(
+  layers: tuple,
+  weights: Optional[Mapping] = None,
+  ranks: Optional[Mapping] = None,
+):
   """Refuses a weight-decay ``mask`` of a layer's optimizer that leaves out
   that layer's kernel, asked at the path where flax's layer keeps it:
   FORGE decays every kernel it steps, and the mask reaches only the
@@ -520,8 +541,10 @@ def check_decay_masks(layers: tuple, weights: Optional[Mapping] = None):
   a pytree of them or of a prefix (:func:`mask_at`). ``layers``:
   ``(path, optimizer)`` pairs; ``weights``: by path, the name flax's layer
   keeps its weight under (``'embedding'`` for an embedding; ``'kernel'``
-  where absent)."""
-  weights = weights or {}
+  where absent); ``ranks``: by path, the kernel's number of dimensions
+  (2 where absent), which a mask by rank reads (``nn.DenseGeneral``'s
+  kernels, a scan's stacks)."""
+  weights, ranks = weights or {}, ranks or {}
   left_out = []
   for path, optimizer in layers:
     mask = getattr(optimizer, "mask", None)
@@ -530,7 +553,11 @@ def check_decay_masks(layers: tuple, weights: Optional[Mapping] = None):
     keys = (*path, weights.get(path, "kernel"))
     if callable(mask):
       try:
-        mask = mask(_kernel_probe_tree([path], {path: keys[-1]}))
+        mask = mask(
+          _kernel_probe_tree(
+            [path], {path: keys[-1]}, {path: ranks.get(path, 2)}
+          )
+        )
       except Exception:  # noqa: BLE001 (a mask written for another tree)
         continue
     decided = mask_at(mask, keys)
@@ -556,6 +583,47 @@ def mask_at(mask, keys: tuple):
     else:
       return node
   return None if isinstance(node, (Mapping, list, tuple)) else node
+
+
+def check_named_absent_layers(tx, params, paths, weights=None, ranks=None):
+  """Where ``tx`` cannot start on ``params`` (the tree it steps), refuses
+  it in FORGE's words if it starts once the FORGE layers at ``paths`` that
+  have no parameters there (no bias: their kernel and state are FORGE's)
+  get their kernels (named and of the rank of
+  :func:`_kernel_probe_tree`'s): its labels or mask, given as a pytree of
+  flax's layers' parameters, name those layers. Returns otherwise."""
+  absent = [path for path in paths if not _holds(params, path)]
+  beside = (
+    _with_kernels(params, absent, weights or {}, ranks) if absent else None
+  )
+  if beside is None:
+    return
+  try:
+    jax.eval_shape(tx.init, beside)
+  except Exception:  # noqa: BLE001 (another cause: the caller raises it)
+    return
+  names = ["/".join(map(str, path)) for path in absent]
+  raise ValueError(
+    "tx cannot start on the tree it steps (the 'params' collection; "
+    "under NNX, nnx.state(model, wrt)), which has no entry for the FORGE "
+    f"layers {names}: they have no bias, and their kernel and optimizer "
+    "state are FORGE's. tx's labels or mask, given as a pytree, name them "
+    "(as for flax's nn.Embed / nn.Dense, whose weight is a parameter). "
+    "Leave them out of that tree, or give the labels or mask as a function "
+    "of the parameters: FORGE steps and decays those layers' kernels by "
+    "their own optimizer (a layer to keep frozen or undecayed is flax's "
+    "own: nn.Embed, nn.Dense, nnx.Linear)."
+  )
+
+
+def _holds(params, path) -> bool:
+  """Whether the tree ``params`` has an entry at the module ``path``."""
+  node = params
+  for key in path:
+    if not isinstance(node, Mapping) or key not in node:
+      return False
+    node = node[key]
+  return True
 
 
 def undecayed_message(paths) -> str:
@@ -828,10 +896,10 @@ def _undecayed(optimizer):
 
 
 def probe_kernels(
-  tx, layers: tuple, weights=None, params=None
+  tx, layers: tuple, weights=None, params=None, ranks=None
 ) -> Optional[LayerProbe]:
   """:func:`probe_layers` on a tree with a kernel at each of ``layers``'
-  paths (where flax's layer keeps one; ``weights`` as for
+  paths (where flax's layer keeps one; ``weights`` and ``ranks`` as for
   :func:`check_decay_masks`), judging those kernels alone: how freezing by
   name (``optax.multi_transform``, ``optax.masked``) treats them. (A
   learning rate that starts at zero leaves both unmoved on the first
@@ -841,11 +909,13 @@ def probe_kernels(
   either tree."""
   weights = weights or {}
   paths = [path for path, _ in layers]
-  probe = probe_layers(tx, layers, _kernel_probe_tree(paths, weights), weights)
+  probe = probe_layers(
+    tx, layers, _kernel_probe_tree(paths, weights, ranks), weights
+  )
   if probe is not None or params is None:
     return probe
   for kept in _insertable(params, paths):
-    beside = _with_kernels(params, kept, weights)
+    beside = _with_kernels(params, kept, weights, ranks)
     if beside is not None:
       probe = probe_layers(tx, layers, beside, weights)
     if probe is not None:
@@ -878,21 +948,21 @@ def _insertable(params, paths) -> list:
   return sets
 
 
-def _with_kernels(params, paths, weights):
-  """``params`` with a kernel-shaped leaf at each of ``paths`` (named as
-  for :func:`_kernel_probe_tree`), its mappings of their own types (an
-  ``nnx.State``); None where a leaf stands on a path."""
+def _with_kernels(params, paths, weights, ranks=None):
+  """``params`` with a kernel-shaped leaf at each of ``paths`` (named and
+  of the rank of :func:`_kernel_probe_tree`'s), its mappings of their own
+  types (an ``nnx.State``); None where a leaf stands on a path."""
 
-  def add(node, keys):
+  def add(node, keys, leaf):
     if not keys:
-      return None if node is not None else np.zeros((2, 3), np.float32)
+      return None if node is not None else leaf
     if node is None:
       node = {}
     if not isinstance(node, Mapping):
       return None
     # An nnx.State wraps the mappings it holds: its raw ones keep their type.
     entries = dict(getattr(node, "raw_mapping", node))
-    child = add(entries.get(keys[0]), keys[1:])
+    child = add(entries.get(keys[0]), keys[1:], leaf)
     if child is None:
       return None
     entries[keys[0]] = child
@@ -901,25 +971,33 @@ def _with_kernels(params, paths, weights):
     except TypeError:  # a mapping not made from a dict
       return entries
 
+  ranks = ranks or {}
   for path in paths:
-    params = add(params, (*path, weights.get(path, "kernel")))
+    weight = _probe_weight(ranks.get(path, 2))
+    params = add(params, (*path, weights.get(path, "kernel")), weight)
     if params is None:
       return None
   return params
 
 
-def _kernel_probe_tree(paths, weights=None) -> dict:
+def _probe_weight(rank: int) -> np.ndarray:
+  """A probe kernel of ``rank`` dimensions (the probe's ``2 x 3`` behind
+  ones): a mask by rank treats it as the layer's kernel."""
+  return np.zeros((1,) * (rank - 2) + (2, 3), np.float32)
+
+
+def _kernel_probe_tree(paths, weights=None, ranks=None) -> dict:
   """A tree with a kernel-shaped leaf at each of ``paths``, named as flax's
   layer names its weight (``weights`` by path: ``'kernel'`` where absent,
-  as for ``nn.Dense``)."""
-  weights = weights or {}
+  as for ``nn.Dense``) and of its kernel's rank (``ranks`` by path: 2
+  where absent)."""
+  weights, ranks = weights or {}, ranks or {}
   params = {}
   for path in paths:
     node = params
     for key in path:
       node = node.setdefault(key, {})
-    # The probe's rank.
-    node[weights.get(path, "kernel")] = np.zeros((2, 3), np.float32)
+    node[weights.get(path, "kernel")] = _probe_weight(ranks.get(path, 2))
   return params
 
 

@@ -1519,6 +1519,62 @@ def test_a_decay_mask_tree_that_leaves_out_a_forge_kernel_is_refused(where):
   )
 
 
+class GeneralHeads(nn.Module):
+  """A ``[8, 2, 4]`` kernel (``nn.DenseGeneral``'s) before a dense layer:
+  FORGE's layers on ``optimizer``, or flax's (``optimizer`` None)."""
+
+  optimizer: Any = OPT
+
+  @nn.compact
+  def __call__(self, x):
+    if self.optimizer is None:
+      h = nn.DenseGeneral((2, 4), name="heads")(x)
+      return nn.Dense(4, name="out")(nn.gelu(h.reshape(x.shape)))
+    opt = self.optimizer
+    h = fj.ForgeDenseGeneral((2, 4), optimizer=opt, name="heads")(x)
+    return fj.ForgeDense(4, opt, name="out")(nn.gelu(h.reshape(x.shape)))
+
+
+RANK_TWO = lambda p: jax.tree.map(lambda a: jnp.ndim(a) == 2, p)
+
+
+@pytest.mark.parametrize("where", ["optimizer", "tx"])
+def test_a_decay_mask_by_rank_reads_each_kernels_rank(where):
+  """A weight-decay mask by rank asks each kernel at its own rank: one
+  that decays rank-2 leaves only leaves nn.DenseGeneral's ``[8, 2, 4]``
+  kernel, and nn.scan's stacked kernels, undecayed under flax + optax,
+  while FORGE decays them: refused, naming them. A mask that decays every
+  leaf of two dimensions or more trains as flax's layers + optax."""
+
+  def forge(mask, model=GeneralHeads):
+    opt = fj.adamw(1e-2, weight_decay=0.1, mask=mask)
+    if where == "optimizer":
+      return model(optimizer=opt), opt.to_optax()
+    return model(), optax.adamw(1e-2, weight_decay=0.1, mask=mask)
+
+  stacked = lambda **fields: stacked_model(fj.scan, remat=False, **fields)
+  for model, refused in ((GeneralHeads, r"\['heads'\]"), (stacked, "'layers/")):
+    model, tx = forge(RANK_TWO, model)
+    with pytest.raises(ValueError, match=rf"mask leaves out.*{refused}"):
+      train(model, steps=1, tx=tx)
+
+  by_rank = lambda p: jax.tree.map(lambda a: jnp.ndim(a) > 1, p)
+  model, tx = forge(by_rank)
+  state, losses = train(model, tx=tx)
+  expected, expected_losses = train(
+    GeneralHeads(None),
+    state_cls=FlaxTrainState,
+    tx=optax.adamw(1e-2, weight_decay=0.1, mask=by_rank),
+  )
+  np.testing.assert_allclose(losses, expected_losses, rtol=1e-6)
+  chex.assert_trees_all_close(
+    fj.to_dense(state.params)["params"],
+    expected.params["params"],
+    rtol=1e-5,
+    atol=1e-7,
+  )
+
+
 def test_train_state_accepts_a_learning_rate_warmed_up_from_zero():
   """A schedule that starts at 0 leaves the probe unmoved on its first
   step, the layers' rule too: that is no freezing."""

@@ -133,13 +133,15 @@ def _train(
   dtype=None,
   max_grad_norm=None,
   steps=3,
+  tx=None,
 ):
-  """``(state, losses)`` of ``steps`` steps; clipped by the global norm with
+  """``(state, losses)`` of ``steps`` steps (``tx``: OPT's optax alias
+  where None); clipped by the global norm with
   ``fj.TrainState(max_grad_norm=...)`` (FORGE) or
   ``optax.clip_by_global_norm`` first in ``tx`` (nn.Embed)."""
   model = TinyLM(forge=forge, implementation=implementation, dtype=dtype)
   variables = model.init(jax.random.key(0), tokens)
-  tx = OPT.to_optax()
+  tx = tx or OPT.to_optax()
   if forge:
     state = fj.TrainState.create(
       apply_fn=model.apply,
@@ -364,3 +366,33 @@ def test_a_decay_mask_that_leaves_out_the_table_is_refused():
   table = fj.nnx.Embed(5, 4, optimizer=opt, rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match="leaves out the kernels"):
     fj.nnx.Optimizer(table, opt.to_optax(), wrt=nnx.Param)
+
+
+def test_a_tree_of_labels_or_mask_naming_the_table_says_why_it_cannot():
+  """Labels or a weight-decay mask given as a pytree of nn.Embed's
+  parameters name the table (``{'embed': ..., 'head': ...}``), which
+  FORGE's tree of parameters lacks (the table is FORGE's, with no bias):
+  refused in FORGE's words, naming it, not by optax's structure error.
+  Left out of the tree, the same mask trains as nn.Embed + optax."""
+  tokens, targets = _unique_tokens(0)
+  decay = lambda mask: optax.adamw(1e-2, weight_decay=0.1, mask=mask)
+  by_rate = lambda labels: optax.multi_transform(
+    {"slow": optax.adamw(1e-3), "fast": OPT.to_optax()}, labels
+  )
+  refused = r"no entry for the FORGE layers \['embed'\]"
+  for tx, tree in (
+    (decay, {"embed": True, "head": True}),
+    (by_rate, {"embed": "slow", "head": "fast"}),
+  ):
+    with pytest.raises(ValueError, match=refused):
+      _train(True, tokens, targets, steps=1, tx=tx(tree))
+    with pytest.raises(ValueError, match=refused):
+      fj.nnx.Optimizer(
+        NNXLM(True, nnx.Rngs(0)), tx(nnx.State(tree)), wrt=nnx.Param
+      )
+
+  run = _train(True, tokens, targets, tx=decay({"head": True}))
+  reference = _train(
+    False, tokens, targets, tx=decay({"params": {"embed": True, "head": True}})
+  )
+  _assert_trained_alike(run, reference, False)

@@ -1217,6 +1217,38 @@ def test_scan_trains_like_nnx_scan_and_optax(remat, seed):
   assert optimizer.unreached_layers() == []
 
 
+def test_optimizer_asks_a_decay_mask_by_rank_at_the_stacks_rank(seed):
+  """Stacked Linears' kernels have three dimensions, as nnx.Linear's made
+  by nnx.vmap do: a weight-decay mask that decays rank-2 leaves only (on
+  the layers' optimizer or on tx) leaves them undecayed under nnx.Linear
+  + optax while FORGE decays them: refused, naming them. A mask by rank
+  that decays them trains as nnx.scan over nnx.Linear + optax."""
+  rank_two = lambda p: jax.tree.map(lambda a: jnp.ndim(a) == 2, p)
+  opt = fj.adamw(1e-2, weight_decay=0.1, mask=rank_two)
+  for optimizer, tx in (
+    (opt, opt.to_optax()),
+    (OPT, optax.adamw(1e-2, weight_decay=0.1, mask=rank_two)),
+  ):
+    model = Stack(3, 8, 16, nnx.Rngs(seed), fj.nnx.scan, optimizer=optimizer)
+    with pytest.raises(ValueError, match=r"mask leaves out.*'blocks/down'"):
+      fj.nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+  by_rank = lambda p: jax.tree.map(lambda a: jnp.ndim(a) > 1, p)
+  tx = optax.adamw(1e-2, weight_decay=0.1, mask=by_rank)
+  model = Stack(3, 8, 16, nnx.Rngs(seed), fj.nnx.scan, optimizer=OPT)
+  ref = Stack(3, 8, 16, nnx.Rngs(seed), nnx.scan)
+  optimizer = fj.nnx.Optimizer(model, tx, wrt=nnx.Param)
+  ref_optimizer = nnx.Optimizer(ref, tx, wrt=nnx.Param)
+  step, ref_step = forge_step(), reference_step()
+  for x, y in make_batches(seed, 3, (10, 8), CLASSES):
+    np.testing.assert_allclose(
+      step(model, optimizer, x, y), ref_step(ref, ref_optimizer, x, y), 1e-6
+    )
+  ours, theirs = _stack_values(model), _stack_values(ref)
+  for name in theirs:
+    assert_rel_close(ours[name], theirs[name], RTOL, name)
+
+
 def test_plain_gradients_give_nnx_linear_input_gradients(seed):
   """Under fj.plain_gradients() the gradient with respect to the input,
   through fj.nnx.scan over fj.nnx.Linear, is nnx.scan over nnx.Linear's.
