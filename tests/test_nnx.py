@@ -1736,7 +1736,7 @@ def test_clipping_matches_clip_by_global_norm(clip, seed):
   norm, and the batch statistics and dropout masks follow nnx's."""
   model = Normed(nnx.Rngs(seed), OPT)
   ref = Normed(nnx.Rngs(seed))
-  batches = make_batches(seed, STEPS, (10, 6), 4)
+  batches = make_batches(seed, 4, (10, 6), 4)
   ref_grads = nnx.grad(cross_entropy)(Normed(nnx.Rngs(seed)), *batches[0])
   max_norm = 0.5 * float(optax.tree.norm(ref_grads))
   optimizer = fj.nnx.Optimizer(
