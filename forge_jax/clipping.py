@@ -199,7 +199,7 @@ def value_and_grad(
 
   def value_and_grad_fn(variables, *args, **kwargs):
     if max_norm is not None and clip == "delayed":
-      _check_traced_alike(variables, previous_norm)
+      check_traced_alike(variables, previous_norm)
     loss = lambda v: fun(v, *args, **kwargs)
     layers = None
     if max_norm is not None and clip == "exact":
@@ -240,21 +240,24 @@ def value_and_grad(
   return value_and_grad_fn
 
 
-def _check_traced_alike(variables, previous_norm):
+def check_traced_alike(
+  variables, previous_norm, owner: str = "state", taken: str = "jax.jit"
+):
   """Refuses a ``'delayed'`` gradient function whose ``previous_norm`` is
-  not traced with the variables (``state.value_and_grad`` taken outside
-  the jitted step, from a state the step does not receive): every compiled
-  step would clip by that norm, a constant, not the previous step's."""
+  not traced with the ``variables`` it differentiates (``value_and_grad``
+  taken from the ``owner``, a state or optimizer, outside the traced step
+  that ``taken`` names): every compiled step would clip by that norm, a
+  constant, not the previous step's."""
   traced = lambda x: isinstance(x, jax.core.Tracer)
   if traced(previous_norm):
     return
   if any(traced(leaf) for leaf in jax.tree.leaves(variables)):
     raise ValueError(
       "clip='delayed': the gradient function reads the previous step's "
-      "norm from a state outside the traced step (state.value_and_grad("
-      "loss_fn) taken before jax.jit), so every compiled step would clip "
-      "by that state's norm. Take it inside the step, from the state the "
-      "step receives: state.value_and_grad(loss_fn)(state.params, ...)."
+      f"norm from a {owner} outside the traced step ({owner}.value_and_"
+      f"grad(loss_fn) taken before {taken}), so every compiled step would "
+      f"clip by its norm at trace time. Take it inside the step, from the "
+      f"{owner} the step receives: {owner}.value_and_grad(loss_fn)(...)."
     )
 
 

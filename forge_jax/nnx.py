@@ -428,14 +428,15 @@ def _hashable(rules):
   )
 
 
-def _written_count(written, path):
-  """The ``count`` gradient ``written`` holds for the layer at ``path``,
-  or None where it holds none."""
+def _written(written, path, name: str):
+  """The ``name`` entry (``count``, ``intact``) that the gradient
+  ``written`` holds for the layer at ``path``, or None where it holds
+  none."""
   try:
-    count = _at(written, path)["count"]
+    value = _at(written, path)[name]
   except (KeyError, IndexError, TypeError):
     return None
-  return _value(count) if isinstance(count, nnx.Variable) else count
+  return _value(value) if isinstance(value, nnx.Variable) else value
 
 
 def forge_layers(model) -> list[tuple[tuple, Linear]]:
@@ -476,7 +477,7 @@ def install(model, grads) -> dict[str, jax.Array]:
   reached = {}
   traced = layer_context.take_backwards(
     [layer.layer_key for _, layer in layers],
-    [_written_count(written, path) for path, _ in layers],
+    [_written(written, path, "count") for path, _ in layers],
     [_value(layer.kernel) for _, layer in layers],
   )
   for (path, layer), backward_traced in zip(layers, traced):
@@ -641,7 +642,9 @@ def _clipped_value_and_grad(
 
   def value_and_grad_fn(model, *args, **kwargs):
     if clip == "delayed":
-      _check_traced_alike(model, previous_norm)
+      clipping.check_traced_alike(
+        nnx.state(model), previous_norm[...], "optimizer", "nnx.jit"
+      )
     nodes, rebuild = _graph_nodes((args, kwargs))
     # One split keeps the references the model shares with the other
     # arguments; only the model's own variables are differentiated.
@@ -717,26 +720,6 @@ def _of_model(pullback):
     return (grads[0] if 0 in grads else nnx.State({}),)
 
   return model_pullback
-
-
-def _check_traced_alike(model, previous_norm):
-  """Refuses a ``'delayed'`` gradient function whose optimizer is not traced
-  with the model (``optimizer.value_and_grad`` taken outside ``nnx.jit``,
-  from an optimizer the step does not receive): the norm it seeds the
-  layers with would be that optimizer's at trace time, a constant of the
-  compiled step, not the previous step's."""
-  traced = lambda x: isinstance(x, jax.core.Tracer)
-  if traced(previous_norm[...]):
-    return
-  if any(traced(leaf) for leaf in jax.tree.leaves(nnx.state(model))):
-    raise ValueError(
-      "clip='delayed': the gradient function reads the previous step's "
-      "norm from an optimizer outside the traced step (optimizer."
-      "value_and_grad(loss_fn) taken before nnx.jit), so every compiled "
-      "step would clip by its norm at trace time. Take it inside the step, "
-      "from the optimizer the step receives: "
-      "optimizer.value_and_grad(loss_fn)(model, ...)."
-    )
 
 
 class Optimizer(nnx.Optimizer):
@@ -970,13 +953,10 @@ def check_frozen_unreached(frozen: FrozenLayers, wrt, model, grads):
   written = nnx.state(grads, OverwriteWithGradient)
   unreached = set()
   for path, layer in forge_layers(model):
-    try:
-      flags = _at(written, path)["intact"]
-    except (KeyError, IndexError, TypeError):
+    flags = _written(written, path, "intact")
+    if flags is None:
       unreached.add(_name(path))  # install refuses grads without it
       continue
-    if isinstance(flags, nnx.Variable):
-      flags = _value(flags)
     if unreached_layer(flags, layer.layer_key, _value(layer.kernel)):
       unreached.add(_name(path))
   stepped = lambda paths: [path for path in paths if path not in unreached]
