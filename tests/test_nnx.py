@@ -1191,6 +1191,19 @@ def _stack_values(model):
   }
 
 
+def _train_stacks_alike(model, optimizer, ref, ref_optimizer, steps, seed):
+  """``steps`` steps of the FORGE Stack and of its nnx.scan twin on the
+  same batches: the same losses, and the same stacks after them."""
+  step, ref_step = forge_step(), reference_step()
+  for x, y in make_batches(seed, steps, (10, 8), CLASSES):
+    np.testing.assert_allclose(
+      step(model, optimizer, x, y), ref_step(ref, ref_optimizer, x, y), 1e-6
+    )
+  ours, theirs = _stack_values(model), _stack_values(ref)
+  for name in theirs:
+    assert_rel_close(ours[name], theirs[name], RTOL, name)
+
+
 @pytest.mark.parametrize(
   "remat",
   [True, pytest.param(False, marks=pytest.mark.slow)],
@@ -1205,14 +1218,7 @@ def test_scan_trains_like_nnx_scan_and_optax(remat, seed):
   ref_optimizer = nnx.Optimizer(
     ref, optax.adamw(1e-2, weight_decay=0.1), wrt=nnx.Param
   )
-  step, ref_step = forge_step(), reference_step()
-  for x, y in make_batches(seed, 4, (10, 8), CLASSES):
-    np.testing.assert_allclose(
-      step(model, optimizer, x, y), ref_step(ref, ref_optimizer, x, y), 1e-6
-    )
-  ours, theirs = _stack_values(model), _stack_values(ref)
-  for name in theirs:
-    assert_rel_close(ours[name], theirs[name], RTOL, name)
+  _train_stacks_alike(model, optimizer, ref, ref_optimizer, 4, seed)
   np.testing.assert_array_equal(model.blocks.up.count[...], [4.0] * 3)
   assert optimizer.unreached_layers() == []
 
@@ -1239,14 +1245,7 @@ def test_optimizer_asks_a_decay_mask_by_rank_at_the_stacks_rank(seed):
   ref = Stack(3, 8, 16, nnx.Rngs(seed), nnx.scan)
   optimizer = fj.nnx.Optimizer(model, tx, wrt=nnx.Param)
   ref_optimizer = nnx.Optimizer(ref, tx, wrt=nnx.Param)
-  step, ref_step = forge_step(), reference_step()
-  for x, y in make_batches(seed, 3, (10, 8), CLASSES):
-    np.testing.assert_allclose(
-      step(model, optimizer, x, y), ref_step(ref, ref_optimizer, x, y), 1e-6
-    )
-  ours, theirs = _stack_values(model), _stack_values(ref)
-  for name in theirs:
-    assert_rel_close(ours[name], theirs[name], RTOL, name)
+  _train_stacks_alike(model, optimizer, ref, ref_optimizer, 3, seed)
 
 
 def test_plain_gradients_give_nnx_linear_input_gradients(seed):
