@@ -21,6 +21,9 @@ time, medians):
   back, without FORGE's per-layer bookkeeping (no step count, skip and
   wipe checks, gradient norm or install): the step's time if that
   bookkeeping cost nothing, a bound for any change to it;
+* ``<backend>-untracked`` (``mosaic-untracked``, ``auto-untracked``): that
+  backend with ``fj.TrainState(track_grad_norm=False)``, which records no
+  gradient norm, as flax's ``TrainState`` under ``optax`` does not;
 * the result names the backend ``'auto'`` takes for each case.
 
 Each case's ``speedup`` is optax's time over each variant's (> 1: faster
@@ -64,6 +67,8 @@ SHAPES = ("4096x4096", "4096x1024", "4096x14336", "14336x4096", "4096x128256")
 RULE_FREE = "mosaic-rule-free"
 #: The variant that times the Mosaic kernel without FORGE's bookkeeping.
 KERNEL_ONLY = "mosaic-kernel-only"
+#: The suffix of the variants whose TrainState records no gradient norm.
+UNTRACKED = "-untracked"
 
 #: W / m / v storage: (param dtype, FORGE's state dtype, FORGE's weight
 #: rounding, bits of FORGE's second moments). optax keeps bf16 states
@@ -133,18 +138,23 @@ def make_runner(variant, tokens, k, n, storage, compute="bf16"):
   param_dtype = STORAGE[storage][0]
   opt = _forge_optimizer(storage)
   forge = variant != "optax"
+  tracked = not variant.endswith(UNTRACKED)
+  implementation = variant if tracked else variant[: -len(UNTRACKED)]
   model = Layer(
     n,
     param_dtype,
     COMPUTE[compute],
     optimizer=opt if forge else None,
-    implementation="mosaic" if variant == RULE_FREE else variant,
+    implementation="mosaic" if variant == RULE_FREE else implementation,
   )
   x = jax.random.normal(jax.random.key(0), (tokens, k), COMPUTE[compute])
   variables = jax.jit(model.init)(jax.random.key(1), x)
   if forge:
     state = fj.TrainState.create(
-      apply_fn=model.apply, params=variables, tx=opt.to_optax()
+      apply_fn=model.apply,
+      params=variables,
+      tx=opt.to_optax(),
+      track_grad_norm=tracked,
     )
   else:
     mu_dtype = None if param_dtype == jnp.float32 else jnp.bfloat16

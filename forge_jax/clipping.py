@@ -158,11 +158,16 @@ def delayed_norm(previous_norm) -> jax.Array:
   return jnp.where(jnp.isfinite(previous_norm), previous_norm, 0.0)
 
 
-def check_clipping(max_norm, clip):
+def check_clipping(max_norm, clip, track_norm: bool = True):
   if max_norm is not None and not max_norm > 0:
     raise ValueError(f"max_norm={max_norm!r} must be positive (or None)")
   if clip not in CLIP_MODES:
     raise ValueError(f"clip={clip!r} must be one of {CLIP_MODES}")
+  if max_norm is not None and not track_norm:
+    raise ValueError(
+      "track_grad_norm=False with max_grad_norm set: clipping needs the "
+      "global gradient norm. Leave track_grad_norm on, or drop the clipping."
+    )
 
 
 def value_and_grad(

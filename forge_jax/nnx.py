@@ -764,7 +764,10 @@ class Optimizer(nnx.Optimizer):
       ``reached``.
     grad_norm: the last step's global gradient norm over the gradients
       ``update`` took, before clipping (float32; 0.0 before the first
-      step).
+      step). None where ``track_grad_norm`` is off.
+    track_grad_norm: whether each ``update`` computes ``grad_norm``
+      (default True). Off, an update without clipping skips the sum of the
+      other gradients' squares and the root. Clipping needs it on.
     max_grad_norm, clip: the clipping (None: none).
   """
 
@@ -776,10 +779,11 @@ class Optimizer(nnx.Optimizer):
     wrt,
     max_grad_norm: Optional[float] = None,
     clip: str = "exact",
+    track_grad_norm: bool = True,
     **kwargs,
   ):
     check_transformation(tx, CLIPPING_ADVICE)
-    clipping.check_clipping(max_grad_norm, clip)
+    clipping.check_clipping(max_grad_norm, clip, track_grad_norm)
     owned = nnx.state(model, nnx.All(wrt, OverwriteWithGradient))
     if jax.tree.leaves(owned):
       raise ValueError(
@@ -821,7 +825,10 @@ class Optimizer(nnx.Optimizer):
     )
     self.max_grad_norm = max_grad_norm
     self.clip = clip
-    self.grad_norm = nnx.OptState(jnp.zeros((), jnp.float32))
+    self.track_grad_norm = track_grad_norm
+    self.grad_norm = (
+      nnx.OptState(jnp.zeros((), jnp.float32)) if track_grad_norm else None
+    )
 
   def value_and_grad(self, f: Callable, *, has_aux: bool = False):
     """:func:`value_and_grad` of ``f(model, *args, **kwargs)`` with respect
@@ -852,7 +859,7 @@ class Optimizer(nnx.Optimizer):
     Refuses grads that step a layer ``wrt`` or ``tx`` freezes: its kernel
     would train in the backward pass."""
     check_frozen_unreached(self._frozen_layers, self.wrt, model, grads)
-    norm = global_norm(grads)
+    norm = global_norm(grads) if self.track_grad_norm else None
     if self.max_grad_norm is not None:
       check_clipped(
         [
@@ -872,7 +879,8 @@ class Optimizer(nnx.Optimizer):
         lambda g: clipping.clipped(g, reference, self.max_grad_norm),
         lambda name, value: value,
       )
-    self.grad_norm[...] = norm
+    if self.track_grad_norm:
+      self.grad_norm[...] = norm
     reached = install(model, grads)
     for name, flags in zip(self.layer_paths, self.reached):
       flags[...] = reached[name]

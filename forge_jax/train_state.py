@@ -71,6 +71,12 @@ class TrainState(train_state.TrainState):
       without ForgeDense layers.
     grad_norm: the last step's global gradient norm over all trained
       parameters, before clipping (float32; 0.0 before the first step).
+      None where ``track_grad_norm`` is off.
+    track_grad_norm: whether each step computes ``grad_norm`` (default
+      True). Off, a step without clipping skips the sum of the squared
+      gradients of the parameters FORGE does not own and the root: what
+      optax's step without a norm does not pay either. Clipping needs it
+      on.
     max_grad_norm: None, or the global norm every step's gradient is
       clipped to, as ``optax.clip_by_global_norm(max_grad_norm)`` first in
       ``tx`` would.
@@ -87,6 +93,7 @@ class TrainState(train_state.TrainState):
   grad_norm: Any = None
   max_grad_norm: Optional[float] = struct.field(pytree_node=False, default=None)
   clip: str = struct.field(pytree_node=False, default="exact")
+  track_grad_norm: bool = struct.field(pytree_node=False, default=True)
 
   @classmethod
   def create(
@@ -97,11 +104,13 @@ class TrainState(train_state.TrainState):
     tx,
     max_grad_norm: Optional[float] = None,
     clip: str = "exact",
+    track_grad_norm: bool = True,
     **kwargs,
   ):
     check_transformation(tx)
-    clipping.check_clipping(max_grad_norm, clip)
-    kwargs.setdefault("grad_norm", jnp.zeros((), jnp.float32))
+    clipping.check_clipping(max_grad_norm, clip, track_grad_norm)
+    if track_grad_norm:
+      kwargs.setdefault("grad_norm", jnp.zeros((), jnp.float32))
     if isinstance(params, Mapping) and FORGE_COLLECTION in params:
       # A model whose every parameter is FORGE's has no 'params' collection.
       params = {"params": {}, **params}
@@ -121,6 +130,7 @@ class TrainState(train_state.TrainState):
         tx=tx,
         max_grad_norm=max_grad_norm,
         clip=clip,
+        track_grad_norm=track_grad_norm,
         **kwargs,
       )
     except (ValueError, TypeError, KeyError):
@@ -152,7 +162,8 @@ class TrainState(train_state.TrainState):
     )
 
   def apply_gradients(self, *, grads, **kwargs):
-    kwargs.setdefault("grad_norm", clipping.global_norm(grads))
+    if self.track_grad_norm:
+      kwargs.setdefault("grad_norm", clipping.global_norm(grads))
     old = (
       self.params.get(FORGE_COLLECTION)
       if isinstance(self.params, Mapping)

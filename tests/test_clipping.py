@@ -418,6 +418,54 @@ def test_reported_norm_without_clipping(seed):
     assert float(forge.grad_norm) == float(norm)
 
 
+def _sqrt_count(fun, *args) -> int:
+  return str(jax.make_jaxpr(fun)(*args)).count("sqrt")
+
+
+def test_untracked_norm_trains_alike_without_the_norm(seed):
+  """``track_grad_norm=False``: the same parameters bit for bit, no
+  ``grad_norm``, and a step with no root in it (plain SGD has none of
+  its own)."""
+  opt = fj.sgd(0.1)
+  model = MLP(FEATURES, optimizer=opt)
+  batches = make_batches(seed + 1, 3, (10, 12), CLASSES)
+  variables = model.init(jax.random.key(seed), batches[0][0])
+  states = [
+    fj.TrainState.create(
+      apply_fn=model.apply,
+      params=variables,
+      tx=opt.to_optax(),
+      track_grad_norm=track,
+    )
+    for track in (True, False)
+  ]
+  assert states[1].grad_norm is None
+
+  def step(state, batch):
+    grads = jax.grad(_loss(state.apply_fn, batch))(state.params)
+    return state.apply_gradients(grads=grads)
+
+  assert _sqrt_count(step, states[0], batches[0]) == 1
+  assert _sqrt_count(step, states[1], batches[0]) == 0
+  for batch in batches:
+    states = [jax.jit(step)(state, batch) for state in states]
+  assert states[1].grad_norm is None
+  assert_same_bits(states[1].params, states[0].params, "params")
+
+
+def test_clipping_needs_the_norm_tracked():
+  model = MLP(FEATURES)
+  variables = model.init(jax.random.key(0), jnp.ones((2, 12)))
+  with pytest.raises(ValueError, match="clipping needs the global"):
+    fj.TrainState.create(
+      apply_fn=model.apply,
+      params=variables,
+      tx=optax.sgd(0.1),
+      max_grad_norm=1.0,
+      track_grad_norm=False,
+    )
+
+
 def test_delayed_clipping_scales_by_the_previous_norm(seed):
   """Step t's gradient is scaled by min(1, c / ||g_{t-1}||) (step 1: 1),
   checked against the reference gradient scaled so, then the optimizer."""

@@ -219,3 +219,18 @@ def test_e4m3_probe_with_kept_scales_takes_no_block_maximum():
     )
   for leaf, before in ((state.mu, initial.mu), (state.nu, initial.nu)):
     assert_same_bits(leaf.scale, before.scale, "kept scales")
+
+
+def test_layer_step_untracked_variant_records_no_norm():
+  """``<backend>-untracked`` runs that backend with a TrainState that
+  records no gradient norm, and steps the layer."""
+  run = layer_step.make_runner("xla-untracked", 16, 64, 32, "bf16")
+  before = jax.device_get(run.carry["state"].params)
+  run()
+  state = run.carry["state"]
+  assert not state.track_grad_norm and state.grad_norm is None
+  layer = "_overwrite_with_gradient", "ForgeDense_0", "kernel"
+  old, new = before, jax.device_get(state.params)
+  for key in layer:
+    old, new = old[key], new[key]
+  assert np.mean(bits(old) != bits(new)) > 0.1  # bf16 at a 1e-4 rate

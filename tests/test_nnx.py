@@ -35,6 +35,7 @@ from examples.lm import train as train_lib
 from conftest import (
   assert_bitwise_equal,
   assert_rel_close,
+  assert_same_bits,
   make_batch,
   make_batches,
   poison,
@@ -1777,6 +1778,52 @@ def test_clipping_matches_clip_by_global_norm(clip, seed):
     )
     previous = float(norm)
   assert previous is not None and float(optimizer.grad_norm[...]) > max_norm
+
+
+def test_untracked_norm_trains_alike_without_the_norm(seed):
+  """``track_grad_norm=False``: the same model bit for bit, no
+  ``grad_norm``, and an update with no root in it (plain SGD has none)."""
+  opt = fj.sgd(0.1)
+  models = [MLP((6, 16, 4), nnx.Rngs(seed), opt) for _ in range(2)]
+  optimizers = [
+    fj.nnx.Optimizer(m, opt.to_optax(), wrt=nnx.Param, track_grad_norm=t)
+    for m, t in zip(models, (True, False))
+  ]
+  assert optimizers[1].grad_norm is None
+
+  def step(model, optimizer, x, y):
+    grads = fj.nnx.grad(cross_entropy)(model, x, y)
+    optimizer.update(model, grads)
+
+  x, y = make_batches(seed, 1, (10, 6), 4)[0]
+  for model, optimizer, roots in zip(models, optimizers, (1, 0)):
+    graphdef, state = nnx.split((model, optimizer))
+
+    def pure(state, x, y):
+      model, optimizer = nnx.merge(graphdef, state)
+      step(model, optimizer, x, y)
+      return nnx.state((model, optimizer))
+
+    assert str(jax.make_jaxpr(pure)(state, x, y)).count("sqrt") == roots
+  for x, y in make_batches(seed, 3, (10, 6), 4):
+    for model, optimizer in zip(models, optimizers):
+      nnx.jit(step)(model, optimizer, x, y)
+  assert optimizers[1].grad_norm is None
+  assert_same_bits(
+    nnx.state(models[1]), nnx.state(models[0]), "the untracked model"
+  )
+
+
+def test_clipping_needs_the_norm_tracked(seed):
+  model = MLP((6, 16, 4), nnx.Rngs(seed), OPT)
+  with pytest.raises(ValueError, match="clipping needs the global"):
+    fj.nnx.Optimizer(
+      model,
+      OPT.to_optax(),
+      wrt=nnx.Param,
+      max_grad_norm=1.0,
+      track_grad_norm=False,
+    )
 
 
 def test_clipping_through_fj_nnx_scan(seed):
