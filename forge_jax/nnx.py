@@ -472,9 +472,17 @@ def install(model, grads) -> dict[str, jax.Array]:
     ``{layer path: 1.0 or 0.0}`` (float32; ``[L]`` for a stack of layers):
     whether the step's loss reached the layer.
   """
+  writes, reached = _installed(model, grads)
+  _write(writes)
+  return reached
+
+
+def _installed(model, grads) -> tuple[list, dict[str, jax.Array]]:
+  """What :func:`install` writes, as ``(layer, state, new values)`` triples,
+  and its ``reached``; raises before anything is written."""
   layers = forge_layers(model)
   written = nnx.state(grads, OverwriteWithGradient)
-  reached = {}
+  reached, writes = {}, []
   traced = layer_context.take_backwards(
     [layer.layer_key for _, layer in layers],
     [_written(written, path, "count") for path, _ in layers],
@@ -499,9 +507,14 @@ def install(model, grads) -> dict[str, jax.Array]:
       layer_grads,
       backward_traced,
     )
+    writes.append((layer, state, new))
+  return writes, reached
+
+
+def _write(writes):
+  for layer, state, new in writes:
     nnx.replace_by_pure_dict(state, new)
     nnx.update(layer, state)
-  return reached
 
 
 def _with_forge(argnums):
@@ -725,9 +738,10 @@ def _of_model(pullback):
 class Optimizer(nnx.Optimizer):
   """``nnx.Optimizer`` (same arguments) that installs FORGE's variables.
 
-  ``update(model, grads)`` first writes the new kernels and states of the
-  model's :class:`Linear` layers (:func:`install`), then steps the
-  variables ``wrt`` selects with ``tx``, as ``nnx.Optimizer`` does. Pass the
+  ``update(model, grads)`` writes the new kernels and states of the
+  model's :class:`Linear` layers (:func:`install`) and steps the
+  variables ``wrt`` selects with ``tx``, as ``nnx.Optimizer`` does; grads
+  either refuses leave everything as it was. Pass the
   layers' optimizer as ``tx`` (``opt.to_optax()``); transformations that
   cannot be right beside FORGE's layers (``optax.MultiSteps``,
   ``clip_by_global_norm``, another rule than the layers') are refused. A
@@ -853,8 +867,9 @@ class Optimizer(nnx.Optimizer):
     )
 
   def update(self, model, grads, /, **kwargs):
-    """Installs FORGE's variables, then steps the others with ``tx``
-    (clipped by the global norm where ``max_grad_norm`` is set).
+    """Installs FORGE's variables and steps the others with ``tx``
+    (clipped by the global norm where ``max_grad_norm`` is set); where
+    either refuses the grads, nothing is written.
 
     Refuses grads that step a layer ``wrt`` or ``tx`` freezes: its kernel
     would train in the backward pass."""
@@ -879,12 +894,16 @@ class Optimizer(nnx.Optimizer):
         lambda g: clipping.clipped(g, reference, self.max_grad_norm),
         lambda name, value: value,
       )
+    # Nothing is written until tx's step has run: grads it refuses leave
+    # the model and this optimizer as they were.
+    writes, reached = _installed(model, grads)
+    updates = super().update(model, grads, **kwargs)
+    _write(writes)
     if self.track_grad_norm:
       self.grad_norm[...] = norm
-    reached = install(model, grads)
     for name, flags in zip(self.layer_paths, self.reached):
       flags[...] = reached[name]
-    return super().update(model, grads, **kwargs)
+    return updates
 
   def unreached_layers(self) -> list[str]:
     """Paths of the layers the last step's loss did not reach (host side;

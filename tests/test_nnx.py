@@ -607,6 +607,24 @@ def _refused_at_update(model, tx, wrt, match, x, y):
   chex.assert_trees_all_equal(nnx.to_pure_dict(nnx.state(model)), before)
 
 
+def test_update_that_tx_refuses_leaves_the_model_as_it_was(seed):
+  """Grads taken with a narrower filter than ``wrt`` fail inside optax, in
+  an eager update: FORGE's layers, stepped by the backward, are not
+  installed either, so no layer is half a step ahead."""
+  model, (x, y) = _mlp(seed, (6, 8, 8, 4))
+  optimizer = fj.nnx.Optimizer(model, OPT.to_optax(), wrt=nnx.Param)
+  before = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model)))
+  first = nnx.All(nnx.Param, nnx.PathContains(0))
+  grads = fj.nnx.grad(cross_entropy, argnums=nnx.DiffState(0, first))(
+    model, x, y
+  )
+  with pytest.raises(ValueError):  # optax's tree mismatch
+    optimizer.update(model, grads)
+  after = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model)))
+  assert_same_bits(after, before, "the model after a refused update")
+  assert float(optimizer.grad_norm[...]) == 0.0
+
+
 def test_optimizer_refuses_to_freeze_a_forge_layer(seed):
   """Freezing a module by ``wrt`` or by a frozen label cannot reach a
   Linear's kernel, which steps in the backward pass: a step the loss
