@@ -24,7 +24,9 @@ and shape against it, and that the checkpoint holds no leaf it lacks, and
 raises instead of casting or dropping. A checkpoint without the gradient-norm
 leaves (each layer's ``grad_sq_norm`` and ``fj.TrainState.grad_norm``: what
 the last step measured, not what the next one needs) restores them as
-zeros; any other leaf missing raises. A checkpoint also records the layout
+zeros, and a saved ``grad_norm`` restores into a state that tracks none
+(``track_grad_norm=False``) by being left out; any other leaf missing
+or left over raises. A checkpoint also records the layout
 of 4-bit codes (:data:`FOURBIT_LAYOUT`), and a state with 4-bit second
 moments restores only from a checkpoint of that layout: codes of another
 pairing have the same shape and dtype but other levels. Uses orbax (``pip
@@ -144,6 +146,9 @@ def _named_leaves(saved_tree) -> dict[str, Any]:
 #: diagnostic, and 'delayed' clipping's input, for which 0 means "do not
 #: clip"), restored as zeros.
 ZERO_IF_MISSING = ("grad_sq_norm", "grad_norm")
+#: Saved leaves an abstract state may lack: the norm a state that tracks
+#: none has no field for.
+DROPPED_IF_UNWANTED = ("grad_norm",)
 
 
 def _zero_if_missing(name: str) -> bool:
@@ -156,7 +161,8 @@ def restore(path: str, abstract_state: Any) -> Any:
   orbax casts every array to the dtype of the target it is given; this
   refuses instead: the saved dtypes (from the checkpoint's metadata) must be
   the abstract state's. Gradient-norm leaves (:data:`ZERO_IF_MISSING`) the
-  checkpoint lacks come back as zeros.
+  checkpoint lacks come back as zeros; a saved ``grad_norm`` the abstract
+  state lacks (:data:`DROPPED_IF_UNWANTED`) is left out.
 
   Raises:
     TypeError: a saved leaf's dtype or shape differs from the abstract
@@ -206,25 +212,32 @@ def restore(path: str, abstract_state: Any) -> Any:
       )
     leaves.append(want)
   wanted_names = {_path_name(key) for key, _ in flat}
+  unwanted = [name for name in saved if name not in wanted_names]
+  dropped = {name for name in unwanted if name in DROPPED_IF_UNWANTED}
   problems += [
     f"{name}: in the checkpoint, not in the abstract state"
-    for name in saved
-    if name not in wanted_names
+    for name in unwanted
+    if name not in dropped
   ]
   if problems:
     raise TypeError(
       f"checkpoint {path} does not match the abstract state "
       "(nothing is cast): " + "; ".join(problems)
     )
-  if not zeros:
+  if not zeros and not dropped:
     return _checkpointer().restore(path, jax.tree.unflatten(treedef, leaves))
-  # Restore what was saved, in the saved structure, then fill in the zeros.
+  # Restore what was saved, in the saved structure, then fill in the zeros
+  # and leave out the dropped leaves.
   wanted = {_path_name(key): want for (key, _), want in zip(flat, leaves)}
+
+  def target(key, _):
+    name = _path_name(key)
+    if name in wanted:
+      return wanted[name]
+    return jax.ShapeDtypeStruct(tuple(saved_leaves[name].shape), saved[name])
+
   restored = _checkpointer().restore(
-    path,
-    jax.tree_util.tree_map_with_path(
-      lambda key, _: wanted[_path_name(key)], saved_tree
-    ),
+    path, jax.tree_util.tree_map_with_path(target, saved_tree)
   )
   by_name = {
     _path_name(key): leaf

@@ -671,12 +671,12 @@ def _batches(seed, steps):
 
 
 def _new_state(
-  seed, implementation="xla", state_class=TrainState, opt=LOWP_OPT
+  seed, implementation="xla", state_class=TrainState, opt=LOWP_OPT, **kwargs
 ):
   model = LowpMLP(implementation, opt)
   variables = model.init(jax.random.key(seed), jnp.ones((2, 24)))
   return state_class.create(
-    apply_fn=model.apply, params=variables, tx=opt.to_optax()
+    apply_fn=model.apply, params=variables, tx=opt.to_optax(), **kwargs
   )
 
 
@@ -842,6 +842,31 @@ def test_checkpoint_without_gradient_norms_restores_them_as_zeros(
   fewer = without_count.replace(grad_norm=None)
   with pytest.raises(TypeError, match="count: in the checkpoint, not in"):
     checkpoint.restore(path, fewer)
+
+
+def test_checkpoint_moves_between_tracked_and_untracked_norms(tmp_path, seed):
+  """A state that tracks the gradient norm restores into one that does
+  not (its saved grad_norm left out) and back (grad_norm 0.0), every other
+  leaf bit for bit; training resumes either way."""
+  new = lambda track: _new_state(
+    seed + 1, state_class=fj.TrainState, track_grad_norm=track
+  )
+  state = _new_state(seed, state_class=fj.TrainState)
+  for batch in _batches(seed, 2):
+    state, _ = _train_step(state, batch)
+  path = checkpoint.save(str(tmp_path / "tracked"), state)
+  restored = checkpoint.restore(path, new(False))
+  assert restored.grad_norm is None and not restored.track_grad_norm
+  assert_same_bits(restored.params, state.params, "params")
+  assert_same_bits(restored.opt_state, state.opt_state, "opt_state")
+  restored, loss = _train_step(restored, _batches(seed, 3)[2])
+  assert np.isfinite(float(loss)) and restored.grad_norm is None
+  path = checkpoint.save(str(tmp_path / "untracked"), restored)
+  back = checkpoint.restore(path, new(True))
+  assert float(back.grad_norm) == 0.0
+  assert_same_bits(back.params, restored.params, "params")
+  back, _ = _train_step(back, _batches(seed, 4)[3])
+  assert float(back.grad_norm) > 0.0
 
 
 def test_resumed_training_takes_the_same_steps(tmp_path, seed):
