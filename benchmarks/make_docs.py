@@ -47,6 +47,8 @@ SHIPPED_PROBES = ("gemm", "unfused", "inline", "pingpong", "bf16", "int8")
 PLOT_LINK = "../benchmarks/plots/"
 #: layer_step.py's variant without FORGE's per-layer bookkeeping.
 KERNEL_ONLY = "mosaic-kernel-only"
+#: layer_step.py's Mosaic variant whose TrainState records no gradient norm.
+UNTRACKED = "mosaic-untracked"
 _COMMIT_IN_NAME = re.compile(r"_([0-9a-f]{7,40})\.(json|txt)$")
 
 
@@ -1317,22 +1319,26 @@ def rule_free_section(run) -> str:
   )
 
 
+def small_kernels_us(case, variant) -> str:
+  """A profiled variant's device µs in kernels under 10 µs a launch, their
+  launches in brackets ('-' where the variant was not profiled)."""
+  profile = case.get("profile", {})
+  if variant not in profile:
+    return "-"
+  return "{small:.0f} ({small_launches})".format(
+    **step_breakdown(profile[variant])
+  )
+
+
 def kernel_only_section(run) -> str:
   """The one-layer step through the Mosaic kernel with FORGE's per-layer
   bookkeeping and without it."""
   variants = ("optax", "mosaic", KERNEL_ONLY)
-  rows = []
-  for c in run["cases"]:
-    if not set(variants) <= set(c["ms"]):
-      continue
-    profile = c.get("profile", {})
-    small = {
-      v: "{small:.0f} ({small_launches})".format(**step_breakdown(profile[v]))
-      if v in profile
-      else "-"
-      for v in variants
-    }
-    rows.append([*bound_row(c, KERNEL_ONLY), *(small[v] for v in variants)])
+  rows = [
+    [*bound_row(c, KERNEL_ONLY), *(small_kernels_us(c, v) for v in variants)]
+    for c in run["cases"]
+    if set(variants) <= set(c["ms"])
+  ]
   return section(
     "One layer's step without FORGE's bookkeeping",
     "The one-layer step above (bf16 activations, AdamW) through the Mosaic "
@@ -1357,6 +1363,51 @@ def kernel_only_section(run) -> str:
         "optax small µs",
         "mosaic small µs",
         "kernel-only small µs",
+      ],
+      rows,
+    ),
+    layer_step_command(run),
+    [run],
+  )
+
+
+def untracked_section(run) -> str:
+  """The one-layer step through the Mosaic kernel with the gradient norm
+  ``fj.TrainState`` records and without it, beside the kernel-only
+  bound."""
+  variants = ("optax", "mosaic", UNTRACKED, KERNEL_ONLY)
+  rows = [
+    [
+      *bound_row(c, UNTRACKED),
+      ratio(c["speedup"][KERNEL_ONLY]),
+      *(small_kernels_us(c, v) for v in variants[:3]),
+    ]
+    for c in run["cases"]
+    if set(variants) <= set(c["ms"])
+  ]
+  return section(
+    "One layer's step without the gradient norm",
+    "The one-layer step above (bf16 activations, AdamW) through the Mosaic "
+    "kernel with `fj.TrainState`'s default, which records the step's "
+    "global gradient norm, and with `track_grad_norm=False` "
+    "(`mosaic-untracked`), which records none, as flax's `TrainState` "
+    "under optax does not; beside the kernel-only bound of the section "
+    "below, against `nn.Dense` + optax in the same process. Ratios are "
+    "optax's step time over FORGE's (> 1: faster than optax). The last "
+    "columns are the device µs of each step's kernels under 10 µs a "
+    "launch, their launches in brackets.",
+    table(
+      [
+        "W / m / v",
+        "T",
+        "K x N",
+        "optax ms",
+        "mosaic",
+        "untracked",
+        "kernel-only",
+        "optax small µs",
+        "mosaic small µs",
+        "untracked small µs",
       ],
       rows,
     ),
@@ -2066,6 +2117,7 @@ SECTIONS = (
   ("layer_step_*.json", layer_step_section, False),
   ("xla_chunks_*.json", xla_chunks_section, False),
   ("rule_free_step_*.json", rule_free_section, True),
+  ("untracked_step_*.json", untracked_section, True),
   ("kernel_only_step_*.json", kernel_only_section, True),
   ("stacked_gemm_*.json", stacked_gemm_section, True),
   ("lowp_speed_*.json", lowp_speed_section, False),
