@@ -130,7 +130,7 @@ class XlaTest(FusedDenseTestBase):
   # blocks (test_optax_equivalence.py steps every row's rule as the optax
   # alias, bit for bit; --run-slow trains every row here). Against itself
   # the reference agrees by construction: the kernels' checks assert what it
-  # computes.
+  # computes, and one 4-bit case runs the op's path for those states.
   default_cases = {
     "test_matches_optax": sum(case.core for case in OPTAX_CASES),
     "test_matches_reference": 0,
@@ -139,6 +139,7 @@ class XlaTest(FusedDenseTestBase):
     "test_nonfinite_gradient_elements_are_skipped": 0,
     "test_nonfinite_dy_skips_the_whole_layer": 0,
     "test_matches_reference_bits_bf16_sr_int8": 0,
+    "test_matches_reference_bits_4bit": 1,
   }
 
   def backend(self, spec, config):
@@ -256,7 +257,9 @@ class TritonInterpretTest(FusedDenseTestBase):
   # and bf16, poisoned ones on one config; the first three of the optax
   # table's core rows; int8 states with stochastic rounding on AdamW (Lion
   # and SGD with --run-slow; the Triton kernel's int8 steps also run in
-  # test_scan.py, test_nnx.py and test_parallel.py by default).
+  # test_scan.py, test_nnx.py and test_parallel.py by default); 4-bit second
+  # moments on the first two optimizers and configs (the rule is the
+  # reference's; the compiled GPU tests run every case).
   default_cases = {
     "test_matches_reference": 4,
     "test_every_element_is_written": 3,
@@ -265,6 +268,7 @@ class TritonInterpretTest(FusedDenseTestBase):
     "test_nonfinite_dy_skips_the_whole_layer": 2,
     "test_matches_reference_bits_bf16_sr_int8": 1,
     "test_matches_optax": 3,
+    "test_matches_reference_bits_4bit": 2,
   }
 
   def backend(self, spec, config):
@@ -295,7 +299,7 @@ class MosaicInterpretTest(FusedDenseTestBase):
     "test_matches_reference_bits_bf16_sr_int8": 0,
     "test_nonfinite_gradients_keep_int8_blocks_bit_for_bit": 0,
     "test_fused_op_with_nonfinite_dy_does_not_step": 0,
-    # 4-bit second moments: the other backends check every optimizer by
+    # 4-bit second moments: the Triton kernel checks two optimizers by
     # default, the compiled GPU tests every case.
     "test_matches_reference_bits_4bit": 0,
     # The overflow guard is the rule's (update.finite_result), the code

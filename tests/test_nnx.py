@@ -241,6 +241,7 @@ OPS = [
     ),
     128,
     id="triton-int8-4bit-sr",
+    marks=pytest.mark.slow,  # the kernel's 4-bit steps: test_fused_dense.py
   ),
   pytest.param(
     "mosaic",
