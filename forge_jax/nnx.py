@@ -874,6 +874,8 @@ class Optimizer(nnx.Optimizer):
     Refuses grads that step a layer ``wrt`` or ``tx`` freezes: its kernel
     would train in the backward pass."""
     check_frozen_unreached(self._frozen_layers, self.wrt, model, grads)
+    # Also here: the clipping attributes can be set after construction.
+    clipping.check_clipping(self.max_grad_norm, self.clip, self.track_grad_norm)
     norm = global_norm(grads) if self.track_grad_norm else None
     if self.max_grad_norm is not None:
       check_clipped(

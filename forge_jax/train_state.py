@@ -162,6 +162,8 @@ class TrainState(train_state.TrainState):
     )
 
   def apply_gradients(self, *, grads, **kwargs):
+    # Also here: replace() can set the clipping without create's checks.
+    clipping.check_clipping(self.max_grad_norm, self.clip, self.track_grad_norm)
     if self.track_grad_norm:
       kwargs.setdefault("grad_norm", clipping.global_norm(grads))
     old = (

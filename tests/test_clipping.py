@@ -464,6 +464,15 @@ def test_clipping_needs_the_norm_tracked():
       max_grad_norm=1.0,
       track_grad_norm=False,
     )
+  state = fj.TrainState.create(
+    apply_fn=model.apply,
+    params=variables,
+    tx=optax.sgd(0.1),
+    track_grad_norm=False,
+  ).replace(max_grad_norm=1.0)
+  grads = jax.grad(lambda p: jnp.sum(model.apply(p, jnp.ones((2, 12)))))
+  with pytest.raises(ValueError, match="clipping needs the global"):
+    state.apply_gradients(grads=grads(state.params))
 
 
 def test_delayed_clipping_scales_by_the_previous_norm(seed):
