@@ -1390,9 +1390,10 @@ def untracked_section(run) -> str:
     "The one-layer step above (bf16 activations, AdamW) through the Mosaic "
     "kernel with `fj.TrainState`'s default, which records the step's "
     "global gradient norm, and with `track_grad_norm=False` "
-    "(`mosaic-untracked`), which records none, as flax's `TrainState` "
-    "under optax does not; beside the kernel-only bound of the section "
-    "below, against `nn.Dense` + optax in the same process. Ratios are "
+    "(`mosaic-untracked`), which records none (nor does flax's "
+    "`TrainState` under optax), with the kernel-only bound of the section "
+    "below from the same run, against `nn.Dense` + optax in the same "
+    "process. Ratios are "
     "optax's step time over FORGE's (> 1: faster than optax). The last "
     "columns are the device µs of each step's kernels under 10 µs a "
     "launch, their launches in brackets.",
