@@ -1843,6 +1843,14 @@ def test_clipping_needs_the_norm_tracked(seed):
       max_grad_norm=1.0,
       track_grad_norm=False,
     )
+  optimizer = fj.nnx.Optimizer(
+    model, OPT.to_optax(), wrt=nnx.Param, track_grad_norm=False
+  )
+  optimizer.max_grad_norm = 1.0  # set after construction
+  x, y = make_batches(seed, 1, (10, 6), 4)[0]
+  grads = fj.nnx.grad(cross_entropy)(model, x, y)
+  with pytest.raises(ValueError, match="clipping needs the global"):
+    optimizer.update(model, grads)
 
 
 def test_clipping_through_fj_nnx_scan(seed):
