@@ -23,7 +23,7 @@ time, medians):
   bookkeeping cost nothing, a bound for any change to it;
 * ``<backend>-untracked`` (``mosaic-untracked``, ``auto-untracked``): that
   backend with ``fj.TrainState(track_grad_norm=False)``, which records no
-  gradient norm, as flax's ``TrainState`` under ``optax`` does not;
+  gradient norm (nor does flax's ``TrainState`` under ``optax``);
 * the result names the backend ``'auto'`` takes for each case.
 
 Each case's ``speedup`` is optax's time over each variant's (> 1: faster
