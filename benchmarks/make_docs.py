@@ -1252,18 +1252,46 @@ def replaced_part_us(case, variant) -> str:
   return f"{replaced:.0f}"
 
 
-def bound_row(case, bound: str) -> list:
+#: The leading columns of :func:`bound_row`, before its bounds' ratios.
+BOUND_COLUMNS = ["W / m / v", "T", "K x N", "optax ms", "mosaic"]
+
+
+def bound_row(case, *bounds: str) -> list:
   """A case's cells, optax's step time, and the step time ratios of the
-  Mosaic variant and of ``bound``, a measurement that leaves part of
-  FORGE's step out."""
+  Mosaic variant and of each of ``bounds``, variants that leave part of
+  FORGE's step out or change it."""
   return [
     case["storage"],
     case["tokens"],
     f"{case['k']} x {case['n']}",
     f"{case['ms']['optax']:.3f}",
     ratio(case["speedup"]["mosaic"]),
-    ratio(case["speedup"][bound]),
+    *(ratio(case["speedup"][bound]) for bound in bounds),
   ]
+
+
+def short_name(variant: str) -> str:
+  """A Mosaic variant's column name: ``mosaic-kernel-only`` is
+  ``kernel-only``."""
+  return variant.removeprefix("mosaic-")
+
+
+def bookkeeping_table(run, bounds: tuple, profiled: tuple) -> str:
+  """:func:`bound_row` of each case that ran optax, the Mosaic variant and
+  ``bounds``, then the small kernels of the ``profiled`` variants."""
+  needed = {"optax", "mosaic", *bounds}
+  return table(
+    [
+      *BOUND_COLUMNS,
+      *map(short_name, bounds),
+      *(f"{short_name(v)} small µs" for v in profiled),
+    ],
+    [
+      [*bound_row(c, *bounds), *(small_kernels_us(c, v) for v in profiled)]
+      for c in run["cases"]
+      if needed <= set(c["ms"])
+    ],
+  )
 
 
 def rule_free_section(run) -> str:
@@ -1302,11 +1330,7 @@ def rule_free_section(run) -> str:
     "give the step.",
     table(
       [
-        "W / m / v",
-        "T",
-        "K x N",
-        "optax ms",
-        "mosaic",
+        *BOUND_COLUMNS,
         "rule-free",
         "kernel µs",
         "rule-free kernel µs",
@@ -1333,12 +1357,6 @@ def small_kernels_us(case, variant) -> str:
 def kernel_only_section(run) -> str:
   """The one-layer step through the Mosaic kernel with FORGE's per-layer
   bookkeeping and without it."""
-  variants = ("optax", "mosaic", KERNEL_ONLY)
-  rows = [
-    [*bound_row(c, KERNEL_ONLY), *(small_kernels_us(c, v) for v in variants)]
-    for c in run["cases"]
-    if set(variants) <= set(c["ms"])
-  ]
   return section(
     "One layer's step without FORGE's bookkeeping",
     "The one-layer step above (bf16 activations, AdamW) through the Mosaic "
@@ -1352,20 +1370,7 @@ def kernel_only_section(run) -> str:
     "The last columns are the device µs of each step's kernels under 10 "
     "µs a launch (scalars, flags, reductions), their launches in "
     "brackets.",
-    table(
-      [
-        "W / m / v",
-        "T",
-        "K x N",
-        "optax ms",
-        "mosaic",
-        "kernel-only",
-        "optax small µs",
-        "mosaic small µs",
-        "kernel-only small µs",
-      ],
-      rows,
-    ),
+    bookkeeping_table(run, (KERNEL_ONLY,), ("optax", "mosaic", KERNEL_ONLY)),
     layer_step_command(run),
     [run],
   )
@@ -1375,16 +1380,6 @@ def untracked_section(run) -> str:
   """The one-layer step through the Mosaic kernel with the gradient norm
   ``fj.TrainState`` records and without it, beside the kernel-only
   bound."""
-  variants = ("optax", "mosaic", UNTRACKED, KERNEL_ONLY)
-  rows = [
-    [
-      *bound_row(c, UNTRACKED),
-      ratio(c["speedup"][KERNEL_ONLY]),
-      *(small_kernels_us(c, v) for v in variants[:3]),
-    ]
-    for c in run["cases"]
-    if set(variants) <= set(c["ms"])
-  ]
   return section(
     "One layer's step without the gradient norm",
     "The one-layer step above (bf16 activations, AdamW) through the Mosaic "
@@ -1397,20 +1392,8 @@ def untracked_section(run) -> str:
     "optax's step time over FORGE's (> 1: faster than optax). The last "
     "columns are the device µs of each step's kernels under 10 µs a "
     "launch, their launches in brackets.",
-    table(
-      [
-        "W / m / v",
-        "T",
-        "K x N",
-        "optax ms",
-        "mosaic",
-        "untracked",
-        "kernel-only",
-        "optax small µs",
-        "mosaic small µs",
-        "untracked small µs",
-      ],
-      rows,
+    bookkeeping_table(
+      run, (UNTRACKED, KERNEL_ONLY), ("optax", "mosaic", UNTRACKED)
     ),
     layer_step_command(run),
     [run],
