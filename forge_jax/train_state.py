@@ -142,7 +142,7 @@ class TrainState(train_state.TrainState):
         params["params"],
         [path for path, _ in layers],
         {path: layer_context.weight_name(path) for path, _ in layers},
-        {path: np.ndim(layer.get("kernel")) for path, layer in layers},
+        _kernel_ranks(params[FORGE_COLLECTION]),
       )
       raise
 
@@ -487,10 +487,7 @@ def check_layer_optimizers(tx, collection, params=None, written=None):
     "/".join(map(str, p)) for p, c in candidates.items() if len(c) > 1
   }
   weights = {path: layer_context.weight_name(path) for path, _ in layers}
-  ranks = {
-    path: np.ndim(layer.get("kernel"))
-    for path, layer in forge_layers(collection)
-  }
+  ranks = _kernel_ranks(collection)
   try:
     by_kernels = probe_kernels(tx, layers, weights, params, ranks)
     by_params = None if params is None else probe_layers(tx, layers, params)
@@ -505,6 +502,16 @@ def check_layer_optimizers(tx, collection, params=None, written=None):
   check_optimizers(tx, {optimizer for _, optimizer in layers})
   check_decay_masks(layers, weights, ranks)
   check_probed(probe, by_params, by_kernels, ambiguous)
+
+
+def _kernel_ranks(collection) -> dict:
+  """``{path: rank of the kernel}`` of the ForgeDense layers of
+  ``collection`` (3 or more for ``nn.DenseGeneral``'s kernels and a scan's
+  stacks): a weight-decay mask by rank reads it."""
+  return {
+    path: np.ndim(layer.get("kernel"))
+    for path, layer in forge_layers(collection)
+  }
 
 
 def _unreached(collection, written) -> set:
