@@ -42,6 +42,7 @@ import optax
 import forge_jax as fj
 from forge_jax.ops import backends, mosaic, triton_kernel
 from forge_jax.ops.fused_dense import FusedDenseSpec
+from forge_jax.ops.mosaic import epilogue
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from timing import device_time_ms, metadata  # pylint: disable=wrong-import-position
@@ -591,10 +592,12 @@ def _pingpong(**fields) -> mosaic.MosaicConfig:
 #: bf16 kernel and states (the whole-step configuration): which schedule is
 #: fastest, and where the time goes.
 MOSAIC_DIAG_CONFIGS = {
-  # The defaults first (the first is also timed without the rule's
-  # arithmetic and as plain SGD): inline below 2048 tokens, pingpong from
-  # there; inline with four stages (a power-of-two ring) and with 64 x 16
+  # The kernel's default config for each case first (also timed as plain
+  # SGD and in each of DIAG_PATCHES), then the schedules' defaults: inline,
+  # and pingpong, which ranks first from 2048 tokens on the MLP shapes;
+  # inline with four stages (a power-of-two ring) and with 64 x 16
   # sub-tiles.
+  "default": None,
   "inline-steps5": mosaic.MosaicConfig(max_concurrent_steps=5),
   "pingpong-steps4-slots3": _pingpong(max_concurrent_steps=4, epilogue_slots=3),
   "inline-steps4": mosaic.MosaicConfig(max_concurrent_steps=4),
@@ -638,6 +641,53 @@ def rule_free_epilogue(enabled: bool = True):
   return mosaic_patched("apply_update", _rule_free_update, enabled)
 
 
+def _no_row_squares(grad):
+  return jnp.zeros(grad.shape[:1], jnp.float32)
+
+
+def without_norm_sums(enabled: bool = True):
+  """While active (and ``enabled``), the Mosaic kernel traces its epilogue
+  without the per-row sums of squared ``dW`` elements (the layer's part of
+  the gradient norm; zeros instead): their cost in the update."""
+  return mosaic_patched("row_squares", _no_row_squares, enabled)
+
+
+def _main_loop_update(self, buffer, k0, n0, grad, release=None):
+  """``Epilogue.update`` without the update: no W or state waited for,
+  changed or stored; each row's sum of squares still reads ``grad``, so the
+  main loop that accumulates it stays whole."""
+  del self, buffer, k0, n0
+  if release is not None:
+    release()
+  return jnp.zeros(grad.shape[:1], jnp.float32), epilogue.row_squares(grad)
+
+
+@contextlib.contextmanager
+def main_loop_only(enabled: bool = True):
+  """While active (and ``enabled``), the Mosaic kernel traces its main loop
+  alone: its epilogue issues no W or state loads and updates nothing (the
+  kernel's outputs are not a step; a measurement of the ``dW`` GEMM inside
+  the fused kernel, with its config, shared memory and tile walk)."""
+  with contextlib.ExitStack() as patches:
+    if enabled:
+      no_loads = lambda *_, **__: None
+      for name, value in (
+        ("issue_loads", no_loads),
+        ("update", _main_loop_update),
+      ):
+        patches.enter_context(mock.patch.object(epilogue.Epilogue, name, value))
+    yield
+
+
+#: The diagnosis's extra runs of its first config: the suffix of each run's
+#: name and the patch its kernel is traced in.
+DIAG_PATCHES = {
+  "rule-free": rule_free_epilogue,
+  "main-loop": main_loop_only,
+  "no-norm-sums": without_norm_sums,
+}
+
+
 def mosaic_diagnosis(
   result,
   save,
@@ -648,9 +698,11 @@ def mosaic_diagnosis(
   extras=True,
 ):
   """Mosaic kernel time with bf16 storage per epilogue config (default:
-  MOSAIC_DIAG_CONFIGS) and token count, beside the GEMM and GEMM + optax;
-  with ``extras``, for the first config also without the rule's arithmetic
-  and with plain SGD (W only, no state)."""
+  MOSAIC_DIAG_CONFIGS; a config of None is the kernel's default for the
+  case) and token count, beside the GEMM and GEMM + optax; with
+  ``extras``, for the first config also with plain SGD (W only, no state)
+  and traced in each of ``DIAG_PATCHES``: without the rule's arithmetic,
+  its main loop alone, and without the norm's sums of squares."""
   configs = configs or MOSAIC_DIAG_CONFIGS
   for tokens in token_counts:
     x, dy, w = make_inputs(jax.random.key(tokens), tokens, k, n)
@@ -669,14 +721,20 @@ def mosaic_diagnosis(
     variants = [(name, "adamw", cfg) for name, cfg in configs.items()]
     first = next(iter(configs))
     if extras:
+      variants += [(first + "-sgd", "sgd", configs[first])]
       variants += [
-        (first + "-rule-free", "adamw", configs[first]),
-        (first + "-sgd", "sgd", configs[first]),
+        (f"{first}-{suffix}", "adamw", configs[first])
+        for suffix in DIAG_PATCHES
       ]
     for name, opt_name, cfg in variants:
+      optimizer = CHECK_OPTIMIZERS[opt_name]
+      cfg = cfg or mosaic.default_config(x, w, optimizer)
+      row[name + "_config"] = dataclasses.asdict(cfg)
       try:
-        with rule_free_epilogue(name.endswith("rule-free")):
-          run_fused = fused_runner(CHECK_OPTIMIZERS[opt_name], cfg, w, x, dy)
+        with contextlib.ExitStack() as patches:
+          for suffix, patch in DIAG_PATCHES.items():
+            patches.enter_context(patch(name.endswith("-" + suffix)))
+          run_fused = fused_runner(optimizer, cfg, w, x, dy)
           row[name + "_ms"] = device_time_ms(run_fused)["ms"]
       except Exception as e:  # pylint: disable=broad-except
         row[name + "_error"] = repr(e)[-300:]
@@ -695,8 +753,10 @@ def mosaic_diagnosis(
     for r in result["bench"]
   }
   result["best_diag_config_fields"] = {
-    t: dataclasses.asdict(configs[name])
-    for t, name in result["best_diag_config"].items()
+    str(r["tokens"]): r[
+      result["best_diag_config"][str(r["tokens"])] + "_config"
+    ]
+    for r in result["bench"]
   }
   result["diag_over_gemm"] = timed
   save()

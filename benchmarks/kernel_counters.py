@@ -126,10 +126,8 @@ def build(what, tokens, config_name, opt_name, variant):
     return unfused_runner(optimizer, w, x, dy)
   with VARIANTS[variant]() if variant else contextlib.nullcontext():
     config = (
-      MOSAIC_DIAG_CONFIGS[config_name]
-      if config_name
-      else mosaic.default_config(x, w, optimizer)
-    )
+      config_name and MOSAIC_DIAG_CONFIGS[config_name]
+    ) or mosaic.default_config(x, w, optimizer)
     run = fused_runner(optimizer, config, w, x, dy)
     jax.block_until_ready(run())  # compiles with the rule chosen
   return run

@@ -234,3 +234,38 @@ def test_layer_step_untracked_variant_records_no_norm():
   for key in layer:
     old, new = old[key], new[key]
   assert np.mean(bits(old) != bits(new)) > 0.1  # bf16 at a 1e-4 rate
+
+
+@pytest.mark.slow  # the Mosaic kernel's interpret mode, for a benchmark
+def test_diagnosis_patches_drop_only_what_they_name():
+  """The main-loop run still accumulates ``dW`` (its norm's sums are the
+  kernel's) but stores no update; the run without the norm's sums steps W
+  and its state as the kernel does, with a zero norm."""
+  optimizer = fj.adamw(1e-3, weight_decay=0.1, state_dtype=jnp.bfloat16)
+  x, dy, w = kernel_bench.make_inputs(jax.random.key(1), 64, 128, 128)
+  w = w.astype(jnp.bfloat16)
+  spec = fj.FusedDenseSpec(optimizer=optimizer)
+
+  def update():
+    return kernel_bench.mosaic.mosaic_update(
+      spec,
+      x,
+      dy,
+      w,
+      optimizer.init(w),
+      optimizer.scalars(jnp.asarray(0, jnp.int32)),
+      jnp.asarray(True),
+      interpret=True,
+    )
+
+  stepped, state, _, grad_sq_norm = update()
+  with kernel_bench.main_loop_only():
+    main_loop = update()
+  with kernel_bench.without_norm_sums():
+    no_norm = update()
+  assert float(grad_sq_norm) > 0
+  np.testing.assert_allclose(main_loop[3], grad_sq_norm, rtol=1e-6)
+  assert not np.array_equal(bits(main_loop[0]), bits(stepped))
+  assert float(no_norm[3]) == 0.0
+  assert np.mean(bits(stepped) != bits(w)) > 0.5
+  assert_same_bits(no_norm[:2], (stepped, state), "without the norm's sums")

@@ -32,6 +32,12 @@ def is_block_scale(divisor: int) -> bool:
   return divisor == quantization.BLOCK_SIZE
 
 
+def row_squares(grad):
+  """Each row's sum of squared ``grad`` elements: the layer's part of the
+  gradient norm."""
+  return jnp.sum(grad * grad, axis=1)
+
+
 class Epilogue:
   """The update of ``epilogue_k x epilogue_n`` sub-tiles, shared by the
   schedules: TMA loads of the kernel and state windows into a shared-memory
@@ -133,7 +139,7 @@ class Epilogue:
     return (
       new_values,
       jnp.sum(jnp.where(updated, 0.0, 1.0), axis=1),
-      jnp.sum(grad * grad, axis=1),
+      row_squares(grad),
     )
 
   def update(self, buffer, k0, n0, grad, release=None):
