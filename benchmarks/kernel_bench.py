@@ -641,15 +641,19 @@ def rule_free_epilogue(enabled: bool = True):
   return mosaic_patched("apply_update", _rule_free_update, enabled)
 
 
-def _no_row_squares(grad):
-  return jnp.zeros(grad.shape[:1], jnp.float32)
+def _skipped_counts_only(grad, updated):
+  """``row_sums`` without the sums of squares: zeros in the counts' row
+  layout (a constant vector has no layout the kernel's store takes)."""
+  del grad
+  skipped = jnp.sum(jnp.where(updated, 0.0, 1.0), axis=1)
+  return skipped, skipped * 0.0
 
 
 def without_norm_sums(enabled: bool = True):
   """While active (and ``enabled``), the Mosaic kernel traces its epilogue
   without the per-row sums of squared ``dW`` elements (the layer's part of
   the gradient norm; zeros instead): their cost in the update."""
-  return mosaic_patched("row_squares", _no_row_squares, enabled)
+  return mosaic_patched("row_sums", _skipped_counts_only, enabled)
 
 
 def _main_loop_update(self, buffer, k0, n0, grad, release=None):
@@ -659,7 +663,8 @@ def _main_loop_update(self, buffer, k0, n0, grad, release=None):
   del self, buffer, k0, n0
   if release is not None:
     release()
-  return jnp.zeros(grad.shape[:1], jnp.float32), epilogue.row_squares(grad)
+  squares = jnp.sum(grad * grad, axis=1)
+  return squares * 0.0, squares
 
 
 @contextlib.contextmanager

@@ -32,10 +32,13 @@ def is_block_scale(divisor: int) -> bool:
   return divisor == quantization.BLOCK_SIZE
 
 
-def row_squares(grad):
-  """Each row's sum of squared ``grad`` elements: the layer's part of the
-  gradient norm."""
-  return jnp.sum(grad * grad, axis=1)
+def row_sums(grad, updated):
+  """Each row's count of skipped elements (``updated`` false) and sum of
+  squared ``grad`` elements (the layer's part of the gradient norm)."""
+  return (
+    jnp.sum(jnp.where(updated, 0.0, 1.0), axis=1),
+    jnp.sum(grad * grad, axis=1),
+  )
 
 
 class Epilogue:
@@ -136,11 +139,7 @@ class Epilogue:
     new_values, updated = self.rule(
       grad, values, self._indices(k0, n0, grad.shape)
     )
-    return (
-      new_values,
-      jnp.sum(jnp.where(updated, 0.0, 1.0), axis=1),
-      row_squares(grad),
-    )
+    return (new_values, *row_sums(grad, updated))
 
   def update(self, buffer, k0, n0, grad, release=None):
     """Waits for ``buffer``'s loads, applies the rule with ``grad`` and
