@@ -1400,6 +1400,96 @@ def untracked_section(run) -> str:
   )
 
 
+#: Verdicts of :func:`never_slower_section`.
+MET, BOUND_BELOW, OPEN = "met", "bound below 1", "open"
+
+
+def never_slower_verdict(case) -> str:
+  """Whether FORGE's default step is at least as fast as optax's (met);
+  if not, whether its kernel-only bound is below optax's too (then no change
+  outside the fused kernel makes it so) or not (open)."""
+  if case["speedup"]["mosaic"] >= 1.0:
+    return MET
+  return BOUND_BELOW if case["speedup"][KERNEL_ONLY] < 1.0 else OPEN
+
+
+def never_slower_section(runs) -> str:
+  """Every one-layer case measured with the kernel-only bound, the newest
+  measurement of each on each GPU, with its verdict, and the verdicts
+  counted per GPU."""
+  runs = [
+    r
+    for r in runs
+    if isinstance(r.get("config"), dict)
+    and KERNEL_ONLY in r["config"].get("variants", [])
+  ]
+  cases = {}
+  for run in sorted(runs, key=lambda r: meta(r)["date"]):
+    for c in run["cases"]:
+      if {"optax", "mosaic", KERNEL_ONLY} <= set(c["ms"]):
+        key = (meta(run)["device"], c["storage"], c["tokens"], c["k"], c["n"])
+        cases[key] = c
+  rows, counts = [], {}
+  for key in sorted(cases):
+    c = cases[key]
+    verdict = never_slower_verdict(c)
+    device = key[0].removeprefix("NVIDIA ")
+    tally = counts.setdefault(device, {MET: 0, BOUND_BELOW: 0, OPEN: 0})
+    tally[verdict] += 1
+    # Three decimals: the verdicts turn on the third.
+    speedups = [c["speedup"].get(v) for v in ("mosaic", UNTRACKED, KERNEL_ONLY)]
+    rows.append(
+      [
+        device,
+        *bound_row(c)[:4],
+        auto_backend(c),
+        *(f"{s:.3f}" if s else "-" for s in speedups),
+        verdict,
+      ]
+    )
+  summary = table(
+    ["GPU", "cases", MET, BOUND_BELOW, OPEN],
+    [
+      [device, sum(t.values()), t[MET], t[BOUND_BELOW], t[OPEN]]
+      for device, t in counts.items()
+    ],
+  )
+  commands = dict.fromkeys(layer_step_command(r) for r in runs)
+  return section(
+    "Never slower: one layer's step against its bound",
+    "Every case of the one-layer step above (bf16 activations, AdamW) "
+    "measured beside its kernel-only bound, the newest measurement of each "
+    "on each GPU: FORGE's default step through the Mosaic kernel (the "
+    "backend `'auto'` takes, named in the `'auto'` column), with "
+    "`track_grad_norm=False` where that run measured it, and the same "
+    "kernel with none of FORGE's bookkeeping (`mosaic-kernel-only`). "
+    "Ratios are optax's step time over FORGE's (> 1: faster than optax), "
+    "from one process per case; a case within about 1 % of 1.000 can land "
+    "on either side of it from run to run. *met*: the default step at "
+    "least as fast "
+    "as optax's; *bound below 1*: the kernel alone, with no bookkeeping, "
+    "is already slower than optax's step, so no change outside the fused "
+    "kernel can make the step as fast; *open*: the bound is at or above 1 "
+    "and the step is not.",
+    summary
+    + "\n\n"
+    + table(
+      [
+        "GPU",
+        *BOUND_COLUMNS[:4],
+        "'auto'",
+        "mosaic",
+        "untracked",
+        "kernel-only",
+        "verdict",
+      ],
+      rows,
+    ),
+    "; ".join(commands),
+    runs,
+  )
+
+
 def xla_chunks_section(runs) -> str:
   """The XLA reference's one-layer step in row chunks against whole
   kernels: the newest run of each chunk size, side by side per case."""
@@ -2102,6 +2192,7 @@ SECTIONS = (
   ("xla_chunks_*.json", xla_chunks_section, False),
   ("rule_free_step_*.json", rule_free_section, True),
   ("untracked_step_*.json", untracked_section, True),
+  ("*_step_*.json", never_slower_section, False),
   ("kernel_only_step_*.json", kernel_only_section, True),
   ("stacked_gemm_*.json", stacked_gemm_section, True),
   ("lowp_speed_*.json", lowp_speed_section, False),
