@@ -696,6 +696,91 @@ def schedules_section(runs) -> str:
   )
 
 
+#: Bytes of a bf16 W, m and v a parameter (the diagnosis's storage).
+BF16_ADAM_BYTES = 6
+
+
+def kernel_parts_section(runs) -> str:
+  """Per GPU, shape and T, the newest diagnosis of the default config that
+  timed its parts: the main loop alone, the update without its rule's
+  arithmetic or its norm sums, and the kernel against its bound."""
+  rows = [
+    dict(r, _run=run)
+    for run in runs
+    for r in run.get("bench") or []
+    if "default-main-loop_ms" in r
+  ]
+  latest = newest(
+    rows, lambda r: (meta(r["_run"])["device"], r["k"], r["n"], r["tokens"])
+  )
+  cells = []
+  for key in sorted(latest):
+    r = latest[key]
+    bound = traffic_bound(
+      {
+        **r,
+        "gemm": {"ms": r["gemm_ms"]},
+        "unfused": {"ms": r["unfused_ms"]},
+        "fused_memory": {
+          "weight_and_state_bytes": BF16_ADAM_BYTES * r["k"] * r["n"]
+        },
+        "fused_mosaic": {"ms": r["default_ms"]},
+      }
+    )
+    ms = lambda name: f"{r[name + '_ms']:.3f}" if name + "_ms" in r else "-"
+    cells.append(
+      [
+        key[0].removeprefix("NVIDIA "),
+        f"{r['k']} x {r['n']}",
+        r["tokens"],
+        r["default_config"]["schedule"],
+        ms("gemm"),
+        ms("unfused"),
+        ms("default"),
+        ms("default-main-loop"),
+        ms("default-rule-free"),
+        ms("default-no-norm-sums"),
+        ms("default-sgd"),
+        f"{r['default-main-loop_ms'] / r['gemm_ms']:.2f}",
+        f"{bound['mosaic_over_bound']:.2f}",
+      ]
+    )
+  return section(
+    "Where the fused kernel's time goes",
+    "ms per AdamW update with bf16 W, m and v, through the kernel's default "
+    "config for the case (its schedule named), beside XLA's `dW` GEMM and "
+    "the GEMM followed by optax's update, in one process. The same kernel "
+    "traced in parts: its main loop alone (the epilogue loads, updates and "
+    "stores nothing: the `dW` GEMM inside the fused kernel), without the "
+    "rule's arithmetic (W and state streamed unchanged), without the "
+    "per-row sums of squares for the gradient norm, and as plain SGD (W "
+    "alone). The bound is max(GEMM, the kernel's W / state traffic at the "
+    "bandwidth optax's update reaches in the same run).",
+    table(
+      [
+        "GPU",
+        "K x N",
+        "T",
+        "schedule",
+        "XLA dW GEMM",
+        "GEMM + optax",
+        "fused",
+        "main loop",
+        "no rule arithmetic",
+        "no norm sums",
+        "plain SGD",
+        "main loop / GEMM",
+        "fused / bound",
+      ],
+      cells,
+    ),
+    "python benchmarks/kernel_bench.py --suite mosaic-diag --diag-shape K N "
+    "--tokens 512 2048 8192 --diag-configs default inline-steps5 "
+    "--diag-extras --out FILE",
+    [r["_run"] for r in latest.values()],
+  )
+
+
 def instructions_an_element(kernel, run) -> str:
   """A kernel's thread instructions over the layer's K x N elements ('-'
   where the summary has no source counts)."""
@@ -2178,6 +2263,7 @@ SECTIONS = (
   ("kernel_*.json", kernel_section, False),
   ("kernel_*.json", checks_section, False),
   ("mosaic_diag_*.json", schedules_section, False),
+  ("mosaic_parts_*.json", kernel_parts_section, False),
   ("kernel_counters_*.json", counters_section, False),
   ("lowp_kernel_*.json", lowp_section, False),
   ("memory_sweep_*.json", memory_sweep_section, True),
