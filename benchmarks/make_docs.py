@@ -1501,22 +1501,47 @@ def never_slower_verdict(case) -> str:
   return BOUND_BELOW if case["speedup"][KERNEL_ONLY] < 1.0 else OPEN
 
 
-def never_slower_section(runs) -> str:
-  """Every one-layer case measured with the kernel-only bound, the newest
-  measurement of each on each GPU, with its verdict, and the verdicts
-  counted per GPU."""
-  runs = [
+def with_bound(runs) -> list:
+  """The one-layer step runs that measured the kernel-only bound."""
+  return [
     r
     for r in runs
     if isinstance(r.get("config"), dict)
     and KERNEL_ONLY in r["config"].get("variants", [])
   ]
+
+
+def never_slower_cases(runs) -> dict:
+  """``{(device, storage, tokens, k, n): the newest case}`` of every
+  one-layer case measured beside its kernel-only bound."""
   cases = {}
-  for run in sorted(runs, key=lambda r: meta(r)["date"]):
+  for run in sorted(with_bound(runs), key=lambda r: meta(r)["date"]):
     for c in run["cases"]:
       if {"optax", "mosaic", KERNEL_ONLY} <= set(c["ms"]):
         key = (meta(run)["device"], c["storage"], c["tokens"], c["k"], c["n"])
         cases[key] = c
+  return cases
+
+
+def speed_line(runs) -> str:
+  """The README's line on one layer's step time against optax's."""
+  cases = never_slower_cases(runs).values()
+  times = [1 / c["speedup"]["mosaic"] for c in cases]
+  met = sum(never_slower_verdict(c) == MET for c in cases)
+  return (
+    f"- **Speed.** One unrolled layer's step takes {min(times):.2f}-"
+    f"{max(times):.2f}x optax's time, no slower in {met} of "
+    f"{len(times)} cases ([each](docs/benchmarks.md#never-slower-one-layers"
+    "-step-against-its-bound)): bookkeeping and W / state traffic."
+  )
+
+
+def never_slower_section(runs) -> str:
+  """Every one-layer case measured with the kernel-only bound, the newest
+  measurement of each on each GPU, with its verdict, and the verdicts
+  counted per GPU."""
+  cases = never_slower_cases(runs)
+  runs = with_bound(runs)
   rows, counts = [], {}
   for key in sorted(cases):
     c = cases[key]
@@ -2323,6 +2348,7 @@ def readme_sections(results: str = RESULTS) -> dict:
     "main-job": main_job_line(max(main_job, key=lambda r: r["wall_s"]))
     if main_job
     else "",
+    "speed": speed_line(load("*_step_*.json", results)),
   }
 
 

@@ -204,11 +204,44 @@ def test_kernel_parts_section_sets_the_main_loop_against_the_gemm():
     "default_config": {"schedule": "inline"},
   }
   run = {
-    "meta": {"device": "NVIDIA H200", "jax_version": "0", "commit": "0"},
+    "meta": {
+      "device": "NVIDIA H200",
+      "jax_version": "0",
+      "commit": "0",
+      "date": "2026-01-01",
+    },
     "bench": [row],
     "_file": "mosaic_parts_x_0000000.json",
   }
-  run["meta"]["date"] = "2026-01-01"
   text = make_docs.kernel_parts_section([run])
-  line = next(l for l in text.splitlines() if l.startswith("| H200"))
+  line = next(r for r in text.splitlines() if r.startswith("| H200"))
   assert line.split(" | ")[-2:] == ["1.20", "1.60 |"]
+
+
+def test_speed_line_counts_the_newest_case_of_each_gpu_once():
+  """A case measured twice on one GPU counts once, as its newest run says;
+  the same case on another GPU counts apart."""
+
+  def run(device, date, mosaic):
+    case = {
+      "storage": "bf16",
+      "tokens": 512,
+      "k": 128,
+      "n": 128,
+      "ms": {"optax": 1.0, "mosaic": 1 / mosaic, make_docs.KERNEL_ONLY: 1.0},
+      "speedup": {"mosaic": mosaic, make_docs.KERNEL_ONLY: 1.0},
+    }
+    return {
+      "meta": {"device": device, "date": date},
+      "config": {"variants": ["optax", "mosaic", make_docs.KERNEL_ONLY]},
+      "cases": [case],
+    }
+
+  line = make_docs.speed_line(
+    [
+      run("A", "2026-01-01", 0.5),
+      run("A", "2026-01-02", 1.25),
+      run("B", "2026-01-01", 0.8),
+    ]
+  )
+  assert "0.80-1.25x optax's time, no slower in 1 of 2 cases" in line
