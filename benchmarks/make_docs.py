@@ -750,9 +750,10 @@ def kernel_parts_section(runs) -> str:
     )
   return section(
     "Where the fused kernel's time goes",
-    "ms per AdamW update with bf16 W, m and v, through the kernel's default "
-    "config for the case or its inline schedule (named), beside XLA's `dW` GEMM and "
-    "the GEMM followed by optax's update, in one process. The same kernel "
+    "ms per AdamW update with bf16 W, m and v, through the kernel's "
+    "default config for the case or its inline schedule (named), beside "
+    "XLA's `dW` GEMM and the GEMM followed by optax's update, in one "
+    "process. The same kernel "
     "traced in parts: its main loop alone (the epilogue loads, updates and "
     "stores nothing: the `dW` GEMM inside the fused kernel), without the "
     "rule's arithmetic (W and state streamed unchanged), without the "
@@ -1526,6 +1527,8 @@ def never_slower_cases(runs) -> dict:
 def speed_line(runs) -> str:
   """The README's line on one layer's step time against optax's."""
   cases = never_slower_cases(runs).values()
+  if not cases:
+    return ""
   times = [1 / c["speedup"]["mosaic"] for c in cases]
   met = sum(never_slower_verdict(c) == MET for c in cases)
   return (
@@ -1579,8 +1582,8 @@ def never_slower_section(runs) -> str:
     "Ratios are optax's step time over FORGE's (> 1: faster than optax), "
     "from one process per case; a case within about 1 % of 1.000 can land "
     "on either side of it from run to run. *met*: the default step at "
-    "least as fast "
-    "as optax's; *bound below 1*: the kernel alone, with no bookkeeping, "
+    "least as fast as optax's; *bound below 1*: the kernel alone, with no "
+    "bookkeeping, "
     "is already slower than optax's step, so no change outside the fused "
     "kernel can make the step as fast; *open*: the bound is at or above 1 "
     "and the step is not.",
