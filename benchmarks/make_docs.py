@@ -778,9 +778,7 @@ def kernel_parts_section(runs) -> str:
       ],
       cells,
     ),
-    "python benchmarks/kernel_bench.py --suite mosaic-diag --diag-shape K N "
-    "--tokens 512 2048 8192 --diag-configs default inline-steps5 "
-    "--diag-extras --out FILE",
+    "python benchmarks/run.py parts  # --shape K N, --tokens, --configs",
     [r["_run"] for r in latest.values()],
   )
 

@@ -339,6 +339,65 @@ def layer_steps(a, out):
   ]
 
 
+#: The one-layer step's variants beside their bound (docs/benchmarks.md,
+#: "Never slower").
+BOUND_VARIANTS = ("optax", "mosaic", "mosaic-untracked", "mosaic-kernel-only")
+
+
+def bounds_steps(a, out):
+  """The one-layer step of every 8B shape beside its kernel-only bound, one
+  process per storage and token count."""
+  return [
+    Step(
+      _python(
+        "layer_step.py",
+        "--tokens",
+        tokens,
+        "--storage",
+        storage,
+        "--variants",
+        *BOUND_VARIANTS,
+        "--profile",
+        "--time-budget-s",
+        a.timeout - 60,
+        "--out",
+        out(f"bound_step_{storage}_T{tokens}"),
+      ),
+      timeout=a.timeout,
+    )
+    for storage in ("bf16", "fp32")
+    for tokens in a.tokens or (512, 2048, 8192)
+  ]
+
+
+def parts_steps(a, out):
+  """The Mosaic kernel timed in parts: its main loop alone, without its
+  rule's arithmetic or its norm sums."""
+  return [
+    Step(
+      _python(
+        "kernel_bench.py",
+        "--suite",
+        "mosaic-diag",
+        "--diag-shape",
+        k,
+        n,
+        "--tokens",
+        *(a.tokens or (512, 2048, 8192)),
+        "--diag-configs",
+        # Parts of the inline schedule: pingpong's main loop alone hangs
+        # (kernel_bench.MAIN_LOOP_PINGPONG); the default config beside it.
+        *(a.configs or ("inline-steps5", "default")),
+        "--diag-extras",
+        "--out",
+        out(f"mosaic_parts_{k}x{n}"),
+      ),
+      timeout=a.timeout,
+    )
+    for k, n in a.shape or ((4096, 14336), (4096, 4096))
+  ]
+
+
 def gemm_steps(a, out):
   return [
     Step(
@@ -552,6 +611,8 @@ SUITES = {
   "lowp": lowp_steps,
   "counters": counters_steps,
   "layer": layer_steps,
+  "bounds": bounds_steps,
+  "parts": parts_steps,
   "gemm": gemm_steps,
   "lowp-speed": lowp_speed_steps,
   "lowp-breakdown": lowp_breakdown_steps,
