@@ -709,11 +709,10 @@ def kernel_parts_section(runs) -> str:
     for r in run.get("bench") or []:
       timed = [k for k in r if k.endswith("-main-loop_ms")]
       if timed:
-        rows.append(
-          dict(r, _run=run, _base=timed[0].removesuffix("-main-loop_ms"))
-        )
+        base = timed[0].removesuffix("-main-loop_ms")
+        rows.append(dict(r, _run=run, meta=meta(run), _base=base))
   latest = newest(
-    rows, lambda r: (meta(r["_run"])["device"], r["k"], r["n"], r["tokens"])
+    rows, lambda r: (r["meta"]["device"], r["k"], r["n"], r["tokens"])
   )
   cells = []
   for key in sorted(latest):
@@ -753,9 +752,9 @@ def kernel_parts_section(runs) -> str:
     "ms per AdamW update with bf16 W, m and v, through the kernel's "
     "default config for the case or its inline schedule (named), beside "
     "XLA's `dW` GEMM and the GEMM followed by optax's update, in one "
-    "process. The same kernel "
-    "traced in parts: its main loop alone (the epilogue loads, updates and "
-    "stores nothing: the `dW` GEMM inside the fused kernel), without the "
+    "process. The same kernel traced in parts: its main loop alone (the "
+    "epilogue loads, updates and stores nothing: the `dW` GEMM inside the "
+    "fused kernel), without the "
     "rule's arithmetic (W and state streamed unchanged), without the "
     "per-row sums of squares for the gradient norm, and as plain SGD (W "
     "alone). The bound is max(GEMM, the kernel's W / state traffic at the "
@@ -1513,13 +1512,16 @@ def with_bound(runs) -> list:
 def never_slower_cases(runs) -> dict:
   """``{(device, storage, tokens, k, n): the newest case}`` of every
   one-layer case measured beside its kernel-only bound."""
-  cases = {}
-  for run in sorted(with_bound(runs), key=lambda r: meta(r)["date"]):
-    for c in run["cases"]:
-      if {"optax", "mosaic", KERNEL_ONLY} <= set(c["ms"]):
-        key = (meta(run)["device"], c["storage"], c["tokens"], c["k"], c["n"])
-        cases[key] = c
-  return cases
+  cases = [
+    dict(c, meta=meta(run))
+    for run in with_bound(runs)
+    for c in run["cases"]
+    if {"optax", "mosaic", KERNEL_ONLY} <= set(c["ms"])
+  ]
+  return newest(
+    cases,
+    lambda c: (c["meta"]["device"], c["storage"], c["tokens"], c["k"], c["n"]),
+  )
 
 
 def speed_line(runs) -> str:
@@ -1581,8 +1583,8 @@ def never_slower_section(runs) -> str:
     "from one process per case; a case within about 1 % of 1.000 can land "
     "on either side of it from run to run. *met*: the default step at "
     "least as fast as optax's; *bound below 1*: the kernel alone, with no "
-    "bookkeeping, "
-    "is already slower than optax's step, so no change outside the fused "
+    "bookkeeping, is already slower than optax's step, so no change "
+    "outside the fused "
     "kernel can make the step as fast; *open*: the bound is at or above 1 "
     "and the step is not.",
     summary

@@ -189,30 +189,43 @@ def test_never_slower_verdict_reads_the_bound_when_the_step_loses(
   assert make_docs.never_slower_verdict(case) == verdict
 
 
-def test_kernel_parts_section_sets_the_main_loop_against_the_gemm():
-  # bf16 W / m / v: 6 bytes a parameter, 12 moved by the fused kernel and
-  # 16 by optax's update (the float32 gradient read too); optax's update
-  # takes 0.4 ms, so the fused traffic takes 0.3 ms, under the 0.5 ms GEMM.
+def _parts_run(date, fused_ms):
+  """A diagnosis run of one case whose inline kernel took ``fused_ms``."""
   row = {
     "k": 1000,
     "n": 1000,
     "tokens": 512,
     "gemm_ms": 0.5,
     "unfused_ms": 0.9,
-    "default_ms": 0.8,
+    "default_ms": fused_ms,
     "default-main-loop_ms": 0.6,
     "default_config": {"schedule": "inline"},
   }
-  run = {
+  return {
     "meta": {
       "device": "NVIDIA H200",
       "jax_version": "0",
       "commit": "0",
-      "date": "2026-01-01",
+      "date": date,
     },
     "bench": [row],
-    "_file": "mosaic_parts_x_0000000.json",
+    "_file": f"mosaic_parts_x_{date}.json",
   }
+
+
+def test_kernel_parts_section_shows_the_newest_run_of_a_case():
+  text = make_docs.kernel_parts_section(
+    [_parts_run("2026-01-01", 0.8), _parts_run("2026-01-02", 0.7)]
+  )
+  rows = [r for r in text.splitlines() if r.startswith("| H200")]
+  assert len(rows) == 1 and "| 0.700 |" in rows[0]
+
+
+def test_kernel_parts_section_sets_the_main_loop_against_the_gemm():
+  # bf16 W / m / v: 6 bytes a parameter, 12 moved by the fused kernel and
+  # 16 by optax's update (the float32 gradient read too); optax's update
+  # takes 0.4 ms, so the fused traffic takes 0.3 ms, under the 0.5 ms GEMM.
+  run = _parts_run("2026-01-01", 0.8)
   text = make_docs.kernel_parts_section([run])
   line = next(r for r in text.splitlines() if r.startswith("| H200"))
   assert line.split(" | ")[-2:] == ["1.20", "1.60 |"]
