@@ -644,7 +644,9 @@ def rule_free_epilogue(enabled: bool = True):
 
 def _skipped_counts_only(grad, updated):
   """``row_sums`` without the sums of squares: zeros in the counts' row
-  layout (a constant vector has no layout the kernel's store takes)."""
+  layout (a constant vector has no layout the kernel's store takes). The
+  counts' formula is written out: calling ``row_sums`` would trace the
+  squares this run leaves out."""
   del grad
   skipped = jnp.sum(jnp.where(updated, 0.0, 1.0), axis=1)
   return skipped, skipped * 0.0
