@@ -29,22 +29,25 @@ SHAPES = ("4096x14336x2048", "4096x14336x512", "14336x4096x2048")
 SHAPES += ("4096x4096x2048", "4096x14336x8192")
 
 
-def configs() -> list:
-  """(tile_n, stages, cluster) of each GEMM config timed."""
+def configs(clusters: bool = True) -> list:
+  """(tile_n, stages, cluster) of each GEMM config timed (``clusters``:
+  with 2-CTA clusters too)."""
   dims = hm.MatmulDimension
+  cluster_dims = (None, dims.M, dims.N) if clusters else (None,)
   fused_tiling = [
-    (64, stages, cluster)
-    for stages in (4, 5)
-    for cluster in (None, dims.M, dims.N)
+    (64, stages, cluster) for stages in (4, 5) for cluster in cluster_dims
   ]
-  return fused_tiling + [
-    (128, 4, cluster) for cluster in (None, dims.M, dims.N)
-  ]
+  return fused_tiling + [(128, 4, cluster) for cluster in cluster_dims]
 
 
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--shapes", nargs="+", default=list(SHAPES))
+  parser.add_argument(
+    "--no-clusters",
+    action="store_true",
+    help="only the configs without a cluster (the tilings alone)",
+  )
   parser.add_argument("--out", required=True)
   args = parser.parse_args(argv)
   result = {"meta": metadata(), "config": vars(args), "rows": []}
@@ -63,7 +66,7 @@ def main(argv=None):
       "xla_ms": device_time_ms(lambda: xla(a, b))["ms"],
       "configs": [],
     }
-    for tile_n, stages, cluster in configs():
+    for tile_n, stages, cluster in configs(not args.no_clusters):
       fields = dict(
         tile_m=128,
         tile_n=tile_n,

@@ -610,6 +610,18 @@ MOSAIC_DIAG_CONFIGS = {
   "inline-steps5-width32": mosaic.MosaicConfig(
     max_concurrent_steps=5, grid_tile_width=32
   ),
+  # 128 tokens a pipeline step: half the steps, barrier round trips and
+  # wgmma issues of a tile for the same tokens in flight; the stages take
+  # the shared memory of the second epilogue buffer.
+  "inline-t128-steps3": mosaic.MosaicConfig(
+    tile_t=128, max_concurrent_steps=3, epilogue_slots=1
+  ),
+  "inline-t128-steps2-slots2": mosaic.MosaicConfig(
+    tile_t=128, max_concurrent_steps=2
+  ),
+  "pingpong-t128-steps2-slots3": _pingpong(
+    tile_t=128, max_concurrent_steps=2, epilogue_slots=3
+  ),
   # The kernel's default config for each case (first with --diag-configs
   # default ...: its parts timed).
   "default": None,
