@@ -239,6 +239,24 @@ def test_mosaic_configs_and_bf16_storage(config, seed):
   assert_leaves_match(actual, expected, config)
 
 
+@pytest.mark.parametrize("schedule", ["inline", "pingpong"])
+def test_mosaic_128_token_steps_match_reference(schedule, seed):
+  """128 tokens a pipeline step (wgmma contracting 128 rows of the
+  transposed x block): 256 tokens give each tile two steps, and the
+  three-stage ring runs on across a CTA's two tiles."""
+  opt = fj.adamw(0.05, weight_decay=0.1)
+  config = mosaic.MosaicConfig(
+    **{**SMALL, "tile_t": 128, "max_concurrent_steps": 3},
+    epilogue_n=32,
+    epilogue_slots=1,
+    schedule=schedule,
+  )
+  inputs = random_inputs(seed, opt, (2, 128, 128), N, (BF16, BF16, BF16))
+  expected = run_reference(opt, *inputs, 3)
+  actual = run_mosaic(opt, *inputs, 3, config)
+  assert_leaves_match(actual, expected, f"{schedule}-t128")
+
+
 # Slow on every schedule: the default run skips a NaN row of dW in
 # test_mosaic_nonfinite_gradients_keep_int8_blocks_bit_for_bit and counts
 # skipped elements in test_mosaic_counts_skipped_elements_per_warpgroup.
