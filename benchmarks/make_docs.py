@@ -1775,11 +1775,18 @@ def schedule_speed_section(runs) -> str:
   )
 
 
-def cluster_gemm_section(run) -> str:
+def cluster_gemm_section(runs) -> str:
   """JAX's Hopper GEMM with the fused kernel's tiling, with and without
-  2-CTA clusters, beside XLA's GEMM."""
-  header, rows = None, []
-  for r in run["rows"]:
+  2-CTA clusters, beside XLA's GEMM: the newest run of each shape on each
+  GPU, a column each."""
+  shapes = [
+    dict(r, _run=run, meta=meta(run)) for run in runs for r in run["rows"]
+  ]
+  latest = newest(shapes, lambda r: (device_name(r["_run"]), *r["shape"]))
+  header, columns = [], []
+  for r in sorted(
+    latest.values(), key=lambda r: (device_name(r["_run"]), r["shape"][2])
+  ):
     cells = {}
     for c in r["configs"]:
       name = (
@@ -1789,22 +1796,25 @@ def cluster_gemm_section(run) -> str:
       )
       cells[name] = f"{c['ms']:.4f}" if "ms" in c else "failed"
     cells["XLA's GEMM"] = f"{r['xla_ms']:.4f}"
-    header = header or list(cells)
+    header += [name for name in cells if name not in header]
     m, n, k = r["shape"]
-    rows.append([f"{m} x {n}, T = {k}", *(cells.get(h, "-") for h in header)])
-  transposed = [
-    [h, *(row[i + 1] for row in rows)] for i, h in enumerate(header)
-  ]
+    columns.append((f"{device_name(r['_run'])}, {m} x {n}, T = {k}", cells))
+  rows = [[h, *(cells.get(h, "-") for _, cells in columns)] for h in header]
   return section(
     "TMA multicast in 2-CTA clusters: JAX's Hopper GEMM",
     "`hopper_matmul_mgpu` with the fused kernel's tiling (two 128 x 64 "
     "warpgroup parts of a 128 x 128 CTA tile, 64-token steps) and a "
     "128 x 256 CTA tile, without a cluster and with 2-CTA clusters along M "
     "(the kernel's K) or N that multicast the shared block; device ms "
-    "(medians), bf16, one process. The rows' T is the GEMM's contraction.",
-    table(["CTA tile, ring, cluster", *(row[0] for row in rows)], transposed),
-    "python benchmarks/cluster_gemm.py --out FILE",
-    [run],
+    "(medians), bf16, one process per GPU (- : not in that GPU's run). The "
+    "columns' T is the GEMM's contraction.",
+    table(["CTA tile, ring, cluster", *(name for name, _ in columns)], rows),
+    "python benchmarks/cluster_gemm.py --out FILE  # --no-clusters: "
+    "the tilings alone",
+    sorted(
+      {id(r["_run"]): r["_run"] for r in latest.values()}.values(),
+      key=lambda run: meta(run)["date"],
+    ),
   )
 
 
@@ -2316,7 +2326,7 @@ SECTIONS = (
   ("lowp_breakdown_*.json", lowp_breakdown_section, False),
   ("lowp_sweep_*.json", lowp_sweep_section, True),
   ("schedule_speed_*.json", schedule_speed_section, False),
-  ("cluster_gemm_*.json", cluster_gemm_section, True),
+  ("cluster_gemm_*.json", cluster_gemm_section, False),
   ("compile_time_*.json", compile_time_section, False),
 )
 
