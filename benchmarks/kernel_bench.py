@@ -622,6 +622,13 @@ MOSAIC_DIAG_CONFIGS = {
   "pingpong-t128-steps2-slots3": _pingpong(
     tile_t=128, max_concurrent_steps=2, epilogue_slots=3
   ),
+  # 128 x 256 CTA tiles (two 128 x 128 parts): JAX's Hopper GEMM with
+  # them matches XLA's from 2048 tokens; each thread keeps a 128-register
+  # accumulator beside the update.
+  "inline-wide-steps4-slots1": mosaic.MosaicConfig(
+    tile_n=128, max_concurrent_steps=4, epilogue_slots=1
+  ),
+  "inline-wide-steps3": mosaic.MosaicConfig(tile_n=128, max_concurrent_steps=3),
   # The kernel's default config for each case (first with --diag-configs
   # default ...: its parts timed).
   "default": None,
