@@ -782,6 +782,84 @@ def kernel_parts_section(runs) -> str:
   )
 
 
+def mosaic_config_name(config: dict) -> str:
+  """A Mosaic config, as the tables name it: CTA tile, tokens a step,
+  stages and epilogue buffers a warpgroup."""
+  cta_n = config["tile_n"] * (
+    config["compute_wgs"] if config["schedule"] == "inline" else 1
+  )
+  return (
+    f"{config['schedule']} {config['tile_k']} x {cta_n}, "
+    f"{config['tile_t']} tokens a step, {config['max_concurrent_steps']} "
+    f"stages, {config['epilogue_slots']} buffer"
+    + ("s" if config["epilogue_slots"] > 1 else "")
+  )
+
+
+def mosaic_tiles_section(runs) -> str:
+  """Each run's cases: the tile shape tried (its diagnosis's first config)
+  and its main loop alone, beside XLA's GEMM, the default config and the
+  others timed in the same process."""
+  cells = []
+  for run in sorted(runs, key=lambda run: meta(run)["date"]):
+    for r in sorted(
+      run.get("bench") or [], key=lambda r: (r["k"], r["n"], r["tokens"])
+    ):
+      (loop,) = [k for k in r if k.endswith("-main-loop_ms")]
+      base = loop.removesuffix("-main-loop_ms")
+      others = [
+        f"{mosaic_config_name(r[name + '_config'])}: {r[name + '_ms']:.3f}"
+        for name in (k.removesuffix("_config") for k in r)
+        if name + "_ms" in r
+        and name not in (base, "default")
+        and not name.startswith(base + "-")
+        and name + "_config" in r
+      ]
+      cells.append(
+        [
+          device_name(run),
+          f"{r['k']} x {r['n']}",
+          r["tokens"],
+          f"{r['gemm_ms']:.3f}",
+          f"{r['default_ms']:.3f} ({r['default_config']['schedule']})",
+          mosaic_config_name(r[base + "_config"]),
+          f"{r[base + '_ms']:.3f}",
+          f"{r[loop]:.3f}",
+          f"{r[loop] / r['gemm_ms']:.2f}",
+          "; ".join(others),
+          f"`{commit(run)}`",
+        ]
+      )
+  return section(
+    "The Mosaic kernel's tiles where its main loop bounds",
+    "ms per AdamW update with bf16 W, m and v, in one process per run: a "
+    "tile shape tried, and the same kernel with its epilogue loading, "
+    "updating and storing nothing (its main loop alone), beside XLA's "
+    "`dW` GEMM, the kernel's default config for the case and the other "
+    "configs timed in the same process. The default's CTA tiles are "
+    "128 x 128 (the inline schedule's two 128 x 64 parts, or a pingpong "
+    "warpgroup's tile).",
+    table(
+      [
+        "GPU",
+        "K x N",
+        "T",
+        "XLA dW GEMM",
+        "default",
+        "tried",
+        "fused",
+        "its main loop",
+        "main loop / GEMM",
+        "others",
+        "commit",
+      ],
+      cells,
+    ),
+    "python benchmarks/run.py tiles  # --shape K N, --tokens, --configs",
+    sorted(runs, key=lambda run: meta(run)["date"]),
+  )
+
+
 def instructions_an_element(kernel, run) -> str:
   """A kernel's thread instructions over the layer's K x N elements ('-'
   where the summary has no source counts)."""
@@ -2305,6 +2383,7 @@ SECTIONS = (
   ("kernel_*.json", checks_section, False),
   ("mosaic_diag_*.json", schedules_section, False),
   ("mosaic_parts_*.json", kernel_parts_section, False),
+  ("mosaic_tiles_*.json", mosaic_tiles_section, False),
   ("kernel_counters_*.json", counters_section, False),
   ("lowp_kernel_*.json", lowp_section, False),
   ("memory_sweep_*.json", memory_sweep_section, True),

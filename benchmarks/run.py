@@ -23,6 +23,12 @@ Suites, by what they measure:
   lowp       low-precision storage bits of each kernel against the reference
   counters   Nsight Compute counters of the fused kernel (needs ncu)
   layer      one layer's whole train step, each backend against optax
+  bounds     one layer's step at every 8B shape beside its kernel-only
+             bound, a process per storage and token count
+  parts      the Mosaic kernel timed in parts: its main loop alone, without
+             its rule's arithmetic or its norm sums
+  tiles      the Mosaic kernel with 128 x 256 CTA tiles (and their main loop
+             alone) beside its default, where the main loop bounds
   gemm       the in-place GEMM of a stacked layer against XLA's slice +
              GEMM inside a layer scan, and XLA's GEMM alone (one GPU)
   lowp-speed one fused update per storage (bf16, int8, stochastic rounding)
@@ -398,6 +404,42 @@ def parts_steps(a, out):
   ]
 
 
+def tiles_steps(a, out):
+  """The Mosaic kernel's tile shapes where its main loop bounds: 128 x 256
+  CTA tiles beside the default and the inline schedule's 128 x 128, with
+  the first config's main loop alone."""
+  return [
+    Step(
+      _python(
+        "kernel_bench.py",
+        "--suite",
+        "mosaic-diag",
+        "--diag-shape",
+        k,
+        n,
+        "--tokens",
+        *(a.tokens or (8192, 2048)),
+        "--diag-configs",
+        *(
+          a.configs
+          or (
+            "inline-wide-steps4-slots1",
+            "inline-wide-steps3",
+            "inline-steps5",
+            "default",
+          )
+        ),
+        "--diag-extras",
+        "--out",
+        out(f"mosaic_tiles_{k}x{n}"),
+      ),
+      timeout=a.timeout,
+    )
+    for k, n in a.shape
+    or ((4096, 14336), (14336, 4096), (4096, 4096), (4096, 1024))
+  ]
+
+
 def gemm_steps(a, out):
   return [
     Step(
@@ -613,6 +655,7 @@ SUITES = {
   "layer": layer_steps,
   "bounds": bounds_steps,
   "parts": parts_steps,
+  "tiles": tiles_steps,
   "gemm": gemm_steps,
   "lowp-speed": lowp_speed_steps,
   "lowp-breakdown": lowp_breakdown_steps,

@@ -231,6 +231,51 @@ def test_kernel_parts_section_sets_the_main_loop_against_the_gemm():
   assert line.split(" | ")[-2:] == ["1.20", "1.60 |"]
 
 
+def test_mosaic_tiles_section_names_the_tried_config_and_its_main_loop():
+  """The tried config (the one whose main loop was timed) gets the columns
+  of its own; the others timed beside it, but not the default, are listed
+  by name, its patched runs not at all."""
+
+  def config(schedule, tile_n, stages, slots):
+    return dict(
+      schedule=schedule,
+      tile_k=128,
+      tile_n=tile_n,
+      compute_wgs=2,
+      tile_t=64,
+      max_concurrent_steps=stages,
+      epilogue_slots=slots,
+    )
+
+  row = {
+    "k": 1000,
+    "n": 1000,
+    "tokens": 8192,
+    "gemm_ms": 0.5,
+    "unfused_ms": 0.9,
+    "wide_ms": 0.8,
+    "wide_config": config("inline", 128, 4, 1),
+    "wide-main-loop_ms": 0.55,
+    "wide-sgd_ms": 0.6,
+    "narrow_ms": 0.75,
+    "narrow_config": config("inline", 64, 5, 2),
+    "default_ms": 0.7,
+    "default_config": config("pingpong", 128, 4, 3),
+  }
+  run = dict(_parts_run("2026-01-01", 0.7), bench=[row])
+  text = make_docs.mosaic_tiles_section([run])
+  (line,) = [r for r in text.splitlines() if r.startswith("| H200")]
+  assert line.split(" | ")[3:10] == [
+    "0.500",
+    "0.700 (pingpong)",
+    "inline 128 x 256, 64 tokens a step, 4 stages, 1 buffer",
+    "0.800",
+    "0.550",
+    "1.10",
+    "inline 128 x 128, 64 tokens a step, 5 stages, 2 buffers: 0.750",
+  ]
+
+
 def test_speed_line_counts_the_newest_case_of_each_gpu_once():
   """A case measured twice on one GPU counts once, as its newest run says;
   the same case on another GPU counts apart."""

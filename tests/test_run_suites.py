@@ -18,6 +18,7 @@ import run  # noqa: E402
   [
     ("bounds", make_docs.never_slower_section),
     ("parts", make_docs.kernel_parts_section),
+    ("tiles", make_docs.mosaic_tiles_section),
   ],
 )
 def test_suite_names_its_results_as_its_section_reads_them(suite, section):
