@@ -805,15 +805,15 @@ def mosaic_tiles_section(runs) -> str:
     for r in sorted(
       run.get("bench") or [], key=lambda r: (r["k"], r["n"], r["tokens"])
     ):
-      (loop,) = [k for k in r if k.endswith("-main-loop_ms")]
-      base = loop.removesuffix("-main-loop_ms")
+      names = [k.removesuffix("_config") for k in r if k.endswith("_config")]
+      timed = [n for n in names if n + "_ms" in r and n != "default"]
+      # The tried config is the one timed in parts (its main loop alone).
+      base = next((n for n in timed if f"{n}-main-loop_ms" in r), timed[0])
+      loop = r.get(f"{base}-main-loop_ms")
       others = [
         f"{mosaic_config_name(r[name + '_config'])}: {r[name + '_ms']:.3f}"
-        for name in (k.removesuffix("_config") for k in r)
-        if name + "_ms" in r
-        and name not in (base, "default")
-        and not name.startswith(base + "-")
-        and name + "_config" in r
+        for name in timed
+        if name != base and not name.startswith(base + "-")
       ]
       cells.append(
         [
@@ -821,11 +821,13 @@ def mosaic_tiles_section(runs) -> str:
           f"{r['k']} x {r['n']}",
           r["tokens"],
           f"{r['gemm_ms']:.3f}",
-          f"{r['default_ms']:.3f} ({r['default_config']['schedule']})",
+          f"{r['default_ms']:.3f} ({r['default_config']['schedule']})"
+          if "default_ms" in r
+          else "-",
           mosaic_config_name(r[base + "_config"]),
           f"{r[base + '_ms']:.3f}",
-          f"{r[loop]:.3f}",
-          f"{r[loop] / r['gemm_ms']:.2f}",
+          f"{loop:.3f}" if loop else "-",
+          f"{loop / r['gemm_ms']:.2f}" if loop else "-",
           "; ".join(others),
           f"`{commit(run)}`",
         ]

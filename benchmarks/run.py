@@ -733,13 +733,15 @@ def parse_args(argv=None):
     type=int,
     action="append",
     metavar=("K", "N"),
-    help="schedules: a kernel shape (repeatable; default 4096 14336)",
+    help="schedules, parts, tiles: a kernel shape (repeatable; default: "
+    "the suite's)",
   )
   g.add_argument(
     "--configs",
     nargs="+",
-    help="schedules: names of kernel_bench.MOSAIC_DIAG_CONFIGS "
-    "(default: all, the first also without the rule and as SGD)",
+    help="schedules, parts, tiles: names of kernel_bench's "
+    "MOSAIC_DIAG_CONFIGS or TILE_DIAG_CONFIGS (schedules' default: all "
+    "of the first, the first also without the rule and as SGD)",
   )
   g.add_argument(
     "--extras",

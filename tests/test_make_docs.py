@@ -274,6 +274,17 @@ def test_mosaic_tiles_section_names_the_tried_config_and_its_main_loop():
     "1.10",
     "inline 128 x 128, 64 tokens a step, 5 stages, 2 buffers: 0.750",
   ]
+  # Without patched runs (no --diag-extras) the first config is the one
+  # tried, and its main loop is not known.
+  unpatched = {k: v for k, v in row.items() if not k.startswith("wide-")}
+  text = make_docs.mosaic_tiles_section([dict(run, bench=[unpatched])])
+  (line,) = [r for r in text.splitlines() if r.startswith("| H200")]
+  assert line.split(" | ")[5:9] == [
+    "inline 128 x 256, 64 tokens a step, 4 stages, 1 buffer",
+    "0.800",
+    "-",
+    "-",
+  ]
 
 
 def test_speed_line_counts_the_newest_case_of_each_gpu_once():
