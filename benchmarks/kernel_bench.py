@@ -641,6 +641,11 @@ TILE_DIAG_CONFIGS = {
     tile_n=128, max_concurrent_steps=4, epilogue_slots=1
   ),
   "inline-wide-steps3": mosaic.MosaicConfig(tile_n=128, max_concurrent_steps=3),
+  # The same with 64 x 16 epilogue sub-tiles: half the rule's live values
+  # beside the accumulator, in two buffers a warpgroup.
+  "inline-wide-steps4-en16": mosaic.MosaicConfig(
+    tile_n=128, max_concurrent_steps=4, epilogue_n=16
+  ),
 }
 
 
