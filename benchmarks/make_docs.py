@@ -784,7 +784,7 @@ def kernel_parts_section(runs) -> str:
 
 def mosaic_config_name(config: dict) -> str:
   """A Mosaic config, as the tables name it: CTA tile, tokens a step,
-  stages and epilogue buffers a warpgroup."""
+  stages, and epilogue buffers a warpgroup with their sub-tile."""
   cta_n = config["tile_n"] * (
     config["compute_wgs"] if config["schedule"] == "inline" else 1
   )
@@ -793,6 +793,7 @@ def mosaic_config_name(config: dict) -> str:
     f"{config['tile_t']} tokens a step, {config['max_concurrent_steps']} "
     f"stages, {config['epilogue_slots']} buffer"
     + ("s" if config["epilogue_slots"] > 1 else "")
+    + f" of {config['epilogue_k']} x {config['epilogue_n']}"
   )
 
 

@@ -245,6 +245,8 @@ def test_mosaic_tiles_section_names_the_tried_config_and_its_main_loop():
       tile_t=64,
       max_concurrent_steps=stages,
       epilogue_slots=slots,
+      epilogue_k=64,
+      epilogue_n=32,
     )
 
   row = {
@@ -268,11 +270,11 @@ def test_mosaic_tiles_section_names_the_tried_config_and_its_main_loop():
   assert line.split(" | ")[3:10] == [
     "0.500",
     "0.700 (pingpong)",
-    "inline 128 x 256, 64 tokens a step, 4 stages, 1 buffer",
+    "inline 128 x 256, 64 tokens a step, 4 stages, 1 buffer of 64 x 32",
     "0.800",
     "0.550",
     "1.10",
-    "inline 128 x 128, 64 tokens a step, 5 stages, 2 buffers: 0.750",
+    "inline 128 x 128, 64 tokens a step, 5 stages, 2 buffers of 64 x 32: 0.750",
   ]
   # Without patched runs (no --diag-extras) the first config is the one
   # tried, and its main loop is not known.
@@ -280,7 +282,7 @@ def test_mosaic_tiles_section_names_the_tried_config_and_its_main_loop():
   text = make_docs.mosaic_tiles_section([dict(run, bench=[unpatched])])
   (line,) = [r for r in text.splitlines() if r.startswith("| H200")]
   assert line.split(" | ")[5:9] == [
-    "inline 128 x 256, 64 tokens a step, 4 stages, 1 buffer",
+    "inline 128 x 256, 64 tokens a step, 4 stages, 1 buffer of 64 x 32",
     "0.800",
     "-",
     "-",
