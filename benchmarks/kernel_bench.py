@@ -620,7 +620,7 @@ MOSAIC_DIAG_CONFIGS = {
 
 #: Tile shapes tried where the main loop bounds (``run.py tiles``), named
 #: like MOSAIC_DIAG_CONFIGS and timed only when ``--diag-configs`` names
-#: them. Both lost to the default (the kernel notes' "What was tried").
+#: them. Each lost to the default (the kernel notes' "What was tried").
 TILE_DIAG_CONFIGS = {
   # 128 tokens a pipeline step: half the steps, barrier round trips and
   # wgmma issues of a tile for the same tokens in flight; the stages take
