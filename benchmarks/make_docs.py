@@ -802,7 +802,8 @@ def mosaic_tiles_section(runs) -> str:
   and its main loop alone, beside XLA's GEMM, the default config and the
   others timed in the same process."""
   cells = []
-  for run in sorted(runs, key=lambda run: meta(run)["date"]):
+  runs = sorted(runs, key=lambda run: meta(run)["date"])
+  for run in runs:
     for r in sorted(
       run.get("bench") or [], key=lambda r: (r["k"], r["n"], r["tokens"])
     ):
@@ -859,7 +860,7 @@ def mosaic_tiles_section(runs) -> str:
       cells,
     ),
     "python benchmarks/run.py tiles  # --shape K N, --tokens, --configs",
-    sorted(runs, key=lambda run: meta(run)["date"]),
+    runs,
   )
 
 

@@ -376,9 +376,10 @@ def bounds_steps(a, out):
   ]
 
 
-def parts_steps(a, out):
-  """The Mosaic kernel timed in parts: its main loop alone, without its
-  rule's arithmetic or its norm sums."""
+def _diagnosis_in_parts(a, out, name, shapes, tokens, configs):
+  """``kernel_bench.py``'s diagnosis of each kernel shape (``a.shape``, else
+  ``shapes``), its first config (``a.configs``, else ``configs``) also
+  traced in parts, written to ``<name>_<K>x<N>``."""
   return [
     Step(
       _python(
@@ -389,55 +390,51 @@ def parts_steps(a, out):
         k,
         n,
         "--tokens",
-        *(a.tokens or (512, 2048, 8192)),
+        *(a.tokens or tokens),
         "--diag-configs",
-        # Parts of the inline schedule: pingpong's main loop alone hangs
-        # (kernel_bench.MAIN_LOOP_PINGPONG); the default config beside it.
-        *(a.configs or ("inline-steps5", "default")),
+        *(a.configs or configs),
         "--diag-extras",
         "--out",
-        out(f"mosaic_parts_{k}x{n}"),
+        out(f"{name}_{k}x{n}"),
       ),
       timeout=a.timeout,
     )
-    for k, n in a.shape or ((4096, 14336), (4096, 4096))
+    for k, n in a.shape or shapes
   ]
+
+
+def parts_steps(a, out):
+  """The Mosaic kernel timed in parts: its main loop alone, without its
+  rule's arithmetic or its norm sums."""
+  return _diagnosis_in_parts(
+    a,
+    out,
+    "mosaic_parts",
+    shapes=((4096, 14336), (4096, 4096)),
+    tokens=(512, 2048, 8192),
+    # Parts of the inline schedule: pingpong's main loop alone hangs
+    # (kernel_bench.MAIN_LOOP_PINGPONG); the default config beside it.
+    configs=("inline-steps5", "default"),
+  )
 
 
 def tiles_steps(a, out):
   """The Mosaic kernel's tile shapes where its main loop bounds: 128 x 256
   CTA tiles beside the default and the inline schedule's 128 x 128, with
   the first config's main loop alone."""
-  return [
-    Step(
-      _python(
-        "kernel_bench.py",
-        "--suite",
-        "mosaic-diag",
-        "--diag-shape",
-        k,
-        n,
-        "--tokens",
-        *(a.tokens or (8192, 2048)),
-        "--diag-configs",
-        *(
-          a.configs
-          or (
-            "inline-wide-steps4-slots1",
-            "inline-wide-steps3",
-            "inline-steps5",
-            "default",
-          )
-        ),
-        "--diag-extras",
-        "--out",
-        out(f"mosaic_tiles_{k}x{n}"),
-      ),
-      timeout=a.timeout,
-    )
-    for k, n in a.shape
-    or ((4096, 14336), (14336, 4096), (4096, 4096), (4096, 1024))
-  ]
+  return _diagnosis_in_parts(
+    a,
+    out,
+    "mosaic_tiles",
+    shapes=((4096, 14336), (14336, 4096), (4096, 4096), (4096, 1024)),
+    tokens=(8192, 2048),
+    configs=(
+      "inline-wide-steps4-slots1",
+      "inline-wide-steps3",
+      "inline-steps5",
+      "default",
+    ),
+  )
 
 
 def gemm_steps(a, out):

@@ -264,10 +264,15 @@ def test_mosaic_tiles_section_names_the_tried_config_and_its_main_loop():
     "default_ms": 0.7,
     "default_config": config("pingpong", 128, 4, 3),
   }
-  run = dict(_parts_run("2026-01-01", 0.7), bench=[row])
-  text = make_docs.mosaic_tiles_section([run])
-  (line,) = [r for r in text.splitlines() if r.startswith("| H200")]
-  assert line.split(" | ")[3:10] == [
+  run = _parts_run("2026-01-01", 0.7)
+
+  def cells(row):
+    """The cells of ``row``'s line in the section."""
+    text = make_docs.mosaic_tiles_section([dict(run, bench=[row])])
+    (line,) = [r for r in text.splitlines() if r.startswith("| H200")]
+    return line.split(" | ")
+
+  assert cells(row)[3:10] == [
     "0.500",
     "0.700 (pingpong)",
     "inline 128 x 256, 64 tokens a step, 4 stages, 1 buffer of 64 x 32",
@@ -279,9 +284,7 @@ def test_mosaic_tiles_section_names_the_tried_config_and_its_main_loop():
   # Without patched runs (no --diag-extras) the first config is the one
   # tried, and its main loop is not known.
   unpatched = {k: v for k, v in row.items() if not k.startswith("wide-")}
-  text = make_docs.mosaic_tiles_section([dict(run, bench=[unpatched])])
-  (line,) = [r for r in text.splitlines() if r.startswith("| H200")]
-  assert line.split(" | ")[5:9] == [
+  assert cells(unpatched)[5:9] == [
     "inline 128 x 256, 64 tokens a step, 4 stages, 1 buffer of 64 x 32",
     "0.800",
     "-",
