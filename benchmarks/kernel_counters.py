@@ -36,6 +36,7 @@ import lowp_breakdown
 from kernel_bench import (
   CHECK_OPTIMIZERS,
   MOSAIC_DIAG_CONFIGS,
+  TILE_DIAG_CONFIGS,
   fused_runner,
   make_inputs,
   rule_free_epilogue,
@@ -56,7 +57,8 @@ VARIANTS = {
   **lowp_breakdown.E4M3_VARIANTS,
 }
 #: (name, what, tokens, config, optimizer, variant). ``what``: 'gemm',
-#: 'unfused' or 'fused'; ``config``: a key of MOSAIC_DIAG_CONFIGS, or
+#: 'unfused' or 'fused'; ``config``: a key of MOSAIC_DIAG_CONFIGS or
+#: TILE_DIAG_CONFIGS, or
 #: None for the default config of the call; ``optimizer``: a key of
 #: CHECK_OPTIMIZERS, with ``+storage`` (a key of STORAGES) for
 #: low-precision storage; ``variant``: None, or a key of VARIANTS (a
@@ -73,6 +75,28 @@ PROBES = (
   ("pingpong-T2048", "fused", 2048, "pingpong-steps4-slots3", "adamw", None),
   ("gemm-T8192", "gemm", 8192, None, "adamw", None),
   ("pingpong-T8192-sgd", "fused", 8192, "pingpong-steps4-slots3", "sgd", None),
+  # Why 128 x 256 CTA tiles (a 128-register accumulator a thread, room for
+  # one epilogue buffer) take twice the default's time beyond their main
+  # loop: spills beside the accumulator, or too few bytes in flight.
+  ("inline-T8192", "fused", 8192, "inline-steps5", "adamw", None),
+  (
+    "inline-T8192-rule-free",
+    "fused",
+    8192,
+    "inline-steps5",
+    "adamw",
+    RULE_FREE,
+  ),
+  ("wide-T8192", "fused", 8192, "inline-wide-steps4-slots1", "adamw", None),
+  (
+    "wide-T8192-rule-free",
+    "fused",
+    8192,
+    "inline-wide-steps4-slots1",
+    "adamw",
+    RULE_FREE,
+  ),
+  ("wide-slots2-T8192", "fused", 8192, "inline-wide-steps3", "adamw", None),
   # Where int8 states' time goes: each storage in its default config.
   ("bf16-T512", "fused", 512, None, "adamw", None),
   ("bf16-sr-T512", "fused", 512, None, "adamw+sr", None),
@@ -126,7 +150,7 @@ def build(what, tokens, config_name, opt_name, variant):
     return unfused_runner(optimizer, w, x, dy)
   with VARIANTS[variant]() if variant else contextlib.nullcontext():
     config = (
-      config_name and MOSAIC_DIAG_CONFIGS[config_name]
+      config_name and {**MOSAIC_DIAG_CONFIGS, **TILE_DIAG_CONFIGS}[config_name]
     ) or mosaic.default_config(x, w, optimizer)
     run = fused_runner(optimizer, config, w, x, dy)
     jax.block_until_ready(run())  # compiles with the rule chosen

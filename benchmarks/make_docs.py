@@ -42,7 +42,15 @@ SCHEDULE_VARIANTS = {
 }
 #: Counter probes of the shipped schedules, of each state storage in its
 #: default config, and of XLA's kernels.
-SHIPPED_PROBES = ("gemm", "unfused", "inline", "pingpong", "bf16", "int8")
+SHIPPED_PROBES = (
+  "gemm",
+  "unfused",
+  "inline",
+  "pingpong",
+  "wide",
+  "bf16",
+  "int8",
+)
 #: How docs/benchmarks.md links the plots.
 PLOT_LINK = "../benchmarks/plots/"
 #: layer_step.py's variant without FORGE's per-layer bookkeeping.
