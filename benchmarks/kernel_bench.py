@@ -420,6 +420,12 @@ def main():
     help="suite 'mosaic-diag': the kernel's shape",
   )
   parser.add_argument(
+    "--diag-storage",
+    choices=("bfloat16", "float32"),
+    default="bfloat16",
+    help="suite 'mosaic-diag': the dtype of W and the optimizer's states",
+  )
+  parser.add_argument(
     "--diag-extras",
     action="store_true",
     help="suite 'mosaic-diag' with --diag-configs: the "
@@ -498,6 +504,7 @@ def main():
       *args.diag_shape,
       extras=configs is None or args.diag_extras,
       token_counts=tuple(args.tokens or (512, 2048, 8192)),
+      storage=args.diag_storage,
     )
     return
 
@@ -618,10 +625,17 @@ MOSAIC_DIAG_CONFIGS = {
   "default": None,
 }
 
-#: Tile shapes tried where the main loop bounds (``run.py tiles``), named
-#: like MOSAIC_DIAG_CONFIGS and timed only when ``--diag-configs`` names
-#: them. Each lost to the default (the kernel notes' "What was tried").
+#: Configs named like MOSAIC_DIAG_CONFIGS and timed only when
+#: ``--diag-configs`` names them: the tile shapes tried where the main loop
+#: bounds (``run.py tiles``; each lost to the default, the kernel notes'
+#: "What was tried"), and the inline schedule that float32 storage's parts
+#: are timed in (``run.py parts --storage fp32``).
 TILE_DIAG_CONFIGS = {
+  # float32 W, m and v fit one epilogue buffer a warpgroup beside five
+  # stages (the float32 default's inline config).
+  "inline-steps5-slots1": mosaic.MosaicConfig(
+    max_concurrent_steps=5, epilogue_slots=1
+  ),
   # 128 tokens a pipeline step: half the steps, barrier round trips and
   # wgmma issues of a tile for the same tokens in flight; the stages take
   # the shared memory of the second epilogue buffer.
@@ -746,8 +760,10 @@ def mosaic_diagnosis(
   n=14336,
   token_counts=(512, 2048, 8192),
   extras=True,
+  storage="bfloat16",
 ):
-  """Mosaic kernel time with bf16 storage per epilogue config (default:
+  """Mosaic kernel time with ``storage`` W and states (the optimizers'
+  states take W's dtype) per epilogue config (default:
   MOSAIC_DIAG_CONFIGS; a config of None is the kernel's default for the
   case) and token count, beside the GEMM and GEMM + optax; with
   ``extras``, for the first config also with plain SGD (W only, no state)
@@ -756,13 +772,13 @@ def mosaic_diagnosis(
   configs = configs or MOSAIC_DIAG_CONFIGS
   for tokens in token_counts:
     x, dy, w = make_inputs(jax.random.key(tokens), tokens, k, n)
-    w = w.astype(jnp.bfloat16)
+    w = w.astype(storage)
     gemm = jax.jit(backends.weight_gradient)
     row = {
       "k": k,
       "n": n,
       "tokens": tokens,
-      "storage": "bfloat16",
+      "storage": storage,
       "gemm_ms": device_time_ms(lambda: gemm(x, dy))["ms"],
     }
     run_unfused = unfused_runner(BENCH_OPTIMIZERS["adamw"], w, x, dy)

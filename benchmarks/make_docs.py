@@ -704,8 +704,8 @@ def schedules_section(runs) -> str:
   )
 
 
-#: Bytes of a bf16 W, m and v a parameter (the diagnosis's storage).
-BF16_ADAM_BYTES = 6
+#: Bytes of W, m and v a parameter, by the diagnosis's storage.
+ADAM_BYTES = {"bfloat16": 6, "float32": 12}
 
 
 def kernel_parts_section(runs) -> str:
@@ -720,7 +720,14 @@ def kernel_parts_section(runs) -> str:
         base = timed[0].removesuffix("-main-loop_ms")
         rows.append(dict(r, _run=run, meta=meta(run), _base=base))
   latest = newest(
-    rows, lambda r: (r["meta"]["device"], r["k"], r["n"], r["tokens"])
+    rows,
+    lambda r: (
+      r["meta"]["device"],
+      r["storage"],
+      r["k"],
+      r["n"],
+      r["tokens"],
+    ),
   )
   cells = []
   for key in sorted(latest):
@@ -732,7 +739,7 @@ def kernel_parts_section(runs) -> str:
         "gemm": {"ms": r["gemm_ms"]},
         "unfused": {"ms": r["unfused_ms"]},
         "fused_memory": {
-          "weight_and_state_bytes": BF16_ADAM_BYTES * r["k"] * r["n"]
+          "weight_and_state_bytes": ADAM_BYTES[r["storage"]] * r["k"] * r["n"]
         },
         "fused_mosaic": {"ms": r[base + "_ms"]},
       }
@@ -741,6 +748,7 @@ def kernel_parts_section(runs) -> str:
     cells.append(
       [
         key[0].removeprefix("NVIDIA "),
+        STATES[r["storage"]],
         f"{r['k']} x {r['n']}",
         r["tokens"],
         r[base + "_config"]["schedule"],
@@ -757,8 +765,9 @@ def kernel_parts_section(runs) -> str:
     )
   return section(
     "Where the fused kernel's time goes",
-    "ms per AdamW update with bf16 W, m and v, through the kernel's "
-    "default config for the case or its inline schedule (named), beside "
+    "ms per AdamW update with bf16 or float32 W, m and v, through the "
+    "kernel's default config for the case or its inline schedule (named), "
+    "beside "
     "XLA's `dW` GEMM and the GEMM followed by optax's update, in one "
     "process. The same kernel traced in parts: its main loop alone (the "
     "epilogue loads, updates and stores nothing: the `dW` GEMM inside the "
@@ -770,6 +779,7 @@ def kernel_parts_section(runs) -> str:
     table(
       [
         "GPU",
+        "W / m / v",
         "K x N",
         "T",
         "schedule",
@@ -785,7 +795,8 @@ def kernel_parts_section(runs) -> str:
       ],
       cells,
     ),
-    "python benchmarks/run.py parts  # --shape K N, --tokens, --configs",
+    "python benchmarks/run.py parts  # --storage fp32, --shape K N, "
+    "--tokens, --configs",
     [r["_run"] for r in latest.values()],
   )
 

@@ -376,10 +376,11 @@ def bounds_steps(a, out):
   ]
 
 
-def _diagnosis_in_parts(a, out, name, shapes, tokens, configs):
+def _diagnosis_in_parts(a, out, name, shapes, tokens, configs, storage):
   """``kernel_bench.py``'s diagnosis of each kernel shape (``a.shape``, else
-  ``shapes``), its first config (``a.configs``, else ``configs``) also
-  traced in parts, written to ``<name>_<K>x<N>``."""
+  ``shapes``) with ``storage`` W and states, its first config
+  (``a.configs``, else ``configs``) also traced in parts, written to
+  ``<name>_<K>x<N>``."""
   return [
     Step(
       _python(
@@ -394,6 +395,8 @@ def _diagnosis_in_parts(a, out, name, shapes, tokens, configs):
         "--diag-configs",
         *(a.configs or configs),
         "--diag-extras",
+        "--diag-storage",
+        storage,
         "--out",
         out(f"{name}_{k}x{n}"),
       ),
@@ -405,16 +408,20 @@ def _diagnosis_in_parts(a, out, name, shapes, tokens, configs):
 
 def parts_steps(a, out):
   """The Mosaic kernel timed in parts: its main loop alone, without its
-  rule's arithmetic or its norm sums."""
+  rule's arithmetic or its norm sums; bf16 W / m / v, or float32 with
+  ``--storage fp32``."""
+  fp32 = a.storage == "fp32"
   return _diagnosis_in_parts(
     a,
     out,
-    "mosaic_parts",
+    "mosaic_parts_fp32" if fp32 else "mosaic_parts",
     shapes=((4096, 14336), (4096, 4096)),
     tokens=(512, 2048, 8192),
     # Parts of the inline schedule: pingpong's main loop alone hangs
     # (kernel_bench.MAIN_LOOP_PINGPONG); the default config beside it.
-    configs=("inline-steps5", "default"),
+    # float32 states fit one epilogue buffer a warpgroup.
+    configs=("inline-steps5-slots1" if fp32 else "inline-steps5", "default"),
+    storage="float32" if fp32 else "bfloat16",
   )
 
 
@@ -434,6 +441,7 @@ def tiles_steps(a, out):
       "inline-steps5",
       "default",
     ),
+    storage="bfloat16",
   )
 
 
@@ -741,6 +749,12 @@ def parse_args(argv=None):
     help="schedules, parts, tiles: names of kernel_bench's "
     "MOSAIC_DIAG_CONFIGS or TILE_DIAG_CONFIGS (schedules' default: all "
     "of the first, the first also without the rule and as SGD)",
+  )
+  g.add_argument(
+    "--storage",
+    choices=("bf16", "fp32"),
+    default="bf16",
+    help="parts: the dtype of W and its states",
   )
   g.add_argument(
     "--extras",

@@ -189,14 +189,15 @@ def test_never_slower_verdict_reads_the_bound_when_the_step_loses(
   assert make_docs.never_slower_verdict(case) == verdict
 
 
-def _parts_run(date, fused_ms):
+def _parts_run(date, fused_ms, storage="bfloat16", gemm_ms=0.5, unfused_ms=0.9):
   """A diagnosis run of one case whose inline kernel took ``fused_ms``."""
   row = {
     "k": 1000,
     "n": 1000,
     "tokens": 512,
-    "gemm_ms": 0.5,
-    "unfused_ms": 0.9,
+    "storage": storage,
+    "gemm_ms": gemm_ms,
+    "unfused_ms": unfused_ms,
     "default_ms": fused_ms,
     "default-main-loop_ms": 0.6,
     "default_config": {"schedule": "inline"},
@@ -229,6 +230,36 @@ def test_kernel_parts_section_sets_the_main_loop_against_the_gemm():
   text = make_docs.kernel_parts_section([run])
   line = next(r for r in text.splitlines() if r.startswith("| H200"))
   assert line.split(" | ")[-2:] == ["1.20", "1.60 |"]
+
+
+@pytest.mark.parametrize(
+  "storage, name, over_bound",
+  [("bfloat16", "bf16", "1.52"), ("float32", "fp32", "1.33")],
+)
+def test_kernel_parts_section_bounds_each_storage_by_its_bytes(
+  storage, name, over_bound
+):
+  # optax's update takes 0.7 ms for 16 (bf16) or 28 (float32) bytes a
+  # parameter; the fused kernel moves 12 or 24, so its traffic takes 0.525
+  # or 0.6 ms, past the 0.2 ms GEMM: 0.8 ms against that bound.
+  run = _parts_run("2026-01-01", 0.8, storage, gemm_ms=0.2, unfused_ms=0.9)
+  line = next(
+    r
+    for r in make_docs.kernel_parts_section([run]).splitlines()
+    if r.startswith("| H200")
+  )
+  cells = line.split(" | ")
+  assert cells[1] == name
+  assert cells[-2:] == ["3.00", f"{over_bound} |"]
+
+
+def test_kernel_parts_section_keeps_each_storage_of_a_case():
+  runs = [
+    _parts_run("2026-01-01", 0.8, "bfloat16"),
+    _parts_run("2026-01-02", 0.9, "float32"),
+  ]
+  text = make_docs.kernel_parts_section(runs)
+  assert len([r for r in text.splitlines() if r.startswith("| H200")]) == 2
 
 
 def test_mosaic_tiles_section_names_the_tried_config_and_its_main_loop():
