@@ -68,6 +68,16 @@ def _stacking_transform(scope) -> Optional[str]:
   return None
 
 
+def _lifted_transforms(scope) -> list[str]:
+  """The names of the flax transforms on the module's scope path, outermost
+  first ("remat(map_variables(Dense_0))": remat, map_variables)."""
+  return [
+    name
+    for part in getattr(scope, "debug_path", ())
+    for name in re.findall(r"(\w+)\(", part)
+  ]
+
+
 def _applied_kernel(module: nn.Module):
   """The FORGE kernel at ``module``'s path in the variables of the
   outermost module being applied, or None. Inside a lifted transform the
@@ -94,28 +104,36 @@ def _differentiated(value) -> bool:
 
 
 def _warn_stacked(path, transform: str, layer: str):
-  fix = (
-    "fj.scan(...) with the same arguments instead of nn.scan(...)"
-    if transform == "scan"
-    else "fj.scan over the layers (or unrolled layers) instead of "
-    f"nn.{transform}"
-  )
-  shared = (
-    "its backward raises"
-    if transform == "vmap"
-    else "it takes the sum of their updates and is poisoned (see "
-    "fj.wiped_layers)"
-  )
+  if transform == "map_variables":
+    how = (
+      "It trains correctly where trans_in_fn passes its kernel unchanged, "
+      "but the transpose of nn.map_variables"
+    )
+    fix = "the layer outside nn.map_variables"
+  else:
+    shared = (
+      "its backward raises"
+      if transform == "vmap"
+      else "it takes the sum of their updates and is poisoned (see "
+      "fj.wiped_layers)"
+    )
+    how = (
+      "With its variables broadcast (variable_axes None, "
+      "variable_broadcast: one kernel for every iteration) "
+      f"{shared}: use nn.Dense for a shared kernel. With its variables "
+      f"stacked it trains correctly, but the transpose of nn.{transform}"
+    )
+    fix = (
+      "fj.scan(...) with the same arguments instead of nn.scan(...)"
+      if transform == "scan"
+      else "fj.scan over the layers (or unrolled layers) instead of "
+      f"nn.{transform}"
+    )
   warnings.warn(
-    f"{layer} {'/'.join(path)!r} runs inside nn.{transform}. With its "
-    "variables broadcast (variable_axes None, variable_broadcast: one "
-    f"kernel for every iteration) {shared}: use nn.Dense for a shared "
-    "kernel. With its variables stacked it trains correctly, but the "
-    "transpose of "
-    f"nn.{transform} keeps the "
-    "updated kernels and optimizer states of all layers beside the old ones "
-    "until the step ends, which costs more memory than optax. Write "
-    f"{fix} to update the stacks in place. (Silence with "
+    f"{layer} {'/'.join(path)!r} runs inside nn.{transform}. {how} keeps "
+    "the updated kernels and optimizer states of all layers beside the old "
+    "ones until the step ends, which costs more memory than optax. Write "
+    f"{fix} to update them in place. (Silence with "
     "warnings.filterwarnings('ignore', category=fj.ForgeMemoryWarning).)",
     ForgeMemoryWarning,
     stacklevel=5,
@@ -218,6 +236,8 @@ class _ForgeLinear(nn.Module):
     transform = None
     if not self.is_initializing():
       transform = inner if context is None else None
+      if transform == "map_variables":
+        self._check_kernel_unmapped(kernel)
       if transform is not None:
         _warn_stacked(path, transform, type(self).__name__)
       conditional = layer_context.record_forward(
@@ -430,6 +450,28 @@ class _ForgeLinear(nn.Module):
         "cast, or another optimizer's state): FORGE writes the updated "
         "weights back through whatever produced them, so pass them as "
         "init created them."
+      )
+
+  def _check_kernel_unmapped(self, kernel):
+    # Under nn.map_variables alone the layer reads the array the outermost
+    # apply holds unless trans_in_fn changed it; other lifted transforms
+    # (remat, jit) hand the layer a copy either way, so with them nothing
+    # tells the two apart.
+    applied = _applied_kernel(self)
+    if (
+      set(_lifted_transforms(self.scope)) == {"map_variables"}
+      and _differentiated(applied)
+      and applied is not kernel
+      and not layer_context.is_discovering()
+    ):
+      raise ValueError(
+        f"{self._where()} reads a kernel that nn.map_variables changed "
+        "(its trans_in_fn maps FORGE's collection): FORGE steps the kernel "
+        "the layer reads and writes the result back through the "
+        "transform's transpose, so the stored kernel would not take the "
+        "optimizer's step. Map the layer's inputs or outputs instead, or "
+        "use flax's layer for a reparameterized kernel (weight scaling, "
+        "weight norm)."
       )
 
   def _check_single_lifted_use(self, path, kernel):

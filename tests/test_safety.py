@@ -177,6 +177,69 @@ def test_a_lifted_block_applied_twice_raises(lift, seed):
     assert fj.wiped_layers(state.apply_gradients(grads=g).params) == []
 
 
+def _scaled_kernels(tree):
+  """Every kernel times two, the other leaves as they are (a weight-scaling
+  reparameterization)."""
+  return jax.tree_util.tree_map_with_path(
+    lambda p, a: 2 * a if "kernel" in jax.tree_util.keystr(p) else a, tree
+  )
+
+
+def _one_step(state, batch):
+  """One step of ``state`` (FORGE's or flax's) on the cross entropy."""
+  loss = lambda params: cross_entropy(state.apply_fn, params, batch)
+  return state.apply_gradients(grads=jax.grad(loss)(state.params))
+
+
+class Mapped(nn.Module):
+  """A ForgeDense inside nn.map_variables over ``collection``."""
+
+  collection: str = COLL
+  trans_in_fn: object = _scaled_kernels
+
+  @nn.compact
+  def __call__(self, x):
+    dense = nn.map_variables(
+      fj.ForgeDense, self.collection, trans_in_fn=self.trans_in_fn, init=True
+    )
+    return dense(4, optimizer=OPT)(x)
+
+
+@pytest.mark.filterwarnings("ignore::forge_jax.ForgeMemoryWarning")
+def test_a_kernel_changed_by_map_variables_raises(seed):
+  """A trans_in_fn that changes FORGE's kernel would have the rule step the
+  changed kernel and write it back through the transform's transpose; the
+  layer names itself instead. Inference through it, and map_variables
+  that leave the kernel as it is, train as nn.Dense + optax."""
+  x, y = make_batch(seed, (4, 6), 4)
+  model = Mapped()
+  variables = model.init(jax.random.key(seed), x)
+  with pytest.raises(ValueError, match="ForgeDense_0' reads a kernel"):
+    jax.grad(lambda v: model.apply(v, x).sum())(variables)
+  model.apply(variables, x)  # inference
+  for unchanged in (Mapped(trans_in_fn=lambda t: t), Mapped("params")):
+    variables = unchanged.init(jax.random.key(seed), x)
+    ((name, layer),) = variables[COLL].items()
+    dense = nn.Dense(4)
+    reference = TrainState.create(
+      apply_fn=dense.apply,
+      params={
+        "params": {"kernel": layer["kernel"], **variables["params"][name]}
+      },
+      tx=OPT.to_optax(),
+    )
+    state = fj.TrainState.create(
+      apply_fn=unchanged.apply, params=variables, tx=OPT.to_optax()
+    )
+    state, reference = map(_one_step, (state, reference), [(x, y)] * 2)
+    assert fj.wiped_layers(state.params) == []
+    assert_rel_close(
+      state.params[COLL][name]["kernel"],
+      reference.params["params"]["kernel"],
+      1e-6,
+    )
+
+
 def test_shared_kernel_under_lax_scan_poisons_the_layer(seed):
   """A ``lax.scan`` over micro-batches with one kernel runs one traced
   backward several times: the uses' updates are summed, and their counts.
