@@ -1348,6 +1348,36 @@ def test_scan_refuses_what_it_cannot_honor(seed):
     forward(jnp.ones((2, 4)), make_normed(nnx.Rngs(seed)))
 
 
+def test_scan_names_a_layer_shared_across_the_stack(seed):
+  """A Linear outside the stack, called in the block (a broadcast argument
+  or closed over), would share its kernel across the layers: its gradient
+  is refused as such, not as a stack used inside its block. Inference
+  runs it, and a shared nnx.Linear trains as nnx.scan broadcasts it."""
+  stack = Stack(3, 8, 16, nnx.Rngs(seed), fj.nnx.scan, optimizer=OPT)
+  x = jnp.ones((2, 8))
+  for shared in (
+    fj.nnx.Linear(8, 8, optimizer=OPT, rngs=nnx.Rngs(seed)),
+    nnx.Linear(8, 8, rngs=nnx.Rngs(seed)),
+  ):
+    passed = fj.nnx.scan(
+      lambda x, block, linear: linear(block(x, 0.0)),
+      in_axes=(nnx.Carry, 0, None),
+    )
+    closed = fj.nnx.scan(lambda x, block: shared(block(x, 0.0)))
+    for forward in (
+      lambda blocks: passed(x, blocks, shared),
+      lambda blocks: closed(x, blocks),
+    ):
+      assert forward(stack.blocks).shape == x.shape
+      loss = lambda blocks: forward(blocks).sum()
+      if isinstance(shared, fj.nnx.Linear):
+        with pytest.raises(TypeError, match="not one of the scanned layers"):
+          nnx.grad(loss, argnums=WRT)(stack.blocks)
+      else:
+        grads = nnx.grad(loss, argnums=WRT)(stack.blocks)
+        assert np.all(np.isfinite(grads["scale"][...]))
+
+
 def _compiled(model, optimizer, x, y):
   """The donated, jitted train step of ``(model, optimizer)``, compiled."""
   graphdef, state = nnx.split((model, optimizer))
