@@ -521,8 +521,14 @@ def take_backwards(paths, written_counts=None, kernels=None) -> list[bool]:
       "discriminator in the generator's loss), or take input gradients "
       "there."
     )
+  # A backward at the path that read another layer's kernel (a clone of
+  # the model, its layers under the same keys, in the same loss) says
+  # nothing of this layer.
+  others_only = [
+    _read_others_only(path, kernel) for path, kernel in zip(paths, kernels)
+  ]
   decisions, taken = [], set()
-  for path, wrote in zip(paths, written_here):
+  for path, wrote, other in zip(paths, written_here, others_only):
     event = _EVENTS.current(path)
     _EVENTS.events.pop(path, None)
     backwards = _EVENTS.backwards.pop(path, set())
@@ -537,11 +543,24 @@ def take_backwards(paths, written_counts=None, kernels=None) -> list[bool]:
       and here
       and path not in _EVENTS.conditional
       and pending <= backwards
+      and not other
     )
   _EVENTS.unsettled -= taken
   for computation in taken:
     _EVENTS.traces.pop(computation, None)
   return decisions
+
+
+def _read_others_only(path: tuple, kernel) -> bool:
+  """Whether the recorded backwards of the layer at ``path`` read kernels
+  (arrays still alive) and none of them is ``kernel``: they stepped
+  another layer under the same key. False where ``kernel`` is None or no
+  kernel they read is known."""
+  if kernel is None:
+    return False
+  read = [record[0]() for record in _EVENTS.backward_records.get(path, ())]
+  read = [array for array in read if array is not None]
+  return bool(read) and not any(array is kernel for array in read)
 
 
 def _current_trace() -> weakref.ref:

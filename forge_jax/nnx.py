@@ -295,12 +295,13 @@ class Linear(nnx.Module):
   def _check_variables(self, variables, stacked):
     """Shapes and dtypes as the constructor made them (a cast or another
     optimizer's state would receive the new weights through the change)."""
-    expected = jax.eval_shape(
+    one_layer = jax.eval_shape(
       functools.partial(init_variables, self.optimizer),
       jax.ShapeDtypeStruct(
         (self.in_features, self.out_features), self.param_dtype
       ),
     )
+    expected = one_layer
     if stacked is not None:
       expected = jax.tree.map(
         lambda v: jax.ShapeDtypeStruct((stacked.length,) + v.shape, v.dtype),
@@ -309,13 +310,23 @@ class Linear(nnx.Module):
     describe = lambda tree: jax.tree.map(
       lambda x: (jnp.shape(x), jnp.result_type(x)), tree
     )
+    same = lambda a, b: (
+      jax.tree.structure(a) == jax.tree.structure(b) and a == b
+    )
     actual, wanted = describe(variables), describe(expected)
-    if (
-      jax.tree.structure(actual) == jax.tree.structure(wanted)
-      and actual == wanted
-    ):
+    if same(actual, wanted):
       return
     where = self._where()
+    if stacked is not None and same(actual, describe(one_layer)):
+      raise TypeError(
+        f"{where} is called inside an fj.nnx.scan block but is not one of "
+        "the scanned layers (a layer passed to the block as a broadcast "
+        "argument, or closed over): the block runs once per layer, so its "
+        f"kernel would be shared by the {stacked.length} layers, and FORGE "
+        "steps a kernel in each use's backward pass. Make a layer shared "
+        "across the stack an nnx.Linear, or give each layer its own (made "
+        "with the block by nnx.vmap)."
+      )
     if stacked is not None:
       raise TypeError(
         f"{where}: its variables are {actual} but {wanted} was expected: "

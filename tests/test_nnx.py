@@ -454,6 +454,43 @@ def test_unreached_layer_keeps_its_variables_bit_for_bit(seed):
   assert np.isnan(other_step(model, optimizer, x, y))
 
 
+def test_a_clone_in_the_same_loss_does_not_wipe_an_unreached_head(seed):
+  """A model and its nnx.clone (its layers under the same keys) trained by
+  one loss in one nnx.jit, each reaching another head: the clone's head
+  that ran its backward says nothing of the model's, which keeps its
+  variables bit for bit, as it would under nnx.Linear + optax."""
+  model = Branches(nnx.Rngs(seed))
+  twin = nnx.clone(model)
+  optimizers = [
+    fj.nnx.Optimizer(m, OPT.to_optax(), wrt=nnx.Param) for m in (model, twin)
+  ]
+  x, y = make_batch(seed, (5, 6), 4)
+  before = [forge_values(m) for m in (model, twin)]
+
+  @nnx.jit
+  def step(model, twin, optimizers):
+    def loss(model, twin):
+      return cross_entropy(lambda x: model(x, 0), x, y) + cross_entropy(
+        lambda x: twin(x, 1), x, y
+      )
+
+    grads = fj.nnx.grad(loss, argnums=(0, 1))(model, twin)
+    for m, o, g in zip((model, twin), optimizers, grads):
+      o.update(m, g)
+
+  step(model, twin, optimizers)
+  for m, o, old, unreached in zip((model, twin), optimizers, before, (1, 0)):
+    new = forge_values(m)
+    for a, b in zip(
+      jax.tree.leaves(new["heads"][unreached]),
+      jax.tree.leaves(old["heads"][unreached]),
+    ):
+      assert_bitwise_equal(a, b, f"heads[{unreached}]")
+    assert float(new["heads"][1 - unreached]["count"]) == 1.0
+    assert o.unreached_layers() == [f"heads/{unreached}"]
+    assert fj.nnx.wiped_layers(m) == []
+
+
 def test_the_head_of_the_branch_not_taken_keeps_its_variables(seed):
   """jax.lax.cond picks the head by a traced flag: the branch not taken
   traces its head's backward too, and writes zeros as its new variables;
@@ -1346,6 +1383,36 @@ def test_scan_refuses_what_it_cannot_honor(seed):
 
   with pytest.raises(NotImplementedError, match="changes its variables"):
     forward(jnp.ones((2, 4)), make_normed(nnx.Rngs(seed)))
+
+
+def test_scan_names_a_layer_shared_across_the_stack(seed):
+  """A Linear outside the stack, called in the block (a broadcast argument
+  or closed over), would share its kernel across the layers: its gradient
+  is refused as such, not as a stack used inside its block. Inference
+  runs it, and a shared nnx.Linear trains as nnx.scan broadcasts it."""
+  stack = Stack(3, 8, 16, nnx.Rngs(seed), fj.nnx.scan, optimizer=OPT)
+  x = jnp.ones((2, 8))
+  for shared in (
+    fj.nnx.Linear(8, 8, optimizer=OPT, rngs=nnx.Rngs(seed)),
+    nnx.Linear(8, 8, rngs=nnx.Rngs(seed)),
+  ):
+    passed = fj.nnx.scan(
+      lambda x, block, linear: linear(block(x, 0.0)),
+      in_axes=(nnx.Carry, 0, None),
+    )
+    closed = fj.nnx.scan(lambda x, block: shared(block(x, 0.0)))
+    for forward in (
+      lambda blocks: passed(x, blocks, shared),
+      lambda blocks: closed(x, blocks),
+    ):
+      assert forward(stack.blocks).shape == x.shape
+      loss = lambda blocks: forward(blocks).sum()
+      if isinstance(shared, fj.nnx.Linear):
+        with pytest.raises(TypeError, match="not one of the scanned layers"):
+          nnx.grad(loss, argnums=WRT)(stack.blocks)
+      else:
+        grads = nnx.grad(loss, argnums=WRT)(stack.blocks)
+        assert np.all(np.isfinite(grads["scale"][...]))
 
 
 def _compiled(model, optimizer, x, y):

@@ -518,6 +518,36 @@ def test_another_models_backward_does_not_vouch_for_a_layer(seed):
   assert float(new_a.params[COLL]["head0"]["count"]) == 1.0
 
 
+def test_another_models_backward_in_the_same_loss_does_not_vouch(seed):
+  """Two models of one module (their layers at the same paths), trained by
+  one loss in one jitted step, each reaching another head: the head one
+  model's backward stepped says nothing of the other's, which keeps its
+  variables."""
+  x, _ = make_batch(seed, (4, 6), 4)
+  state_a, state_b = _two_heads_state(seed, x), _two_heads_state(seed + 1, x)
+
+  @jax.jit
+  def step(a, b):
+    def loss(va, vb):
+      return (a.apply_fn(va, x, 0) ** 2).mean() + (
+        b.apply_fn(vb, x, 1) ** 2
+      ).mean()
+
+    grads_a, grads_b = jax.grad(loss, argnums=(0, 1))(a.params, b.params)
+    return a.apply_gradients(grads=grads_a), b.apply_gradients(grads=grads_b)
+
+  new_a, new_b = step(state_a, state_b)
+  for new, old, unreached in ((new_a, state_a, 1), (new_b, state_b, 0)):
+    assert_bitwise_equal(
+      new.params[COLL][f"head{unreached}"]["kernel"],
+      old.params[COLL][f"head{unreached}"]["kernel"],
+      f"head{unreached}",
+    )
+    assert new.unreached_layers() == [f"head{unreached}"]
+    assert float(new.params[COLL][f"head{1 - unreached}"]["count"]) == 1.0
+    assert fj.wiped_layers(new.params) == []
+
+
 @pytest.mark.parametrize("where", ["eager", "own jit"])
 def test_gradients_taken_outside_a_jitted_install_keep_unreached_layers(
   where, seed
