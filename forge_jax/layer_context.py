@@ -198,10 +198,10 @@ class _Events:
     self.optimizers: dict[tuple, list[tuple[Any, tuple]]] = {}
     #: path -> the name flax's twin of the layer keeps its weight under.
     self.weights: dict[tuple, str] = {}
-    #: path -> (the kernel read, the pass, the optimizer) of its last
-    #: backwards, oldest first.
+    #: path -> (the kernel read, the pass, the optimizer, whether the
+    #: kernel read was laid out anew) of its last backwards, oldest first.
     self.backward_records: dict[
-      tuple, list[tuple[Any, Optional[str], Any]]
+      tuple, list[tuple[Any, Optional[str], Any, bool]]
     ] = {}
     #: Paths whose last forward ran inside a conditional.
     self.conditional: set[tuple] = set()
@@ -328,14 +328,19 @@ def record_lifted_forward(path: tuple, applied_kernel) -> bool:
 
 
 def record_backward(
-  path: Optional[tuple], deferred: bool, kernel=None, optimizer=None
+  path: Optional[tuple],
+  deferred: bool,
+  kernel=None,
+  optimizer=None,
+  relaid: bool = False,
 ) -> str:
   """Records that the fused op's backward was traced for the ForgeDense at
   ``path`` (None: an unnamed op, recorded only in :func:`running`'s
   list), reading ``kernel``, stepping by ``optimizer``, and returns the
   pass it runs as: the :func:`gradient_pass`, but :data:`NORM_ONLY` for a
   layer in a :data:`DEFERRED` pass that has no factor sink (``deferred``
-  False).
+  False). ``relaid``: ``kernel`` is a copy the op laid out on an explicit
+  mesh, not the array the layer was given.
 
   Raises if this computation already traced a backward of the same pass
   that read the same ``kernel`` at ``path``."""
@@ -352,7 +357,11 @@ def record_backward(
     _EVENTS.unsettled.add(_EVENTS.computation)
     traces = _EVENTS.traces.setdefault(_EVENTS.computation, [])
     traces += [t for t in _lineage() if not _within(t, traces)]
-    _keep(_EVENTS.backward_records, path, (_weak(kernel), name, optimizer))
+    _keep(
+      _EVENTS.backward_records,
+      path,
+      (_weak(kernel), name, optimizer, relaid),
+    )
   traced = _TRACED.get()
   if traced is not None:
     traced.append(name)
@@ -553,14 +562,25 @@ def take_backwards(paths, written_counts=None, kernels=None) -> list[bool]:
 
 def _read_others_only(path: tuple, kernel) -> bool:
   """Whether the recorded backwards of the layer at ``path`` read kernels
-  (arrays still alive) and none of them is ``kernel``: they stepped
-  another layer under the same key. False where ``kernel`` is None or no
-  kernel they read is known."""
+  (arrays still alive) of ``kernel``'s own trace and none of them is
+  ``kernel``: they stepped another layer under the same key (a second
+  model of one module in the same loss). A kernel of another trace (the
+  operand of a branch the install runs in, a shard of a ``shard_map``) is
+  the same layer seen through that trace, and so is a copy laid out on an
+  explicit mesh. False where ``kernel`` is None or no kernel they read is
+  known."""
   if kernel is None:
     return False
-  read = [record[0]() for record in _EVENTS.backward_records.get(path, ())]
+  read = [
+    record[0]()
+    for record in _EVENTS.backward_records.get(path, ())
+    if not record[3]
+  ]
   read = [array for array in read if array is not None]
-  return bool(read) and not any(array is kernel for array in read)
+  if any(array is kernel for array in read):
+    return False
+  trace = getattr(kernel, "_trace", None)
+  return any(getattr(array, "_trace", None) is trace for array in read)
 
 
 def _current_trace() -> weakref.ref:
@@ -611,9 +631,9 @@ def optimizers(path: tuple, kernel=None) -> tuple:
 
 
 def _backward_of(path: tuple, kernel) -> Optional[tuple]:
-  """The record (kernel read, pass, optimizer) of the last backward of the
-  ForgeDense at ``path`` that read ``kernel``; None where none did (or
-  ``kernel`` is None)."""
+  """The record (kernel read, pass, optimizer, relaid) of the last backward
+  of the ForgeDense at ``path`` that read ``kernel``; None where none did
+  (or ``kernel`` is None)."""
   if kernel is not None:
     for record in reversed(_EVENTS.backward_records.get(path, [])):
       if record[0]() is kernel:

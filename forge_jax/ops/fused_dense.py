@@ -1087,7 +1087,11 @@ def _forge_dense_bwd(spec, layout, defers, residuals, dy):
   # used twice.
   kernel = variables.kernel
   gradient_pass = layer_context.record_backward(
-    spec.path, defers, kernel, spec.optimizer
+    spec.path,
+    defers,
+    kernel,
+    spec.optimizer,
+    relaid=layout.mesh is not None and parallel.is_explicit(layout.mesh),
   )
   stored_shape = jnp.shape(variables.kernel)
   variables = _viewed(variables, jnp.shape(x)[-1:], layer_index is not None)
