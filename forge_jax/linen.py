@@ -343,6 +343,16 @@ class _ForgeLinear(nn.Module):
       or self.is_mutable_collection(FORGE_COLLECTION)
     ):
       return
+    context = layer_context.stacked_layer()
+    if context is not None:
+      # fj.scan hands its block the stacks of the block's own layers only.
+      raise ValueError(
+        f"{self._where()} is called inside the block of fj.scan "
+        f"{'/'.join(context.path)!r} but is not one of its layers (a module "
+        "made outside the block and passed in, or closed over), so it has "
+        "no stacks there. Create it inside the block (a layer per "
+        "iteration), or call it outside the scan."
+      )
     raise ValueError(
       f"{self._where()} has no variables in the "
       f"{FORGE_COLLECTION!r} collection, where FORGE keeps its kernel and "

@@ -254,6 +254,41 @@ def test_fj_scan_refuses_per_layer_inputs():
     model.init(jax.random.key(0), x)
 
 
+class _PassedIn(nn.Module):
+  """A block that calls a module its parent made and passed in."""
+
+  layer: nn.Module
+
+  @nn.compact
+  def __call__(self, x, scale):
+    return jnp.tanh(self.layer(x) * scale + Block()(x, scale)[0]), None
+
+
+class _StackWithLayerPassedIn(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    outside = fj.ForgeDense(x.shape[-1], optimizer=OPT, name="outside")
+    stack = fj.scan(
+      _PassedIn,
+      variable_axes={True: 0},
+      split_rngs={"params": True},
+      in_axes=(nn.broadcast,),
+      length=2,
+    )
+    return stack(outside, name="stack")(x, 1.0)[0]
+
+
+def test_fj_scan_refuses_a_layer_from_outside_its_block():
+  """A ForgeDense made outside the block and called in it is none of the
+  stacks fj.scan steps: applying the model names it, instead of flax's
+  error about a missing collection."""
+  model = _StackWithLayerPassedIn()
+  x, _ = data()
+  variables = model.init(jax.random.key(0), x)
+  with pytest.raises(ValueError, match="is called inside the block of fj.scan"):
+    model.apply(variables, x)
+
+
 def test_fj_scan_needs_a_length():
   with pytest.raises(ValueError, match="length"):
     fj.scan(Block, variable_axes={True: 0})
