@@ -607,28 +607,43 @@ def mask_at(mask, keys: tuple):
 
 def check_named_absent_layers(tx, params, paths, weights=None, ranks=None):
   """Where ``tx`` cannot start on ``params`` (the tree it steps), refuses
-  it in FORGE's words if it starts once the FORGE layers at ``paths`` that
-  have no parameters there (no bias: their kernel and state are FORGE's)
-  get their kernels (named and of the rank of
-  :func:`_kernel_probe_tree`'s): its labels or mask, given as a pytree of
-  flax's layers' parameters, name those layers. Returns otherwise."""
-  absent = [path for path in paths if not _holds(params, path)]
-  beside = (
-    _with_kernels(params, absent, weights or {}, ranks) if absent else None
-  )
-  if beside is None:
-    return
-  try:
-    jax.eval_shape(tx.init, beside)
-  except Exception:  # noqa: BLE001 (another cause: the caller raises it)
-    return
+  it in FORGE's words if it starts once the FORGE layers at ``paths`` get
+  their kernels there (named and of the rank of
+  :func:`_kernel_probe_tree`'s; the tree holds a layer's bias at most, its
+  kernel and state being FORGE's): its labels or mask, given as a pytree
+  of flax's layers' parameters, name those kernels. Returns otherwise."""
+  weights = weights or {}
+  # The tree with the kernels of the layers it has no entry for (bias-free
+  # layers, which a pytree may name by a leaf), else with every kernel
+  # (a pytree of flax's layers' parameters, kernels and biases).
+  unnamed = [
+    path
+    for path in paths
+    if not _holds(params, (*path, weights.get(path, "kernel")))
+  ]
+  for absent in ([path for path in paths if not _holds(params, path)], unnamed):
+    beside = _with_kernels(params, absent, weights, ranks) if absent else None
+    if beside is None:
+      continue
+    try:
+      jax.eval_shape(tx.init, beside)
+    except Exception:  # noqa: BLE001 (another cause: the caller raises it)
+      continue
+    raise ValueError(_unnamed_kernels_message(absent))
+
+
+def _unnamed_kernels_message(absent) -> str:
+  """The error for labels or a mask that name the kernels of the layers at
+  ``absent``."""
   names = ["/".join(map(str, path)) for path in absent]
-  raise ValueError(
+  return (
     "tx cannot start on the tree it steps (the 'params' collection; "
-    "under NNX, nnx.state(model, wrt)), which has no entry for the FORGE "
-    f"layers {names}: they have no bias, and their kernel and optimizer "
-    "state are FORGE's. tx's labels or mask, given as a pytree, name them "
-    "(as for flax's nn.Embed / nn.Dense, whose weight is a parameter). "
+    "under NNX, nnx.state(model, wrt)), which holds no kernel of the FORGE "
+    f"layers {names} (a layer without a bias has no entry at all): their "
+    "kernel and optimizer state are FORGE's. tx's "
+    "labels or mask (an optimizer's weight-decay mask too), given as a "
+    "pytree, name them (as for flax's nn.Dense / nn.Embed, whose weight is "
+    "a parameter). "
     "Leave them out of that tree, or give the labels or mask as a function "
     "of the parameters: FORGE steps and decays those layers' kernels by "
     "their own optimizer (a layer to keep frozen or undecayed is flax's "

@@ -1554,6 +1554,64 @@ def test_a_decay_mask_tree_that_leaves_out_a_forge_kernel_is_refused(where):
   )
 
 
+class Biased(nn.Module):
+  """Two dense layers with biases: FORGE's on ``optimizer``, or flax's
+  (``optimizer`` None)."""
+
+  optimizer: Any = OPT
+
+  @nn.compact
+  def __call__(self, x):
+    if self.optimizer is None:
+      return nn.Dense(4, name="fc2")(nn.gelu(nn.Dense(8, name="fc1")(x)))
+    h = nn.gelu(fj.ForgeDense(8, self.optimizer, name="fc1")(x))
+    return fj.ForgeDense(4, self.optimizer, name="fc2")(h)
+
+
+@pytest.mark.parametrize("where", ["optimizer", "tx"])
+def test_a_decay_mask_tree_naming_forge_kernels_says_why_it_cannot(where):
+  """A weight-decay mask given as a pytree of nn.Dense's parameters
+  (``{'fc1': {'kernel': True, 'bias': False}}``, no bias decay) names the
+  kernels, which the tree tx steps lacks (they are FORGE's): refused in
+  FORGE's words, naming them, not by optax's structure error. With the
+  kernels left out of the tree, it trains as nn.Dense + optax with it."""
+
+  def tx_and_model(mask):
+    opt = fj.adamw(1e-2, weight_decay=0.1, mask=mask)
+    if where == "optimizer":
+      return opt.to_optax(), Biased(opt)
+    return optax.adamw(1e-2, weight_decay=0.1, mask=mask), Biased()
+
+  no_bias = {"kernel": True, "bias": False}
+  tx, model = tx_and_model({"fc1": no_bias, "fc2": no_bias})
+  with pytest.raises(ValueError, match=r"FORGE layers \['fc1', 'fc2'\]"):
+    train(model, steps=1, tx=tx)
+
+  tx, model = tx_and_model({"fc1": {"bias": False}, "fc2": {"bias": False}})
+  state, losses = train(model, tx=tx)
+  expected, expected_losses = train(
+    Biased(None),
+    state_cls=FlaxTrainState,
+    tx=optax.adamw(
+      1e-2, weight_decay=0.1, mask={"params": {"fc1": no_bias, "fc2": no_bias}}
+    ),
+  )
+  np.testing.assert_allclose(losses, expected_losses, rtol=1e-6)
+  for layer in ("fc1", "fc2"):
+    np.testing.assert_allclose(
+      state.params[COLL][layer]["kernel"],
+      expected.params["params"][layer]["kernel"],
+      rtol=1e-5,
+      atol=1e-7,
+    )
+    np.testing.assert_allclose(
+      state.params["params"][layer]["bias"],
+      expected.params["params"][layer]["bias"],
+      rtol=1e-5,
+      atol=1e-7,
+    )
+
+
 class GeneralHeads(nn.Module):
   """A ``[8, 2, 4]`` kernel (``nn.DenseGeneral``'s) before a dense layer:
   FORGE's layers on ``optimizer``, or flax's (``optimizer`` None)."""

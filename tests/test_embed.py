@@ -379,7 +379,7 @@ def test_a_tree_of_labels_or_mask_naming_the_table_says_why_it_cannot():
   by_rate = lambda labels: optax.multi_transform(
     {"slow": optax.adamw(1e-3), "fast": OPT.to_optax()}, labels
   )
-  refused = r"no entry for the FORGE layers \['embed'\]"
+  refused = r"of the FORGE layers \['embed'\]"
   for tx, tree in (
     (decay, {"embed": True, "head": True}),
     (by_rate, {"embed": "slow", "head": "fast"}),
