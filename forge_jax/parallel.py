@@ -75,6 +75,7 @@ over another axis that is hybrid sharding.
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import math
 import warnings
@@ -874,7 +875,7 @@ def check_unpartitioned(x: jax.Array, variables, where: str = "forge_dense"):
     for a, t in zip(mesh.axis_names, mesh.axis_types)
     if t == AxisType.Auto and sizes[a] > 1 and a not in mesh.manual_axes
   ]
-  if auto:
+  if auto and not _INIT_FOR_EXPLICIT.get():
     raise DataParallelError(
       f"{where}: called without a partitioning under jax.set_mesh with Auto "
       f"mesh axis {_names(auto, sizes)}. Under Auto axes the input's "
@@ -950,6 +951,11 @@ def strip_boxes(variables):
   )
 
 
+# True while init_sharded initializes for an Explicit mesh on its Auto copy:
+# the layers' inputs are checked against their types when applied there.
+_INIT_FOR_EXPLICIT = contextvars.ContextVar("init_for_explicit", default=False)
+
+
 def init_sharded(init_fn, mesh, *args, rules=None):
   """``init_fn(*args)`` (e.g. ``model.init``) jitted under ``mesh`` with every
   variable created directly in its sharding; returns unboxed arrays.
@@ -958,7 +964,9 @@ def init_sharded(init_fn, mesh, *args, rules=None):
   the boxes, ``jax.jit(init_fn, out_shardings=...)``. On a mesh with
   Explicit axes (where Flax's boxes cannot constrain freshly initialized
   values) init runs on the same devices with Auto axes and the results are
-  given the explicit mesh's shardings (no data moves).
+  given the explicit mesh's shardings (no data moves). An unpartitioned
+  layer, which the Auto copy alone would refuse, initializes there: it is
+  checked against its input's type when applied on the explicit mesh.
   """
   init_mesh = mesh
   if is_explicit(mesh):
@@ -967,15 +975,19 @@ def init_sharded(init_fn, mesh, *args, rules=None):
       mesh.axis_names,
       axis_types=(AxisType.Auto,) * len(mesh.axis_names),
     )
-  with jax.set_mesh(init_mesh):
-    abstract = jax.eval_shape(init_fn, *args)
-    specs = partition_specs(abstract, rules)
-    shardings = jax.tree.map(
-      lambda s: NamedSharding(init_mesh, s),
-      specs,
-      is_leaf=lambda s: isinstance(s, P),
-    )
-    variables = strip_boxes(jax.jit(init_fn, out_shardings=shardings)(*args))
+  token = _INIT_FOR_EXPLICIT.set(init_mesh is not mesh)
+  try:
+    with jax.set_mesh(init_mesh):
+      abstract = jax.eval_shape(init_fn, *args)
+      specs = partition_specs(abstract, rules)
+      shardings = jax.tree.map(
+        lambda s: NamedSharding(init_mesh, s),
+        specs,
+        is_leaf=lambda s: isinstance(s, P),
+      )
+      variables = strip_boxes(jax.jit(init_fn, out_shardings=shardings)(*args))
+  finally:
+    _INIT_FOR_EXPLICIT.reset(token)
   if init_mesh is not mesh:
     variables = jax.tree.map(
       lambda v, s: jax.device_put(v, NamedSharding(mesh, s)),
