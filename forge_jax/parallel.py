@@ -757,6 +757,19 @@ def to_layout(
     return x, variables, bias
   x_s, v_s, b_s, _ = operand_specs(layout, variables, bias, stacked)
   x = _reshard(x, layout.mesh, x_s)
+  if stacked:
+    # The stacks are stepped in place from the ones the op reads: a copy
+    # laid out for it would be stepped instead, and fj.scan's backward
+    # would drop the updates of the layers after this one.
+    for leaf, spec in zip(jax.tree.leaves(variables), jax.tree.leaves(v_s)):
+      if not _laid_out(leaf, layout.mesh, spec):
+        raise ValueError(
+          f"a stack of FORGE variables of type {jax.typeof(leaf)} on an "
+          f"Explicit mesh, where the layer reads it as {spec}: lay the "
+          "stacks out as the kernel's partitioning says, behind an "
+          "unsharded layer axis (parallel.init_sharded does, with "
+          "metadata_params={nn.PARTITION_NAME: None} in fj.scan)"
+        )
   variables = jax.tree.map(
     lambda v, s: _reshard(v, layout.mesh, s), variables, v_s
   )
@@ -770,7 +783,25 @@ def is_explicit(mesh) -> bool:
   return any(t == AxisType.Explicit for t in mesh.axis_types)
 
 
+def _laid_out(value, mesh, spec) -> bool:
+  """Whether ``value``'s type already says ``spec`` on ``mesh``."""
+  sharding = getattr(jax.typeof(value), "sharding", None)
+  spec_of = getattr(sharding, "spec", None)
+  if spec_of is None or getattr(sharding, "mesh", None) is None:
+    return False
+  ndim = jnp.ndim(value)
+  pad = lambda s: (
+    tuple(_axes(e) for e in tuple(s)) + ((),) * (ndim - len(tuple(s)))
+  )
+  return sharding.mesh.axis_names == mesh.axis_names and pad(spec_of) == pad(
+    spec
+  )
+
+
 def _reshard(value, mesh, spec):
+  """``value`` with ``spec`` on ``mesh``: itself where its type says so."""
+  if _laid_out(value, mesh, spec):
+    return value
   return jax.sharding.reshard(value, NamedSharding(mesh, spec))
 
 
