@@ -75,6 +75,7 @@ over another axis that is hybrid sharding.
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import math
 import warnings
@@ -756,6 +757,19 @@ def to_layout(
     return x, variables, bias
   x_s, v_s, b_s, _ = operand_specs(layout, variables, bias, stacked)
   x = _reshard(x, layout.mesh, x_s)
+  if stacked:
+    # The stacks are stepped in place from the ones the op reads: a copy
+    # laid out for it would be stepped instead, and fj.scan's backward
+    # would drop the updates of the layers after this one.
+    for leaf, spec in zip(jax.tree.leaves(variables), jax.tree.leaves(v_s)):
+      if not _laid_out(leaf, layout.mesh, spec):
+        raise ValueError(
+          f"a stack of FORGE variables of type {jax.typeof(leaf)} on an "
+          f"Explicit mesh, where the layer reads it as {spec}: lay the "
+          "stacks out as the kernel's partitioning says, behind an "
+          "unsharded layer axis (parallel.init_sharded does, with "
+          "metadata_params={nn.PARTITION_NAME: None} in fj.scan)"
+        )
   variables = jax.tree.map(
     lambda v, s: _reshard(v, layout.mesh, s), variables, v_s
   )
@@ -769,7 +783,25 @@ def is_explicit(mesh) -> bool:
   return any(t == AxisType.Explicit for t in mesh.axis_types)
 
 
+def _laid_out(value, mesh, spec) -> bool:
+  """Whether ``value``'s type already says ``spec`` on ``mesh``."""
+  sharding = getattr(jax.typeof(value), "sharding", None)
+  spec_of = getattr(sharding, "spec", None)
+  if spec_of is None or getattr(sharding, "mesh", None) is None:
+    return False
+  ndim = jnp.ndim(value)
+  pad = lambda s: (
+    tuple(_axes(e) for e in tuple(s)) + ((),) * (ndim - len(tuple(s)))
+  )
+  return sharding.mesh.axis_names == mesh.axis_names and pad(spec_of) == pad(
+    spec
+  )
+
+
 def _reshard(value, mesh, spec):
+  """``value`` with ``spec`` on ``mesh``: itself where its type says so."""
+  if _laid_out(value, mesh, spec):
+    return value
   return jax.sharding.reshard(value, NamedSharding(mesh, spec))
 
 
@@ -874,7 +906,7 @@ def check_unpartitioned(x: jax.Array, variables, where: str = "forge_dense"):
     for a, t in zip(mesh.axis_names, mesh.axis_types)
     if t == AxisType.Auto and sizes[a] > 1 and a not in mesh.manual_axes
   ]
-  if auto:
+  if auto and not _INIT_FOR_EXPLICIT.get():
     raise DataParallelError(
       f"{where}: called without a partitioning under jax.set_mesh with Auto "
       f"mesh axis {_names(auto, sizes)}. Under Auto axes the input's "
@@ -950,6 +982,11 @@ def strip_boxes(variables):
   )
 
 
+# True while init_sharded initializes for an Explicit mesh on its Auto copy:
+# the layers' inputs are checked against their types when applied there.
+_INIT_FOR_EXPLICIT = contextvars.ContextVar("init_for_explicit", default=False)
+
+
 def init_sharded(init_fn, mesh, *args, rules=None):
   """``init_fn(*args)`` (e.g. ``model.init``) jitted under ``mesh`` with every
   variable created directly in its sharding; returns unboxed arrays.
@@ -958,7 +995,9 @@ def init_sharded(init_fn, mesh, *args, rules=None):
   the boxes, ``jax.jit(init_fn, out_shardings=...)``. On a mesh with
   Explicit axes (where Flax's boxes cannot constrain freshly initialized
   values) init runs on the same devices with Auto axes and the results are
-  given the explicit mesh's shardings (no data moves).
+  given the explicit mesh's shardings (no data moves). An unpartitioned
+  layer, which the Auto copy alone would refuse, initializes there: it is
+  checked against its input's type when applied on the explicit mesh.
   """
   init_mesh = mesh
   if is_explicit(mesh):
@@ -967,15 +1006,19 @@ def init_sharded(init_fn, mesh, *args, rules=None):
       mesh.axis_names,
       axis_types=(AxisType.Auto,) * len(mesh.axis_names),
     )
-  with jax.set_mesh(init_mesh):
-    abstract = jax.eval_shape(init_fn, *args)
-    specs = partition_specs(abstract, rules)
-    shardings = jax.tree.map(
-      lambda s: NamedSharding(init_mesh, s),
-      specs,
-      is_leaf=lambda s: isinstance(s, P),
-    )
-    variables = strip_boxes(jax.jit(init_fn, out_shardings=shardings)(*args))
+  token = _INIT_FOR_EXPLICIT.set(init_mesh is not mesh)
+  try:
+    with jax.set_mesh(init_mesh):
+      abstract = jax.eval_shape(init_fn, *args)
+      specs = partition_specs(abstract, rules)
+      shardings = jax.tree.map(
+        lambda s: NamedSharding(init_mesh, s),
+        specs,
+        is_leaf=lambda s: isinstance(s, P),
+      )
+      variables = strip_boxes(jax.jit(init_fn, out_shardings=shardings)(*args))
+  finally:
+    _INIT_FOR_EXPLICIT.reset(token)
   if init_mesh is not mesh:
     variables = jax.tree.map(
       lambda v, s: jax.device_put(v, NamedSharding(mesh, s)),

@@ -845,6 +845,85 @@ def test_fsdp_under_explicit_axes_from_the_input_types():
   assert jax.typeof(got[COLL]["opt_state"].mu).sharding.spec == P("data", None)
 
 
+class _FsdpBlock(nn.Module):
+  """A Dense and a DenseGeneral, FORGE's with their embedding dimension
+  over 'data', or flax's."""
+
+  forge: bool
+
+  @nn.compact
+  def __call__(self, x, _=None):
+    if self.forge:
+      sgd = fj.sgd(learning_rate=5e-2)
+      part = lambda *names: nn.with_partitioning(INIT, names)
+      dense = fj.ForgeDense(16, optimizer=sgd, kernel_init=part("data", None))
+      general = fj.ForgeDenseGeneral(
+        (2, 8), optimizer=sgd, kernel_init=part("data", None, None)
+      )
+    else:
+      dense = nn.Dense(16, kernel_init=INIT)
+      general = nn.DenseGeneral((2, 8), kernel_init=INIT)
+    return jnp.tanh(general(jnp.tanh(dense(x)))).reshape(x.shape), None
+
+
+class _ScannedFsdp(nn.Module):
+  """Two blocks under ``fj.scan`` (FORGE) or ``nn.scan`` (flax)."""
+
+  forge: bool
+
+  @nn.compact
+  def __call__(self, x):
+    stack = (fj.scan if self.forge else nn.scan)(
+      _FsdpBlock,
+      variable_axes={True: 0} if self.forge else {"params": 0},
+      split_rngs={"params": True},
+      length=2,
+      metadata_params={nn.PARTITION_NAME: None},
+    )
+    return stack(self.forge, name="stack")(x)[0]
+
+
+@needs_devices
+def test_scan_on_an_explicit_mesh_steps_every_layer():
+  """fj.scan under FSDP on an Explicit mesh equals nn.scan + optax: each
+  layer reads the stacks it is given, so the reverse loop keeps the updates
+  of the layers after it; stacks laid out otherwise are refused."""
+  import optax  # pylint: disable=import-outside-toplevel
+
+  mesh = jax.make_mesh(
+    (2,), ("data",), axis_types=(AxisType.Explicit,), devices=jax.devices()[:2]
+  )
+  x = jax.random.normal(jax.random.key(1), (4, 16))
+  y = jax.random.normal(jax.random.key(2), (4, 16))
+  forge, flax_net = _ScannedFsdp(True), _ScannedFsdp(False)
+  variables = parallel.init_sharded(forge.init, mesh, jax.random.key(0), x)
+  params = fj.to_dense(_host(variables))
+  tx = fj.sgd(learning_rate=5e-2).to_optax()
+  state = fj.TrainState.create(apply_fn=forge.apply, params=variables, tx=tx)
+  opt_state = tx.init(params)
+
+  def step(state, x, y):
+    grads = jax.grad(_mse)(state.params, state.apply_fn, (x, y))
+    return state.apply_gradients(grads=grads)
+
+  def flax_step(params, opt_state):
+    grads = jax.grad(_mse)(params, flax_net.apply, (x, y))
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  with jax.set_mesh(mesh):
+    xs, ys = (jax.device_put(a, NamedSharding(mesh, P("data"))) for a in (x, y))
+    for _ in range(STEPS):
+      state = jax.jit(step)(state, xs, ys)
+      params, opt_state = jax.jit(flax_step)(params, opt_state)
+    _assert_trees_close(fj.to_dense(_host(state.params)), _host(params))
+    replicated = jax.tree.map(
+      lambda a: jax.device_put(a, NamedSharding(mesh, P())), state
+    )
+    with pytest.raises(ValueError, match="lay the stacks out"):
+      jax.jit(step)(replicated, xs, ys)
+
+
 @needs_devices
 @SLOW
 def test_triton_kernel_layers_around_fsdp():

@@ -1152,6 +1152,30 @@ def test_batch_on_an_explicit_mesh_without_set_mesh_is_refused():
 
 
 @needs_devices
+def test_unpartitioned_layer_initializes_for_an_explicit_mesh():
+  """init_sharded initializes for an Explicit mesh on an Auto copy of it,
+  which alone refuses an unpartitioned ForgeDense; the layer is checked
+  against its input's type when applied: a replicated batch trains
+  exactly, a batch sharded over 'data' is refused."""
+  from jax.sharding import AxisType  # pylint: disable=import-outside-toplevel
+
+  mesh = jax.make_mesh(
+    (2,), ("data",), axis_types=(AxisType.Explicit,), devices=jax.devices()[:2]
+  )
+  layer = fj.ForgeDense(8, optimizer=OPT, implementation="xla")
+  x = jax.random.normal(jax.random.key(1), (4, 16))
+  variables = parallel.init_sharded(layer.init, mesh, jax.random.key(0), x)
+  grad = jax.jit(jax.grad(lambda v, x: jnp.sum(layer.apply(v, x) ** 2)))
+  want = grad(layer.init(jax.random.key(0), x), x)
+  with jax.set_mesh(mesh):
+    replicated = jax.device_put(x, NamedSharding(mesh, P()))
+    _assert_trees_close(_host(grad(variables, replicated)), _host(want))
+    sharded = jax.device_put(x, NamedSharding(mesh, P("data")))
+    with pytest.raises(parallel.DataParallelError, match="'data' \\(size 2\\)"):
+      grad(variables, sharded)
+
+
+@needs_devices
 def test_data_parallel_psum_opt_in_is_exact():
   """dp=2 x tp=4 with data_parallel='psum' == one device on the whole batch."""
   mesh = parallel.make_mesh(model=4, data=2)

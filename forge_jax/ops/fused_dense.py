@@ -291,7 +291,11 @@ def forge_dense(
   else:
     parallel.check_layout(x, viewed, layout, where, stacked)
     if parallel.is_explicit(layout.mesh):
-      x, variables, bias = parallel.to_layout(x, viewed, bias, layout, stacked)
+      x, relaid, bias = parallel.to_layout(x, viewed, bias, layout, stacked)
+      if not stacked:
+        # Stacks are laid out already (to_layout refuses others) and stay
+        # the arrays given, which fj.scan's backward steps in place.
+        variables = relaid
   if layer_context.differentiates_plainly():
     if factors is not None:
       raise ValueError(
