@@ -1389,7 +1389,7 @@ def test_scan_names_a_layer_shared_across_the_stack(seed):
   """A Linear outside the stack, called in the block (a broadcast argument
   or closed over), would share its kernel across the layers: its gradient
   is refused as such, not as a stack used inside its block. Inference
-  runs it, and a shared nnx.Linear trains as nnx.scan broadcasts it."""
+  runs it, and through a shared nnx.Linear the stack differentiates."""
   stack = Stack(3, 8, 16, nnx.Rngs(seed), fj.nnx.scan, optimizer=OPT)
   x = jnp.ones((2, 8))
   for shared in (
