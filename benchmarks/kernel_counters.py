@@ -75,9 +75,9 @@ PROBES = (
   ("pingpong-T2048", "fused", 2048, "pingpong-steps4-slots3", "adamw", None),
   ("gemm-T8192", "gemm", 8192, None, "adamw", None),
   ("pingpong-T8192-sgd", "fused", 8192, "pingpong-steps4-slots3", "sgd", None),
-  # Why 128 x 256 CTA tiles (a 128-register accumulator a thread, room for
-  # one epilogue buffer) take twice the default's time beyond their main
-  # loop: spills beside the accumulator, or too few bytes in flight.
+  # What 128 x 256 CTA tiles spend beyond their main loop (twice the
+  # default's): the W / state stream through the one epilogue buffer that
+  # fits, and the rule's spills beside a 128-register accumulator.
   ("inline-T8192", "fused", 8192, "inline-steps5", "adamw", None),
   (
     "inline-T8192-rule-free",
