@@ -490,10 +490,7 @@ def main():
     return
   if args.suite == "mosaic-diag":
     configs = (
-      {
-        name: {**MOSAIC_DIAG_CONFIGS, **TILE_DIAG_CONFIGS}[name]
-        for name in args.diag_configs
-      }
+      {name: NAMED_DIAG_CONFIGS[name] for name in args.diag_configs}
       if args.diag_configs
       else None
     )
@@ -661,6 +658,9 @@ TILE_DIAG_CONFIGS = {
     tile_n=128, max_concurrent_steps=4, epilogue_n=16
   ),
 }
+
+#: Every config ``--diag-configs`` may name.
+NAMED_DIAG_CONFIGS = {**MOSAIC_DIAG_CONFIGS, **TILE_DIAG_CONFIGS}
 
 
 def _rule_free_update(optimizer, grad, kernel, state, *_, **__):

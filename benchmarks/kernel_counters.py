@@ -35,8 +35,7 @@ sys.path.insert(0, __file__.rsplit("/", 1)[0])
 import lowp_breakdown
 from kernel_bench import (
   CHECK_OPTIMIZERS,
-  MOSAIC_DIAG_CONFIGS,
-  TILE_DIAG_CONFIGS,
+  NAMED_DIAG_CONFIGS,
   fused_runner,
   make_inputs,
   rule_free_epilogue,
@@ -57,8 +56,7 @@ VARIANTS = {
   **lowp_breakdown.E4M3_VARIANTS,
 }
 #: (name, what, tokens, config, optimizer, variant). ``what``: 'gemm',
-#: 'unfused' or 'fused'; ``config``: a key of MOSAIC_DIAG_CONFIGS or
-#: TILE_DIAG_CONFIGS, or
+#: 'unfused' or 'fused'; ``config``: a key of NAMED_DIAG_CONFIGS, or
 #: None for the default config of the call; ``optimizer``: a key of
 #: CHECK_OPTIMIZERS, with ``+storage`` (a key of STORAGES) for
 #: low-precision storage; ``variant``: None, or a key of VARIANTS (a
@@ -150,7 +148,7 @@ def build(what, tokens, config_name, opt_name, variant):
     return unfused_runner(optimizer, w, x, dy)
   with VARIANTS[variant]() if variant else contextlib.nullcontext():
     config = (
-      config_name and {**MOSAIC_DIAG_CONFIGS, **TILE_DIAG_CONFIGS}[config_name]
+      config_name and NAMED_DIAG_CONFIGS[config_name]
     ) or mosaic.default_config(x, w, optimizer)
     run = fused_runner(optimizer, config, w, x, dy)
     jax.block_until_ready(run())  # compiles with the rule chosen

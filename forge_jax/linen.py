@@ -58,23 +58,29 @@ class ForgeMemoryWarning(UserWarning):
 _STACKING_TRANSFORMS = ("scan", "vmap", "map_variables")
 
 
+def _transform_names(part: str) -> list[str]:
+  """The flax transforms named in one part of a scope's debug path,
+  outermost first ("remat(map_variables(Dense_0))": remat, map_variables)."""
+  return re.findall(r"(\w+)\(", part)
+
+
 def _stacking_transform(scope) -> Optional[str]:
   """The first stacking transform on the module's scope path, or None."""
   for part in getattr(scope, "debug_path", ()):
-    # Nested transforms read "remat(scan(Block_0))".
+    names = _transform_names(part)
     for name in _STACKING_TRANSFORMS:
-      if re.search(rf"\b{name}\(", part):
+      if name in names:
         return name
   return None
 
 
 def _lifted_transforms(scope) -> list[str]:
   """The names of the flax transforms on the module's scope path, outermost
-  first ("remat(map_variables(Dense_0))": remat, map_variables)."""
+  first."""
   return [
     name
     for part in getattr(scope, "debug_path", ())
-    for name in re.findall(r"(\w+)\(", part)
+    for name in _transform_names(part)
   ]
 
 
