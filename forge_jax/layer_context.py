@@ -266,7 +266,7 @@ def record_forward(path: tuple, optimizer, weight: str = "kernel") -> bool:
   branch of ``jax.lax.cond`` or ``switch``: ``nn.cond``, ``nnx.cond``, a
   ``lax.cond`` around ``apply``)."""
   path = tuple(path)
-  conditional = _in_lax_branch()
+  conditional = in_lax_branch()
   if _EVENTS.last == BACKWARD:
     _EVENTS.computation += 1
   _EVENTS.last = FORWARD
@@ -284,7 +284,7 @@ def record_forward(path: tuple, optimizer, weight: str = "kernel") -> bool:
 _CONDITIONALS = "jax._src.lax.control_flow.conditionals"
 
 
-def _in_lax_branch() -> bool:
+def in_lax_branch() -> bool:
   """Whether the caller runs inside a branch that ``jax.lax.cond`` or
   ``jax.lax.switch`` is tracing (flax's and nnx's conditionals call
   them). Such a branch's
@@ -368,11 +368,13 @@ def record_backward(
   return name
 
 
-def record_update(path: Optional[tuple], kernel, count):
+def record_update(path: Optional[tuple], kernel, count, new_kernel):
   """Records that the backward just traced for the ForgeDense at ``path``
-  stepped it: it read ``kernel`` and wrote ``count`` (its cotangent for
-  the layer's ``count``). :func:`take_backwards` tells from these an
-  install of one backward's gradient from one of several combined."""
+  stepped it: it read ``kernel`` and wrote ``count`` and ``new_kernel``
+  (its cotangents for the layer's ``count`` and ``kernel``).
+  :func:`take_backwards` tells from these an install of one backward's
+  gradient from one of several combined, and a kernel's cotangent that
+  another use of the kernel added to."""
   if path is None or gradient_pass() not in (None, SCALED):
     return
   # Gradients taken and never installed (an analysis loop) add up: the
@@ -380,8 +382,40 @@ def record_update(path: Optional[tuple], kernel, count):
   _keep(
     _EVENTS.updates,
     tuple(path),
-    (_EVENTS.computation, _weak(kernel), _weak(count), _lineage()),
+    _Update(
+      _EVENTS.computation,
+      _weak(kernel),
+      _weak(count),
+      _weak(new_kernel),
+      _lineage(),
+    ),
   )
+
+
+class _Update(NamedTuple):
+  """A backward's update of one layer, as :func:`record_update` keeps it
+  (weak references to the arrays)."""
+
+  computation: int
+  kernel: Any  # the kernel it read
+  count: Any  # the count it wrote
+  new_kernel: Any  # the kernel it wrote
+  lineage: tuple  # the traces it was traced in
+
+
+def _kernel_added_to(path: tuple, written_count, written_kernel) -> bool:
+  """Whether the gradient installed for ``path`` holds the very ``count``
+  a backward wrote (it flowed from that backward unchanged) but not its
+  kernel: another use of the kernel (a weight penalty, a decoder tied to
+  it) added its gradient to the update."""
+  if written_count is None or written_kernel is None:
+    return False
+  for update in _EVENTS.updates.get(path, ()):
+    if update.count() is written_count:
+      # The written kernel, if installed, is alive: a dead reference is
+      # another array's.
+      return update.new_kernel() is not written_kernel
+  return False
 
 
 def _combined(path: tuple, written_count, kernel, trace) -> bool:
@@ -397,21 +431,21 @@ def _combined(path: tuple, written_count, kernel, trace) -> bool:
   # model's layer at the same path (another kernel) keeps its updates.
   updates, kept = [], []
   for update in _EVENTS.updates.pop(path, []):
-    read = update[1]()
+    read = update.kernel()
     other = read is not None and kernel is not None and read is not kernel
     (kept if other else updates).append(update)
   if kept:
     _EVENTS.updates[path] = kept
-  updates = [update for update in updates if _within(trace, update[3])]
+  updates = [update for update in updates if _within(trace, update.lineage)]
   if written_count is None or any(
-    count() is written_count for _, _, count, _ in updates
+    update.count() is written_count for update in updates
   ):
     return False
   by_kernel = {}
-  for computation, kernel, _, _ in updates:
-    read = kernel()
+  for update in updates:
+    read = update.kernel()
     if read is not None:
-      by_kernel.setdefault(id(read), set()).add(computation)
+      by_kernel.setdefault(id(read), set()).add(update.computation)
   return any(len(computations) > 1 for computations in by_kernel.values())
 
 
@@ -448,7 +482,9 @@ def _check_single_backward(path, name, kernel):
   _EVENTS.kernels[(path, name)] = (_EVENTS.computation, ref)
 
 
-def take_backwards(paths, written_counts=None, kernels=None) -> list[bool]:
+def take_backwards(
+  paths, written_counts=None, kernels=None, written_kernels=None
+) -> list[bool]:
   """For each ForgeDense at ``paths`` (the layers one install writes):
   whether its cotangents can be taken as its backward wrote them. That
   holds where the fused op's backward was the last event traced for the
@@ -473,7 +509,10 @@ def take_backwards(paths, written_counts=None, kernels=None) -> list[bool]:
   one kernel (:func:`record_update`): summed or averaged updates are not
   the update of the summed gradient. ``kernels``: each layer's old kernel,
   so that the updates of another model's layer at the same path stay
-  recorded for that layer's install.
+  recorded for that layer's install. With ``written_kernels`` (each
+  layer's installed ``kernel`` entry), raises for layers whose installed
+  count is a backward's own but whose kernel is not: the loss read the
+  kernel outside its layer too (:func:`record_update`).
   """
   paths = [tuple(path) for path in paths]
   trace = _current_trace()
@@ -481,12 +520,30 @@ def take_backwards(paths, written_counts=None, kernels=None) -> list[bool]:
     written_counts = [None] * len(paths)
   if kernels is None:
     kernels = [None] * len(paths)
+  if written_kernels is None:
+    written_kernels = [None] * len(paths)
+  added_to = [
+    layer_name(path)
+    for path, count, kernel in zip(paths, written_counts, written_kernels)
+    if _kernel_added_to(path, count, kernel)
+  ]
+  if added_to:
+    raise ValueError(
+      f"The gradient installed for the FORGE layers {added_to} is their "
+      "backward's update plus the gradient of another use of their kernel: "
+      "the loss also reads the kernel outside its layer (a weight penalty "
+      "on it, a decoder or head tied to it). FORGE's gradient of a kernel "
+      "is its updated value, so the other use's gradient would be added to "
+      "the weights. Use the optimizer's weight_decay for an L2 penalty, "
+      "and flax's layer (nn.Dense, nnx.Linear) for a kernel the loss reads "
+      "elsewhere."
+    )
   # An install traced inside the gradient's trace (a branch of a lax.cond
   # that skips bad steps, closing over the grads) holds the very count a
   # backward wrote.
   written_here = [
     count is not None
-    and any(update[2]() is count for update in _EVENTS.updates.get(path, ()))
+    and any(update.count() is count for update in _EVENTS.updates.get(path, ()))
     for path, count in zip(paths, written_counts)
   ]
   combined = [

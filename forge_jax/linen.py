@@ -327,6 +327,8 @@ class _ForgeLinear(nn.Module):
   def _check_collection(self):
     """FORGE's collection must come with the variables: flax's own error
     (``ScopeCollectionNotFound``) points the wrong way."""
+    if self.has_variable(FORGE_COLLECTION, "kernel"):
+      return
     if self.is_initializing() and not self.is_mutable_collection(
       FORGE_COLLECTION
     ):
@@ -343,11 +345,7 @@ class _ForgeLinear(nn.Module):
         "a FORGE kernel steps once a use and a shared one would take the "
         "sum of every iteration's update."
       )
-    if (
-      self.is_initializing()
-      or self.has_variable(FORGE_COLLECTION, "kernel")
-      or self.is_mutable_collection(FORGE_COLLECTION)
-    ):
+    if self.is_initializing() or self.is_mutable_collection(FORGE_COLLECTION):
       return
     context = layer_context.stacked_layer()
     if context is not None:
@@ -513,15 +511,19 @@ class _ForgeLinear(nn.Module):
 
   def _check_single_use(self, kernel):
     # The cotangent of a kernel used twice would be the sum of two updated
-    # kernels. Module instances live for one trace, and so does the tracer;
-    # a concrete kernel after init (a bound module's, called eagerly or
-    # closed over by jit, whose setup() layers outlive each call) is
-    # inference, which may call a layer as often as it likes.
+    # kernels. Module instances live for one trace, and so does the tracer.
+    # Inference (eager, jitted, or a bound module's setup() layers, which
+    # outlive each call) may call a layer as often as it likes. So may
+    # init inside a branch: flax's compact nn.cond / nn.switch calls every
+    # branch's layers once before the conditional.
     previous = getattr(self, "_forge_kernel_in_use", None)
     if (
       previous is not None
       and previous is kernel
-      and (isinstance(kernel, jax.core.Tracer) or self.is_initializing())
+      and (
+        _differentiated(kernel)
+        or (self.is_initializing() and not layer_context.in_lax_branch())
+      )
     ):
       raise ValueError(
         f"{self._where()} was called twice in one forward pass. "

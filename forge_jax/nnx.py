@@ -498,6 +498,7 @@ def _installed(model, grads) -> tuple[list, dict[str, jax.Array]]:
     [layer.layer_key for _, layer in layers],
     [_written(written, path, "count") for path, _ in layers],
     [_value(layer.kernel) for _, layer in layers],
+    [_written(written, path, "kernel") for path, _ in layers],
   )
   for (path, layer), backward_traced in zip(layers, traced):
     _INSTALLED.add(layer.layer_key)

@@ -52,6 +52,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import functools
+from collections.abc import Mapping
 from typing import Any, Callable, ClassVar, NamedTuple, Optional, Union
 
 import jax
@@ -1051,9 +1052,10 @@ def transformation_names(tx, depth: int = 6) -> set:
   """Names of the optax transformations ``tx`` is built from.
 
   optax builds a transformation from closures (``chain`` closes over its
-  members' functions): the names are the outermost function names of every
-  function reachable through ``init``/``update`` and their closures, and
-  ``MultiSteps`` for its bound methods.
+  members' functions, ``multi_transform`` over a dict of them): the names
+  are the outermost function names of every function reachable through
+  ``init``/``update`` and their closures, and ``MultiSteps`` for its bound
+  methods.
   """
   names, seen = set(), set()
 
@@ -1076,6 +1078,9 @@ def transformation_names(tx, depth: int = 6) -> set:
           pass
     elif isinstance(obj, (tuple, list)):
       for item in obj:
+        visit(item, level + 1)
+    elif isinstance(obj, Mapping):
+      for item in obj.values():
         visit(item, level + 1)
     if hasattr(obj, "init") and hasattr(obj, "update") and not callable(obj):
       visit(obj.init, level + 1)

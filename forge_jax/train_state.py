@@ -236,8 +236,9 @@ def install(old, cotangents):
   layers = list(forge_layers(old))
   traced = layer_context.take_backwards(
     [path for path, _ in layers],
-    [_written_count(layer_at(cotangents, path)) for path, _ in layers],
+    [_written(layer_at(cotangents, path), "count") for path, _ in layers],
     [layer.get("kernel") for _, layer in layers],
+    [_written(layer_at(cotangents, path), "kernel") for path, _ in layers],
   )
   for (path, layer), backward_traced in zip(layers, traced):
     written = layer_at(cotangents, path)
@@ -249,9 +250,10 @@ def install(old, cotangents):
   return new, reached
 
 
-def _written_count(written):
-  """A layer's installed ``count`` entry, or None where it has none."""
-  return written.get("count") if isinstance(written, Mapping) else None
+def _written(written, name: str):
+  """A layer's installed ``name`` entry (``count``, ``kernel``), or None
+  where it has none."""
+  return written.get(name) if isinstance(written, Mapping) else None
 
 
 def install_layer(old, written, backward_traced: bool):
@@ -361,6 +363,15 @@ def check_transformation(tx, clipping_advice: str = CLIPPING_ADVICE):
       "the other parameters, and unlike the layers. Remove it from tx; "
       "tx=fj.optax_with_storage(opt) keeps the other parameters' "
       "non-finite elements as the layers do."
+    )
+  copies = sorted(names.intersection({"lookahead", "schedule_free"}))
+  if copies:
+    raise ValueError(
+      f"tx holds {', '.join(copies)}, which keeps another copy of the "
+      "weights in its state (lookahead's slow weights, schedule-free's "
+      "averaged iterate) and moves it by the updates tx computes: FORGE's "
+      "kernels step inside the backward pass by their own optimizer and "
+      "never pass through tx. Use flax's layers for it, or drop it."
     )
   whole = sorted(names.intersection(WHOLE_GRADIENT_TRANSFORMATIONS))
   if whole:

@@ -930,6 +930,14 @@ def test_stock_train_state_still_fails_loudly_on_an_unreached_layer():
 # tx that cannot be right for the FORGE layers is refused.
 
 
+def _for_every_parameter(tx):
+  """``tx`` as the one member of an ``optax.multi_transform`` (which keeps
+  its members in a dict)."""
+  return optax.multi_transform(
+    {"all": tx}, lambda params: jax.tree.map(lambda _: "all", params)
+  )
+
+
 @pytest.mark.parametrize(
   "tx, match",
   [
@@ -958,6 +966,20 @@ def test_stock_train_state_still_fails_loudly_on_an_unreached_layer():
       "scale_by_backtracking_linesearch",
     ),
     (optax.polyak_sgd(), "scale_by_polyak"),
+    (
+      _for_every_parameter(
+        optax.inject_hyperparams(optax.adamw)(
+          learning_rate=1e-2, weight_decay=0.1
+        )
+      ),
+      "inject_hyperparams",
+    ),
+    (
+      _for_every_parameter(optax.apply_if_finite(OPT.to_optax(), 3)),
+      "apply_if_finite",
+    ),
+    (optax.lookahead(OPT.to_optax(), 2, 0.5), "lookahead, which keeps"),
+    (optax.contrib.schedule_free_adamw(1e-2), "schedule_free, which keeps"),
   ],
   ids=[
     "multi_steps",
@@ -968,6 +990,10 @@ def test_stock_train_state_still_fails_loudly_on_an_unreached_layer():
     "reduce_on_plateau",
     "linesearch",
     "polyak",
+    "inject_hyperparams_in_multi_transform",
+    "apply_if_finite_in_multi_transform",
+    "lookahead",
+    "schedule_free",
   ],
 )
 def test_train_state_refuses_whole_gradient_transformations(tx, match):

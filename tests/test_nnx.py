@@ -586,6 +586,33 @@ def test_called_twice_in_one_loss_raises(seed):
     nnx.grad(lambda m: m(x).sum(), argnums=WRT)(model)
 
 
+class TiedAutoencoder(nnx.Module):
+  def __init__(self, rngs):
+    self.encoder = fj.nnx.Linear(4, 3, optimizer=OPT, rngs=rngs)
+
+  def __call__(self, x):
+    return jnp.tanh(self.encoder(x)) @ self.encoder.kernel[...].T
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_a_kernel_read_outside_its_layer_raises(jit, seed):
+  """A decoder tied to the encoder's kernel adds its gradient to the
+  kernel's update: the optimizer raises, naming the layer, and leaves the
+  model as it was."""
+  model = TiedAutoencoder(nnx.Rngs(seed))
+  optimizer = fj.nnx.Optimizer(model, OPT.to_optax(), wrt=nnx.Param)
+  x = jax.random.normal(jax.random.key(seed), (2, 4))
+  before = np.array(model.encoder.kernel[...])
+
+  def step(model, optimizer):
+    grads = fj.nnx.grad(lambda m: ((m(x) - x) ** 2).mean())(model)
+    optimizer.update(model, grads)
+
+  with pytest.raises(ValueError, match=r"\['encoder'\].*another use"):
+    (nnx.jit(step) if jit else step)(model, optimizer)
+  np.testing.assert_array_equal(model.encoder.kernel[...], before)
+
+
 def test_a_layer_shared_across_nnx_vmap_raises(seed):
   """nnx.vmap over examples with the model broadcast maps the backward but
   not the kernel: it raises at trace time, naming the layer, instead of

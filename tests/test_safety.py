@@ -85,6 +85,120 @@ def test_a_bound_module_may_call_its_layers_again_for_inference(seed):
     jax.grad(lambda v: SharedLayer(twice=True).apply(v, x).sum())(variables)
 
 
+class DualEncoder(nn.Module):
+  """Trains one encoder call a loss; scores a pair with two (retrieval)."""
+
+  forge: bool = True
+
+  def setup(self):
+    self.encoder = (
+      fj.ForgeDense(8, optimizer=OPT) if self.forge else nn.Dense(8)
+    )
+
+  def __call__(self, x):
+    return self.encoder(x)
+
+  def similarity(self, x, y):
+    return (self.encoder(x) * self.encoder(y)).sum(-1)
+
+
+def test_jitted_inference_may_call_a_layer_twice(seed):
+  """A jitted eval that uses one layer twice is inference, as it is eagerly:
+  it gives flax's output; differentiating it raises."""
+  x, _ = make_batch(seed, (4, 6), 4)
+  y, _ = make_batch(seed + 1, (4, 6), 4)
+  model = DualEncoder()
+  variables = model.init(jax.random.key(seed), x)
+  score = lambda v: model.apply(v, x, y, method="similarity")
+  expected = DualEncoder(forge=False).apply(
+    fj.to_dense(variables), x, y, method="similarity"
+  )
+  np.testing.assert_allclose(score(variables), expected, rtol=1e-6)
+  np.testing.assert_allclose(jax.jit(score)(variables), expected, rtol=1e-6)
+  for differentiate in (jax.grad, lambda f: jax.jit(jax.grad(f))):
+    with pytest.raises(ValueError, match="twice"):
+      differentiate(lambda v: score(v).sum())(variables)
+
+
+class TiedAutoencoder(nn.Module):
+  """A decoder that reads the encoder's kernel outside its layer."""
+
+  @nn.compact
+  def __call__(self, x):
+    hidden = jnp.tanh(fj.ForgeDense(4, optimizer=OPT, name="encoder")(x))
+    return hidden @ self.get_variable(COLL, "encoder")["kernel"].T
+
+
+def _penalized(model):
+  """The mean square of the output plus an L2 penalty on every FORGE
+  kernel, read from the variables."""
+
+  def loss(variables, x):
+    kernels = [layer["kernel"] for layer in variables[COLL].values()]
+    penalty = sum(jnp.sum(k**2) for k in kernels)
+    return (model.apply(variables, x) ** 2).mean() + 0.1 * penalty
+
+  return loss
+
+
+def _tied(model):
+  return lambda variables, x: ((model.apply(variables, x) - x) ** 2).mean()
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize(
+  "model, make_loss",
+  [(MLP((8, 4), optimizer=OPT), _penalized), (TiedAutoencoder(), _tied)],
+  ids=["l2_penalty", "tied_decoder"],
+)
+def test_a_kernel_read_outside_its_layer_raises(model, make_loss, jit, seed):
+  """A loss that also reads a FORGE kernel (an L2 penalty on it, a decoder
+  tied to it) adds that use's gradient to the kernel's cotangent, the
+  layer's new value: the install raises, naming the layer, instead of
+  installing the sum."""
+  variables, (x, _) = _init(model, seed)
+  loss = make_loss(model)
+  step = lambda s: s.apply_gradients(grads=jax.grad(loss)(s.params, x))
+  step = jax.jit(step) if jit else step
+  state = fj.TrainState.create(
+    apply_fn=model.apply, params=variables, tx=OPT.to_optax()
+  )
+  with pytest.raises(ValueError, match=r"\['encoder'\]|\['fc1', 'fc2'\]"):
+    step(state)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_a_kernel_read_under_stop_gradient_trains(jit, seed):
+  """A kernel read outside its layer under ``stop_gradient`` (a logged
+  norm) adds nothing to its update: the step matches one without it."""
+  model = MLP((8, 4), optimizer=OPT)
+  variables, (x, _) = _init(model, seed)
+  penalty = _penalized(model)
+  losses = [
+    lambda v: (model.apply(v, x) ** 2).mean(),
+    lambda v: (
+      (model.apply(v, x) ** 2).mean()
+      + 0.0 * jax.lax.stop_gradient(penalty(v, x))
+    ),
+  ]
+  states = []
+  for loss in losses:
+    state = fj.TrainState.create(
+      apply_fn=model.apply, params=host_copy(variables), tx=OPT.to_optax()
+    )
+    step = lambda s, loss=loss: s.apply_gradients(
+      grads=jax.grad(loss)(s.params)
+    )
+    states.append((jax.jit(step) if jit else step)(state))
+  assert fj.wiped_layers(states[1].params) == []
+  for name in ("fc1", "fc2"):
+    assert_bitwise_equal(
+      states[1].params[COLL][name]["kernel"],
+      states[0].params[COLL][name]["kernel"],
+      name,
+    )
+
+
 class Encoder(nn.Module):
   layer: str = "proj"
 
@@ -700,6 +814,100 @@ def test_a_layer_in_a_branch_that_does_not_run_keeps_its_variables(seed):
   new = step(new, jnp.bool_(False))
   assert float(new.params[COLL]["b"]["count"]) == 1.0
   assert fj.wiped_layers(new.params) == []
+
+
+_SGD = fj.sgd(0.1)
+
+
+class CompactBranches(nn.Module):
+  """flax's compact ``nn.cond`` idiom: the branches' layers are made outside
+  the conditional and called once at init, so both branches find them."""
+
+  forge: bool = True
+
+  @nn.compact
+  def __call__(self, x, pred):
+    make = (
+      (lambda name: fj.ForgeDense(4, optimizer=_SGD, name=name))
+      if self.forge
+      else (lambda name: nn.Dense(4, name=name))
+    )
+    a, b = make("a"), make("b")
+    if self.is_initializing():
+      a(x)
+      b(x)
+    return nn.cond(pred, lambda m, x: a(x), lambda m, x: 2 * b(x), self, x)
+
+
+def test_compact_branches_initialize_and_train_like_flax(seed):
+  """Calling each branch's layer at init and again inside ``nn.cond`` is
+  one use a loss, as with flax's layers; both branches train as
+  ``nn.Dense`` + optax do (plain SGD: the branch not taken keeps its
+  weights in both)."""
+  x, _ = make_batch(seed, (4, 6), 4)
+  model = CompactBranches()
+  variables = model.init(jax.random.key(seed), x, True)
+  states = [
+    fj.TrainState.create(
+      apply_fn=model.apply, params=variables, tx=_SGD.to_optax()
+    ),
+    TrainState.create(
+      apply_fn=CompactBranches(forge=False).apply,
+      params=fj.to_dense(variables),
+      tx=optax.sgd(0.1),
+    ),
+  ]
+  step = jax.jit(
+    lambda s, pred: s.apply_gradients(
+      grads=jax.grad(lambda v: (s.apply_fn(v, x, pred) ** 2).mean())(s.params)
+    )
+  )
+  for pred in (True, False, False):
+    states = [step(s, jnp.bool_(pred)) for s in states]
+  forge, flax = states
+  for name in ("a", "b"):
+    np.testing.assert_allclose(
+      forge.params[COLL][name]["kernel"],
+      flax.params["params"][name]["kernel"],
+      rtol=1e-5,
+      atol=1e-7,
+    )
+  assert fj.wiped_layers(forge.params) == []
+
+
+class Looped(nn.Module):
+  """A layer made in setup, called before ``nn.while_loop`` at init (flax's
+  idiom) and inside it, its variables broadcast."""
+
+  forge: bool = True
+
+  def setup(self):
+    self.layer = fj.ForgeDense(6, optimizer=OPT) if self.forge else nn.Dense(6)
+
+  def __call__(self, x):
+    if self.is_initializing():
+      self.layer(x)
+    body = lambda m, c: (c[0] + 1, jnp.tanh(m.layer(c[1])))
+    return nn.while_loop(
+      lambda m, c: c[0] < 3,
+      body,
+      self,
+      (0, x),
+      broadcast_variables=("params", COLL),
+    )[1]
+
+
+def test_a_layer_initialized_before_a_while_loop_runs_in_it(seed):
+  """Inference through ``nn.while_loop`` matches flax's layer; ``init``
+  finds the variables made before the loop instead of asking to lift
+  FORGE's collection."""
+  x, _ = make_batch(seed, (4, 6), 4)
+  variables = Looped().init(jax.random.key(seed), x)
+  np.testing.assert_allclose(
+    Looped().apply(variables, x),
+    Looped(forge=False).apply(fj.to_dense(variables), x),
+    rtol=1e-6,
+  )
 
 
 # ---------------------------------------------------------------------------

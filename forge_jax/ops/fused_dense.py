@@ -478,7 +478,11 @@ def check_differentiated(x, variables, bias, path=None):
       "saliency), call that model inside `with fj.plain_gradients():`, "
       "where its layers differentiate as nn.Dense and update nothing (not "
       "for a layer the same loss trains: a gradient penalty on a FORGE "
-      "layer is a second use of its kernel, which poisons it)."
+      "layer is a second use of its kernel, which poisons it). A layer "
+      "frozen inside a model the loss trains (stop_gradient on its "
+      "variables, a frozen base under LoRA adapters) needs flax's layer "
+      "(nn.Dense, nnx.Linear): FORGE's layers train whenever they are "
+      "differentiated."
     )
 
 
@@ -1113,7 +1117,9 @@ def _forge_dense_bwd(spec, layout, defers, residuals, dy):
   new_variables = new_variables._replace(
     kernel=jnp.reshape(new_variables.kernel, stored_shape)
   )
-  layer_context.record_update(spec.path, kernel, new_variables.count)
+  layer_context.record_update(
+    spec.path, kernel, new_variables.count, new_variables.kernel
+  )
   factors = None  # zeros: the sink's cotangent outside the deferred pass
   if gradient_pass == layer_context.DEFERRED:
     x_c = jnp.asarray(
