@@ -47,6 +47,7 @@ Four trace-time channels between the parts of the package:
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import contextvars
 import itertools
@@ -54,6 +55,7 @@ import sys
 import weakref
 from typing import Any, NamedTuple, Optional
 
+from jax import tree_util
 from jax._src import core as jax_core  # a trace's parents: no public API
 from jax.experimental.xla_metadata import set_xla_metadata
 
@@ -182,6 +184,10 @@ _TRACED: contextvars.ContextVar[Optional[list]] = contextvars.ContextVar(
 )
 
 
+#: The most (count, kernel) stacks of fj.scan's backwards the records keep.
+_KEPT_STACKS = 64
+
+
 class _Events:
   """The events traced per layer path, and which gradient computation each
   belongs to (see the module docstring)."""
@@ -209,9 +215,13 @@ class _Events:
     self.kernels: dict[tuple, tuple[int, weakref.ref]] = {}
     #: path -> (computation, the applied kernel a lifted forward read).
     self.lifted: dict[tuple, tuple[int, weakref.ref]] = {}
-    #: path -> (computation, the kernel read, the count written, the
-    #: trace) of each backward that stepped the layer since its last install.
-    self.updates: dict[tuple, list[tuple[int, Any, Any, Any]]] = {}
+    #: path -> the :class:`_Update` of each backward that stepped the layer
+    #: since its last install.
+    self.updates: dict[tuple, list] = {}
+    #: (count, kernel) stacks fj.scan's backwards wrote, the last few.
+    self.written_stacks: collections.deque = collections.deque(
+      maxlen=_KEPT_STACKS
+    )
     #: path -> the computations that traced its forward (its backward),
     #: since its last install.
     self.forwards: dict[tuple, set[int]] = {}
@@ -403,6 +413,22 @@ class _Update(NamedTuple):
   lineage: tuple  # the traces it was traced in
 
 
+def record_written_stacks(stacks) -> None:
+  """Records the ``count`` and ``kernel`` stacks of each layer in
+  ``stacks`` (FORGE's collection as fj.scan's backward returns it, the
+  stepped stacks) for :func:`take_backwards`: the loop's own updates,
+  recorded by :func:`record_update`, are arrays of its body."""
+  layers = {}
+  for keys, leaf in tree_util.tree_flatten_with_path(stacks)[0]:
+    name = str(getattr(keys[-1], "key", getattr(keys[-1], "name", "")))
+    layers.setdefault(keys[:-1], {})[name] = leaf
+  for layer in layers.values():
+    if "count" in layer and "kernel" in layer:
+      _EVENTS.written_stacks.append(
+        (_weak(layer["count"]), _weak(layer["kernel"]))
+      )
+
+
 def _kernel_added_to(path: tuple, written_count, written_kernel) -> bool:
   """Whether the gradient installed for ``path`` holds the very ``count``
   a backward wrote (it flowed from that backward unchanged) but not its
@@ -410,11 +436,12 @@ def _kernel_added_to(path: tuple, written_count, written_kernel) -> bool:
   it) added its gradient to the update."""
   if written_count is None or written_kernel is None:
     return False
-  for update in _EVENTS.updates.get(path, ()):
-    if update.count() is written_count:
+  written = [(u.count, u.new_kernel) for u in _EVENTS.updates.get(path, ())]
+  for count, kernel in written + list(_EVENTS.written_stacks):
+    if count() is written_count:
       # The written kernel, if installed, is alive: a dead reference is
       # another array's.
-      return update.new_kernel() is not written_kernel
+      return kernel() is not written_kernel
   return False
 
 

@@ -481,6 +481,7 @@ def scan_stacks(
       ),
       unroll=unroll,
     )
+    layer_context.record_written_stacks(new_forge)
     return (
       d_carry,
       new_forge,

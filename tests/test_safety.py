@@ -129,13 +129,38 @@ class TiedAutoencoder(nn.Module):
     return hidden @ self.get_variable(COLL, "encoder")["kernel"].T
 
 
+class _TanhBlock(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    return nn.tanh(
+      fj.ForgeDense(x.shape[-1], optimizer=OPT, name="fc")(x)
+    ), None
+
+
+class Stacked(nn.Module):
+  """Three ``_TanhBlock`` layers stacked by ``fj.scan``."""
+
+  @nn.compact
+  def __call__(self, x):
+    stack = fj.scan(
+      _TanhBlock,
+      variable_axes={True: 0},
+      split_rngs={"params": True},
+      length=3,
+    )
+    return stack(name="stack")(x)[0]
+
+
 def _penalized(model):
   """The mean square of the output plus an L2 penalty on every FORGE
   kernel, read from the variables."""
 
   def loss(variables, x):
-    kernels = [layer["kernel"] for layer in variables[COLL].values()]
-    penalty = sum(jnp.sum(k**2) for k in kernels)
+    penalty = sum(
+      jnp.sum(leaf**2)
+      for keys, leaf in jax.tree_util.tree_leaves_with_path(variables[COLL])
+      if getattr(keys[-1], "key", None) == "kernel"
+    )
     return (model.apply(variables, x) ** 2).mean() + 0.1 * penalty
 
   return loss
@@ -148,8 +173,12 @@ def _tied(model):
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
 @pytest.mark.parametrize(
   "model, make_loss",
-  [(MLP((8, 4), optimizer=OPT), _penalized), (TiedAutoencoder(), _tied)],
-  ids=["l2_penalty", "tied_decoder"],
+  [
+    (MLP((8, 4), optimizer=OPT), _penalized),
+    (Stacked(), _penalized),
+    (TiedAutoencoder(), _tied),
+  ],
+  ids=["l2_penalty", "l2_penalty_stacked", "tied_decoder"],
 )
 def test_a_kernel_read_outside_its_layer_raises(model, make_loss, jit, seed):
   """A loss that also reads a FORGE kernel (an L2 penalty on it, a decoder
@@ -163,7 +192,9 @@ def test_a_kernel_read_outside_its_layer_raises(model, make_loss, jit, seed):
   state = fj.TrainState.create(
     apply_fn=model.apply, params=variables, tx=OPT.to_optax()
   )
-  with pytest.raises(ValueError, match=r"\['encoder'\]|\['fc1', 'fc2'\]"):
+  with pytest.raises(
+    ValueError, match=r"\['(encoder|fc1', 'fc2|stack/fc)'\].*another use"
+  ):
     step(state)
 
 
@@ -375,7 +406,7 @@ class ScannedEncoder(nn.Module):
     stack = fj.scan(
       _ScanBlock, variable_axes={True: 0}, split_rngs={"params": True}, length=2
     )
-    return stack(name="stack")(x)[0]
+    return stack(name="stack")(x)[0][0]
 
 
 class _ScanBlock(nn.Module):
