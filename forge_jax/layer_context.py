@@ -378,10 +378,11 @@ def record_backward(
   return name
 
 
-def record_update(path: Optional[tuple], kernel, count, new_kernel):
+def record_update(path: Optional[tuple], kernel, count, new_kernel=None):
   """Records that the backward just traced for the ForgeDense at ``path``
   stepped it: it read ``kernel`` and wrote ``count`` and ``new_kernel``
-  (its cotangents for the layer's ``count`` and ``kernel``).
+  (its cotangents for the layer's ``count`` and ``kernel``; None: the
+  layer's kernel cotangent is not this array, not checked).
   :func:`take_backwards` tells from these an install of one backward's
   gradient from one of several combined, and a kernel's cotangent that
   another use of the kernel added to."""
@@ -396,7 +397,7 @@ def record_update(path: Optional[tuple], kernel, count, new_kernel):
       _EVENTS.computation,
       _weak(kernel),
       _weak(count),
-      _weak(new_kernel),
+      None if new_kernel is None else _weak(new_kernel),
       _lineage(),
     ),
   )
@@ -409,7 +410,7 @@ class _Update(NamedTuple):
   computation: int
   kernel: Any  # the kernel it read
   count: Any  # the count it wrote
-  new_kernel: Any  # the kernel it wrote
+  new_kernel: Any  # the kernel it wrote (None: not known)
   lineage: tuple  # the traces it was traced in
 
 
@@ -418,10 +419,12 @@ def record_written_stacks(stacks) -> None:
   ``stacks`` (FORGE's collection as fj.scan's backward returns it, the
   stepped stacks) for :func:`take_backwards`: the loop's own updates,
   recorded by :func:`record_update`, are arrays of its body."""
+  name = lambda key: str(getattr(key, "key", getattr(key, "name", "")))
   layers = {}
   for keys, leaf in tree_util.tree_flatten_with_path(stacks)[0]:
-    name = str(getattr(keys[-1], "key", getattr(keys[-1], "name", "")))
-    layers.setdefault(keys[:-1], {})[name] = leaf
+    if name(keys[-1]) == "value":  # an nnx.Variable's, in NNX's stacks
+      keys = keys[:-1]
+    layers.setdefault(keys[:-1], {})[name(keys[-1])] = leaf
   for layer in layers.values():
     if "count" in layer and "kernel" in layer:
       _EVENTS.written_stacks.append(
@@ -441,7 +444,7 @@ def _kernel_added_to(path: tuple, written_count, written_kernel) -> bool:
     if count() is written_count:
       # The written kernel, if installed, is alive: a dead reference is
       # another array's.
-      return kernel() is not written_kernel
+      return kernel is not None and kernel() is not written_kernel
   return False
 
 
@@ -556,14 +559,16 @@ def take_backwards(
   ]
   if added_to:
     raise ValueError(
-      f"The gradient installed for the FORGE layers {added_to} is their "
-      "backward's update plus the gradient of another use of their kernel: "
-      "the loss also reads the kernel outside its layer (a weight penalty "
-      "on it, a decoder or head tied to it). FORGE's gradient of a kernel "
-      "is its updated value, so the other use's gradient would be added to "
+      f"The gradient installed for the FORGE layers {added_to} is not the "
+      "kernel their backward wrote, while their count is: another use of "
+      "the kernel added its gradient (the loss also reads the kernel "
+      "outside its layer: a weight penalty on it, a decoder or head tied "
+      "to it), or the kernel's gradient alone was changed on its way (a "
+      "cast, a sharding constraint). FORGE's gradient of a kernel is its "
+      "updated value, so what is added to it, or done to it, is done to "
       "the weights. Use the optimizer's weight_decay for an L2 penalty, "
-      "and flax's layer (nn.Dense, nnx.Linear) for a kernel the loss reads "
-      "elsewhere."
+      "flax's layer (nn.Dense, nnx.Linear) for a kernel the loss reads "
+      "elsewhere, and pass FORGE's gradients to the install as they are."
     )
   # An install traced inside the gradient's trace (a branch of a lax.cond
   # that skips bad steps, closing over the grads) holds the very count a

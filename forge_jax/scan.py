@@ -481,7 +481,8 @@ def scan_stacks(
       ),
       unroll=unroll,
     )
-    layer_context.record_written_stacks(new_forge)
+    if jax.sharding.get_abstract_mesh().empty:  # as for one layer's
+      layer_context.record_written_stacks(new_forge)
     return (
       d_carry,
       new_forge,

@@ -608,9 +608,42 @@ def test_a_kernel_read_outside_its_layer_raises(jit, seed):
     grads = fj.nnx.grad(lambda m: ((m(x) - x) ** 2).mean())(model)
     optimizer.update(model, grads)
 
-  with pytest.raises(ValueError, match=r"\['encoder'\].*another use"):
+  with pytest.raises(ValueError, match=r"\['encoder'\].*another use of"):
     (nnx.jit(step) if jit else step)(model, optimizer)
   np.testing.assert_array_equal(model.encoder.kernel[...], before)
+
+
+class _TanhBlock(nnx.Module):
+  def __init__(self, rngs):
+    self.fc = fj.nnx.Linear(4, 4, optimizer=OPT, rngs=rngs)
+
+  def __call__(self, h):
+    return jnp.tanh(self.fc(h))
+
+
+class ScannedStack(nnx.Module):
+  def __init__(self, rngs):
+    make = nnx.vmap(lambda key: _TanhBlock(nnx.Rngs(key)))
+    self.blocks = make(jax.random.split(rngs.params(), 3))
+
+  def __call__(self, h):
+    run = fj.nnx.scan(lambda h, block: block(h))
+    return run(h, self.blocks)
+
+
+def test_a_penalty_on_a_scanned_stack_raises(seed):
+  """An L2 penalty on ``fj.nnx.scan``'s stacked kernels adds its gradient
+  to their update: the optimizer raises, naming the stack's layer; the
+  same step without it trains."""
+  x = jax.random.normal(jax.random.key(seed), (2, 4))
+  model = ScannedStack(nnx.Rngs(seed))
+  optimizer = fj.nnx.Optimizer(model, OPT.to_optax(), wrt=nnx.Param)
+  output = lambda m: (m(x) ** 2).mean()
+  penalized = lambda m: output(m) + 0.1 * jnp.sum(m.blocks.fc.kernel[...] ** 2)
+  with pytest.raises(ValueError, match=r"\['blocks/fc'\].*another use of"):
+    optimizer.update(model, fj.nnx.grad(penalized)(model))
+  optimizer.update(model, fj.nnx.grad(output)(model))
+  np.testing.assert_array_equal(model.blocks.fc.count[...], [1.0, 1.0, 1.0])
 
 
 def test_a_layer_shared_across_nnx_vmap_raises(seed):

@@ -1341,3 +1341,74 @@ def test_layout_errors_are_clear():
     mesh, 3, P(None, "model"), x_spec=(None, "model", None)
   )
   assert layout.gather == (1, ("model",)) and layout.y == ((), (), ("model",))
+
+
+def _boxed_by_flax(layer, mesh, x):
+  """flax's sharded init: the variables keep their ``nn.Partitioned``
+  boxes, which ``apply`` unboxes under a sharding constraint."""
+  with jax.set_mesh(mesh):
+    shapes = jax.eval_shape(layer.init, jax.random.key(0), x)
+    shardings = nn.get_sharding(shapes, mesh)
+    return jax.jit(layer.init, out_shardings=shardings)(jax.random.key(0), x)
+
+
+def _replicated(layer, mesh, x):
+  """Variables placed whole on every device (as for nn.Dense): the layer
+  lays its kernel out for its partitioning inside the op."""
+  variables = parallel.strip_boxes(layer.init(jax.random.key(0), x))
+  return jax.device_put(variables, NamedSharding(mesh, P()))
+
+
+@needs_devices
+@pytest.mark.parametrize(
+  "features, names, axis_type, place",
+  [
+    ((4, 8), (None, "model", None), "Explicit", parallel.init_sharded),
+    (32, (None, "model"), "Explicit", _replicated),
+    (32, (None, "model"), "Auto", _boxed_by_flax),
+  ],
+  ids=["dense_general_explicit", "relaid_explicit", "boxed_auto"],
+)
+def test_a_kernel_laid_out_on_its_way_to_the_op_installs(
+  features, names, axis_type, place
+):
+  """A kernel that reaches the op through a relayout, a reshape on an
+  Explicit mesh or flax's unboxing constraint gets its cotangent back
+  through their transposes, a new array: the install takes it as the
+  layer's update (no other use of the kernel is claimed), and the step
+  matches one device's."""
+  from jax.sharding import AxisType  # pylint: disable=import-outside-toplevel
+
+  mesh = jax.make_mesh(
+    (4,),
+    ("model",),
+    axis_types=(getattr(AxisType, axis_type),),
+    devices=jax.devices()[:4],
+  )
+  layer = fj.ForgeDenseGeneral(
+    features,
+    optimizer=OPT,
+    use_bias=False,
+    kernel_init=nn.with_partitioning(nn.initializers.lecun_normal(), names),
+  )
+  x = jax.random.normal(jax.random.key(1), (2, 16))
+  loss = lambda v, x: jnp.sum(layer.apply(v, x) ** 2)
+  step = jax.jit(
+    lambda s, x: s.apply_gradients(grads=jax.grad(loss)(s.params, x))
+  )
+
+  def stepped(variables):
+    state = fj.TrainState.create(
+      apply_fn=layer.apply, params=variables, tx=OPT.to_optax()
+    )
+    return parallel.strip_boxes(step(state, x).params)
+
+  want = stepped(parallel.strip_boxes(layer.init(jax.random.key(0), x)))
+  if place is parallel.init_sharded:
+    variables = place(layer.init, mesh, jax.random.key(0), x)
+  else:
+    variables = place(layer, mesh, x)
+  with jax.set_mesh(mesh):
+    got = stepped(variables)
+  assert float(got[COLL]["count"]) == 1.0
+  _assert_trees_close(_host(got), _host(want))

@@ -193,7 +193,7 @@ def test_a_kernel_read_outside_its_layer_raises(model, make_loss, jit, seed):
     apply_fn=model.apply, params=variables, tx=OPT.to_optax()
   )
   with pytest.raises(
-    ValueError, match=r"\['(encoder|fc1', 'fc2|stack/fc)'\].*another use"
+    ValueError, match=r"\['(encoder|fc1', 'fc2|stack/fc)'\].*another use of"
   ):
     step(state)
 

@@ -1117,8 +1117,15 @@ def _forge_dense_bwd(spec, layout, defers, residuals, dy):
   new_variables = new_variables._replace(
     kernel=jnp.reshape(new_variables.kernel, stored_shape)
   )
+  # Under a mesh the kernel may reach the op through a relayout or a
+  # sharding constraint, whose transpose gives the layer a new array: the
+  # install can tell the written kernel from another only without one.
+  unchanged = layout.mesh is None and jax.sharding.get_abstract_mesh().empty
   layer_context.record_update(
-    spec.path, kernel, new_variables.count, new_variables.kernel
+    spec.path,
+    kernel,
+    new_variables.count,
+    new_variables.kernel if unchanged else None,
   )
   factors = None  # zeros: the sink's cotangent outside the deferred pass
   if gradient_pass == layer_context.DEFERRED:
