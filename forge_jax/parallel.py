@@ -86,6 +86,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax._src import mesh as mesh_lib  # the deprecated `with mesh:`'s
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -776,6 +777,17 @@ def to_layout(
   if bias is not None:
     bias = _reshard(bias, layout.mesh, b_s)
   return x, variables, bias
+
+
+def mesh_is_set() -> bool:
+  """Whether a mesh is in context: ``jax.set_mesh``'s, or the deprecated
+  ``with mesh:``'s (under which flax still unboxes partitioned variables
+  with a sharding constraint)."""
+  legacy = getattr(getattr(mesh_lib, "thread_resources", None), "env", None)
+  legacy = getattr(legacy, "physical_mesh", None)
+  return not jax.sharding.get_abstract_mesh().empty or not (
+    legacy is None or legacy.empty
+  )
 
 
 def is_explicit(mesh) -> bool:

@@ -41,7 +41,7 @@ import numpy as np
 from flax.core import FrozenDict
 from jax import lax
 
-from forge_jax import layer_context
+from forge_jax import layer_context, parallel
 from forge_jax.linen import (
   FACTORS_COLLECTION,
   FORGE_COLLECTION,
@@ -481,7 +481,7 @@ def scan_stacks(
       ),
       unroll=unroll,
     )
-    if jax.sharding.get_abstract_mesh().empty:  # as for one layer's
+    if not parallel.mesh_is_set():  # as for one layer's
       layer_context.record_written_stacks(new_forge)
     return (
       d_carry,

@@ -1360,23 +1360,31 @@ def _replicated(layer, mesh, x):
 
 
 @needs_devices
+@pytest.mark.filterwarnings("ignore:`with mesh:DeprecationWarning")
 @pytest.mark.parametrize(
-  "features, names, axis_type, place",
+  "features, names, axis_type, place, legacy",
   [
-    ((4, 8), (None, "model", None), "Explicit", parallel.init_sharded),
-    (32, (None, "model"), "Explicit", _replicated),
-    (32, (None, "model"), "Auto", _boxed_by_flax),
+    ((4, 8), (None, "model", None), "Explicit", parallel.init_sharded, False),
+    (32, (None, "model"), "Explicit", _replicated, False),
+    (32, (None, "model"), "Auto", _boxed_by_flax, False),
+    (32, (None, "model"), "Auto", _boxed_by_flax, True),
   ],
-  ids=["dense_general_explicit", "relaid_explicit", "boxed_auto"],
+  ids=[
+    "dense_general_explicit",
+    "relaid_explicit",
+    "boxed_auto",
+    "boxed_auto_with_mesh",
+  ],
 )
 def test_a_kernel_laid_out_on_its_way_to_the_op_installs(
-  features, names, axis_type, place
+  features, names, axis_type, place, legacy
 ):
   """A kernel that reaches the op through a relayout, a reshape on an
   Explicit mesh or flax's unboxing constraint gets its cotangent back
   through their transposes, a new array: the install takes it as the
   layer's update (no other use of the kernel is claimed), and the step
-  matches one device's."""
+  matches one device's, under ``jax.set_mesh`` and the deprecated ``with
+  mesh:`` alike."""
   from jax.sharding import AxisType  # pylint: disable=import-outside-toplevel
 
   mesh = jax.make_mesh(
@@ -1408,7 +1416,7 @@ def test_a_kernel_laid_out_on_its_way_to_the_op_installs(
     variables = place(layer.init, mesh, jax.random.key(0), x)
   else:
     variables = place(layer, mesh, x)
-  with jax.set_mesh(mesh):
+  with mesh if legacy else jax.set_mesh(mesh):
     got = stepped(variables)
   assert float(got[COLL]["count"]) == 1.0
   _assert_trees_close(_host(got), _host(want))

@@ -1120,7 +1120,7 @@ def _forge_dense_bwd(spec, layout, defers, residuals, dy):
   # Under a mesh the kernel may reach the op through a relayout or a
   # sharding constraint, whose transpose gives the layer a new array: the
   # install can tell the written kernel from another only without one.
-  unchanged = layout.mesh is None and jax.sharding.get_abstract_mesh().empty
+  unchanged = layout.mesh is None and not parallel.mesh_is_set()
   layer_context.record_update(
     spec.path,
     kernel,
