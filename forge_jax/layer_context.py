@@ -378,6 +378,17 @@ def record_backward(
   return name
 
 
+class _Update(NamedTuple):
+  """A backward's update of one layer, as :func:`record_update` keeps it
+  (weak references to the arrays)."""
+
+  computation: int
+  kernel: Any  # the kernel it read
+  count: Any  # the count it wrote
+  new_kernel: Any  # the kernel it wrote (None: not known)
+  lineage: tuple  # the traces it was traced in
+
+
 def record_update(path: Optional[tuple], kernel, count, new_kernel=None):
   """Records that the backward just traced for the ForgeDense at ``path``
   stepped it: it read ``kernel`` and wrote ``count`` and ``new_kernel``
@@ -401,17 +412,6 @@ def record_update(path: Optional[tuple], kernel, count, new_kernel=None):
       _lineage(),
     ),
   )
-
-
-class _Update(NamedTuple):
-  """A backward's update of one layer, as :func:`record_update` keeps it
-  (weak references to the arrays)."""
-
-  computation: int
-  kernel: Any  # the kernel it read
-  count: Any  # the count it wrote
-  new_kernel: Any  # the kernel it wrote (None: not known)
-  lineage: tuple  # the traces it was traced in
 
 
 def record_written_stacks(stacks) -> None:
