@@ -418,7 +418,10 @@ def record_written_stacks(stacks) -> None:
   """Records the ``count`` and ``kernel`` stacks of each layer in
   ``stacks`` (FORGE's collection as fj.scan's backward returns it, the
   stepped stacks) for :func:`take_backwards`: the loop's own updates,
-  recorded by :func:`record_update`, are arrays of its body."""
+  recorded by :func:`record_update`, are arrays of its body. As there,
+  only a pass that steps the layers records."""
+  if gradient_pass() not in (None, SCALED):
+    return
   name = lambda key: str(getattr(key, "key", getattr(key, "name", "")))
   layers = {}
   for keys, leaf in tree_util.tree_flatten_with_path(stacks)[0]:
