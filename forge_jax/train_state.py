@@ -234,14 +234,14 @@ def install(old, cotangents):
   """
   new, reached = cotangents, {}
   layers = list(forge_layers(old))
+  writes = [layer_at(cotangents, path) for path, _ in layers]
   traced = layer_context.take_backwards(
     [path for path, _ in layers],
-    [_written(layer_at(cotangents, path), "count") for path, _ in layers],
+    [_written(written, "count") for written in writes],
     [layer.get("kernel") for _, layer in layers],
-    [_written(layer_at(cotangents, path), "kernel") for path, _ in layers],
+    [_written(written, "kernel") for written in writes],
   )
-  for (path, layer), backward_traced in zip(layers, traced):
-    written = layer_at(cotangents, path)
+  for (path, layer), written, backward_traced in zip(layers, writes, traced):
     installed, reached["/".join(path)] = install_layer(
       dict(layer), written, backward_traced
     )
