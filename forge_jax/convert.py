@@ -134,9 +134,24 @@ def to_dense(
   (``rename``, default :func:`dense_path`). The arrays are the FORGE
   variables' own.
   """
+  if not isinstance(forge_variables, Mapping):
+    raise TypeError(
+      f"to_dense takes a variables dict, not {type(forge_variables).__name__}"
+      " (a TrainState's variables are its .params)"
+    )
   rename = dense_path if rename is None else rename
   embeddings = {tuple(path) for path in embeddings}
   flat = traverse_util.flatten_dict(unfreeze(forge_variables))
+  layers = {
+    tuple(path)
+    for collection, *path, name in flat
+    if collection == FORGE_COLLECTION and name == "kernel"
+  }
+  if embeddings - layers:
+    raise ValueError(
+      f"embeddings= names {sorted(embeddings - layers)}, which are not "
+      f"FORGE layers of these variables: {sorted(layers)}"
+    )
   out, sources = {}, {}
   for key, leaf in flat.items():
     collection, *path, name = key
@@ -215,12 +230,19 @@ def _fill(fresh, dense_variables, rename):
       + (
         f"dense leaves without a place: {', '.join(unused)}; " if unused else ""
       )
-      + "each FORGE layer must replace the flax layer of the same path "
-      "(auto-names ForgeDense_i, ForgeDenseGeneral_i, ForgeEmbed_i, "
-      "ForgeScan<Block>_i stand for Dense_i, DenseGeneral_i, Embed_i, "
-      "Scan<Block>_i); name the layers, or pass rename=."
+      + _SAME_PATH
     )
   return traverse_util.unflatten_dict(out)
+
+
+#: How a FORGE model's paths meet the flax model's, the hint of a mismatch.
+_SAME_PATH = (
+  "each FORGE layer must replace the flax layer of the same path "
+  "(auto-names ForgeDense_i, ForgeDenseGeneral_i, ForgeEmbed_i, "
+  "ForgeScan<Block>_i stand for Dense_i, DenseGeneral_i, Embed_i, "
+  "Scan<Block>_i, and the flax layers kept beside them are numbered "
+  "among their own kind only); name the layers, or pass rename=."
+)
 
 
 def _put(fresh_leaf, dense_leaf, key, source):
@@ -230,7 +252,8 @@ def _put(fresh_leaf, dense_leaf, key, source):
   if value.shape != target.shape:
     raise ValueError(
       f"{'/'.join(map(str, key))} has shape {target.shape} in the FORGE "
-      f"model but {'/'.join(source)} has {value.shape}"
+      f"model but {'/'.join(source)} has {value.shape} in the dense one: "
+      + _SAME_PATH
     )
   value = value.astype(target.dtype)
   if isinstance(fresh_leaf, nn.Partitioned):

@@ -47,6 +47,7 @@ from flax.nnx.nn.linear import default_bias_init, default_kernel_init
 from jax.sharding import PartitionSpec as P
 
 from forge_jax import clipping, layer_context, parallel, quantization
+from forge_jax.linen import FORGE_COLLECTION
 from forge_jax.ops.fused_dense import (
   IMPLEMENTATIONS,
   ForgeVariables,
@@ -81,7 +82,15 @@ class OverwriteWithGradient(nnx.Variable):
   ``intact`` and ``grad_sq_norm`` in variables of this type. FORGE's backward pass returns
   their updated values as their gradients; :class:`Optimizer` installs
   them. Not an ``nnx.Param``, so optax never holds state for them.
+  Registered as the Linen ``ForgeDense``'s collection: ``nnx.bridge``
+  moves them between the two APIs under that name, where
+  ``fj.TrainState`` finds a bridged layer's variables.
   """
+
+
+nnx.register_variable_name(
+  FORGE_COLLECTION, OverwriteWithGradient, overwrite=True
+)
 
 
 #: The filter to differentiate with: the parameters optax trains and
@@ -459,6 +468,29 @@ def forge_layers(model) -> list[tuple[tuple, Linear]]:
   ]
 
 
+def check_owned_by_layers(model, layers):
+  """Refuses FORGE variables of ``model`` that no :class:`Linear` of
+  ``layers`` holds: a Linen ``fj.ForgeDense`` wrapped by
+  ``nnx.bridge.ToNNX``, whose updates no NNX install would write."""
+  owners = [path for path, _ in layers]
+  stray = sorted(
+    {
+      _name(path[:-1])
+      for path, _ in nnx.to_flat_state(nnx.state(model, OverwriteWithGradient))
+      if path[-1] == "intact"
+      and not any(path[: len(owner)] == owner for owner in owners)
+    }
+  )
+  if stray:
+    raise ValueError(
+      f"The FORGE variables of {stray} belong to no fj.nnx.Linear (a Linen "
+      "fj.ForgeDense wrapped by nnx.bridge.ToNNX?): fj.nnx.Optimizer "
+      "installs the updates of fj.nnx.Linear and fj.nnx.Embed layers only. "
+      "Use those in an NNX model (or train the Linen model with "
+      "fj.TrainState)."
+    )
+
+
 def _name(path) -> str:
   return "/".join(map(str, path))
 
@@ -818,6 +850,7 @@ class Optimizer(nnx.Optimizer):
         "keep a second optimizer state for them. Use wrt=nnx.Param."
       )
     layers = forge_layers(model)
+    check_owned_by_layers(model, layers)
     try:
       super().__init__(model, tx, wrt=wrt, **kwargs)
     except (ValueError, TypeError, KeyError):
@@ -833,15 +866,20 @@ class Optimizer(nnx.Optimizer):
     check_decay_masks(
       tuple((path, layer.optimizer) for path, layer in layers),
       {path: layer.twin_weight for path, layer in layers},
-      _kernel_ranks(layers),
+      {path: _value(layer.kernel) for path, layer in layers},
     )
     # Refused at update unless the grads do not step them.
     self._frozen_layers = frozen_layers(model, tx, wrt, layers)
     for path, layer in layers:
       _INSTALLED.add(layer.layer_key)
       layer_context.name_layer(layer.layer_key, _name(path))
-      if layer.layer_id is None:
-        layer.layer_id = quantization.layer_id_from_path(path)
+      if layer.layer_id is None and layer.optimizer.draws_random_bits:
+        try:
+          layer.layer_id = quantization.layer_id_from_path(path)
+        except flax_errors.TraceContextError:
+          # nnx.eval_shape of an optimizer over a model made outside it:
+          # the model stays as it is; its real optimizer numbers it.
+          pass
     self.layer_paths = tuple(_name(path) for path, _ in layers)
     self.reached = nnx.data(
       [

@@ -12,9 +12,10 @@ It is the rule the FORGE layers' XLA backend applies
 (:func:`forge_jax.ops.update.apply_update`), run on each parameter viewed as
 2-D (``[-1, last axis]``; quantization blocks run along the last axis). An
 element whose gradient is not finite keeps its parameter and state, as in
-the FORGE layers, and a step with no finite gradient element (a NaN batch)
-leaves the step count too, as a layer's non-finite ``dY`` leaves its
-``count``. The rule computes the new parameters; the updates it
+the FORGE layers, and a step with any non-finite gradient element (a NaN
+batch, whose untouched embedding rows still have finite zero gradients)
+leaves the step count, as a non-finite ``dY`` leaves each layer's
+``count``: the layers and the parameters ``tx`` owns keep one count. The rule computes the new parameters; the updates it
 returns are their float32 differences from the old ones, which
 ``optax.apply_updates`` adds back. For bfloat16 parameters that gives the
 rule's values (unless a step shrinks a parameter more than 2**16-fold: the
@@ -110,10 +111,11 @@ def optax_with_storage(
         rules, paths, grads, params_def.flatten_up_to(params), per_param
       )
     ]
-    # A step whose every gradient element is non-finite (a NaN batch) keeps
-    # every parameter and state, and its count stays, as the layers' does
-    # for a non-finite dY: their bias corrections and schedules stay in step.
-    taken = jnp.any(jnp.stack([jnp.any(jnp.isfinite(g)) for g in grads]))
+    # A non-finite gradient element anywhere comes from a non-finite dY
+    # (a NaN batch, an overflow), which skips every layer it reaches and
+    # leaves their counts: this count stays too, so that the bias
+    # corrections and schedules of the layers and of tx stay in step.
+    taken = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in grads]))
     return params_def.unflatten(
       [step for step, _ in stepped]
     ), StoredOptaxState(

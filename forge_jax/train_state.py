@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
+from flax.core import meta
 from flax.training import train_state
 
 from forge_jax import clipping, layer_context, optax_storage
@@ -174,7 +175,7 @@ class TrainState(train_state.TrainState):
     if self.max_grad_norm is not None:
       check_clipped(
         [
-          ("/".join(path), path, layer.get("kernel"))
+          ("/".join(path), path, _kernel(layer))
           for path, layer in forge_layers(old or {})
         ],
         "take the gradient with state.value_and_grad(loss_fn), not "
@@ -238,7 +239,7 @@ def install(old, cotangents):
   traced = layer_context.take_backwards(
     [path for path, _ in layers],
     [_written(written, "count") for written in writes],
-    [layer.get("kernel") for _, layer in layers],
+    [_kernel(layer) for _, layer in layers],
     [_written(written, "kernel") for written in writes],
   )
   for (path, layer), written, backward_traced in zip(layers, writes, traced):
@@ -251,9 +252,15 @@ def install(old, cotangents):
 
 
 def _written(written, name: str):
-  """A layer's installed ``name`` entry (``count``, ``kernel``), or None
-  where it has none."""
-  return written.get(name) if isinstance(written, Mapping) else None
+  """A layer's installed ``name`` entry (``count``, ``kernel``), unboxed,
+  or None where it has none."""
+  return meta.unbox(written.get(name) if isinstance(written, Mapping) else None)
+
+
+def _kernel(layer: Mapping):
+  """A layer's kernel as its forward read it: a partitioned variable's box
+  (``nn.with_partitioning``) holds the array."""
+  return meta.unbox(layer.get("kernel"))
 
 
 def install_layer(old, written, backward_traced: bool):
@@ -426,16 +433,16 @@ def _same_rule(tx, optimizer) -> bool | None:
   try:
     # Eagerly, also while a train step traces: the probe is concrete.
     with jax.ensure_compile_time_eval():
-      verdicts = [
-        _steps_match(tx, reference)
-        for reference in (
-          optimizer.to_optax(),
-          optax_storage.optax_with_storage(optimizer),
-        )
-      ]
+      for reference in (
+        optimizer.to_optax,
+        functools.partial(optax_storage.optax_with_storage, optimizer),
+      ):
+        verdict = _steps_match(tx, reference())
+        if verdict is not False:
+          return verdict
   except Exception:  # pylint: disable=broad-exception-caught
     return None
-  return None if None in verdicts else any(verdicts)
+  return False
 
 
 #: The probe: a kernel-shaped parameter (made into an array where it steps,
@@ -452,6 +459,42 @@ _PROBE_GRADIENTS = (
 )
 
 
+#: The comparison of ``tx`` with the layers' rule steps on from the
+#: probe's three steps: six steps of gradients that turn against the ones
+#: before them at ratios from 1e-3 to 1e5 (Lion's ``b1`` shows only in the
+#: sign of its mix of the gradient and the momentum; RAdam's threshold once
+#: its rectification starts, from the fourth step on). Chosen so that each
+#: of Lion's ``b1`` in 0.5, 0.8, 0.85, 0.95 against 0.9, ``b2`` 0.98 and
+#: 0.999 against 0.99, and RAdam's threshold 3, 4, 6 against 5 differ.
+_RULE_PROBE_GRADIENTS = _PROBE_GRADIENTS + (
+  [[0.0036, -3.99, -23.5], [-0.0134, -0.0021, 0.0446]],
+  [[-0.394, 10.4, -0.344], [6.30, -638.0, -12.5]],
+  [[-1.17, -222.0, -45.0], [-0.0811, -351.0, -0.669]],
+  [[0.0163, 203.0, 12.0], [-125.0, -7.36, -0.275]],
+  [[0.426, 226.0, 4.81], [94.7, -0.974, 14.3]],
+  [[0.004, -0.0017, 16.3], [0.548, -243.0, -103.0]],
+)
+
+#: Then one step at each of these step counts (every integer scalar of both
+#: states, their ``count``s, set to it): a learning-rate schedule of ``tx``
+#: that departs from the layers' late (a decay's length, a boundary).
+_PROBE_COUNTS = (30, 300, 3_000, 30_000, 300_000)
+
+
+def _at_count(state, count: int):
+  """``state`` with every integer scalar (a transformation's step count)
+  set to ``count``."""
+  return jax.tree.map(
+    lambda leaf: (
+      jnp.full_like(leaf, count)
+      if jnp.ndim(leaf) == 0
+      and jnp.issubdtype(jnp.result_type(leaf), jnp.integer)
+      else leaf
+    ),
+    state,
+  )
+
+
 def _same_steps(a, b) -> bool:
   """Whether two probe steps agree (NaN where both step NaN: RAdam below
   its threshold)."""
@@ -466,14 +509,18 @@ def _steps_match(tx, reference) -> bool | None:
   params = {"kernel": jnp.asarray(_PROBE_KERNEL)}
   states = [tx.init(params), reference.init(params)]
   same, moved = True, False
-  for g in _PROBE_GRADIENTS:
+  steps = [(g, None) for g in _RULE_PROBE_GRADIENTS]
+  steps += [(_PROBE_GRADIENTS[0], count) for count in _PROBE_COUNTS]
+  for g, count in steps:
     grads = {"kernel": jnp.asarray(g, jnp.float32)}
-    steps = []
+    updates = []
     for i, t in enumerate((tx, reference)):
-      updates, states[i] = t.update(grads, states[i], params)
-      steps.append(np.asarray(updates["kernel"]))
-    moved = moved or bool(steps[0].any())
-    same = same and _same_steps(steps[0], steps[1])
+      if count is not None:
+        states[i] = _at_count(states[i], count)
+      update, states[i] = t.update(grads, states[i], params)
+      updates.append(np.asarray(update["kernel"]))
+    moved = moved or bool(updates[0].any())
+    same = same and _same_steps(*updates)
   return same if moved else None
 
 
@@ -490,7 +537,7 @@ def check_layer_optimizers(tx, collection, params=None, written=None):
   the gradient being installed (FORGE's collection), whose layers the loss
   did not reach may be frozen (their output's gradient stopped)."""
   candidates = {
-    path: layer_context.optimizers(path, layer.get("kernel"))
+    path: layer_context.optimizers(path, _kernel(layer))
     for path, layer in forge_layers(collection)
   }
   layers = tuple((path, _followed(tx, c)) for path, c in candidates.items())
@@ -511,7 +558,11 @@ def check_layer_optimizers(tx, collection, params=None, written=None):
       frozen=tuple(n for n in probe.frozen if n not in unreached)
     )
   check_optimizers(tx, {optimizer for _, optimizer in layers})
-  check_decay_masks(layers, weights, ranks)
+  check_decay_masks(
+    layers,
+    weights,
+    {path: _kernel(layer) for path, layer in forge_layers(collection)},
+  )
   check_probed(probe, by_params, by_kernels, ambiguous)
 
 
@@ -520,8 +571,7 @@ def _kernel_ranks(collection) -> dict:
   ``collection`` (3 or more for ``nn.DenseGeneral``'s kernels and a scan's
   stacks): a weight-decay mask by rank reads it."""
   return {
-    path: np.ndim(layer.get("kernel"))
-    for path, layer in forge_layers(collection)
+    path: np.ndim(_kernel(layer)) for path, layer in forge_layers(collection)
   }
 
 
@@ -532,7 +582,7 @@ def _unreached(collection, written) -> set:
   for path, layer in forge_layers(collection):
     flags = layer_at(written, path)
     flags = flags.get("intact") if isinstance(flags, Mapping) else None
-    if unreached_layer(flags, path, layer.get("kernel")):
+    if unreached_layer(flags, path, _kernel(layer)):
       names.add("/".join(map(str, path)))
   return names
 
@@ -563,7 +613,7 @@ def _followed(tx, candidates: tuple):
 def check_decay_masks(
   layers: tuple,
   weights: Optional[Mapping] = None,
-  ranks: Optional[Mapping] = None,
+  kernels: Optional[Mapping] = None,
 ):
   """Refuses a weight-decay ``mask`` of a layer's optimizer that leaves out
   that layer's kernel, asked at the path where flax's layer keeps it:
@@ -572,10 +622,11 @@ def check_decay_masks(
   a pytree of them or of a prefix (:func:`mask_at`). ``layers``:
   ``(path, optimizer)`` pairs; ``weights``: by path, the name flax's layer
   keeps its weight under (``'embedding'`` for an embedding; ``'kernel'``
-  where absent); ``ranks``: by path, the kernel's number of dimensions
-  (2 where absent), which a mask by rank reads (``nn.DenseGeneral``'s
-  kernels, a scan's stacks)."""
-  weights, ranks = weights or {}, ranks or {}
+  where absent); ``kernels``: by path, the kernel (an array or its shape
+  and dtype), which a mask function reads as optax would give it: by its
+  rank, shape, size or dtype. A mask that reads the kernel's values
+  cannot be judged and is let through."""
+  weights, kernels = weights or {}, kernels or {}
   left_out = []
   for path, optimizer in layers:
     mask = getattr(optimizer, "mask", None)
@@ -583,19 +634,40 @@ def check_decay_masks(
       continue
     keys = (*path, weights.get(path, "kernel"))
     if callable(mask):
-      try:
-        mask = mask(
-          _kernel_probe_tree(
-            [path], {path: keys[-1]}, {path: ranks.get(path, 2)}
-          )
-        )
-      except Exception:  # noqa: BLE001 (a mask written for another tree)
-        continue
+      mask = _mask_of_kernel(mask, keys, kernels.get(path))
     decided = mask_at(mask, keys)
-    if decided is not None and not np.all(np.asarray(decided)):
+    try:
+      kept = decided is None or np.all(np.asarray(decided))
+    except jax.errors.TracerArrayConversionError:  # read the values
+      kept = True
+    if not kept:
       left_out.append("/".join(map(str, path)))
   if left_out:
     raise ValueError(undecayed_message(left_out))
+
+
+def _mask_of_kernel(mask: Callable, keys: tuple, kernel):
+  """``mask`` called on a tree holding the kernel alone at ``keys``, traced
+  abstractly (no memory): a kernel of its real shape and dtype (a 2 x 3
+  float32 probe where ``kernel`` is None). None where the mask fails on
+  that tree (written for another tree)."""
+  if kernel is None:
+    kernel = jax.ShapeDtypeStruct((2, 3), jnp.float32)
+  leaf = jax.ShapeDtypeStruct(jnp.shape(kernel), kernel.dtype)
+  tree = leaf
+  for key in reversed(keys):
+    tree = {key: tree}
+  decided = []
+
+  def call(tree):
+    decided.append(mask(tree))
+    return 0
+
+  try:
+    jax.eval_shape(call, tree)
+  except Exception:  # noqa: BLE001 (a mask written for another tree)
+    return None
+  return decided[0]
 
 
 def mask_at(mask, keys: tuple):

@@ -191,7 +191,7 @@ def test_mismatches_name_the_leaves():
     fj.from_dense(extra, Model(fj.adam(1e-3)), x)
   wrong = jax.tree.map(lambda a: a, dense_vars)
   wrong["params"]["Dense_0"]["kernel"] = jnp.ones((8, 5))
-  with pytest.raises(ValueError, match="shape"):
+  with pytest.raises(ValueError, match="shape.*name the layers"):
     fj.from_dense(wrong, Model(fj.adam(1e-3)), x)
   # The parameters alone, as many checkpoints hold them.
   with pytest.raises(ValueError, match="no 'params' collection"):
@@ -216,6 +216,20 @@ def test_to_dense_refuses_two_layers_at_one_path():
     match=r"ForgeDense_0/kernel and params/Dense_0/kernel both become",
   ):
     fj.to_dense(variables)
+
+
+def test_to_dense_names_what_it_cannot_take():
+  """A TrainState instead of its variables, and an embeddings= path that
+  is no FORGE layer (a typo would write the table as a kernel)."""
+  model = fj.ForgeDense(4, optimizer=fj.adam(1e-3), name="head")
+  variables = model.init(jax.random.key(0), jnp.ones((2, 3)))
+  state = fj.TrainState.create(
+    apply_fn=model.apply, params=variables, tx=fj.adam(1e-3).to_optax()
+  )
+  with pytest.raises(TypeError, match=r"not TrainState.*\.params"):
+    fj.to_dense(state)
+  with pytest.raises(ValueError, match=r"\[\('embed',\)\].*not FORGE layers"):
+    fj.to_dense(state.params, embeddings=[("embed",)])
 
 
 def test_forge_embedding_moves_as_nn_embeds_table(seed):

@@ -1694,6 +1694,41 @@ def test_a_decay_mask_by_rank_reads_each_kernels_rank(where):
   )
 
 
+def test_a_decay_mask_by_shape_reads_each_kernels_shape():
+  """The layers' weight-decay mask by shape or size asks each kernel at
+  its own shape (``[8, 2, 4]`` and ``[8, 4]`` here), as optax asks flax's
+  layers' kernels: one that leaves a kernel out is refused, naming it, and
+  one that decays every kernel but no bias trains as flax's layers +
+  optax."""
+
+  def forge(mask):
+    opt = fj.adamw(1e-2, weight_decay=0.1, mask=mask)
+    return GeneralHeads(optimizer=opt), opt.to_optax()
+
+  by_rows = lambda p: jax.tree.map(lambda a: a.ndim > 1 and a.shape[0] != 8, p)
+  big = lambda p: jax.tree.map(lambda a: a.size > 40, p)
+  for mask, refused in ((by_rows, r"\['heads', 'out'\]"), (big, r"\['out'\]")):
+    model, tx = forge(mask)
+    with pytest.raises(ValueError, match=rf"mask leaves out.*{refused}"):
+      train(model, steps=1, tx=tx)
+
+  kernels_only = lambda p: jax.tree.map(lambda a: a.size > 16, p)
+  model, tx = forge(kernels_only)
+  state, losses = train(model, tx=tx)
+  expected, expected_losses = train(
+    GeneralHeads(None),
+    state_cls=FlaxTrainState,
+    tx=optax.adamw(1e-2, weight_decay=0.1, mask=kernels_only),
+  )
+  np.testing.assert_allclose(losses, expected_losses, rtol=1e-6)
+  chex.assert_trees_all_close(
+    fj.to_dense(state.params)["params"],
+    expected.params["params"],
+    rtol=1e-5,
+    atol=1e-7,
+  )
+
+
 def test_train_state_accepts_a_learning_rate_warmed_up_from_zero():
   """A schedule that starts at 0 leaves the probe unmoved on its first
   step, the layers' rule too: that is no freezing."""
@@ -1706,6 +1741,45 @@ def test_train_state_accepts_a_learning_rate_warmed_up_from_zero():
 
   _, losses = train(Layer(), steps=2, tx=opt.to_optax())
   assert np.isfinite(losses).all()
+
+
+PIECEWISE = lambda boundary: optax.piecewise_constant_schedule(
+  1e-2, {boundary: 0.1}
+)
+
+
+@pytest.mark.parametrize(
+  "opt, same, other",
+  [
+    (fj.lion(1e-3), optax.lion(1e-3), optax.lion(1e-3, b1=0.5)),
+    (
+      fj.radam(1e-3, threshold=5.0),
+      optax.radam(1e-3, threshold=5.0),
+      optax.radam(1e-3, threshold=3.0),
+    ),
+    (
+      fj.sgd(PIECEWISE(5_000)),
+      optax.sgd(PIECEWISE(5_000)),
+      optax.sgd(PIECEWISE(50_000)),
+    ),
+    (
+      fj.adam(optax.cosine_decay_schedule(1e-2, 1_000)),
+      optax.adam(optax.cosine_decay_schedule(1e-2, 1_000)),
+      optax.adam(optax.cosine_decay_schedule(1e-2, 10_000)),
+    ),
+  ],
+  ids=["lion_b1", "radam_threshold", "late_boundary", "decay_length"],
+)
+def test_a_tx_that_departs_late_or_in_sign_alone_is_another_rule(
+  opt, same, other
+):
+  """The probe compares ``tx`` with the layers' rule past RAdam's
+  threshold, through Lion's sign and at late step counts: the same alias
+  passes, one with another ``b1``, threshold, boundary or decay length is
+  refused."""
+  fj.train_state.check_optimizers(same, {opt})
+  with pytest.raises(ValueError, match="not the optimizer of the ForgeDense"):
+    fj.train_state.check_optimizers(other, {opt})
 
 
 def test_radam_below_its_threshold_is_its_own_optax_alias():

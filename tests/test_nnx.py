@@ -981,6 +981,16 @@ def test_optimizer_refuses_a_decay_mask_without_a_forge_kernel(seed):
     fj.nnx.Optimizer(model, opt.to_optax(), wrt=nnx.Param)
 
 
+def test_optimizer_reads_a_decay_mask_by_size_at_each_kernels_shape(seed):
+  """A mask by size that decays the ``[6, 8]`` kernel but not the ``[8, 4]``
+  one (nor the biases) is refused, naming the second layer."""
+  big = lambda p: jax.tree.map(lambda a: a.size > 40, p)
+  opt = fj.adamw(1e-2, weight_decay=0.1, mask=big)
+  model = MLP((6, 8, 4), nnx.Rngs(seed), opt, implementation="xla")
+  with pytest.raises(ValueError, match=r"mask leaves out.*\['layers/1'\]"):
+    fj.nnx.Optimizer(model, opt.to_optax(), wrt=nnx.Param)
+
+
 def test_optimizer_takes_each_bias_by_its_layer_rule(seed):
   """Linears on two rules: a tx that steps the Lion layer's bias by AdamW
   is refused, naming it; labels that give it Lion pass."""
@@ -1209,6 +1219,12 @@ def test_stochastic_rounding_needs_a_layer_id(opt, seed):
   x = jnp.ones((2, 6), jnp.bfloat16)
   with pytest.raises(ValueError, match="layer_id"):
     model(x)
+  # An abstract optimizer (a checkpoint's target) leaves the model as it is.
+  abstract = nnx.eval_shape(
+    lambda: fj.nnx.Optimizer(model, opt.to_optax(), wrt=nnx.Param)
+  )
+  assert isinstance(abstract, fj.nnx.Optimizer)
+  assert model.layers[0].layer_id is None
   fj.nnx.Optimizer(model, opt.to_optax(), wrt=nnx.Param)  # numbers them
   assert model.layers[0].layer_id == fj.quantization.layer_id_from_path(
     ("layers", 0)
@@ -2121,3 +2137,77 @@ def test_clipping_refuses_unclipped_layers(seed):
     optimizer.update(model, grads)
   with pytest.raises(ValueError, match="clip="):
     fj.nnx.Optimizer(model, OPT.to_optax(), wrt=nnx.Param, clip="late")
+
+
+# ---------------------------------------------------------------------------
+# nnx.bridge between Linen and NNX.
+
+
+class _Bridged(nn.Module):
+  """Two ``nnx.bridge.ToLinen`` layers: ``fj.nnx.Linear`` with
+  ``optimizer``, else ``nnx.Linear``."""
+
+  optimizer: object = None
+
+  @nn.compact
+  def __call__(self, x):
+    if self.optimizer is None:
+      linear, kwargs = nnx.Linear, {}
+    else:
+      linear, kwargs = fj.nnx.Linear, {"optimizer": self.optimizer}
+    h = nnx.bridge.ToLinen(linear, args=(6, 8), kwargs=kwargs, name="a")(x)
+    return nnx.bridge.ToLinen(linear, args=(8, 4), kwargs=kwargs, name="b")(
+      nnx.gelu(h)
+    )
+
+
+def test_linears_bridged_into_linen_train_with_fj_train_state(seed):
+  """``nnx.bridge.ToLinen(fj.nnx.Linear)`` keeps the layer's variables in
+  FORGE's Linen collection, where ``fj.TrainState`` installs them: the
+  steps match ``ToLinen(nnx.Linear)`` + optax."""
+  from flax.training.train_state import TrainState  # pylint: disable=import-outside-toplevel
+
+  x, y = make_batch(seed, (4, 6), 4)
+  model, reference = _Bridged(OPT), _Bridged()
+  variables = model.init(jax.random.key(seed), x)
+  assert set(variables) == {"params", fj.FORGE_COLLECTION}
+  state = fj.TrainState.create(
+    apply_fn=model.apply, params=variables, tx=OPT.to_optax()
+  )
+  expected = TrainState.create(
+    apply_fn=reference.apply,
+    params=reference.init(jax.random.key(seed), x)["params"],
+    tx=optax.adamw(1e-2, weight_decay=0.1),
+  )
+
+  @jax.jit
+  def step(state):
+    loss = lambda v: jnp.mean((state.apply_fn(v, x) - y) ** 2)
+    return state.apply_gradients(grads=jax.grad(loss)(state.params))
+
+  @jax.jit
+  def flax_step(state):
+    loss = lambda p: jnp.mean((state.apply_fn({"params": p}, x) - y) ** 2)
+    return state.apply_gradients(grads=jax.grad(loss)(state.params))
+
+  for _ in range(STEPS):
+    state, expected = step(state), flax_step(expected)
+  for name in ("a", "b"):
+    layer = state.params[fj.FORGE_COLLECTION][name]
+    assert float(layer["count"]) == STEPS
+    assert_rel_close(layer["kernel"], expected.params[name]["kernel"], RTOL)
+
+
+def test_an_optimizer_refuses_a_linen_layer_bridged_into_nnx(seed):
+  """``nnx.bridge.ToNNX(fj.ForgeDense)``: no NNX install writes a Linen
+  layer's updates, so ``fj.nnx.Optimizer`` refuses it, naming it."""
+  x, _ = make_batch(seed, (4, 6), 4)
+  model = MLP((6, 8), nnx.Rngs(seed), OPT)
+  model.head = nnx.bridge.ToNNX(
+    fj.ForgeDense(4, optimizer=OPT), rngs=nnx.Rngs(seed)
+  )
+  nnx.bridge.lazy_init(model.head, x)
+  with pytest.raises(
+    ValueError, match=r"\['head'\] belong to no fj.nnx.Linear"
+  ):
+    fj.nnx.Optimizer(model, OPT.to_optax(), wrt=nnx.Param)

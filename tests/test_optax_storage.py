@@ -281,7 +281,8 @@ def test_weight_decay_mask_prefix_and_callable(seed):
 
 def test_non_finite_gradient_elements_keep_their_values(seed):
   """An element whose gradient is NaN or inf keeps its parameter (bf16
-  states: and its state) bit for bit; the others step."""
+  states: and its state) bit for bit; the others step, and the count stays
+  as a layer's does for a non-finite dY."""
   opt = fj.adam(1e-2, state_dtype="bfloat16")
   tx = fj.optax_with_storage(opt)
   params = {"w": jax.random.normal(jax.random.key(seed), (8, 64), BF16)}
@@ -293,13 +294,14 @@ def test_non_finite_gradient_elements_keep_their_values(seed):
   assert not changed[1, 2] and not changed[3, 4]
   assert changed.sum() == changed.size - 2
   assert float(state.state.mu["w"][1, 2]) == 0.0
-  assert int(state.count) == 1  # some elements stepped: a step taken
-  # No finite element at all (a NaN batch): everything stays, the count
-  # too, as a layer's count stays for a non-finite dY.
+  assert int(state.count) == 0
+  # No finite element at all: everything stays.
   nan = {"w": jnp.full((8, 64), jnp.nan, BF16)}
   kept, after = _stepper(tx)(new, state, nan)
   assert_bitwise_equal(kept["w"], new["w"], "w")
-  assert int(after.count) == 1
+  assert int(after.count) == 0
+  finite = {"w": jnp.ones((8, 64), BF16)}
+  assert int(_stepper(tx)(kept, after, finite)[1].count) == 1
 
 
 def test_int8_states_skip_elements_whose_square_overflows(seed):
@@ -388,6 +390,34 @@ def test_train_state_trains_an_int8_embedding_and_checkpoints_it(
   other = new_state(fj.optax_with_storage(fj.lion(1e-3)))
   with pytest.raises(ValueError, match="not the optimizer"):
     train_step(other)
+
+
+def test_a_nan_batch_leaves_the_layers_and_tx_one_count(seed):
+  """A NaN batch skips every layer (non-finite dY) and leaves their
+  ``count``; the embedding rows it does not touch have finite (zero)
+  gradients, but ``tx``'s count stays too: one count for the whole model."""
+  opt = fj.adamw(1e-2, weight_decay=0.1, state_dtype="int8")
+  model = EmbedLM(opt)
+  tokens = jax.random.randint(jax.random.key(seed), (2, 8), 0, 16)
+  state = fj.TrainState.create(
+    apply_fn=model.apply,
+    params=model.init(jax.random.key(seed + 1), tokens),
+    tx=fj.optax_with_storage(opt),
+  )
+
+  @jax.jit
+  def train_step(state, scale):
+    loss = lambda v: scale * jnp.mean(state.apply_fn(v, tokens).astype(F32))
+    return state.apply_gradients(grads=jax.grad(loss)(state.params))
+
+  for scale in (1.0, jnp.nan, 1.0):
+    state = train_step(state, scale)
+  counts = {
+    name: float(layer["count"])
+    for name, layer in state.params[fj.FORGE_COLLECTION].items()
+  }
+  assert counts == {"ForgeDense_0": 2.0, "ForgeDense_1": 2.0}
+  assert int(state.opt_state.count) == 2
 
 
 def test_nnx_optimizer_trains_an_int8_embedding(seed):

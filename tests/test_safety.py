@@ -230,6 +230,64 @@ def test_a_kernel_read_under_stop_gradient_trains(jit, seed):
     )
 
 
+class Partitioned(nn.Module):
+  """Layers whose kernels are created boxed for a mesh's axes
+  (``nn.with_partitioning``), FORGE's or flax's (``optimizer`` None)."""
+
+  optimizer: object = OPT
+
+  @nn.compact
+  def __call__(self, x):
+    init = nn.with_partitioning(nn.initializers.lecun_normal(), (None, "m"))
+    if self.optimizer is None:
+      dense = lambda n, name: nn.Dense(n, kernel_init=init, name=name)
+    else:
+      dense = lambda n, name: fj.ForgeDense(
+        n, optimizer=self.optimizer, kernel_init=init, name=name
+      )
+    return dense(4, "fc2")(nn.gelu(dense(8, "fc1")(x)))
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_boxed_kernels_train_without_a_mesh_as_flax(jit, seed):
+  """Variables boxed by ``nn.with_partitioning``, trained on one device
+  with no mesh (as flax trains them): each layer's install reads the
+  array in its box, and the steps match ``nn.Dense`` + optax's."""
+  model = Partitioned()
+  variables, (x, y) = _init(model, seed)
+  assert isinstance(variables[COLL]["fc1"]["kernel"], nn.Partitioned)
+  state = fj.TrainState.create(
+    apply_fn=model.apply, params=variables, tx=OPT.to_optax()
+  )
+  reference = Partitioned(optimizer=None)
+  expected = TrainState.create(
+    apply_fn=reference.apply,
+    params=reference.init(jax.random.key(seed), x)["params"],
+    tx=OPT.to_optax(),
+  )
+
+  def step(state):
+    loss = lambda v: jnp.mean((state.apply_fn(v, x) - y) ** 2)
+    return state.apply_gradients(grads=jax.grad(loss)(state.params))
+
+  def flax_step(state):
+    loss = lambda p: jnp.mean((state.apply_fn({"params": p}, x) - y) ** 2)
+    return state.apply_gradients(grads=jax.grad(loss)(state.params))
+
+  for _ in range(3):
+    state = (jax.jit(step) if jit else step)(state)
+    expected = jax.jit(flax_step)(expected)
+  got, want = nn.unbox(state.params), nn.unbox(expected.params)
+  for name in ("fc1", "fc2"):
+    assert float(got[COLL][name]["count"]) == 3.0
+    assert_rel_close(
+      got[COLL][name]["kernel"], want[name]["kernel"], 1e-5, name
+    )
+    assert_rel_close(
+      got["params"][name]["bias"], want[name]["bias"], 1e-5, name
+    )
+
+
 class Encoder(nn.Module):
   layer: str = "proj"
 
