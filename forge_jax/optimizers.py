@@ -246,9 +246,24 @@ class ForgeOptimizer(abc.ABC):
     read = state if self.kernel_reads_old_state else new_state
     return self.update_kernel(grad, kernel, read, scalars), new_state
 
-  @abc.abstractmethod
   def to_optax(self) -> optax.GradientTransformation:
-    """The optax alias with the same arguments (for non-FORGE parameters)."""
+    """The optax alias with the same arguments (for non-FORGE parameters).
+
+    Equal optimizers share one alias object, which ``fj.TrainState`` then
+    knows as their rule without stepping a probe through it again."""
+    try:
+      return _shared_optax_alias(self)
+    except TypeError:  # an unhashable field (a mask tree): a new alias
+      return self.optax_alias()
+
+  @abc.abstractmethod
+  def optax_alias(self) -> optax.GradientTransformation:
+    """A new optax alias with the same arguments."""
+
+
+@functools.lru_cache(maxsize=256)
+def _shared_optax_alias(optimizer: ForgeOptimizer):
+  return optimizer.optax_alias()
 
 
 # ---------------------------------------------------------------------------
@@ -332,7 +347,7 @@ class Adam(ForgeOptimizer):
       u = u + s.weight_decay * kernel
     return kernel + s.neg_lr * u
 
-  def to_optax(self):
+  def optax_alias(self):
     if self.decoupled:
       return optax.adamw(
         self.learning_rate,
@@ -485,7 +500,7 @@ class RAdam(ForgeOptimizer):
     )
     return kernel + s.neg_lr * u
 
-  def to_optax(self):
+  def optax_alias(self):
     return optax.radam(
       self.learning_rate,
       b1=self.b1,
@@ -549,7 +564,7 @@ class Lion(ForgeOptimizer):
       u = u + s.weight_decay * kernel
     return kernel + s.neg_lr * u
 
-  def to_optax(self):
+  def optax_alias(self):
     return optax.lion(
       self.learning_rate,
       b1=self.b1,
@@ -660,7 +675,7 @@ class RMSprop(ForgeOptimizer):
       u = u + self.momentum * state.trace if self.nesterov else state.trace
     return kernel + u
 
-  def to_optax(self):
+  def optax_alias(self):
     return optax.rmsprop(
       self.learning_rate,
       decay=self.decay,
@@ -724,7 +739,7 @@ class Adagrad(ForgeOptimizer):
     )
     return kernel + s.neg_lr * (inv_sqrt * grad)
 
-  def to_optax(self):
+  def optax_alias(self):
     return optax.adagrad(
       self.learning_rate,
       initial_accumulator_value=self.initial_accumulator_value,
@@ -780,7 +795,7 @@ class SGD(ForgeOptimizer):
     u = grad + self.momentum * state.trace if self.nesterov else state.trace
     return kernel + s.neg_lr * u
 
-  def to_optax(self):
+  def optax_alias(self):
     return optax.sgd(
       self.learning_rate,
       momentum=self.momentum,

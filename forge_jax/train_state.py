@@ -430,6 +430,8 @@ def _same_rule(tx, optimizer) -> bool | None:
   ``fj.optax_with_storage(optimizer)`` does (None: ``tx`` cannot run on
   the probe, e.g. it labels parameters by name, or leaves it where it is:
   a freezing label that reaches the probe says nothing of the rule)."""
+  if tx is optimizer.to_optax():
+    return True
   try:
     # Eagerly, also while a train step traces: the probe is concrete.
     with jax.ensure_compile_time_eval():
@@ -927,35 +929,42 @@ def _probe_layers(
   try:
     # Eagerly, also while a train step traces: the probe is concrete.
     with jax.ensure_compile_time_eval():
-
-      def steps(t):
-        """Per leaf: ``t``'s update in each probe step."""
-        probe = lambda values: jax.tree.unflatten(
-          treedef, [jnp.asarray(_probe_of_rank(values, r)) for r in ranks]
-        )
-        params = probe(_PROBE_KERNEL)
-        state, taken = t.init(params), [[] for _ in ranks]
-        for g in _PROBE_GRADIENTS:
-          updates, state = t.update(probe(g), state, params)
-          for i, step in enumerate(jax.tree.leaves(updates)):
-            taken[i].append(np.asarray(step))
-        return taken
-
-      def steps_of(opt):
-        """Per leaf: the steps of ``opt``'s optax forms (none for None)."""
-        if opt is None:
-          return ()
-        return (
-          steps(opt.to_optax()),
-          steps(optax_storage.optax_with_storage(opt)),
-        )
-
-      by_tx = steps(tx)
-      optimizers = {rules[path] for path in owned}
-      by_rule = {opt: steps_of(opt) for opt in optimizers}
-      undecayed_rule = {opt: steps_of(_undecayed(opt)) for opt in optimizers}
+      return _judged_probe(tx, owned, rules, treedef, ranks)
   except Exception:  # pylint: disable=broad-exception-caught
     return None
+
+
+def _judged_probe(tx, owned, rules, treedef, ranks) -> LayerProbe:
+  """:func:`_probe_layers`'s verdicts on the leaves ``owned`` by each layer
+  path, ``rules`` its optimizer. Each rule's optax forms step the probe
+  only as far as a verdict needs them."""
+
+  def steps(t):
+    """Per leaf: ``t``'s update in each probe step."""
+    probe = lambda values: jax.tree.unflatten(
+      treedef, [jnp.asarray(_probe_of_rank(values, r)) for r in ranks]
+    )
+    params = probe(_PROBE_KERNEL)
+    state, taken = t.init(params), [[] for _ in ranks]
+    for g in _PROBE_GRADIENTS:
+      updates, state = t.update(probe(g), state, params)
+      for i, step in enumerate(jax.tree.leaves(updates)):
+        taken[i].append(np.asarray(step))
+    return taken
+
+  @functools.cache
+  def form_steps(opt, form: int):
+    if form == 0:
+      return steps(opt.to_optax())
+    return steps(optax_storage.optax_with_storage(opt))
+
+  def forms(opt):
+    """The steps of ``opt``'s optax forms, each run when first asked for
+    (none for None)."""
+    return () if opt is None else (form_steps(opt, f) for f in (0, 1))
+
+  by_tx = steps(tx)
+  optimizers = {rules[path] for path in owned}
   moves = lambda taken, leaves: any(
     np.asarray(step).any() for i in leaves for step in taken[i]
   )
@@ -966,7 +975,7 @@ def _probe_layers(
   frozen = tuple(
     name(path)
     for path, leaves in owned.items()
-    if moves(by_rule[rules[path]][0], leaves) and not moves(by_tx, leaves)
+    if not moves(by_tx, leaves) and moves(form_steps(rules[path], 0), leaves)
   )
   stepped = {
     path: leaves
@@ -974,16 +983,14 @@ def _probe_layers(
     if name(path) not in frozen and moves(by_tx, leaves)
   }
   off_rule = {
-    name(path): not any(
-      follows(taken, leaves) for taken in by_rule[rules[path]]
-    )
+    name(path): not any(follows(taken, leaves) for taken in forms(rules[path]))
     for path, leaves in stepped.items()
   }
   undecayed = tuple(
     name(path)
     for path, leaves in stepped.items()
     if off_rule[name(path)]
-    and any(follows(taken, leaves) for taken in undecayed_rule[rules[path]])
+    and any(follows(taken, leaves) for taken in forms(_undecayed(rules[path])))
   )
   # With one rule for every layer, tx stepping some layers by it and others
   # otherwise singles those out by their paths (a learning rate of their
