@@ -249,11 +249,12 @@ class ForgeOptimizer(abc.ABC):
   def to_optax(self) -> optax.GradientTransformation:
     """The optax alias with the same arguments (for non-FORGE parameters).
 
-    Equal optimizers share one alias object, which ``fj.TrainState`` then
-    knows as their rule without stepping a probe through it again."""
+    Equal optimizers with the same ``mask`` object (which equality leaves
+    out) share one alias object, which ``fj.TrainState`` then knows as
+    their rule without stepping a probe through it again."""
     try:
-      return _shared_optax_alias(self)
-    except TypeError:  # an unhashable field (a mask tree): a new alias
+      return _shared_optax_alias(self, id(getattr(self, "mask", None)))
+    except TypeError:  # an unhashable field: a new alias
       return self.optax_alias()
 
   @abc.abstractmethod
@@ -262,7 +263,10 @@ class ForgeOptimizer(abc.ABC):
 
 
 @functools.lru_cache(maxsize=256)
-def _shared_optax_alias(optimizer: ForgeOptimizer):
+def _shared_optax_alias(optimizer: ForgeOptimizer, mask_id: int):
+  """``optimizer``'s alias; ``mask_id`` tells masks apart (the cached
+  optimizer holds its mask, so the id is not reused while cached)."""
+  del mask_id
   return optimizer.optax_alias()
 
 

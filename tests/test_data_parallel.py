@@ -449,7 +449,12 @@ def test_fsdp_llama_matches_one_device_and_optax(dp, tp, sp):
 @needs_devices
 @pytest.mark.parametrize(
   "dp,tp",
-  [pytest.param(4, 1, id="dp4"), pytest.param(2, 2, id="dp2-tp2", marks=SLOW)],
+  # Slow: fj.scan under FSDP runs by default in the one-layer and Explicit
+  # mesh scan tests.
+  [
+    pytest.param(4, 1, id="dp4", marks=SLOW),
+    pytest.param(2, 2, id="dp2-tp2", marks=SLOW),
+  ],
 )
 def test_fsdp_scanned_llama(dp, tp):
   """fj.scan's stacked, in-place backward under FSDP: one layer's kernel is

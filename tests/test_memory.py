@@ -307,7 +307,9 @@ def test_xla_backend_step_holds_one_float32_gradient_beyond_optax(dtype):
   assert forge_temp <= optax_temp + 4 * k * n, (forge_temp, optax_temp)
 
 
-@pytest.mark.parametrize("second_moment_bits", [8, 4])
+@pytest.mark.parametrize(
+  "second_moment_bits", [8, pytest.param(4, marks=pytest.mark.slow)]
+)
 def test_xla_reference_temp_follows_its_row_chunks(
   second_moment_bits, monkeypatch
 ):

@@ -24,6 +24,25 @@ from forge_jax.ops.update import apply_update
 from fused_dense_test_base import BF16_STATE_RTOL, OPTAX_CASES
 
 
+def test_equal_optimizers_share_one_alias_unless_their_masks_differ():
+  """Optimizer equality leaves the decay mask out (the layers decay every
+  kernel): equal optimizers share one alias object only with the same mask
+  object, and a mask tree (unhashable) still gets its own alias."""
+  no_bias = lambda p: jax.tree.map(lambda a: a.ndim > 1, p)
+  assert fj.adamw(1e-2).to_optax() is fj.adamw(1e-2).to_optax()
+  masked = fj.adamw(1e-2, weight_decay=0.1, mask=no_bias)
+  assert masked.to_optax() is masked.to_optax()
+  assert masked == fj.adamw(1e-2, weight_decay=0.1)
+  assert masked.to_optax() is not fj.adamw(1e-2, weight_decay=0.1).to_optax()
+  tree = {"fc": {"kernel": True, "bias": False}}
+  params = {"fc": {"kernel": jnp.ones((2, 3)), "bias": jnp.ones(3)}}
+  zeros = jax.tree.map(jnp.zeros_like, params)
+  tx = fj.adamw(1e-2, weight_decay=0.1, mask=tree).to_optax()
+  updates, _ = tx.update(zeros, tx.init(params), params)
+  assert float(jnp.abs(updates["fc"]["bias"]).max()) == 0.0
+  assert float(jnp.abs(updates["fc"]["kernel"]).max()) > 0.0
+
+
 @pytest.mark.parametrize("case", OPTAX_CASES, ids=[c.id for c in OPTAX_CASES])
 def test_to_optax_is_the_optax_alias(case, seed):
   """``opt.to_optax()`` steps exactly as ``optax.<name>(**kwargs)``."""
