@@ -162,7 +162,12 @@ class XlaTest(FusedDenseTestBase):
   ],
 )
 @pytest.mark.parametrize("stacked", [False, True], ids=["layer", "stacked"])
-@pytest.mark.parametrize("sharded", [False, True], ids=["whole", "shard"])
+@pytest.mark.parametrize(
+  "sharded",
+  # Sharded row chunks also run by default in test_data_parallel.py's FSDP.
+  [False, pytest.param(True, marks=pytest.mark.slow)],
+  ids=["whole", "shard"],
+)
 def test_xla_reference_steps_large_kernels_in_row_chunks(
   opt, stacked, sharded, seed, monkeypatch
 ):

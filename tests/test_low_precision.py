@@ -844,6 +844,7 @@ def test_checkpoint_without_gradient_norms_restores_them_as_zeros(
     checkpoint.restore(path, fewer)
 
 
+@pytest.mark.slow
 def test_checkpoint_moves_between_tracked_and_untracked_norms(tmp_path, seed):
   """A state that tracks the gradient norm restores into one that does
   not (its saved grad_norm left out) and back (grad_norm 0.0), every other

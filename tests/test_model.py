@@ -284,6 +284,7 @@ def test_remat_policy_names_are_checked(overrides, match):
     dataclasses.replace(TINY, **overrides)
 
 
+@pytest.mark.slow  # nn.remat blocks train by default in test_drop_in.py
 def test_remat_unrolled_matches():
   batches = _batches(3)
   init_u, lu, final_u = _reference("forge", qk_norm=False)

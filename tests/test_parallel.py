@@ -804,7 +804,9 @@ def _assert_state_sharded_like_kernel(layer, mesh, kernel_spec):
 
 FOUR_BIT_OPT = dataclasses.replace(INT8_OPT, second_moment_bits=4)
 INT8_LAYERS = [
-  ((None, "model"), 256, 4, "xla", INT8_OPT),
+  pytest.param(
+    (None, "model"), 256, 4, "xla", INT8_OPT, marks=pytest.mark.slow
+  ),
   (("model", None), 96, 2, "xla", INT8_OPT),
   ((None, "model"), 256, 2, "triton", INT8_OPT),
   ((None, "model"), 256, 4, "triton", FOUR_BIT_OPT),
