@@ -15,8 +15,9 @@ element whose gradient is not finite keeps its parameter and state, as in
 the FORGE layers, and a step with any non-finite gradient element (a NaN
 batch, whose untouched embedding rows still have finite zero gradients)
 leaves the step count, as a non-finite ``dY`` leaves each layer's
-``count``: the layers and the parameters ``tx`` owns keep one count. The rule computes the new parameters; the updates it
-returns are their float32 differences from the old ones, which
+``count``: the layers and the parameters ``tx`` owns keep one count. The
+rule computes the new parameters; the updates it returns are their
+float32 differences from the old ones, which
 ``optax.apply_updates`` adds back. For bfloat16 parameters that gives the
 rule's values (unless a step shrinks a parameter more than 2**16-fold: the
 difference then needs more than float32's 24 bits). For float32 parameters
