@@ -538,16 +538,17 @@ def check_layer_optimizers(tx, collection, params=None, written=None):
   (labels given as a pytree of that tree, not as a function). ``written``:
   the gradient being installed (FORGE's collection), whose layers the loss
   did not reach may be frozen (their output's gradient stopped)."""
+  kernels = {path: _kernel(layer) for path, layer in forge_layers(collection)}
   candidates = {
-    path: layer_context.optimizers(path, _kernel(layer))
-    for path, layer in forge_layers(collection)
+    path: layer_context.optimizers(path, kernel)
+    for path, kernel in kernels.items()
   }
   layers = tuple((path, _followed(tx, c)) for path, c in candidates.items())
   ambiguous = {
     "/".join(map(str, p)) for p, c in candidates.items() if len(c) > 1
   }
   weights = {path: layer_context.weight_name(path) for path, _ in layers}
-  ranks = _kernel_ranks(collection)
+  ranks = {path: np.ndim(kernel) for path, kernel in kernels.items()}
   try:
     by_kernels = probe_kernels(tx, layers, weights, params, ranks)
     by_params = None if params is None else probe_layers(tx, layers, params)
@@ -560,11 +561,7 @@ def check_layer_optimizers(tx, collection, params=None, written=None):
       frozen=tuple(n for n in probe.frozen if n not in unreached)
     )
   check_optimizers(tx, {optimizer for _, optimizer in layers})
-  check_decay_masks(
-    layers,
-    weights,
-    {path: _kernel(layer) for path, layer in forge_layers(collection)},
-  )
+  check_decay_masks(layers, weights, kernels)
   check_probed(probe, by_params, by_kernels, ambiguous)
 
 
@@ -612,11 +609,7 @@ def _followed(tx, candidates: tuple):
   return candidates[0] if candidates else None
 
 
-def check_decay_masks(
-  layers: tuple,
-  weights: Optional[Mapping] = None,
-  kernels: Optional[Mapping] = None,
-):
+def check_decay_masks(layers: tuple, weights: Mapping, kernels: Mapping):
   """Refuses a weight-decay ``mask`` of a layer's optimizer that leaves out
   that layer's kernel, asked at the path where flax's layer keeps it:
   FORGE decays every kernel it steps, and the mask reaches only the
@@ -628,7 +621,6 @@ def check_decay_masks(
   and dtype), which a mask function reads as optax would give it: by its
   rank, shape, size or dtype. A mask that reads the kernel's values
   cannot be judged and is let through."""
-  weights, kernels = weights or {}, kernels or {}
   left_out = []
   for path, optimizer in layers:
     mask = getattr(optimizer, "mask", None)
@@ -636,7 +628,7 @@ def check_decay_masks(
       continue
     keys = (*path, weights.get(path, "kernel"))
     if callable(mask):
-      mask = _mask_of_kernel(mask, keys, kernels.get(path))
+      mask = _mask_of_kernel(mask, keys, kernels[path])
     decided = mask_at(mask, keys)
     try:
       kept = decided is None or np.all(np.asarray(decided))
@@ -650,11 +642,8 @@ def check_decay_masks(
 
 def _mask_of_kernel(mask: Callable, keys: tuple, kernel):
   """``mask`` called on a tree holding the kernel alone at ``keys``, traced
-  abstractly (no memory): a kernel of its real shape and dtype (a 2 x 3
-  float32 probe where ``kernel`` is None). None where the mask fails on
-  that tree (written for another tree)."""
-  if kernel is None:
-    kernel = jax.ShapeDtypeStruct((2, 3), jnp.float32)
+  abstractly (no memory): a kernel of its real shape and dtype. None where
+  the mask fails on that tree (written for another tree)."""
   leaf = jax.ShapeDtypeStruct(jnp.shape(kernel), kernel.dtype)
   tree = leaf
   for key in reversed(keys):
@@ -1024,8 +1013,9 @@ def probe_kernels(
   tx, layers: tuple, weights=None, params=None, ranks=None
 ) -> Optional[LayerProbe]:
   """:func:`probe_layers` on a tree with a kernel at each of ``layers``'
-  paths (where flax's layer keeps one; ``weights`` and ``ranks`` as for
-  :func:`check_decay_masks`), judging those kernels alone: how freezing by
+  paths (where flax's layer keeps one; ``weights`` as for
+  :func:`check_decay_masks`, ``ranks`` the kernels' numbers of dimensions
+  by path, 2 where absent), judging those kernels alone: how freezing by
   name (``optax.multi_transform``, ``optax.masked``) treats them. (A
   learning rate that starts at zero leaves both unmoved on the first
   step.) Where ``tx`` cannot run on that tree, the kernels are added to
