@@ -16,6 +16,7 @@ leaves between paths.
 from __future__ import annotations
 
 import re
+import warnings
 from collections.abc import Mapping
 from typing import Any, Callable, Iterable, Optional
 
@@ -90,6 +91,10 @@ def from_dense(
     Under a mesh (``jax.set_mesh``) each leaf is sharded as its
     partitioning says, the optimizer states like their kernels.
 
+  Warns:
+    UserWarning: ``forge_model`` has no FORGE layers (the flax model
+      passed in its place, say).
+
   Raises:
     ValueError: a leaf of the FORGE model has no counterpart in
       ``dense_variables``, or a shape differs, or ``dense_variables`` holds
@@ -108,6 +113,14 @@ def from_dense(
 
   def convert(dense_variables):
     fresh = forge_model.init(rngs, *init_args, **init_kwargs)
+    if FORGE_COLLECTION not in fresh:
+      warnings.warn(
+        f"{type(forge_model).__name__} has no FORGE layers: from_dense "
+        "returns its flax variables, and nothing trains with a fused "
+        "update. Pass the FORGE model (fj.ForgeDense in place of "
+        "nn.Dense, ...) as forge_model.",
+        stacklevel=4,
+      )
     return _fill(fresh, dense_variables, rename)
 
   if jax.sharding.get_abstract_mesh().empty:

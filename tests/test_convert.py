@@ -198,6 +198,16 @@ def test_mismatches_name_the_leaves():
     fj.from_dense(dense_vars["params"], Model(fj.adam(1e-3)), x)
 
 
+def test_a_model_without_forge_layers_warns():
+  """The flax model passed as ``forge_model`` by mistake: its variables come
+  back as they are, with a warning that nothing trains fused."""
+  x = jnp.ones((2, 3, 8))
+  dense_vars = jax.jit(Model().init)(jax.random.key(0), x)
+  with pytest.warns(UserWarning, match="Model has no FORGE layers"):
+    out = fj.from_dense(dense_vars, Model(), x)
+  assert_same_bits(out, dense_vars, "variables")
+
+
 def test_to_dense_refuses_two_layers_at_one_path():
   """An auto-named ForgeDense beside a flax Dense: ``ForgeDense_0`` takes
   flax's name ``Dense_0``, which the flax layer has. Refused, naming both,
