@@ -15,6 +15,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from flax.core import meta
+from flax.linen.dtypes import promote_dtype
 from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
 from jax.sharding import PartitionSpec as P
 
@@ -164,6 +165,31 @@ class _ForgeLinear(nn.Module):
   #: The name flax's own layer keeps the weight under (checks of tx and of
   #: weight-decay masks ask about a leaf so named).
   twin_weight: ClassVar[str] = "kernel"
+  #: flax's layer this one replaces, for error messages.
+  flax_twin: ClassVar[str] = "nn.Dense"
+
+  def _check_product(self):
+    """Refuses a custom product of flax's fields (``dot_general``,
+    ``dot_general_cls``, ``promote_dtype``): FORGE computes the product,
+    its promotion and its weight gradient itself, as flax's defaults
+    do."""
+    custom = [
+      name
+      for name, default in (
+        ("dot_general", (None, jax.lax.dot_general)),
+        ("dot_general_cls", (None,)),
+        ("promote_dtype", (promote_dtype,)),
+      )
+      if all(getattr(self, name, None) is not d for d in default)
+    ]
+    if custom:
+      raise ValueError(
+        f"{self._where()}: a custom {custom[0]} is not supported: FORGE "
+        "computes the product and its weight gradient itself (the fused "
+        "op's dot_general, or a Pallas kernel), promoting dtypes as flax "
+        f"does. Leave it at its default, or use flax's {self.flax_twin} "
+        "for this layer."
+      )
 
   def _fused(
     self,
@@ -554,6 +580,8 @@ class ForgeDense(_ForgeLinear):
     precision: numerical precision of the computation, see ``jax.lax.Precision``.
     kernel_init: initializer for the weight matrix.
     bias_init: initializer for the bias.
+    promote_dtype, dot_general, dot_general_cls: flax's defaults only (a
+      custom product is refused: FORGE computes the product itself).
     implementation: 'auto' (the fastest backend that applies), 'xla' (the
       reference), 'triton' (the Pallas-Triton kernel) or 'mosaic' (the
       Mosaic GPU kernel, Hopper and newer); the kernels run in Pallas
@@ -607,9 +635,13 @@ class ForgeDense(_ForgeLinear):
   input_partitioning: Optional[tuple] = None
   output_partitioning: Optional[tuple] = None
   data_parallel: str = "auto"
+  promote_dtype: Any = promote_dtype
+  dot_general: Any = None
+  dot_general_cls: Any = None
 
   @nn.compact
   def __call__(self, inputs: jax.Array) -> jax.Array:
+    self._check_product()
     kernel_shape = (jnp.shape(inputs)[-1], self.features)
     return self._fused(
       inputs,
@@ -744,11 +776,13 @@ class ForgeDenseGeneral(_ForgeLinear):
       matmul, not the one GEMM whose backward FORGE fuses.
     use_bias, dtype, param_dtype, kernel_init, bias_init, precision: as for
       ``nn.DenseGeneral``.
-    dot_general, dot_general_cls: must be None (FORGE computes the product
-      itself).
+    promote_dtype, dot_general, dot_general_cls: flax's defaults only (a
+      custom product is refused: FORGE computes the product itself).
     optimizer, implementation, layer_id, mesh, input_partitioning,
       output_partitioning, data_parallel: as for :class:`ForgeDense`.
   """
+
+  flax_twin: ClassVar[str] = "nn.DenseGeneral"
 
   features: int | Sequence[int]
   axis: int | Sequence[int] = -1
@@ -759,6 +793,7 @@ class ForgeDenseGeneral(_ForgeLinear):
   kernel_init: Any = nn.initializers.lecun_normal()
   bias_init: Any = nn.initializers.zeros_init()
   precision: Any = None
+  promote_dtype: Any = promote_dtype
   dot_general: Any = None
   dot_general_cls: Any = None
   optimizer: ForgeOptimizer = dataclasses.field(kw_only=True)
@@ -850,14 +885,7 @@ class ForgeDenseGeneral(_ForgeLinear):
         "one [K, N] GEMM whose backward FORGE fuses. Use nn.DenseGeneral "
         "for this layer."
       )
-    for name in ("dot_general", "dot_general_cls"):
-      if getattr(self, name) is not None:
-        raise ValueError(
-          f"{self._where()}: a custom {name} is not supported: FORGE "
-          "computes the product and its weight gradient itself (the fused "
-          "op's dot_general, or a Pallas kernel). Leave it None, or use "
-          "nn.DenseGeneral for this layer."
-        )
+    self._check_product()
 
   def _names_resolver(self):
     """How input and output names resolve: like the kernel's box's."""

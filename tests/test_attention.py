@@ -147,7 +147,9 @@ def test_self_attention_is_flax_s(seed):
 
 def test_custom_dot_general_is_refused():
   forge = fj.MultiHeadDotProductAttention(
-    num_heads=2, qkv_dot_general=lax.dot_general, optimizer=OPT
+    num_heads=2,
+    qkv_dot_general=lambda *a, **k: lax.dot_general(*a, **k),
+    optimizer=OPT,
   )
   with pytest.raises(ValueError, match="custom dot_general"):
     forge.init(jax.random.key(0), jnp.ones((1, 3, 4)))

@@ -1127,3 +1127,66 @@ def test_readme_clipping_variant_trains():
   assert losses[-1] < losses[0]
   layer = state.params[COLL]["ForgeDense_0"]
   assert float(layer["count"]) == 3.0
+
+
+class FrozenNormMLP(nn.Module):
+  """A layer, a BatchNorm reading its running statistics (a pretrained
+  model's norm, frozen while finetuning), a layer."""
+
+  forge: bool
+  optimizer: Any = None
+
+  @nn.compact
+  def __call__(self, x):
+    dense = (
+      functools.partial(fj.ForgeDense, optimizer=self.optimizer)
+      if self.forge
+      else nn.Dense
+    )
+    x = nn.BatchNorm(use_running_average=True)(dense(16, name="fc1")(x))
+    return dense(CLASSES, name="fc2")(nn.relu(x))
+
+
+@pytest.mark.parametrize("clip", ["exact", "delayed"])
+def test_norm_counts_the_trained_parameters_alone(clip, seed):
+  """A loss that reads ``batch_stats`` has gradients for them, which no
+  optimizer step reads: the norm, and the clipping by it, are optax's over
+  ``params`` alone."""
+  opt, max_norm = fj.sgd(0.5), 0.1
+  forge_model, ref_model = FrozenNormMLP(True, opt), FrozenNormMLP(False)
+  batches = make_batches(seed + 1, 3, (10, 12), CLASSES)
+  ref = ref_model.init(jax.random.key(seed), batches[0][0])
+  forge = fj.TrainState.create(
+    apply_fn=forge_model.apply,
+    params=fj.from_dense(ref, forge_model, batches[0][0]),
+    tx=opt.to_optax(),
+    max_grad_norm=max_norm,
+    clip=clip,
+  )
+  expected = FlaxTrainState.create(
+    apply_fn=ref_model.apply, params=ref["params"], tx=optax.sgd(0.5)
+  )
+
+  @jax.jit
+  def forge_step(state, batch):
+    _, grads = state.value_and_grad(_loss(state.apply_fn, batch))(state.params)
+    return state.apply_gradients(grads=grads)
+
+  previous_norm = np.inf
+  for batch in batches:
+    loss = lambda p: _loss(ref_model.apply, batch)({**ref, "params": p})
+    grads = jax.grad(loss)(expected.params)
+    norm = float(optax.tree.norm(grads))
+    by = norm if clip == "exact" else previous_norm
+    scale = min(1.0, max_norm / by) if np.isfinite(by) else 1.0
+    expected = expected.apply_gradients(
+      grads=jax.tree.map(lambda g: g * scale, grads)
+    )
+    forge = forge_step(forge, batch)
+    np.testing.assert_allclose(float(forge.grad_norm), norm, rtol=1e-6)
+    previous_norm = norm
+  jax.tree.map(
+    lambda actual, want: assert_rel_close(actual, want, 1e-5, "params"),
+    fj.to_dense(forge.params)["params"],
+    expected.params,
+  )

@@ -595,8 +595,9 @@ def test_inner_dimension_sharded_is_refused():
   "field, value, match",
   [
     ("batch_dims", (0,), "batch_dims"),
-    ("dot_general", jax.lax.dot_general, "custom dot_general"),
+    ("dot_general", lambda *a, **k: jax.lax.dot_general(*a, **k), "custom"),
     ("dot_general_cls", object, "custom dot_general_cls"),
+    ("promote_dtype", lambda *a, dtype=None: a, "custom promote_dtype"),
   ],
 )
 def test_refused_fields(field, value, match):

@@ -707,6 +707,34 @@ def test_integer_inputs_are_promoted_as_nn_dense_promotes_them(dtype):
 
 
 @pytest.mark.parametrize(
+  "flax_layer, forge_layer",
+  [(nn.Dense, fj.ForgeDense), (nn.DenseGeneral, fj.ForgeDenseGeneral)],
+)
+def test_nn_dense_fields_at_flax_defaults_compute_as_nn_dense(
+  flax_layer, forge_layer
+):
+  """Every field of flax's layer is one of FORGE's: given explicitly at
+  flax's defaults (``dot_general=lax.dot_general`` is what None computes),
+  the output is flax's bit for bit; a custom product is refused by name."""
+  flax_fields = {f.name for f in flax_layer.__dataclass_fields__.values()}
+  assert flax_fields <= set(forge_layer.__dataclass_fields__)
+  x = jax.random.normal(jax.random.key(1), (4, 3))
+  defaults = dict(
+    promote_dtype=nn.dtypes.promote_dtype,
+    dot_general=lax.dot_general,
+    dot_general_cls=None,
+  )
+  dense = flax_layer(5, **defaults)
+  forge = forge_layer(5, optimizer=OPT, **defaults)
+  variables = fj.from_dense(dense.init(jax.random.key(0), x), forge, x)
+  expected = dense.apply(fj.to_dense(variables), x)
+  chex.assert_trees_all_equal(forge.apply(variables, x), expected)
+  custom = lambda *args, **kwargs: lax.dot_general(*args, **kwargs)
+  with pytest.raises(ValueError, match="custom dot_general is not supported"):
+    forge_layer(5, optimizer=OPT, dot_general=custom).init(jax.random.key(0), x)
+
+
+@pytest.mark.parametrize(
   "jitted",
   [False, pytest.param(True, marks=pytest.mark.slow)],
   ids=["eager", "jit"],
