@@ -690,6 +690,7 @@ class ForgeEmbed(_ForgeLinear):
     embedding_init: initializer of the table (``nn.Embed``'s default).
     implementation, layer_id, mesh, data_parallel: as for
       :class:`ForgeDense`.
+    promote_dtype: flax's default only (a custom one is refused).
   """
 
   num_embeddings: int
@@ -702,8 +703,10 @@ class ForgeEmbed(_ForgeLinear):
   layer_id: Optional[int] = None
   mesh: Optional[Any] = None
   data_parallel: str = "auto"
+  promote_dtype: Any = promote_dtype
 
   twin_weight: ClassVar[str] = "embedding"
+  flax_twin: ClassVar[str] = "nn.Embed"
   undeclared_input_advice: ClassVar[str] = (
     "ForgeEmbed has no input_partitioning: shard the table over {axis!r} "
     "too, embedding_init=nn.with_partitioning(init, ({axis!r}, None)) (each "
@@ -722,6 +725,7 @@ class ForgeEmbed(_ForgeLinear):
 
   @nn.compact
   def __call__(self, inputs: jax.Array) -> jax.Array:
+    self._check_product()
     table_shape = (self.num_embeddings, self.features)
     return one_hot_lookup(
       inputs,

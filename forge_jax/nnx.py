@@ -43,6 +43,7 @@ import numpy as np
 from flax import errors as flax_errors
 from flax import nnx
 from flax.core import spmd
+from flax.nnx.nn.dtypes import promote_dtype as nnx_promote_dtype
 from flax.nnx.nn.linear import default_bias_init, default_kernel_init
 from jax.sharding import PartitionSpec as P
 
@@ -148,6 +149,9 @@ class Linear(nnx.Module):
       :class:`Optimizer` sets a CRC-32 of the layer's path in the model.
     input_partitioning, output_partitioning, data_parallel: as for
       ``fj.ForgeDense`` (tensor and sequence parallelism).
+    dot_general, promote_dtype, preferred_element_type: ``nnx.Linear``'s
+      defaults only (a custom product is refused: FORGE computes the
+      product and its weight gradient itself, promoting as flax does).
 
   Partitioning works as for ``nnx.Linear``
   (``kernel_init=nnx.with_partitioning(init, (None, 'model'))``, logical
@@ -182,11 +186,28 @@ class Linear(nnx.Module):
     data_parallel: str = "auto",
     kernel_metadata: Mapping[str, Any] = MappingProxyType({}),
     bias_metadata: Mapping[str, Any] = MappingProxyType({}),
+    dot_general: Callable = jax.lax.dot_general,
+    promote_dtype: Callable = nnx_promote_dtype,
+    preferred_element_type: Optional[Any] = None,
   ):
     if not isinstance(optimizer, ForgeOptimizer):
       raise TypeError(not_elementwise_message(optimizer))
     if implementation not in IMPLEMENTATIONS:
       raise ValueError(f"{implementation=} must be one of {IMPLEMENTATIONS}")
+    kind = type(self).__name__  # Linear, Embed: nnx's names
+    for name, value, default in (
+      ("dot_general", dot_general, jax.lax.dot_general),
+      ("promote_dtype", promote_dtype, nnx_promote_dtype),
+      ("preferred_element_type", preferred_element_type, None),
+    ):
+      if value is not default:
+        raise ValueError(
+          f"fj.nnx.{kind}{(in_features, out_features)}: a custom {name} "
+          "is not supported: FORGE computes the product and its weight "
+          "gradient itself (the fused op's dot_general, or a Pallas "
+          "kernel), promoting dtypes as flax does. Leave it at its "
+          f"default, or use nnx.{kind} for this layer."
+        )
     self.kernel = OverwriteWithGradient(
       kernel_init(rngs.params(), (in_features, out_features), param_dtype),
       **kernel_metadata,
@@ -385,7 +406,8 @@ class Embed(Linear):
   costs and saves). Same arguments as ``nnx.Embed`` plus ``optimizer`` and
   ``implementation``; the same initialization (``embedding_init``) and
   looked-up rows, with ``nnx.Embed``'s indexing: negative tokens count from
-  the end, tokens outside the table look up NaN rows.
+  the end, tokens outside the table look up NaN rows. ``promote_dtype``
+  takes ``nnx.Embed``'s default only.
   """
 
   twin_weight = "embedding"
@@ -404,6 +426,8 @@ class Embed(Linear):
     ),
     rngs: nnx.Rngs,
     layer_id: Optional[int] = None,
+    promote_dtype: Callable = nnx_promote_dtype,
+    embedding_metadata: Mapping[str, Any] = MappingProxyType({}),
   ):
     super().__init__(
       num_embeddings,
@@ -417,6 +441,8 @@ class Embed(Linear):
       kernel_init=embedding_init,
       rngs=rngs,
       layer_id=layer_id,
+      kernel_metadata=embedding_metadata,
+      promote_dtype=promote_dtype,
     )
     self.num_embeddings = num_embeddings
     self.features = features

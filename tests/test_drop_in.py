@@ -734,6 +734,23 @@ def test_nn_dense_fields_at_flax_defaults_compute_as_nn_dense(
     forge_layer(5, optimizer=OPT, dot_general=custom).init(jax.random.key(0), x)
 
 
+def test_nn_embed_fields_at_flax_defaults_look_up_as_nn_embed():
+  """ForgeEmbed has every field of nn.Embed: at flax's ``promote_dtype`` it
+  looks up nn.Embed's rows; a custom one is refused by name."""
+  flax_fields = {f.name for f in nn.Embed.__dataclass_fields__.values()}
+  assert flax_fields <= set(fj.ForgeEmbed.__dataclass_fields__)
+  tokens = jnp.array([[0, 5, 2]])
+  embed = nn.Embed(6, 4, promote_dtype=nn.dtypes.promote_dtype)
+  forge = fj.ForgeEmbed(6, 4, OPT, promote_dtype=nn.dtypes.promote_dtype)
+  dense = embed.init(jax.random.key(0), tokens)
+  variables = fj.from_dense(dense, forge, tokens)
+  expected = embed.apply(dense, tokens)
+  chex.assert_trees_all_equal(forge.apply(variables, tokens), expected)
+  custom = fj.ForgeEmbed(6, 4, OPT, promote_dtype=lambda a, **k: a)
+  with pytest.raises(ValueError, match="custom promote_dtype is not support"):
+    custom.init(jax.random.key(0), tokens)
+
+
 @pytest.mark.parametrize(
   "jitted",
   [False, pytest.param(True, marks=pytest.mark.slow)],

@@ -253,6 +253,41 @@ OPS = [
 ]
 
 
+def test_nnx_linear_product_fields_at_their_defaults():
+  """``nnx.Linear``'s ``dot_general``, ``promote_dtype`` and
+  ``preferred_element_type`` at their defaults give nnx.Linear's output;
+  a custom one is refused by name, not computed otherwise."""
+  from flax.nnx.nn.dtypes import promote_dtype
+
+  x = jax.random.normal(jax.random.key(1), (3, 6))
+  defaults = dict(
+    dot_general=jax.lax.dot_general,
+    promote_dtype=promote_dtype,
+    preferred_element_type=None,
+  )
+  layer = fj.nnx.Linear(6, 4, optimizer=OPT, rngs=nnx.Rngs(0), **defaults)
+  expected = nnx.Linear(6, 4, rngs=nnx.Rngs(0), **defaults)(x)
+  np.testing.assert_array_equal(layer(x), expected)
+  for name, value in (
+    ("dot_general", lambda *a, **k: jax.lax.dot_general(*a, **k)),
+    ("promote_dtype", lambda args, **k: args),
+    ("preferred_element_type", jnp.float32),
+  ):
+    with pytest.raises(ValueError, match=f"custom {name} is not supported"):
+      fj.nnx.Linear(6, 4, optimizer=OPT, rngs=nnx.Rngs(0), **{name: value})
+  tokens = jnp.array([0, 3, 5])
+  table = fj.nnx.Embed(
+    6, 4, optimizer=OPT, rngs=nnx.Rngs(0), promote_dtype=promote_dtype
+  )
+  np.testing.assert_array_equal(
+    table(tokens), nnx.Embed(6, 4, rngs=nnx.Rngs(0))(tokens)
+  )
+  with pytest.raises(ValueError, match=r"Embed\(6, 4\): a custom promote"):
+    fj.nnx.Embed(
+      6, 4, optimizer=OPT, rngs=nnx.Rngs(0), promote_dtype=lambda a, **k: a
+    )
+
+
 @pytest.mark.parametrize("implementation,opt,width", OPS)
 def test_steps_bit_for_bit_as_forge_dense(implementation, opt, width, seed):
   """The NNX layer is the Linen layer's fused op: the same steps bit for
