@@ -865,15 +865,53 @@ def _explicit_mesh_of(x):
   return mesh if mesh is not None and is_explicit(mesh) else None
 
 
+_DATA_PARALLEL_ADVICE = (
+  "for data parallelism, flax's own layer + optax, or, under jit with "
+  "input_partitioning declared (not inside shard_map), the layer's "
+  "data_parallel='psum'."
+)
+
+
+def _varying_fields(variables, axis) -> tuple:
+  """The names of the layer's variables that vary over manual ``axis``."""
+  return tuple(
+    name
+    for name, value in zip(variables._fields, variables)
+    if any(axis in (_varying(leaf) or ()) for leaf in jax.tree.leaves(value))
+  )
+
+
+def _varying_variables_message(where, axis, size, varying) -> str:
+  return (
+    f"{where}: called inside shard_map (or jax.pmap, which runs as one) "
+    f"over mesh axis {axis!r} (size {size}), and the layer's "
+    f"{', '.join(varying)} vary over it. FORGE's cotangent of a variable is "
+    "its updated value, and the op cannot tell a per-device shard from a "
+    "copy made in the step: a kernel all-gathered over the axis (FSDP "
+    "written out) would receive the sum of the replicas' new kernels from "
+    "all_gather's transpose, and a variable cast to varying the sum of "
+    "their new values from the cast's. Pass the layer's variables "
+    "replicated over the axis (in_specs P(), not cast) with an input "
+    "replicated over it, or use a partitioned layer under jit for tensor "
+    "parallelism and FSDP (kernel_init=nn.with_partitioning(...) or "
+    "nnx.with_partitioning, see forge_jax.parallel); " + _DATA_PARALLEL_ADVICE
+  )
+
+
 def check_unpartitioned(x: jax.Array, variables, where: str = "forge_dense"):
   """Refuse data parallelism that the unpartitioned op would get wrong.
 
-  * Inside a ``shard_map`` whose manual axis shards the input but not the
-    kernel, the shard_map's transpose sums the kernel's cotangent over the
-    axis: every replica's *new* kernel would be added together. When JAX
-    tracks varying axes (``check_vma=True``) the input's and kernel's types
-    say so; when it does not, a replicated kernel cannot be told apart from
-    a sharded one and the call is refused too.
+  * Inside a ``shard_map`` the op runs only where its input and variables
+    are replicated over every manual axis. An input that varies over one
+    gets a partial ``dW`` while the shard_map's transpose sums the
+    replicated kernel's cotangent over the axis: every replica's *new*
+    kernel would be added together. Variables that vary are refused too:
+    the type of a per-device kernel shard is the type of a kernel gathered
+    in the step (FSDP written out with ``all_gather``, whose transpose sums
+    the replicas' new kernels), and a scalar cast to varying (``count``)
+    has the cast's transpose sum the replicas' new values. When JAX does
+    not track varying axes (``check_vma=False``) nothing is known and the
+    call is refused.
   * Under Explicit mesh axes the input's type says how its tokens are
     sharded; tokens sharded over an axis the kernel is not sharded over are
     data parallelism. The input's type carries its Explicit mesh also
@@ -888,14 +926,18 @@ def check_unpartitioned(x: jax.Array, variables, where: str = "forge_dense"):
   # Axes of size 1 too: the step must be right on the devices it is meant
   # for, and check_vma would refuse it there with a type error of its own.
   for axis in mesh.manual_axes:
-    x_vary, k_vary = _varying(x), _varying(variables.kernel)
+    x_vary = _varying(x)
     tracked = x_vary is not None and axis in (
       _varying(lax.axis_index(axis)) or frozenset()
     )
-    if tracked and axis in k_vary:
-      continue  # the kernel is sharded over the axis: a per-shard kernel
-    if tracked and axis not in x_vary:
-      continue  # input and kernel replicated: every device does the same
+    if tracked:
+      varying = _varying_fields(variables, axis)
+      if varying:
+        raise DataParallelError(
+          _varying_variables_message(where, axis, sizes[axis], varying)
+        )
+      if axis not in x_vary:
+        continue  # all replicated: every device does the same
     reason = (
       "varies over it while the kernel is replicated"
       if tracked
@@ -910,8 +952,7 @@ def check_unpartitioned(x: jax.Array, variables, where: str = "forge_dense"):
       "is the updated kernel: the replicas' new weights would be added "
       "together. Use a partitioned layer under jit instead "
       "(kernel_init=nn.with_partitioning(...) or nnx.with_partitioning, see "
-      "forge_jax.parallel); for data parallelism, flax's own layer + optax, "
-      "or the layer's data_parallel='psum'."
+      f"forge_jax.parallel); {_DATA_PARALLEL_ADVICE}"
     )
   auto = [
     a

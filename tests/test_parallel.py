@@ -1064,6 +1064,69 @@ def test_data_parallel_under_user_shard_map_is_refused(check_vma, data):
 
 
 @needs_devices
+def test_variables_varying_under_user_shard_map_are_refused():
+  """FSDP written out in a user's shard_map: the kernel and its state
+  all-gathered over the data axis, the scalars cast to varying. The
+  variables' types are those of per-device shards, but all_gather's
+  transpose would sum the 4 replicas' new kernels (and the cast's their
+  counts): refused, as is a replicated kernel whose count alone is cast.
+  Input and variables replicated, the output added to the sharded batch,
+  stays exact: the cast of the output sums dY over the replicas."""
+  mesh = parallel.make_mesh(model=1, data=4)
+  opt = fj.adamw(0.1)
+  spec = fj.FusedDenseSpec(opt, "xla")
+  variables = fj.init_variables(
+    opt, jax.random.normal(jax.random.key(0), (8, 4))
+  )
+  x = jax.random.normal(jax.random.key(1), (6, 8))
+  batch = jax.random.normal(jax.random.key(2), (8, 6, 4))
+  cast = lambda a: jax.lax.pcast(a, "data", to="varying")
+
+  def loss(v, batch, gather):
+    if gather:
+      v = jax.tree.map(
+        lambda a: (
+          jax.lax.all_gather(a, "data", tiled=True) if a.ndim else cast(a)
+        ),
+        v,
+      )
+    else:
+      v = v._replace(count=cast(v.count))
+    y = fj.forge_dense(x, v, None, spec)
+    return jax.lax.pmean(jnp.mean((batch + y) ** 2), "data")
+
+  for gather in (True, False):
+    specs = jax.tree.map(
+      lambda a: P("data") if gather and a.ndim else P(), variables
+    )
+    step = jax.shard_map(
+      lambda v, b: jax.grad(loss)(v, b, gather),
+      mesh=mesh,
+      in_specs=(specs, P("data")),
+      out_specs=specs,
+    )
+    with pytest.raises(parallel.DataParallelError, match=r"count\S* .*vary"):
+      jax.jit(step)(variables, batch)
+
+  def replicated(v, batch):
+    return jax.lax.pmean(
+      jnp.mean((batch + fj.forge_dense(x, v, None, spec)) ** 2), "data"
+    )
+
+  step = jax.shard_map(
+    jax.grad(replicated), mesh=mesh, in_specs=(P(), P("data")), out_specs=P()
+  )
+  got = jax.jit(step)(variables, batch)
+  want = jax.jit(
+    jax.grad(
+      lambda v: jnp.mean((batch + fj.forge_dense(x, v, None, spec)) ** 2)
+    )
+  )(variables)
+  _assert_trees_close(_host(got), _host(want))
+  assert float(got.count) == 1.0
+
+
+@needs_devices
 def test_data_parallel_under_explicit_mesh_is_refused():
   from jax.sharding import AxisType  # pylint: disable=import-outside-toplevel
 
