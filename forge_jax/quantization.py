@@ -87,6 +87,7 @@ NaN scale (all 64 elements read back NaN), the same in every backend.
 
 from __future__ import annotations
 
+import functools
 import zlib
 from typing import NamedTuple, Optional, Sequence
 
@@ -638,10 +639,17 @@ def store(
     return x
   if state_dtype != "int8":
     return x.astype(state_dtype)
+  return _store_int8(x, nonnegative, second_moment_bits if nonnegative else 8)
+
+
+# Jitted: a layer initialized eagerly (an NNX layer, a vmapped stack of
+# them) compiles the quantizer once per shape instead of each of its dozens
+# of operations one by one, seconds per layer.
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _store_int8(x, nonnegative: bool, bits: int):
   # Initial states are constants: without the barrier, XLA constant-folds
   # the block reductions of every leaf, seconds per leaf at compile time.
   x = jax.lax.optimization_barrier(x)
-  bits = second_moment_bits if nonnegative else 8
   codes, scale = quantize(x, sqrt=nonnegative, bits=bits)
   if not nonnegative:
     cls = QuantizedBlocks
