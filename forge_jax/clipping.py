@@ -106,14 +106,20 @@ def global_norm(grads) -> jax.Array:
 
   ``grads`` is what ``jax.grad(loss)(variables)`` returns for a model with
   ForgeDense layers (or :func:`value_and_grad`'s grads): each layer's
-  ``grad_sq_norm`` in FORGE's collection is its part, every other leaf is a
-  gradient. ``optax.global_norm`` of all the gradients, ``dW`` included,
-  without a ``dW`` stored; float32. Gradients taken inside
+  ``grad_sq_norm`` in FORGE's collection is its part, every leaf of
+  ``params`` a gradient. ``optax.global_norm`` of the gradients trained,
+  ``dW`` included, without a ``dW`` stored; float32. Beside FORGE's
+  collection only ``params`` is trained (flax's ``TrainState`` steps it
+  alone), so the other collections' gradients (a constant table read in
+  the forward) do not count; without FORGE's collection every leaf
+  counts. Gradients taken inside
   ``fj.plain_gradients()`` hold each ``dW`` in the layer's kernel entry
   instead (and no ``grad_sq_norm``): take their norm as
   ``optax.global_norm(fj.to_dense(grads))``.
   """
   forge, others = _split(grads)
+  if forge:
+    others = others.get("params", {})
   total = jnp.zeros((), jnp.float32)
   for _, layer in forge_layers(forge):
     total += jnp.sum(layer["grad_sq_norm"].astype(jnp.float32))

@@ -418,6 +418,72 @@ def test_reported_norm_without_clipping(seed):
     assert float(forge.grad_norm) == float(norm)
 
 
+class ScaledInput(nn.Module):
+  """An MLP whose input is scaled by a table in a collection of its own,
+  which nothing trains (a constant the forward reads differentiably)."""
+
+  features: Any
+  optimizer: Any = None
+
+  @nn.compact
+  def __call__(self, x):
+    table = self.variable("consts", "table", lambda: jnp.full(x.shape[-1], 3.0))
+    return MLP(self.features, self.optimizer, name="mlp")(x * table.value)
+
+
+@pytest.mark.parametrize("clip", ["exact", "delayed"])
+def test_the_norm_leaves_out_collections_nothing_trains(clip, seed):
+  """A collection beside ``params`` gets a gradient that tx never steps
+  (flax's TrainState steps ``params`` alone): the norm, and the clipping,
+  are optax's over ``params`` and the kernels, as nn.Dense + optax.chain(
+  clip_by_global_norm(c), alias) with the constants outside the state."""
+  opt, max_norm = fj.sgd(0.1), 0.2
+  forge_model, ref_model = ScaledInput(FEATURES, opt), ScaledInput(FEATURES)
+  batches = make_batches(seed + 1, STEPS, (10, 12), CLASSES)
+  key = jax.random.key(seed)
+  ref_vars = ref_model.init(key, batches[0][0])
+  forge = fj.TrainState.create(
+    apply_fn=forge_model.apply,
+    params=forge_model.init(key, batches[0][0]),
+    tx=opt.to_optax(),
+    max_grad_norm=max_norm,
+    clip=clip,
+  )
+  ref = FlaxTrainState.create(
+    apply_fn=ref_model.apply,
+    params=ref_vars["params"],
+    tx=optax.sgd(0.1),
+  )
+
+  @jax.jit
+  def step(state, batch):
+    loss_fn = _loss(state.apply_fn, batch)
+    grads = state.value_and_grad(loss_fn)(state.params)[1]
+    return state.apply_gradients(grads=grads)
+
+  @jax.jit
+  def ref_step(state, batch, previous):
+    apply = lambda p, x: state.apply_fn({**ref_vars, "params": p}, x)
+    grads = jax.grad(_loss(apply, batch))(state.params)
+    norm = optax.tree.norm(grads)
+    # 'delayed': the previous step's norm (none before the first step).
+    scale = jnp.minimum(1.0, max_norm / (norm if clip == "exact" else previous))
+    grads = jax.tree.map(lambda g: g * scale, grads)
+    return state.apply_gradients(grads=grads), norm
+
+  previous = 0.0
+  for batch in batches:
+    forge = step(forge, batch)
+    ref, ref_norm = ref_step(ref, batch, previous)
+    np.testing.assert_allclose(forge.grad_norm, ref_norm, rtol=1e-6)
+    assert ref_norm > max_norm
+    previous = ref_norm
+  forge_params = fj.to_dense(forge.params)["params"]["mlp"]
+  for name, ref_layer in ref.params["mlp"].items():
+    for leaf, value in ref_layer.items():
+      assert_rel_close(forge_params[name][leaf], value, RTOL, name + leaf)
+
+
 def _sqrt_count(fun, *args) -> int:
   return str(jax.make_jaxpr(fun)(*args)).count("sqrt")
 
