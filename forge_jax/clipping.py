@@ -44,9 +44,10 @@ from typing import Any, Callable, Mapping, Optional
 
 import jax
 import jax.numpy as jnp
+from flax.core import meta
 from jax import lax
 
-from forge_jax import layer_context
+from forge_jax import layer_context, parallel
 from forge_jax.linen import FACTORS_COLLECTION, FORGE_COLLECTION, forge_layers
 from forge_jax.ops.fused_dense import Factors, ForgeVariables, deferred_update
 
@@ -107,11 +108,12 @@ def global_norm(grads) -> jax.Array:
   ``grads`` is what ``jax.grad(loss)(variables)`` returns for a model with
   ForgeDense layers (or :func:`value_and_grad`'s grads): each layer's
   ``grad_sq_norm`` in FORGE's collection is its part, every leaf of
-  ``params`` a gradient. Other collections (``batch_stats`` a loss reads)
-  are not counted: no optimizer step reads their gradients (``TrainState``
-  hands ``tx`` the ``params`` alone). ``optax.global_norm`` of the trained
-  parameters' gradients, ``dW`` included, without a ``dW`` stored;
-  float32. Gradients taken inside
+  ``params`` a gradient. ``optax.global_norm`` of the gradients trained,
+  ``dW`` included, without a ``dW`` stored; float32. Beside FORGE's
+  collection only ``params`` is trained (flax's ``TrainState`` steps it
+  alone), so the other collections' gradients (a constant table read in
+  the forward) do not count; without FORGE's collection every leaf
+  counts. Gradients taken inside
   ``fj.plain_gradients()`` hold each ``dW`` in the layer's kernel entry
   instead (and no ``grad_sq_norm``): take their norm as
   ``optax.global_norm(fj.to_dense(grads))``.
@@ -227,14 +229,27 @@ def value_and_grad(
       first = (
         layer_context.NORM_ONLY if layers is None else layer_context.DEFERRED
       )
+      layer_context.take_deferred_returns()
       with layer_context.running(first) as traced:
         (measured,) = pullback(seed(1.0))
+      returned = layer_context.take_deferred_returns()
       measured, factors = _split_factors(measured)
       scale = clip_scale(global_norm(measured), max_norm)
       if layers is not None and all(
         name == layer_context.DEFERRED for name in traced
       ):
-        forge = _deferred_updates(layers, _split(measured)[0], factors, scale)
+        forge = _split(measured)[0]
+        if not parallel.mesh_is_set():
+          layer_context.check_deferred_returns(
+            returned,
+            [
+              ("/".join(path), layer["count"], meta.unbox(layer["kernel"]))
+              for path, layer in forge_layers(forge)
+            ],
+          )
+        forge = _deferred_updates(
+          layers, forge, factors, scale, _split(variables)[0]
+        )
       else:
         with layer_context.running(layer_context.SCALED):
           (stepped,) = pullback(seed(scale))
@@ -311,23 +326,43 @@ def _split_factors(grads):
   return {k: v for k, v in grads.items() if k != FACTORS_COLLECTION}, factors
 
 
-def _deferred_updates(layers, forge, factors, scale):
+def _deferred_updates(layers, forge, factors, scale, read):
   """FORGE's collection with every layer stepped from its factors with
-  ``dy`` scaled by ``scale``.
+  ``dy`` scaled by ``scale``; ``read``: the collection the forward read.
 
   The updates depend on ``scale``, so on every gradient: they run after
-  every reader of the old kernels, and write them in place.
+  every reader of the old kernels, and write them in place. Each is
+  recorded as its layer's backward's would be, so that an install tells
+  it from a combination of several (gradient accumulation).
   """
   for path, layer in layers.items():
+    cotangents = layer_at(forge, path)
     new = deferred_update(
       layer.spec,
-      ForgeVariables(**layer_at(forge, path)),
+      ForgeVariables(**meta.unbox(cotangents)),
       Factors(**layer_at(factors, path)),
       scale,
       layer.length,
     )
-    forge = with_layer(forge, path, new._asdict())
+    # As the op records it: under a mesh the install may hold a new array.
+    written = None if parallel.mesh_is_set() else new.kernel
+    layer_context.record_update(
+      path, meta.unbox(layer_at(read, path)["kernel"]), new.count, written
+    )
+    forge = with_layer(forge, path, _reboxed(cotangents, new._asdict()))
   return forge
+
+
+def _reboxed(boxed, values):
+  """``values`` in the metadata boxes of ``boxed`` (``nn.with_partitioning``
+  kernels' cotangents are boxed as the kernels are)."""
+  is_box = lambda leaf: isinstance(leaf, meta.AxisMetadata)
+  return jax.tree.map(
+    lambda box, value: box.replace_boxed(value) if is_box(box) else value,
+    dict(boxed),
+    values,
+    is_leaf=is_box,
+  )
 
 
 def _check_scalar(value):

@@ -222,6 +222,9 @@ class _Events:
     self.written_stacks: collections.deque = collections.deque(
       maxlen=_KEPT_STACKS
     )
+    #: (count, kernel) the deferred pass's backwards returned (as they
+    #: were), until :func:`take_deferred_returns`.
+    self.deferred_returns: list = []
     #: path -> the computations that traced its forward (its backward),
     #: since its last install.
     self.forwards: dict[tuple, set[int]] = {}
@@ -419,20 +422,63 @@ def record_written_stacks(stacks) -> None:
   ``stacks`` (FORGE's collection as fj.scan's backward returns it, the
   stepped stacks) for :func:`take_backwards`: the loop's own updates,
   recorded by :func:`record_update`, are arrays of its body. As there,
-  only a pass that steps the layers records."""
+  only a pass that steps the layers records; the deferred pass's stacks,
+  returned as they were, go to :func:`take_deferred_returns`."""
+  if gradient_pass() == DEFERRED:
+    for layer in _layers_of(stacks):
+      record_deferred_return(layer["count"], layer["kernel"])
+    return
   if gradient_pass() not in (None, SCALED):
     return
+  for layer in _layers_of(stacks):
+    _EVENTS.written_stacks.append(
+      (_weak(layer["count"]), _weak(layer["kernel"]))
+    )
+
+
+def _layers_of(stacks) -> list[dict]:
+  """The variables of each layer in ``stacks`` (FORGE's collection, or an
+  NNX state of it) that has a ``count`` and a ``kernel``."""
   name = lambda key: str(getattr(key, "key", getattr(key, "name", "")))
   layers = {}
   for keys, leaf in tree_util.tree_flatten_with_path(stacks)[0]:
     if name(keys[-1]) == "value":  # an nnx.Variable's, in NNX's stacks
       keys = keys[:-1]
     layers.setdefault(keys[:-1], {})[name(keys[-1])] = leaf
-  for layer in layers.values():
-    if "count" in layer and "kernel" in layer:
-      _EVENTS.written_stacks.append(
-        (_weak(layer["count"]), _weak(layer["kernel"]))
-      )
+  return [
+    layer for layer in layers.values() if "count" in layer and "kernel" in layer
+  ]
+
+
+def record_deferred_return(count, kernel) -> None:
+  """Records the ``count`` and ``kernel`` a backward of the deferred pass
+  returned for a layer (its variables as they were, stepped afterwards
+  from their factors): :func:`check_deferred_returns` tells from them a
+  kernel whose cotangent another use of it added to."""
+  _EVENTS.deferred_returns.append((count, kernel))
+
+
+def take_deferred_returns() -> list:
+  """The records of :func:`record_deferred_return` since the last call,
+  forgotten."""
+  records, _EVENTS.deferred_returns = _EVENTS.deferred_returns, []
+  return records
+
+
+def check_deferred_returns(records, layers) -> None:
+  """Raises for the layers whose kernel cotangent is not the kernel their
+  deferred backward returned, while their count is: the loss also reads
+  the kernel outside its layer. ``records``: from
+  :func:`take_deferred_returns`; ``layers``: ``(name, count, kernel)``
+  of each layer's cotangents."""
+  returned = {id(count): kernel for count, kernel in records}
+  added_to = [
+    name
+    for name, count, kernel in layers
+    if id(count) in returned and returned[id(count)] is not kernel
+  ]
+  if added_to:
+    raise ValueError(_added_to_message(added_to))
 
 
 def _kernel_added_to(path: tuple, written_count, written_kernel) -> bool:
@@ -449,6 +495,21 @@ def _kernel_added_to(path: tuple, written_count, written_kernel) -> bool:
       # another array's.
       return kernel is not None and kernel() is not written_kernel
   return False
+
+
+def _added_to_message(names) -> str:
+  return (
+    f"The gradient installed for the FORGE layers {names} is not the "
+    "kernel their backward wrote, while their count is: another use of "
+    "the kernel added its gradient (the loss also reads the kernel "
+    "outside its layer: a weight penalty on it, a decoder or head tied "
+    "to it), or the kernel's gradient alone was changed on its way (a "
+    "cast, a sharding constraint). FORGE's gradient of a kernel is its "
+    "updated value, so what is added to it, or done to it, is done to "
+    "the weights. Use the optimizer's weight_decay for an L2 penalty, "
+    "flax's layer (nn.Dense, nnx.Linear) for a kernel the loss reads "
+    "elsewhere, and pass FORGE's gradients to the install as they are."
+  )
 
 
 def _combined(path: tuple, written_count, kernel, trace) -> bool:
@@ -561,18 +622,7 @@ def take_backwards(
     if _kernel_added_to(path, count, kernel)
   ]
   if added_to:
-    raise ValueError(
-      f"The gradient installed for the FORGE layers {added_to} is not the "
-      "kernel their backward wrote, while their count is: another use of "
-      "the kernel added its gradient (the loss also reads the kernel "
-      "outside its layer: a weight penalty on it, a decoder or head tied "
-      "to it), or the kernel's gradient alone was changed on its way (a "
-      "cast, a sharding constraint). FORGE's gradient of a kernel is its "
-      "updated value, so what is added to it, or done to it, is done to "
-      "the weights. Use the optimizer's weight_decay for an L2 penalty, "
-      "flax's layer (nn.Dense, nnx.Linear) for a kernel the loss reads "
-      "elsewhere, and pass FORGE's gradients to the install as they are."
-    )
+    raise ValueError(_added_to_message(added_to))
   # An install traced inside the gradient's trace (a branch of a lax.cond
   # that skips bad steps, closing over the grads) holds the very count a
   # backward wrote.

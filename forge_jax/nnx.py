@@ -847,8 +847,9 @@ class Optimizer(nnx.Optimizer):
     layer_paths: the layers' paths in the model, in the order of
       ``reached``.
     grad_norm: the last step's global gradient norm over the gradients
-      ``update`` took, before clipping (float32; 0.0 before the first
-      step). None where ``track_grad_norm`` is off.
+      ``update`` steps (those ``wrt`` selects, and the layers'), before
+      clipping (float32; 0.0 before the first step). None where
+      ``track_grad_norm`` is off.
     track_grad_norm: whether each ``update`` computes ``grad_norm``
       (default True). Off, an update without clipping skips the sum of the
       other gradients' squares and the root. Clipping needs it on.
@@ -952,7 +953,12 @@ class Optimizer(nnx.Optimizer):
     check_frozen_unreached(self._frozen_layers, self.wrt, model, grads)
     # Also here: the clipping attributes can be set after construction.
     clipping.check_clipping(self.max_grad_norm, self.clip, self.track_grad_norm)
-    norm = global_norm(grads) if self.track_grad_norm else None
+    # Over what tx and the layers step, as clip_by_global_norm in an
+    # nnx.Optimizer's tx sees the grads wrt selects.
+    trained = nnx.Any(self.wrt, OverwriteWithGradient)
+    norm = (
+      global_norm(nnx.state(grads, trained)) if self.track_grad_norm else None
+    )
     if self.max_grad_norm is not None:
       check_clipped(
         [

@@ -297,10 +297,14 @@ def _mutable_others(module: nn.Module) -> list:
 def _checked_unshared(forge, d_out, path):
   """``d_out``, its float leaves passed through
   :func:`forge_jax.ops.fused_dense.check_unshared` against the stacks."""
+  stacks = jax.tree.leaves(forge)
+  if not stacks:
+    # A block without FORGE layers: no kernel to share.
+    return d_out
   leaves, treedef = jax.tree.flatten(d_out)
   floats = [i for i, leaf in enumerate(leaves) if _differentiable(leaf)]
   checked = fused_dense.check_unshared(
-    jax.tree.leaves(forge)[0], [leaves[i] for i in floats], path
+    stacks[0], [leaves[i] for i in floats], path
   )
   for i, leaf in zip(floats, checked):
     leaves[i] = leaf

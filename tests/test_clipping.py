@@ -418,6 +418,72 @@ def test_reported_norm_without_clipping(seed):
     assert float(forge.grad_norm) == float(norm)
 
 
+class ScaledInput(nn.Module):
+  """An MLP whose input is scaled by a table in a collection of its own,
+  which nothing trains (a constant the forward reads differentiably)."""
+
+  features: Any
+  optimizer: Any = None
+
+  @nn.compact
+  def __call__(self, x):
+    table = self.variable("consts", "table", lambda: jnp.full(x.shape[-1], 3.0))
+    return MLP(self.features, self.optimizer, name="mlp")(x * table.value)
+
+
+@pytest.mark.parametrize("clip", ["exact", "delayed"])
+def test_the_norm_leaves_out_collections_nothing_trains(clip, seed):
+  """A collection beside ``params`` gets a gradient that tx never steps
+  (flax's TrainState steps ``params`` alone): the norm, and the clipping,
+  are optax's over ``params`` and the kernels, as nn.Dense + optax.chain(
+  clip_by_global_norm(c), alias) with the constants outside the state."""
+  opt, max_norm = fj.sgd(0.1), 0.2
+  forge_model, ref_model = ScaledInput(FEATURES, opt), ScaledInput(FEATURES)
+  batches = make_batches(seed + 1, STEPS, (10, 12), CLASSES)
+  key = jax.random.key(seed)
+  ref_vars = ref_model.init(key, batches[0][0])
+  forge = fj.TrainState.create(
+    apply_fn=forge_model.apply,
+    params=forge_model.init(key, batches[0][0]),
+    tx=opt.to_optax(),
+    max_grad_norm=max_norm,
+    clip=clip,
+  )
+  ref = FlaxTrainState.create(
+    apply_fn=ref_model.apply,
+    params=ref_vars["params"],
+    tx=optax.sgd(0.1),
+  )
+
+  @jax.jit
+  def step(state, batch):
+    loss_fn = _loss(state.apply_fn, batch)
+    grads = state.value_and_grad(loss_fn)(state.params)[1]
+    return state.apply_gradients(grads=grads)
+
+  @jax.jit
+  def ref_step(state, batch, previous):
+    apply = lambda p, x: state.apply_fn({**ref_vars, "params": p}, x)
+    grads = jax.grad(_loss(apply, batch))(state.params)
+    norm = optax.tree.norm(grads)
+    # 'delayed': the previous step's norm (none before the first step).
+    scale = jnp.minimum(1.0, max_norm / (norm if clip == "exact" else previous))
+    grads = jax.tree.map(lambda g: g * scale, grads)
+    return state.apply_gradients(grads=grads), norm
+
+  previous = 0.0
+  for batch in batches:
+    forge = step(forge, batch)
+    ref, ref_norm = ref_step(ref, batch, previous)
+    np.testing.assert_allclose(forge.grad_norm, ref_norm, rtol=1e-6)
+    assert ref_norm > max_norm
+    previous = ref_norm
+  forge_params = fj.to_dense(forge.params)["params"]["mlp"]
+  for name, ref_layer in ref.params["mlp"].items():
+    for leaf, value in ref_layer.items():
+      assert_rel_close(forge_params[name][leaf], value, RTOL, name + leaf)
+
+
 def _sqrt_count(fun, *args) -> int:
   return str(jax.make_jaxpr(fun)(*args)).count("sqrt")
 
@@ -1103,6 +1169,97 @@ def test_clipping_errors_say_what_to_do(seed):
   grads = jax.grad(_loss(model.apply, (x, y)))(state.params)
   with pytest.raises(ValueError, match=r"state\.value_and_grad"):
     state.apply_gradients(grads=grads)
+
+
+def _accumulated(state, loss_fn):
+  """Grads averaged over two halves of the batch (accumulation)."""
+  halves = [
+    state.value_and_grad(loss_fn)(state.params, half)[1]
+    for half in (slice(None, 2), slice(2, None))
+  ]
+  return jax.tree.map(lambda a, b: (a + b) / 2, *halves)
+
+
+def _penalized(state, loss_fn):
+  """Grads of a loss that also reads the last kernel (an L2 penalty)."""
+  kernel = lambda p: p[COLL][f"fc{len(FEATURES)}"]["kernel"]
+  penalized = lambda p, batch: loss_fn(p, batch) + jnp.sum(kernel(p) ** 2)
+  return state.value_and_grad(penalized)(state.params, slice(None))[1]
+
+
+@pytest.mark.parametrize(
+  "grads,match",
+  [(_accumulated, "combines the gradients"), (_penalized, "weight penalty")],
+  ids=["accumulated", "penalized"],
+)
+def test_deferred_step_refuses_what_a_backward_step_refuses(grads, match, seed):
+  """Gradient accumulation and a loss that reads a kernel outside its
+  layer raise under 'exact' clipping (updates deferred out of the
+  backward) as without it, before anything is written."""
+  opt = fj.adamw(1e-2)
+  model = MLP(FEATURES, optimizer=opt)
+  x, y = make_batches(seed, 1, (4, 12), CLASSES)[0]
+  state = fj.TrainState.create(
+    apply_fn=model.apply,
+    params=model.init(jax.random.key(seed), x),
+    tx=opt.to_optax(),
+    max_grad_norm=0.1,
+  )
+  loss_fn = lambda p, rows: _loss(model.apply, (x[rows], y[rows]))(p)
+
+  @jax.jit
+  def step(state):
+    return state.apply_gradients(grads=grads(state, loss_fn))
+
+  with pytest.raises(ValueError, match=match):
+    step(state)
+  assert _last_passes(MLP_LAYERS) == {layer_context.DEFERRED}
+
+
+def test_exact_clipping_of_partitioned_kernels(seed):
+  """Kernels boxed by nn.with_partitioning, on one device: the deferred
+  updates keep the boxes and step as optax.chain(clip_by_global_norm(c),
+  alias) with nn.Dense boxed alike."""
+  init = nn.with_partitioning(nn.initializers.lecun_normal(), (None, "model"))
+  opt, max_norm = fj.adamw(1e-2, weight_decay=0.1), 0.1
+  forge_model = fj.ForgeDense(CLASSES, optimizer=opt, kernel_init=init)
+  ref_model = nn.Dense(CLASSES, kernel_init=init)
+  batches = make_batches(seed + 1, 2, (10, 12), CLASSES)
+  key = jax.random.key(seed)
+  forge = fj.TrainState.create(
+    apply_fn=forge_model.apply,
+    params=forge_model.init(key, batches[0][0]),
+    tx=opt.to_optax(),
+    max_grad_norm=max_norm,
+  )
+  ref = FlaxTrainState.create(
+    apply_fn=ref_model.apply,
+    params=ref_model.init(key, batches[0][0]),
+    tx=optax.chain(
+      optax.clip_by_global_norm(max_norm),
+      optax.adamw(1e-2, weight_decay=0.1),
+    ),
+  )
+
+  @jax.jit
+  def step(state, batch):
+    grads = state.value_and_grad(_loss(state.apply_fn, batch))(state.params)
+    return state.apply_gradients(grads=grads[1])
+
+  @jax.jit
+  def ref_step(state, batch):
+    grads = jax.grad(_loss(state.apply_fn, batch))(state.params)
+    return state.apply_gradients(grads=grads), optax.tree.norm(grads)
+
+  for batch in batches:
+    forge = step(forge, batch)
+    ref, ref_norm = ref_step(ref, batch)
+    assert ref_norm > max_norm
+  assert _last_passes([()]) == {layer_context.DEFERRED}
+  assert isinstance(forge.params[COLL]["kernel"], nn.Partitioned)
+  ours, theirs = fj.to_dense(nn.unbox(forge.params)), nn.unbox(ref.params)
+  for name in ("kernel", "bias"):
+    assert_rel_close(ours["params"][name], theirs["params"][name], RTOL, name)
 
 
 def test_readme_clipping_variant_trains():

@@ -1908,6 +1908,38 @@ def test_global_norm_is_optax_global_norm_of_the_gradient(scanned, seed):
   )
 
 
+class FrozenBody(nnx.Module):
+  """An nnx.Linear body, left out of ``wrt``, under FORGE's head."""
+
+  def __init__(self, rngs, optimizer=None):
+    self.body = nnx.Linear(6, 8, rngs=rngs)
+    self.head = MLP((8, 4), rngs, optimizer)
+
+  def __call__(self, x):
+    return self.head(nnx.gelu(self.body(x)))
+
+
+def test_the_norm_is_over_the_variables_wrt_selects(seed):
+  """Grads of every nnx.Param, installed by an optimizer whose ``wrt``
+  leaves the body out: ``grad_norm`` is over what it steps, as
+  clip_by_global_norm in nnx.Optimizer's tx measures it."""
+  wrt = nnx.All(nnx.Param, nnx.Not(nnx.PathContains("body")))
+  model = FrozenBody(nnx.Rngs(seed), OPT)
+  ref = FrozenBody(nnx.Rngs(seed))
+  optimizer = fj.nnx.Optimizer(model, OPT.to_optax(), wrt=wrt)
+  ((x, y),) = make_batches(seed, 1, (10, 6), 4)
+
+  @nnx.jit
+  def step(model, optimizer):
+    optimizer.update(model, fj.nnx.grad(cross_entropy)(model, x, y))
+
+  ref_grad = nnx.jit(nnx.grad(cross_entropy, argnums=nnx.DiffState(0, wrt)))
+  step(model, optimizer)
+  np.testing.assert_allclose(
+    optimizer.grad_norm[...], optax.tree.norm(ref_grad(ref, x, y)), rtol=1e-6
+  )
+
+
 # ---------------------------------------------------------------------------
 # Global-norm clipping: fj.nnx.Optimizer(..., max_grad_norm=c).
 

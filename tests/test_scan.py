@@ -200,6 +200,25 @@ def test_matches_nn_scan_and_optax(seed):
   assert fj.wiped_layers(forge.params) == []
 
 
+def test_a_block_without_forge_layers_differentiates_as_under_nn_scan(seed):
+  """A model written with fj.scan and run with nn.Dense blocks (its flax
+  twin) takes nn.scan's loss and gradients."""
+  x = jax.random.normal(jax.random.key(seed), (TOKENS, WIDTH))
+  results = []
+  for scan in (fj.scan, nn.scan):
+    stack = scan(
+      nn.remat(Block),
+      variable_axes={True: 0},
+      split_rngs={"params": True},
+      in_axes=(nn.broadcast,),
+      length=LAYERS,
+    )(forge=False)
+    variables = stack.init(jax.random.key(seed), x, 0.5)
+    loss_fn = lambda v: jnp.sum(jnp.square(stack.apply(v, x, 0.5)[0]))
+    results.append(jax.value_and_grad(loss_fn)(variables))
+  jax.tree.map(np.testing.assert_array_equal, *results)
+
+
 class SowingBlock(nn.Module):
   """A block that sows an auxiliary loss, as a mixture of experts sows its
   load-balancing term."""

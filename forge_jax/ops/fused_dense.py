@@ -1129,6 +1129,10 @@ def _forge_dense_bwd(spec, layout, defers, residuals, dy):
   )
   factors = None  # zeros: the sink's cotangent outside the deferred pass
   if gradient_pass == layer_context.DEFERRED:
+    if unchanged:
+      layer_context.record_deferred_return(
+        new_variables.count, new_variables.kernel
+      )
     x_c = jnp.asarray(
       x, flax_dtypes.canonicalize_dtype(x, variables.kernel, dtype=spec.dtype)
     )
