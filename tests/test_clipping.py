@@ -431,7 +431,11 @@ class ScaledInput(nn.Module):
     return MLP(self.features, self.optimizer, name="mlp")(x * table.value)
 
 
-@pytest.mark.parametrize("clip", ["exact", "delayed"])
+@pytest.mark.parametrize(
+  "clip",
+  # 'exact' reads the same norm in test_norm_counts_the_trained_parameters_alone.
+  [pytest.param("exact", marks=pytest.mark.slow), "delayed"],
+)
 def test_the_norm_leaves_out_collections_nothing_trains(clip, seed):
   """A collection beside ``params`` gets a gradient that tx never steps
   (flax's TrainState steps ``params`` alone): the norm, and the clipping,
@@ -1304,7 +1308,12 @@ class FrozenNormMLP(nn.Module):
     return dense(CLASSES, name="fc2")(nn.relu(x))
 
 
-@pytest.mark.parametrize("clip", ["exact", "delayed"])
+@pytest.mark.parametrize(
+  "clip",
+  # 'delayed' reads the same norm in
+  # test_the_norm_leaves_out_collections_nothing_trains.
+  ["exact", pytest.param("delayed", marks=pytest.mark.slow)],
+)
 def test_norm_counts_the_trained_parameters_alone(clip, seed):
   """A loss that reads ``batch_stats`` has gradients for them, which no
   optimizer step reads: the norm, and the clipping by it, are optax's over
