@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from forge_jax import linen
 from forge_jax.linen import ForgeDenseGeneral
 from forge_jax.optimizers import ForgeOptimizer
 
@@ -82,6 +83,7 @@ class MultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
   ):
     """Attention of ``inputs_q`` over ``inputs_k`` / ``inputs_v``, as
     ``nn.MultiHeadDotProductAttention.__call__``."""
+    self._check_products()
     inputs_k, inputs_v = _key_value_inputs(
       inputs_q, inputs_k, inputs_v, inputs_kv
     )
@@ -94,6 +96,8 @@ class MultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
       )
     head_dim = qkv_features // self.num_heads
     out_kernel_init = self.out_kernel_init or self.kernel_init
+    if self.out_kernel_init is None:
+      self._check_shared_init((self.num_heads, head_dim, features))
     qkv_names, out_names = None, None
     if self.input_partitioning is not None:
       # [batch..., length, heads, head_dim]: whole sequences, the heads
@@ -208,6 +212,43 @@ class MultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
       name="out",
     )(x)
 
+  def _check_products(self):
+    """Refuses a custom product of the projections, naming the field."""
+    for name in _PRODUCT_FIELDS:
+      value = getattr(self, name)
+      if value is None or (value is lax.dot_general and "_cls" not in name):
+        continue
+      raise ValueError(
+        f"{type(self).__name__} {'/'.join(self.path)!r}: a custom {name} "
+        "is not supported: FORGE computes the query, key, value and out "
+        "projections and their weight gradients itself. Leave it at None, "
+        "or use flax's nn.MultiHeadDotProductAttention for this module."
+      )
+
+  def _check_shared_init(self, out_shape):
+    """Refuses a ``kernel_init`` whose partitioning, which the out kernel
+    shares without ``out_kernel_init``, shards its ``head_dim``: FORGE
+    merges ``[heads, head_dim]`` into one dimension (flax lays the names on
+    the ``[features, heads, head_dim]`` projections and the out kernel
+    alike)."""
+    flat = (out_shape[0] * out_shape[1], out_shape[2])  # as DenseGeneral
+    boxed = jax.eval_shape(
+      lambda: self.kernel_init(jax.random.key(0), flat, self.param_dtype)
+    )
+    if not isinstance(boxed, nn.Partitioned):
+      return
+    mesh_axes = tuple(linen._resolver(boxed)(tuple(boxed.names)))
+    if len(mesh_axes) > 1 and mesh_axes[1] not in (None, ()):
+      raise ValueError(
+        f"{type(self).__name__} {'/'.join(self.path)!r}: out_kernel_init "
+        f"is None, so the out kernel {out_shape} ([heads, head_dim, "
+        f"features]) takes kernel_init's partitioning {boxed.names}, which "
+        "shards its head_dim; FORGE merges [heads, head_dim] into one "
+        "dimension, of which only the heads can be sharded. Give "
+        "out_kernel_init its own partitioning, e.g. "
+        "nn.with_partitioning(init, ('model', None, None))."
+      )
+
   def _kernel_names(self, init, shape) -> tuple:
     """The partitioning names ``init`` gives a kernel of ``shape`` (None
     for each dimension of an unpartitioned one)."""
@@ -256,6 +297,15 @@ class MultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
       ),
     )
     return key, value, mask
+
+
+#: The fields of flax's attention that replace its projections' product.
+_PRODUCT_FIELDS = (
+  "qkv_dot_general",
+  "out_dot_general",
+  "qkv_dot_general_cls",
+  "out_dot_general_cls",
+)
 
 
 class SelfAttention(MultiHeadDotProductAttention):

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import chex
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -145,14 +146,62 @@ def test_self_attention_is_flax_s(seed):
   assert_bitwise_equal(forge.apply(forge_vars, x, mask), expected, "output")
 
 
-def test_custom_dot_general_is_refused():
+@pytest.mark.parametrize(
+  "field",
+  [
+    "qkv_dot_general",
+    "out_dot_general",
+    "qkv_dot_general_cls",
+    "out_dot_general_cls",
+  ],
+)
+def test_custom_dot_general_is_refused_by_its_name(field):
+  """The refusal names the attention's field the user set, not the
+  projection's."""
+  product = lambda *a, **k: lax.dot_general(*a, **k)
   forge = fj.MultiHeadDotProductAttention(
     num_heads=2,
-    qkv_dot_general=lambda *a, **k: lax.dot_general(*a, **k),
+    **{field: (lambda: product) if field.endswith("_cls") else product},
     optimizer=OPT,
   )
-  with pytest.raises(ValueError, match="custom dot_general"):
+  with pytest.raises(ValueError, match=f"custom {field} is not supported"):
     forge.init(jax.random.key(0), jnp.ones((1, 3, 4)))
+
+
+def test_lax_dot_general_is_flax_s_default():
+  """lax.dot_general is what flax computes without one: accepted."""
+  x = jax.random.normal(jax.random.key(0), (1, 3, 4))
+  fields = dict(
+    num_heads=2,
+    qkv_dot_general=lax.dot_general,
+    out_dot_general=lax.dot_general,
+  )
+  ref, forge = _pair(**fields)
+  ref_vars = ref.init(jax.random.key(1), x)
+  forge_vars = fj.from_dense(ref_vars, forge, x)
+  assert_bitwise_equal(
+    forge.apply(forge_vars, x), ref.apply(ref_vars, x), "output"
+  )
+
+
+def test_kernel_init_sharding_head_dim_of_out_is_refused():
+  """Without out_kernel_init the out kernel [heads, head_dim, features]
+  takes kernel_init's names, which here shard its head_dim: the refusal
+  says to give out_kernel_init; given, the variables are flax's."""
+  x = jax.random.normal(jax.random.key(0), (1, 3, 8))
+  init = nn.initializers.lecun_normal()
+  heads = nn.with_partitioning(init, (None, "model", None))
+  _, forge = _pair(num_heads=2, kernel_init=heads)
+  with pytest.raises(ValueError, match="Give out_kernel_init"):
+    forge.init(jax.random.key(0), x)
+  ref, forge = _pair(
+    num_heads=2,
+    kernel_init=heads,
+    out_kernel_init=nn.with_partitioning(init, ("model", None, None)),
+  )
+  ref_vars = ref.init(jax.random.key(1), x)
+  forge_vars = fj.to_dense(forge.init(jax.random.key(1), x))
+  chex.assert_trees_all_equal(nn.unbox(forge_vars), nn.unbox(ref_vars))
 
 
 def test_trains_as_flax_s(seed):
