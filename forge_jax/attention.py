@@ -355,4 +355,15 @@ def _key_value_inputs(inputs_q, inputs_k, inputs_v, inputs_kv):
     inputs_k = inputs_q
   if inputs_v is None:
     inputs_v = inputs_k
+  elif inputs_v.shape[-1] == inputs_v.shape[-2]:
+    # A mask passed positionally, as before flax 0.7.4, lands here.
+    warnings.warn(
+      f"You are passing an array of shape {inputs_v.shape} to the "
+      "`inputs_v` arg, when you may have intended to pass it to the `mask` "
+      "arg. The call is `__call__(inputs_q, inputs_k=None, inputs_v=None, "
+      "*, inputs_kv=None, mask=None, deterministic=None)`, as flax's: use "
+      "the kwarg `mask` instead.",
+      DeprecationWarning,
+      stacklevel=3,
+    )
   return inputs_k, inputs_v

@@ -146,6 +146,20 @@ def test_self_attention_is_flax_s(seed):
   assert_bitwise_equal(forge.apply(forge_vars, x, mask), expected, "output")
 
 
+def test_square_inputs_v_warns_as_flax():
+  """flax warns where inputs_v's last two dimensions are equal, as a mask
+  passed positionally (the call before flax 0.7.4) would have them."""
+  q = jax.random.normal(jax.random.key(0), (2, 4, 4))
+  ref, forge = _pair(num_heads=2)
+  ref_vars = ref.init(jax.random.key(1), q)
+  forge_vars = fj.from_dense(ref_vars, forge, q)
+  outputs = []
+  for model, variables in ((ref, ref_vars), (forge, forge_vars)):
+    with pytest.warns(DeprecationWarning, match="`mask` arg"):
+      outputs.append(model.apply(variables, q, q, q))
+  assert_bitwise_equal(outputs[1], outputs[0], "output")
+
+
 @pytest.mark.parametrize(
   "field",
   [
