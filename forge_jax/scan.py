@@ -41,7 +41,7 @@ import numpy as np
 from flax.core import FrozenDict
 from jax import lax
 
-from forge_jax import layer_context, parallel
+from forge_jax import layer_context, linen, parallel
 from forge_jax.linen import (
   FACTORS_COLLECTION,
   FORGE_COLLECTION,
@@ -89,7 +89,8 @@ def scan(
   is mutable (a decode cache, ``sow``'s intermediates: named in
   ``mutable`` though the variables do not hold them yet, or
   ``mutable=True``), the call runs as ``nn.scan`` itself: correct, without
-  the in-place backward.
+  the in-place backward (a ``ForgeMemoryWarning`` says so where FORGE's
+  variables are differentiated; a decode loop has no backward).
 
   Raises:
     ValueError: for an argument of ``nn.scan`` that fj.scan cannot honor
@@ -127,7 +128,11 @@ def scan(
       _check_in_axes(in_axes, len(args))
       mutable = _mutable_others(self)
       if self.is_initializing() or mutable:
-        if mutable and not self.is_initializing():
+        if (
+          mutable
+          and not self.is_initializing()
+          and _differentiated(self.variables.get(FORGE_COLLECTION, {}))
+        ):
           warnings.warn(
             f"fj.scan {'/'.join(self.path)!r} runs as nn.scan while "
             f"{mutable} is mutable: correct, without FORGE's in-place "
@@ -247,6 +252,12 @@ def _check_in_axes(in_axes, num_args):
       "every layer). Per-layer inputs are not supported: stack them in a "
       "variable collection, or use nn.scan."
     )
+
+
+def _differentiated(stacks) -> bool:
+  """Whether FORGE's ``stacks`` are being differentiated: only then does
+  running as ``nn.scan`` cost memory (a decode loop has no backward)."""
+  return any(linen._differentiated(leaf) for leaf in jax.tree.leaves(stacks))
 
 
 def _split_forge(variables):

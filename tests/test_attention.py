@@ -13,6 +13,8 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
+import warnings
 from typing import Any
 
 import chex
@@ -491,3 +493,68 @@ def test_lm1b_transformer_trains_as_flax_s(seed):
     ref_cache, forge_cache = ref_mut["cache"], forge_mut["cache"]
     assert_rel_close(forge_logits, ref_logits, 1e-6, f"decode step {t}")
     prompt = jnp.argmax(ref_logits, -1).astype(jnp.int32)
+
+
+class CachedBlock(nn.Module):
+  """A causal self-attention block with a decode cache, for a scan."""
+
+  decode: bool
+  optimizer: Any = None
+
+  @nn.compact
+  def __call__(self, x):
+    fields = dict(num_heads=2, decode=self.decode)
+    if self.optimizer is None:
+      attention = nn.MultiHeadDotProductAttention(**fields)
+    else:
+      attention = fj.MultiHeadDotProductAttention(
+        **fields, optimizer=self.optimizer, implementation="xla"
+      )
+    mask = None if self.decode else nn.make_causal_mask(x[..., 0])
+    return x + attention(x, mask=mask), None
+
+
+def _cached_stack(decode, optimizer=None):
+  scan = nn.scan if optimizer is None else fj.scan
+  return scan(
+    CachedBlock,
+    variable_axes={True: 0},
+    split_rngs={"params": True},
+    length=1,
+  )(decode, optimizer)
+
+
+def test_decoding_a_scanned_stack_does_not_warn(seed):
+  """fj.scan runs as nn.scan while the cache is mutable; decoding has no
+  backward, so no memory warning, and its steps are flax's (nn.scan). A
+  train step with a mutable collection still warns."""
+  x = jax.random.normal(jax.random.key(seed), (1, 2, 4))
+  ref, forge = _cached_stack(True), _cached_stack(True, OPT)
+  ref_vars = ref.init(jax.random.key(1), x)
+  forge_vars = fj.from_dense(ref_vars, forge, x)
+
+  @functools.partial(jax.jit, static_argnums=0)
+  def decode(model, variables, cache, x):
+    (y, _), mutated = model.apply(
+      {**variables, "cache": cache}, x, mutable=["cache"]
+    )
+    return y, mutated["cache"]
+
+  ref_cache, forge_cache = ref_vars["cache"], forge_vars["cache"]
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", fj.ForgeMemoryWarning)
+    for t in range(x.shape[1]):
+      step = x[:, t : t + 1]
+      expected, ref_cache = decode(ref, ref_vars, ref_cache, step)
+      out, forge_cache = decode(forge, forge_vars, forge_cache, step)
+      assert_rel_close(out, expected, 1e-6, f"decode step {t}")
+
+  train = _cached_stack(False, OPT)
+  variables = train.init(jax.random.key(1), x)
+
+  def loss(variables):
+    (y, _), _ = train.apply(variables, x, mutable=["intermediates"])
+    return jnp.sum(y**2)
+
+  with pytest.warns(fj.ForgeMemoryWarning, match="runs as nn.scan"):
+    jax.eval_shape(jax.grad(loss), variables)
