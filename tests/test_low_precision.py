@@ -788,12 +788,18 @@ def test_checkpoint_of_4bit_codes_without_their_layout_is_refused(
     path = checkpoint.save(
       str(tmp_path / f"bits{opt.second_moment_bits}"), _new_state(seed, opt=opt)
     )
-    os.remove(os.path.join(path, checkpoint.LAYOUT_FILE))
+    layout_file = os.path.join(path, checkpoint.LAYOUT_FILE)
+    with open(layout_file, encoding="utf-8") as f:
+      record = f.read()
+    os.remove(layout_file)
     if opt.second_moment_bits == 4:
-      with pytest.raises(TypeError, match="layout None"):
+      with pytest.raises(TypeError, match="layout None") as refusal:
         checkpoint.restore(path, _new_state(seed, opt=opt))
-    else:
-      checkpoint.restore(path, _new_state(seed, opt=opt))
+      # The refusal says what to write where to restore it.
+      assert f"write {record} to {layout_file}" in str(refusal.value)
+      with open(layout_file, "w", encoding="utf-8") as f:
+        f.write(record)
+    checkpoint.restore(path, _new_state(seed, opt=opt))
 
 
 def test_checkpoint_of_a_fresh_state_restores_into_its_eval_shape(
