@@ -29,7 +29,9 @@ zeros, and a saved ``grad_norm`` restores into a state that tracks none
 or left over raises. A checkpoint also records the layout
 of 4-bit codes (:data:`FOURBIT_LAYOUT`), and a state with 4-bit second
 moments restores only from a checkpoint of that layout: codes of another
-pairing have the same shape and dtype but other levels. Uses orbax (``pip
+pairing have the same shape and dtype but other levels (one written by
+plain orbax records none; the refusal names the record to write). Uses
+orbax (``pip
 install forge_jax[checkpoint]``).
 """
 
@@ -175,6 +177,15 @@ def restore(path: str, abstract_state: Any) -> Any:
   path = os.path.abspath(path)
   if quantization.has_4bit(abstract_state):
     layout = _fourbit_layout(path)
+    if layout is None:
+      raise TypeError(
+        f"checkpoint {path} records no layout of 4-bit codes (layout None: "
+        "not written by forge_jax.checkpoint.save; plain orbax, say): codes "
+        "of another pairing would restore as other levels. If this "
+        f"forge_jax's state was saved there (layout {FOURBIT_LAYOUT!r}), "
+        f"record it: write {json.dumps({'fourbit_codes': FOURBIT_LAYOUT})} "
+        f"to {os.path.join(path, LAYOUT_FILE)}"
+      )
     if layout != FOURBIT_LAYOUT:
       raise TypeError(
         f"checkpoint {path} records 4-bit codes in layout {layout!r}, not "

@@ -85,6 +85,21 @@ def _lifted_transforms(scope) -> list[str]:
   ]
 
 
+def _containers_hint(actual, wanted) -> str:
+  """Why variables with the expected arrays but another structure differ:
+  a checkpoint restored without a target brings optimizer states back as
+  dicts, not their NamedTuples."""
+  if jax.tree.leaves(actual) != jax.tree.leaves(wanted):
+    return ""
+  return (
+    " Its arrays are the expected ones in other containers (dicts in "
+    "place of the optimizer state's NamedTuples): restored from a "
+    "checkpoint without a target? Restore into the state's structure: "
+    "forge_jax.checkpoint.restore(path, abstract_state), or orbax's "
+    "restore(path, abstract_state)."
+  )
+
+
 def _applied_kernel(module: nn.Module):
   """The FORGE kernel at ``module``'s path in the variables of the
   outermost module being applied, or None. Inside a lifted transform the
@@ -489,7 +504,7 @@ class _ForgeLinear(nn.Module):
         f"{self.optimizer!r}. The variables were changed before apply (a "
         "cast, or another optimizer's state): FORGE writes the updated "
         "weights back through whatever produced them, so pass them as "
-        "init created them."
+        "init created them." + _containers_hint(actual, wanted)
       )
 
   def _check_kernel_unmapped(self, kernel):

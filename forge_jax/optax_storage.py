@@ -116,7 +116,9 @@ def optax_with_storage(
     # (a NaN batch, an overflow), which skips every layer it reaches and
     # leaves their counts: this count stays too, so that the bias
     # corrections and schedules of the layers and of tx stay in step.
-    taken = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in grads]))
+    taken = jnp.bool_(True)
+    for grad in grads:
+      taken &= jnp.all(jnp.isfinite(grad))
     return params_def.unflatten(
       [step for step, _ in stepped]
     ), StoredOptaxState(
@@ -133,6 +135,10 @@ def _fields_outside(params_def, per_param: list, state_def):
   updates field by field."""
   if not state_def.num_leaves:  # plain SGD: an empty state
     return state_def.unflatten([])
+  if not params_def.num_leaves:  # every parameter is a FORGE layer's
+    return state_def.unflatten(
+      [params_def.unflatten([])] * state_def.num_leaves
+    )
   return jax.tree.transpose(
     params_def, state_def, params_def.unflatten(per_param)
   )
@@ -140,7 +146,7 @@ def _fields_outside(params_def, per_param: list, state_def):
 
 def _fields_inside(params_def, state, state_def) -> list:
   """Inverse of :func:`_fields_outside`: one state per parameter."""
-  if not state_def.num_leaves:
+  if not state_def.num_leaves or not params_def.num_leaves:
     return [state] * params_def.num_leaves
   return params_def.flatten_up_to(
     jax.tree.transpose(state_def, params_def, state)

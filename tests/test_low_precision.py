@@ -743,6 +743,29 @@ def test_checkpoint_round_trip_is_bit_exact_and_never_casts(
     checkpoint.restore(path, wrong)
 
 
+def test_params_restored_by_orbax_without_a_target_are_refused_by_name(
+  tmp_path, seed
+):
+  """Plain orbax restores int8 states saved without a target as dicts:
+  applying them raises and says to restore into the abstract state, with
+  which the same checkpoint restores bit for bit."""
+  ocp = pytest.importorskip("orbax.checkpoint")
+  state = _new_state(seed)
+  checkpointer = ocp.StandardCheckpointer()
+  checkpointer.save(tmp_path / "params", state.params)
+  checkpointer.wait_until_finished()
+  x, _ = _batches(seed, 1)[0]
+  apply = jax.jit(state.apply_fn)
+  raw = checkpointer.restore(tmp_path / "params")
+  with pytest.raises(TypeError, match="checkpoint without a target"):
+    apply(raw, x)
+  restored = checkpointer.restore(
+    tmp_path / "params", jax.eval_shape(lambda: state.params)
+  )
+  assert_same_bits(restored, state.params, "params")
+  assert np.array_equal(apply(restored, x), apply(state.params, x))
+
+
 def test_checkpoint_of_another_storage_format_is_refused(tmp_path, seed):
   """int8 second moments restored into a state with 4-bit ones (and back)
   raise a TypeError naming each mismatched leaf and both shapes."""
@@ -765,12 +788,18 @@ def test_checkpoint_of_4bit_codes_without_their_layout_is_refused(
     path = checkpoint.save(
       str(tmp_path / f"bits{opt.second_moment_bits}"), _new_state(seed, opt=opt)
     )
-    os.remove(os.path.join(path, checkpoint.LAYOUT_FILE))
+    layout_file = os.path.join(path, checkpoint.LAYOUT_FILE)
+    with open(layout_file, encoding="utf-8") as f:
+      record = f.read()
+    os.remove(layout_file)
     if opt.second_moment_bits == 4:
-      with pytest.raises(TypeError, match="layout None"):
+      with pytest.raises(TypeError, match="layout None") as refusal:
         checkpoint.restore(path, _new_state(seed, opt=opt))
-    else:
-      checkpoint.restore(path, _new_state(seed, opt=opt))
+      # The refusal says what to write where to restore it.
+      assert f"write {record} to {layout_file}" in str(refusal.value)
+      with open(layout_file, "w", encoding="utf-8") as f:
+        f.write(record)
+    checkpoint.restore(path, _new_state(seed, opt=opt))
 
 
 def test_checkpoint_of_a_fresh_state_restores_into_its_eval_shape(

@@ -330,6 +330,30 @@ def test_update_needs_params():
     fj.optax_with_storage(optax.adam(1e-3))
 
 
+@pytest.mark.parametrize(
+  "opt", [fj.adamw(1e-2, state_dtype="bfloat16"), fj.sgd(1e-2)]
+)
+def test_a_model_of_forge_layers_alone_leaves_tx_nothing_to_train(opt, seed):
+  """Bias-free FORGE layers leave ``tx`` an empty tree (a state with
+  fields, or none): it starts, steps and counts, and the layers train."""
+  model = fj.ForgeDense(64, optimizer=opt, param_dtype=BF16, use_bias=False)
+  x = jax.random.normal(jax.random.key(seed), (8, 32))
+  variables = model.init(jax.random.key(seed), x)
+  state = fj.TrainState.create(
+    apply_fn=model.apply, params=variables, tx=fj.optax_with_storage(opt)
+  )
+  assert not jax.tree.leaves(state.opt_state.state)
+  loss = lambda p: jnp.mean(state.apply_fn(p, x).astype(F32) ** 2)
+  before = state.params["_overwrite_with_gradient"]["kernel"]
+  state = jax.jit(lambda s: s.apply_gradients(grads=jax.grad(loss)(s.params)))(
+    state
+  )
+  assert int(state.opt_state.count) == 1
+  layer = state.params["_overwrite_with_gradient"]
+  assert float(layer["count"]) == 1.0
+  assert not np.array_equal(np.asarray(layer["kernel"]), np.asarray(before))
+
+
 class EmbedLM(nn.Module):
   optimizer: fj.ForgeOptimizer
 
