@@ -21,8 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from forge_jax import linen
-from forge_jax.linen import ForgeDenseGeneral
+from forge_jax.linen import ForgeDenseGeneral, partition_resolver
 from forge_jax.optimizers import ForgeOptimizer
 
 
@@ -237,7 +236,7 @@ class MultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
     )
     if not isinstance(boxed, nn.Partitioned):
       return
-    mesh_axes = tuple(linen._resolver(boxed)(tuple(boxed.names)))
+    mesh_axes = tuple(partition_resolver(boxed)(tuple(boxed.names)))
     if len(mesh_axes) > 1 and mesh_axes[1] not in (None, ()):
       raise ValueError(
         f"{type(self).__name__} {'/'.join(self.path)!r}: out_kernel_init "

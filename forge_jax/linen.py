@@ -118,7 +118,7 @@ def _applied_kernel(module: nn.Module):
   return node
 
 
-def _differentiated(value) -> bool:
+def is_differentiated(value) -> bool:
   """Whether ``value`` is being differentiated (a tracer of JAX's JVP or
   linearization, which carries a tangent): a second use then sums two
   updates, while inference may use a layer as often as it likes."""
@@ -417,7 +417,7 @@ class _ForgeLinear(nn.Module):
     names = _merge_partitioning(
       boxed.names,
       groups,
-      _resolver(boxed),
+      partition_resolver(boxed),
       f"{self._where()}: the kernel {tuple(kernel_shape)}",
     )
     return boxed.replace(names=names)
@@ -457,7 +457,7 @@ class _ForgeLinear(nn.Module):
       kernel_meta.names if kernel_meta is not None else (None, None),
       input_names,
       output_names,
-      _resolver(kernel_meta),
+      partition_resolver(kernel_meta),
       self.data_parallel,
       where=self._where(),
       refuse_undeclared_input=not self.is_initializing(),
@@ -515,7 +515,7 @@ class _ForgeLinear(nn.Module):
     applied = _applied_kernel(self)
     if (
       set(_lifted_transforms(self.scope)) == {"map_variables"}
-      and _differentiated(applied)
+      and is_differentiated(applied)
       and applied is not kernel
       and not layer_context.is_discovering()
     ):
@@ -535,7 +535,7 @@ class _ForgeLinear(nn.Module):
     # this path tells two calls of one layer from two layers.
     applied = _applied_kernel(self)
     if (
-      _differentiated(applied)
+      is_differentiated(applied)
       and applied is not kernel
       and not layer_context.is_discovering()
       and layer_context.record_lifted_forward(path, applied)
@@ -562,7 +562,7 @@ class _ForgeLinear(nn.Module):
       previous is not None
       and previous is kernel
       and (
-        _differentiated(kernel)
+        is_differentiated(kernel)
         or (self.is_initializing() and not layer_context.in_lax_branch())
       )
     ):
@@ -911,7 +911,9 @@ class ForgeDenseGeneral(_ForgeLinear):
     boxed = jax.eval_shape(
       lambda: self.kernel_init(jax.random.key(0), (1, 1), self.param_dtype)
     )
-    return _resolver(boxed if isinstance(boxed, nn.Partitioned) else None)
+    return partition_resolver(
+      boxed if isinstance(boxed, nn.Partitioned) else None
+    )
 
 
 def _kernel_view_shape(kernel_shape, in_rank: int) -> tuple:
@@ -927,7 +929,7 @@ def _as_tuple(value) -> tuple:
   return tuple(value) if isinstance(value, Iterable) else (value,)
 
 
-def _resolver(box):
+def partition_resolver(box):
   """Names -> a mesh PartitionSpec, as ``box`` resolves them."""
   if isinstance(box, nn.LogicallyPartitioned):
     return lambda names: nn.logical_to_mesh_axes(names, box.rules)

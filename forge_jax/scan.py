@@ -41,11 +41,12 @@ import numpy as np
 from flax.core import FrozenDict
 from jax import lax
 
-from forge_jax import layer_context, linen, parallel
+from forge_jax import layer_context, parallel
 from forge_jax.linen import (
   FACTORS_COLLECTION,
   FORGE_COLLECTION,
   ForgeMemoryWarning,
+  is_differentiated,
 )
 from forge_jax.ops import fused_dense
 
@@ -131,7 +132,7 @@ def scan(
         if (
           mutable
           and not self.is_initializing()
-          and _differentiated(self.variables.get(FORGE_COLLECTION, {}))
+          and _stacks_differentiated(self.variables.get(FORGE_COLLECTION, {}))
         ):
           warnings.warn(
             f"fj.scan {'/'.join(self.path)!r} runs as nn.scan while "
@@ -254,10 +255,10 @@ def _check_in_axes(in_axes, num_args):
     )
 
 
-def _differentiated(stacks) -> bool:
+def _stacks_differentiated(stacks) -> bool:
   """Whether FORGE's ``stacks`` are being differentiated: only then does
   running as ``nn.scan`` cost memory (a decode loop has no backward)."""
-  return any(linen._differentiated(leaf) for leaf in jax.tree.leaves(stacks))
+  return any(is_differentiated(leaf) for leaf in jax.tree.leaves(stacks))
 
 
 def _split_forge(variables):
