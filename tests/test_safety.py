@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 from flax.training.train_state import TrainState
 from jax import lax
 
@@ -1296,3 +1297,40 @@ def test_pretrained_nn_dense_weights_load_by_path(seed):
   assert_bitwise_equal(
     forge_model.apply(loaded, x), dense_model.apply(pretrained, x), "outputs"
   )
+
+
+def test_float64_kernels_are_refused_and_float64_inputs_train_as_nn_dense():
+  """The rules compute in float32: a float64 kernel (x64 on) would lose
+  optax's float64 precision, so it is refused by name; float64 inputs to a
+  float32 kernel step as nn.Dense + optax does."""
+  with jax.enable_x64(True):
+    x = jax.random.normal(jax.random.key(1), (4, 3), jnp.float64)
+    forge = fj.ForgeDense(5, optimizer=OPT, param_dtype=jnp.float64)
+    with pytest.raises(TypeError, match="float64 kernel"):
+      forge.init(jax.random.key(0), x)
+    with pytest.raises(TypeError, match="float64 kernel"):
+      fj.nnx.Linear(
+        3, 5, optimizer=OPT, param_dtype=jnp.float64, rngs=nnx.Rngs(0)
+      )
+    dense, forge = nn.Dense(5), fj.ForgeDense(5, optimizer=OPT)
+    dense_vars = dense.init(jax.random.key(0), x)
+    forge_vars = fj.from_dense(dense_vars, forge, x)
+    loss = lambda apply: lambda p: jnp.sum(apply(p, x) ** 2)
+    expected = TrainState.create(
+      apply_fn=dense.apply, params=dense_vars, tx=OPT.to_optax()
+    )
+    actual = fj.TrainState.create(
+      apply_fn=forge.apply, params=forge_vars, tx=OPT.to_optax()
+    )
+    expected = expected.apply_gradients(
+      grads=jax.grad(loss(dense.apply))(expected.params)
+    )
+    actual = actual.apply_gradients(
+      grads=jax.grad(loss(forge.apply))(actual.params)
+    )
+    np.testing.assert_allclose(
+      fj.to_dense(actual.params)["params"]["kernel"],
+      expected.params["params"]["kernel"],
+      rtol=1e-6,
+    )
+    assert forge.apply(actual.params, x).dtype == jnp.float64

@@ -86,10 +86,23 @@ class ForgeVariables(NamedTuple):
   grad_sq_norm: jax.Array
 
 
+def check_kernel_precision(dtype) -> None:
+  """Refuses a float64 kernel: the rules compute in float32, so its update
+  would lose the precision optax's float64 update keeps."""
+  if jnp.dtype(dtype) == jnp.float64:
+    raise TypeError(
+      "FORGE's optimizer rules compute in float32: a float64 kernel would "
+      "be stepped at float32 precision, unlike optax's float64 update. "
+      "Use param_dtype=jnp.float32 (inputs and dtype may stay float64), or "
+      "nn.Dense / nnx.Linear + optax to train in float64."
+    )
+
+
 def init_variables(
   optimizer: ForgeOptimizer, kernel: jax.Array
 ) -> ForgeVariables:
   dtype = jnp.dtype(kernel.dtype)
+  check_kernel_precision(dtype)
   if optimizer.weight_rounding == "stochastic" and dtype not in (
     jnp.bfloat16,
     jnp.float32,
@@ -205,6 +218,7 @@ def _validate(
   for name, value in (("x", x), ("kernel", kernel)):
     if not jnp.issubdtype(value.dtype, jnp.floating):
       raise TypeError(f"{name}.dtype={value.dtype} must be a floating dtype")
+  check_kernel_precision(kernel.dtype)
   if bias is not None and bias.shape != (kernel.shape[1],):
     raise ValueError(f"{bias.shape=} must be ({kernel.shape[1]},)")
   if spec.implementation not in IMPLEMENTATIONS:
