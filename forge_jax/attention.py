@@ -21,7 +21,12 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from forge_jax.linen import ForgeDenseGeneral, partition_resolver
+from forge_jax.linen import (
+  DEFAULT_DOT_GENERAL,
+  ForgeDenseGeneral,
+  check_products,
+  partition_resolver,
+)
 from forge_jax.optimizers import ForgeOptimizer
 
 
@@ -213,16 +218,18 @@ class MultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
 
   def _check_products(self):
     """Refuses a custom product of the projections, naming the field."""
-    for name in _PRODUCT_FIELDS:
-      value = getattr(self, name)
-      if value is None or (value is lax.dot_general and "_cls" not in name):
-        continue
-      raise ValueError(
-        f"{type(self).__name__} {'/'.join(self.path)!r}: a custom {name} "
-        "is not supported: FORGE computes the query, key, value and out "
-        "projections and their weight gradients itself. Leave it at None, "
-        "or use flax's nn.MultiHeadDotProductAttention for this module."
-      )
+    check_products(
+      f"{type(self).__name__} {'/'.join(self.path)!r}",
+      "flax's nn.MultiHeadDotProductAttention",
+      (
+        (
+          name,
+          getattr(self, name),
+          (None,) if "_cls" in name else (None, DEFAULT_DOT_GENERAL),
+        )
+        for name in _PRODUCT_FIELDS
+      ),
+    )
 
   def _check_shared_init(self, out_shape):
     """Refuses a ``kernel_init`` whose partitioning, which the out kernel

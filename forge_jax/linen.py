@@ -100,6 +100,25 @@ def _containers_hint(actual, wanted) -> str:
   )
 
 
+#: flax's default product, which ``dot_general=None`` computes.
+DEFAULT_DOT_GENERAL = jax.lax.dot_general
+
+
+def check_products(where: str, flax_layer: str, fields) -> None:
+  """Refuses the first of ``fields`` (``(name, value, defaults)``) whose
+  value is none of its ``defaults``: FORGE computes the product, its dtype
+  promotion and its weight gradient itself, as flax's defaults do, so a
+  custom one would be silently ignored."""
+  for name, value, defaults in fields:
+    if all(value is not default for default in defaults):
+      raise ValueError(
+        f"{where}: a custom {name} is not supported: FORGE computes the "
+        "product and its weight gradient itself (the fused op's "
+        "dot_general, or a Pallas kernel), promoting dtypes as flax does. "
+        f"Leave it at its default, or use {flax_layer} for this layer."
+      )
+
+
 def _applied_kernel(module: nn.Module):
   """The FORGE kernel at ``module``'s path in the variables of the
   outermost module being applied, or None. Inside a lifted transform the
@@ -184,27 +203,20 @@ class _ForgeLinear(nn.Module):
   flax_twin: ClassVar[str] = "nn.Dense"
 
   def _check_product(self):
-    """Refuses a custom product of flax's fields (``dot_general``,
-    ``dot_general_cls``, ``promote_dtype``): FORGE computes the product,
-    its promotion and its weight gradient itself, as flax's defaults
-    do."""
-    custom = [
-      name
-      for name, default in (
-        ("dot_general", (None, jax.lax.dot_general)),
-        ("dot_general_cls", (None,)),
-        ("promote_dtype", (promote_dtype,)),
-      )
-      if all(getattr(self, name, None) is not d for d in default)
-    ]
-    if custom:
-      raise ValueError(
-        f"{self._where()}: a custom {custom[0]} is not supported: FORGE "
-        "computes the product and its weight gradient itself (the fused "
-        "op's dot_general, or a Pallas kernel), promoting dtypes as flax "
-        f"does. Leave it at its default, or use flax's {self.flax_twin} "
-        "for this layer."
-      )
+    """Refuses a custom product of flax's fields (:func:`check_products`)."""
+    check_products(
+      self._where(),
+      f"flax's {self.flax_twin}",
+      (
+        (
+          "dot_general",
+          getattr(self, "dot_general", None),
+          (None, DEFAULT_DOT_GENERAL),
+        ),
+        ("dot_general_cls", getattr(self, "dot_general_cls", None), (None,)),
+        ("promote_dtype", self.promote_dtype, (promote_dtype,)),
+      ),
+    )
 
   def _fused(
     self,

@@ -48,7 +48,11 @@ from flax.nnx.nn.linear import default_bias_init, default_kernel_init
 from jax.sharding import PartitionSpec as P
 
 from forge_jax import clipping, layer_context, parallel, quantization
-from forge_jax.linen import FORGE_COLLECTION
+from forge_jax.linen import (
+  DEFAULT_DOT_GENERAL,
+  FORGE_COLLECTION,
+  check_products,
+)
 from forge_jax.ops.fused_dense import (
   IMPLEMENTATIONS,
   ForgeVariables,
@@ -186,7 +190,7 @@ class Linear(nnx.Module):
     data_parallel: str = "auto",
     kernel_metadata: Mapping[str, Any] = MappingProxyType({}),
     bias_metadata: Mapping[str, Any] = MappingProxyType({}),
-    dot_general: Callable = jax.lax.dot_general,
+    dot_general: Callable = DEFAULT_DOT_GENERAL,
     promote_dtype: Callable = nnx_promote_dtype,
     preferred_element_type: Optional[Any] = None,
   ):
@@ -195,19 +199,15 @@ class Linear(nnx.Module):
     if implementation not in IMPLEMENTATIONS:
       raise ValueError(f"{implementation=} must be one of {IMPLEMENTATIONS}")
     kind = type(self).__name__  # Linear, Embed: nnx's names
-    for name, value, default in (
-      ("dot_general", dot_general, jax.lax.dot_general),
-      ("promote_dtype", promote_dtype, nnx_promote_dtype),
-      ("preferred_element_type", preferred_element_type, None),
-    ):
-      if value is not default:
-        raise ValueError(
-          f"fj.nnx.{kind}{(in_features, out_features)}: a custom {name} "
-          "is not supported: FORGE computes the product and its weight "
-          "gradient itself (the fused op's dot_general, or a Pallas "
-          "kernel), promoting dtypes as flax does. Leave it at its "
-          f"default, or use nnx.{kind} for this layer."
-        )
+    check_products(
+      f"fj.nnx.{kind}{(in_features, out_features)}",
+      f"nnx.{kind}",
+      (
+        ("dot_general", dot_general, (DEFAULT_DOT_GENERAL,)),
+        ("promote_dtype", promote_dtype, (nnx_promote_dtype,)),
+        ("preferred_element_type", preferred_element_type, (None,)),
+      ),
+    )
     self.kernel = OverwriteWithGradient(
       kernel_init(rngs.params(), (in_features, out_features), param_dtype),
       **kernel_metadata,
