@@ -94,11 +94,18 @@ def _split(grads):
 
 def squared_norm(tree, total=0.0) -> jax.Array:
   """``total`` plus the squares of every floating leaf of ``tree``, added
-  leaf by leaf (float32; integer and key leaves are not gradients)."""
+  leaf by leaf (float32; integer and key leaves are not gradients).
+
+  Each leaf passes an optimization barrier first. Without it XLA fuses a
+  small leaf's sum of squares into that leaf's optimizer update, and the
+  fused reduction runs in one thread block: about 3 us for a 4096-element
+  norm scale on an H100, against 1 us for the update and the sum apart.
+  """
   total = jnp.asarray(total, jnp.float32)
   for leaf in jax.tree.leaves(tree):
     if jnp.issubdtype(jnp.result_type(leaf), jnp.inexact):
-      total += jnp.sum(jnp.square(jnp.asarray(leaf, jnp.float32)))
+      leaf = lax.optimization_barrier(jnp.asarray(leaf))
+      total += jnp.sum(jnp.square(leaf.astype(jnp.float32)))
   return total
 
 
