@@ -988,6 +988,10 @@ def _for_every_parameter(tx):
   [
     (optax.MultiSteps(OPT.to_optax(), 4), "MultiSteps"),
     (
+      optax.chain(OPT.to_optax(), optax.apply_every(1000)),
+      "apply_every",
+    ),
+    (
       optax.chain(optax.clip_by_global_norm(1.0), OPT.to_optax()),
       "clip_by_global_norm",
     ),
@@ -1035,6 +1039,7 @@ def _for_every_parameter(tx):
   ],
   ids=[
     "multi_steps",
+    "apply_every",
     "clip_by_global_norm",
     "apply_if_finite",
     "zero_nans",
