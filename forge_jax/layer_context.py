@@ -127,6 +127,12 @@ def plain_gradients():
   names it). Use ``nn.Dense`` for a layer such a loss differentiates twice.
   In a plain gradient with respect to the variables, each layer's ``count``
   entry holds that mark, not a gradient: take ``dW`` from the kernels.
+  Forward mode differentiates the inputs (``jax.jvp``, ``jax.jacfwd``,
+  ``jax.hessian``) and, over a reverse pass, the variables (``jax.hessian``
+  of the variables); a ``jax.jvp`` or ``jax.jacfwd`` with respect to the
+  variables alone meets the mark's ``custom_vjp`` and raises JAX's "can't
+  apply forward-mode autodiff (jvp) to a custom_vjp function": apply the
+  flax model to ``fj.to_dense(variables)`` for it.
 
   The mode also goes into the XLA metadata, which is part of the trace
   context: a function jitted both inside and outside gets a trace of each.
