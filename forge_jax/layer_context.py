@@ -127,6 +127,12 @@ def plain_gradients():
   names it). Use ``nn.Dense`` for a layer such a loss differentiates twice.
   In a plain gradient with respect to the variables, each layer's ``count``
   entry holds that mark, not a gradient: take ``dW`` from the kernels.
+  Forward mode differentiates the inputs (``jax.jvp``, ``jax.jacfwd``,
+  ``jax.hessian``) and, over a reverse pass, the variables (``jax.hessian``
+  of the variables); a ``jax.jvp`` or ``jax.jacfwd`` with respect to the
+  variables alone meets the mark's ``custom_vjp`` and raises JAX's "can't
+  apply forward-mode autodiff (jvp) to a custom_vjp function": apply the
+  flax model to ``fj.to_dense(variables)`` for it.
 
   The mode also goes into the XLA metadata, which is part of the trace
   context: a function jitted both inside and outside gets a trace of each.
@@ -295,6 +301,22 @@ def record_forward(path: tuple, optimizer, weight: str = "kernel") -> bool:
 
 
 _CONDITIONALS = "jax._src.lax.control_flow.conditionals"
+_LOOPS = "jax._src.lax.control_flow.loops"
+
+
+def _traced_by(module: str, functions: tuple) -> bool:
+  """Whether one of ``functions`` of the JAX module ``module`` is on the
+  call stack: JAX does not say which transform a trace belongs to; its
+  call frames do."""
+  frame = sys._getframe(2)  # pylint: disable=protected-access
+  while frame is not None:
+    if (
+      frame.f_globals.get("__name__") == module
+      and frame.f_code.co_name in functions
+    ):
+      return True
+    frame = frame.f_back
+  return False
 
 
 def in_lax_branch() -> bool:
@@ -303,16 +325,16 @@ def in_lax_branch() -> bool:
   them). Such a branch's
   layers trace a backward whether or not the branch runs, and the branch
   not taken writes zeros as their new variables, so their install checks
-  the written flags at run time. JAX does not say which transform a trace
-  belongs to; its call frames do."""
-  frame = sys._getframe(1)  # pylint: disable=protected-access
-  while frame is not None:
-    if frame.f_globals.get("__name__") == _CONDITIONALS and (
-      frame.f_code.co_name in ("cond", "switch", "_switch_internal")
-    ):
-      return True
-    frame = frame.f_back
-  return False
+  the written flags at run time."""
+  return _traced_by(_CONDITIONALS, ("cond", "switch", "_switch_internal"))
+
+
+def in_lax_while_loop() -> bool:
+  """Whether the caller runs inside a body (or condition) that
+  ``jax.lax.while_loop`` is tracing (flax's ``nn.while_loop`` calls it).
+  Its layers run as often as the loop turns, for inference only: JAX does
+  not differentiate a while loop in reverse."""
+  return _traced_by(_LOOPS, ("while_loop",))
 
 
 def _weak(value):

@@ -568,14 +568,20 @@ class _ForgeLinear(nn.Module):
     # Inference (eager, jitted, or a bound module's setup() layers, which
     # outlive each call) may call a layer as often as it likes. So may
     # init inside a branch: flax's compact nn.cond / nn.switch calls every
-    # branch's layers once before the conditional.
+    # branch's layers once before the conditional. And init inside
+    # nn.while_loop, whose body calls the layers that init called before
+    # the loop (a while loop is not differentiated in reverse).
     previous = getattr(self, "_forge_kernel_in_use", None)
     if (
       previous is not None
       and previous is kernel
       and (
         is_differentiated(kernel)
-        or (self.is_initializing() and not layer_context.in_lax_branch())
+        or (
+          self.is_initializing()
+          and not layer_context.in_lax_branch()
+          and not layer_context.in_lax_while_loop()
+        )
       )
     ):
       raise ValueError(

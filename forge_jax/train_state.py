@@ -339,6 +339,15 @@ def check_transformation(tx, clipping_advice: str = CLIPPING_ADVICE):
       "gradient is not finite, and tx=fj.optax_with_storage(opt) keeps the "
       "other parameters where theirs is not.)"
     )
+  if "apply_every" in names:
+    raise ValueError(
+      "tx holds optax.apply_every(k), which accumulates the gradients of k "
+      "steps and applies them every k-th: the ForgeDense layers update "
+      "inside every backward pass and never store the gradient it would "
+      "accumulate, so the kernels would step every step and the rest every "
+      "k-th. Drop it and use a larger micro-batch instead: FORGE frees the "
+      "gradient memory to make room for it."
+    )
   if "clip_by_global_norm" in names:
     raise ValueError(
       "tx holds clip_by_global_norm: the ForgeDense layers update inside "

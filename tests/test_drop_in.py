@@ -988,6 +988,10 @@ def _for_every_parameter(tx):
   [
     (optax.MultiSteps(OPT.to_optax(), 4), "MultiSteps"),
     (
+      optax.chain(OPT.to_optax(), optax.apply_every(1000)),
+      "apply_every",
+    ),
+    (
       optax.chain(optax.clip_by_global_norm(1.0), OPT.to_optax()),
       "clip_by_global_norm",
     ),
@@ -1023,11 +1027,19 @@ def _for_every_parameter(tx):
       _for_every_parameter(optax.apply_if_finite(OPT.to_optax(), 3)),
       "apply_if_finite",
     ),
+    (
+      _for_every_parameter(
+        optax.chain(optax.clip_by_global_norm(1.0), OPT.to_optax())
+      ),
+      "clip_by_global_norm",
+    ),
+    (optax.lars(1e-2), "scale_by_trust_ratio"),
     (optax.lookahead(OPT.to_optax(), 2, 0.5), "lookahead, which keeps"),
     (optax.contrib.schedule_free_adamw(1e-2), "schedule_free, which keeps"),
   ],
   ids=[
     "multi_steps",
+    "apply_every",
     "clip_by_global_norm",
     "apply_if_finite",
     "zero_nans",
@@ -1037,6 +1049,8 @@ def _for_every_parameter(tx):
     "polyak",
     "inject_hyperparams_in_multi_transform",
     "apply_if_finite_in_multi_transform",
+    "clip_by_global_norm_in_multi_transform",
+    "lars",
     "lookahead",
     "schedule_free",
   ],

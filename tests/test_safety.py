@@ -987,15 +987,36 @@ class Looped(nn.Module):
     )[1]
 
 
-def test_a_layer_initialized_before_a_while_loop_runs_in_it(seed):
+class CompactLooped(nn.Module):
+  """``Looped`` with its layer made in a compact ``__call__``: the loop's
+  body closes over the layer that init called before the loop."""
+
+  forge: bool = True
+
+  @nn.compact
+  def __call__(self, x):
+    layer = (
+      fj.ForgeDense(6, optimizer=OPT, name="layer")
+      if self.forge
+      else nn.Dense(6, name="layer")
+    )
+    if self.is_initializing():
+      layer(x)
+    body = lambda m, c: (c[0] + 1, jnp.tanh(layer(c[1])))
+    return nn.while_loop(lambda m, c: c[0] < 3, body, self, (0, x))[1]
+
+
+@pytest.mark.parametrize("model", [Looped, CompactLooped])
+def test_a_layer_initialized_before_a_while_loop_runs_in_it(model, seed):
   """Inference through ``nn.while_loop`` matches flax's layer; ``init``
   finds the variables made before the loop instead of asking to lift
-  FORGE's collection."""
+  FORGE's collection, and takes the loop's calls of the layer for the
+  inference they are."""
   x, _ = make_batch(seed, (4, 6), 4)
-  variables = Looped().init(jax.random.key(seed), x)
+  variables = model().init(jax.random.key(seed), x)
   np.testing.assert_allclose(
-    Looped().apply(variables, x),
-    Looped(forge=False).apply(fj.to_dense(variables), x),
+    model().apply(variables, x),
+    model(forge=False).apply(fj.to_dense(variables), x),
     rtol=1e-6,
   )
 
