@@ -187,6 +187,13 @@ class ForgeOptimizer(abc.ABC):
         f"rounding_seed={self.rounding_seed} must be in [0, 2**32)"
       )
     for name in ("mu_dtype", "accumulator_dtype"):
+      dtype = getattr(self, name, None)
+      if dtype is not None and not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(
+          f"{name}={dtype!r} must be a floating dtype (float32, bfloat16, "
+          "float16): a moment stored in another would be truncated every "
+          "step"
+        )
       if self.state_dtype is not None and getattr(self, name, None) is not None:
         raise ValueError(
           f"give state_dtype or {name}, not both "

@@ -604,6 +604,23 @@ def test_hyperparameters_as_scalar_arrays_are_numbers():
     fj.sgd(jnp.ones(2))
 
 
+@pytest.mark.parametrize(
+  "make",
+  [
+    lambda: fj.adam(1e-2, mu_dtype=jnp.int8),
+    lambda: fj.lion(1e-3, mu_dtype="int32"),
+    lambda: fj.sgd(1e-1, momentum=0.9, accumulator_dtype=jnp.bool_),
+  ],
+  ids=["adam-int8", "lion-int32", "sgd-bool"],
+)
+def test_a_moment_dtype_that_is_not_floating_is_refused(make):
+  """A moment stored in an integer dtype would truncate every step (optax
+  lets it; FORGE's layers would fail in jax.grad's dtype check): refused
+  where the optimizer is made, naming the argument."""
+  with pytest.raises(TypeError, match="_dtype=.* must be a floating dtype"):
+    make()
+
+
 def test_cotangents_changed_before_install_poison_the_layer(seed):
   """FORGE's cotangents are the new variables: a gradient clip applied to
   all of grads clips them too. A count that moved neither by one step nor
