@@ -20,10 +20,12 @@ mesh, and a leaf not sharded over the mesh of the others (a step counter)
 is restored replicated on it; a fresh state on one device restores onto
 that device, its step counter too. ``jax.eval_shape`` gives no shardings:
 its leaves restore as they were saved. Restoring checks every leaf's dtype
-and shape against it, and that the checkpoint holds no leaf it lacks, and
-raises instead of casting or dropping. A checkpoint without the gradient-norm
-leaves (each layer's ``grad_sq_norm`` and ``fj.TrainState.grad_norm``: what
-the last step measured, not what the next one needs) restores them as
+and shape against it, and that the checkpoint holds no leaf it lacks (nor
+another empty state: an optax chain's stateless links tell ``adam``'s
+state from ``adamw``'s), and raises instead of casting or dropping. A
+checkpoint without the gradient-norm leaves (each layer's
+``grad_sq_norm`` and ``fj.TrainState.grad_norm``: what the last step
+measured, not what the next one needs) restores them as
 zeros, and a saved ``grad_norm`` restores into a state that tracks none
 (``track_grad_norm=False``) by being left out; any other leaf missing
 or left over raises. A checkpoint also records the layout
@@ -157,6 +159,18 @@ def _zero_if_missing(name: str) -> bool:
   return name.rsplit("/", 1)[-1] in ZERO_IF_MISSING
 
 
+def _is_empty(x) -> bool:
+  """An empty node: None, or a container without children (an optax
+  ``EmptyState``, which orbax saves as None)."""
+  return x is None or (isinstance(x, (tuple, list, dict)) and not x)
+
+
+def _empty_names(tree) -> set:
+  """The paths of ``tree``'s empty nodes (:func:`_is_empty`)."""
+  flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_empty)[0]
+  return {_path_name(p) for p, x in flat if _is_empty(x)}
+
+
 def restore(path: str, abstract_state: Any) -> Any:
   """The state saved at ``path``, in the structure of ``abstract_state``.
 
@@ -170,7 +184,9 @@ def restore(path: str, abstract_state: Any) -> Any:
     TypeError: a saved leaf's dtype or shape differs from the abstract
       state's (an optimizer state saved in another storage format:
       ``state_dtype``, ``second_moment_bits``), a leaf of the abstract
-      state other than a gradient norm is not in the checkpoint, or the
+      state other than a gradient norm is not in the checkpoint, the two
+      differ in their empty states (another optax chain: ``adam``'s
+      against ``adamw``'s), or the
       abstract state has 4-bit second moments and the checkpoint does not
       record their layout as :data:`FOURBIT_LAYOUT`.
   """
@@ -229,6 +245,24 @@ def restore(path: str, abstract_state: Any) -> Any:
     f"{name}: in the checkpoint, not in the abstract state"
     for name in unwanted
     if name not in dropped
+  ]
+  # Stateless parts (an optax chain's EmptyStates) hold no leaf, so the
+  # leaves of adam's and adamw's states, say, have the same names: their
+  # empty nodes tell them apart (a node that holds leaves on the other
+  # side is named by its leaves).
+  named = {
+    name.rsplit("/", depth)[0]
+    for name in wanted_names | set(saved)
+    for depth in range(name.count("/") + 1)
+  }
+  saved_empty = _empty_names(saved_tree) - named
+  wanted_empty = _empty_names(abstract_state) - named
+  problems += [
+    f"{name}: an empty state in the checkpoint, not in the abstract state"
+    for name in sorted(saved_empty - wanted_empty)
+  ] + [
+    f"{name}: an empty state of the abstract state, not in the checkpoint"
+    for name in sorted(wanted_empty - saved_empty)
   ]
   if problems:
     raise TypeError(

@@ -74,18 +74,29 @@ class EmptyState(NamedTuple):
 # Helpers that reproduce optax's scalar arithmetic bit for bit.
 
 
+def _scheduled(name: str, value: ScalarOrSchedule, count: jax.Array):
+  """``value(count)`` for a schedule, else the constant, as a float32
+  scalar: a schedule's one-element array too (optax broadcasts it), which
+  the fused kernels take among their scalars."""
+  if not callable(value):
+    return jnp.asarray(value, jnp.float32)
+  scheduled = jnp.asarray(value(count), jnp.float32)
+  if scheduled.size != 1:
+    raise TypeError(
+      f"the {name} schedule returned an array of shape {scheduled.shape}: "
+      "a schedule gives one number a step"
+    )
+  return jnp.reshape(scheduled, ())
+
+
 def _schedule_value(value: ScalarOrSchedule, count: jax.Array) -> jax.Array:
-  """``value(count)`` for a schedule, else the constant, as a float32 scalar."""
-  if callable(value):
-    return jnp.asarray(value(count), jnp.float32)
-  return jnp.asarray(value, jnp.float32)
+  """The weight decay at ``count`` (:func:`_scheduled`)."""
+  return _scheduled("weight_decay", value, count)
 
 
 def _neg_learning_rate(learning_rate: ScalarOrSchedule, count: jax.Array):
   """optax.scale_by_learning_rate: the schedule sees the pre-increment count."""
-  if callable(learning_rate):
-    return jnp.asarray(-1 * learning_rate(count), jnp.float32)
-  return jnp.asarray(-1 * learning_rate, jnp.float32)
+  return -1 * _scheduled("learning_rate", learning_rate, count)
 
 
 def _bias_correction(decay: float, count_inc: jax.Array) -> jax.Array:
@@ -187,6 +198,13 @@ class ForgeOptimizer(abc.ABC):
         f"rounding_seed={self.rounding_seed} must be in [0, 2**32)"
       )
     for name in ("mu_dtype", "accumulator_dtype"):
+      dtype = getattr(self, name, None)
+      if dtype is not None and not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(
+          f"{name}={dtype!r} must be a floating dtype (float32, bfloat16, "
+          "float16): a moment stored in another would be truncated every "
+          "step"
+        )
       if self.state_dtype is not None and getattr(self, name, None) is not None:
         raise ValueError(
           f"give state_dtype or {name}, not both "

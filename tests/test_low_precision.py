@@ -778,6 +778,24 @@ def test_checkpoint_of_another_storage_format_is_refused(tmp_path, seed):
       checkpoint.restore(path, _new_state(seed, opt=wanted))
 
 
+def test_checkpoint_of_another_optax_chain_is_refused_by_name(tmp_path, seed):
+  """adamw's and adam's states have leaves of the same names (their chains
+  differ in stateless links only): each restores into the other's state
+  with a TypeError naming the empty state that differs, not orbax's
+  structure error."""
+  adam = fj.adam(
+    3e-2, state_dtype="int8", weight_rounding="stochastic", rounding_seed=5
+  )
+  for saved, wanted in ((LOWP_OPT, adam), (adam, LOWP_OPT)):
+    path = checkpoint.save(
+      str(tmp_path / f"decoupled_{saved.decoupled}"),
+      _new_state(seed, opt=saved),
+    )
+    side = "in the checkpoint" if saved is LOWP_OPT else "of the abstract"
+    with pytest.raises(TypeError, match=f"opt_state/2: an empty state {side}"):
+      checkpoint.restore(path, _new_state(seed, opt=wanted))
+
+
 def test_checkpoint_of_4bit_codes_without_their_layout_is_refused(
   tmp_path, seed
 ):

@@ -604,6 +604,41 @@ def test_hyperparameters_as_scalar_arrays_are_numbers():
     fj.sgd(jnp.ones(2))
 
 
+@pytest.mark.parametrize(
+  "name", ["adamw", "nadamw", "radam", "lion", "rmsprop", "adagrad", "sgd"]
+)
+def test_a_schedule_of_one_element_arrays_gives_scalars(name):
+  """optax broadcasts a schedule's one-element array; FORGE's per-step
+  scalars are scalars all the same (the fused kernels stack them), and a
+  schedule of several elements per step is refused, naming it."""
+  one = lambda count: jnp.full((1,), 1e-2) * (count + 1)
+  kwargs = {"weight_decay": one} if name in ("adamw", "nadamw", "lion") else {}
+  scalars = getattr(fj, name)(one, **kwargs).scalars(jnp.int32(2))
+  for field, value in scalars._asdict().items():
+    assert jnp.shape(value) == (), field
+  np.testing.assert_allclose(scalars.neg_lr, -3e-2, rtol=1e-6)
+  two = lambda count: jnp.full((2,), 1e-2)
+  with pytest.raises(TypeError, match=r"learning_rate schedule .* \(2,\)"):
+    getattr(fj, name)(two).scalars(jnp.int32(0))
+
+
+@pytest.mark.parametrize(
+  "make",
+  [
+    lambda: fj.adam(1e-2, mu_dtype=jnp.int8),
+    lambda: fj.lion(1e-3, mu_dtype="int32"),
+    lambda: fj.sgd(1e-1, momentum=0.9, accumulator_dtype=jnp.bool_),
+  ],
+  ids=["adam-int8", "lion-int32", "sgd-bool"],
+)
+def test_a_moment_dtype_that_is_not_floating_is_refused(make):
+  """A moment stored in an integer dtype would truncate every step (optax
+  lets it; FORGE's layers would fail in jax.grad's dtype check): refused
+  where the optimizer is made, naming the argument."""
+  with pytest.raises(TypeError, match="_dtype=.* must be a floating dtype"):
+    make()
+
+
 def test_cotangents_changed_before_install_poison_the_layer(seed):
   """FORGE's cotangents are the new variables: a gradient clip applied to
   all of grads clips them too. A count that moved neither by one step nor
