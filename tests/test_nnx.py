@@ -938,6 +938,48 @@ def test_optimizer_lets_a_stopped_linear_be_frozen(how, seed):
   chex.assert_trees_all_equal(nnx.to_pure_dict(nnx.state(reached)), before)
 
 
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_a_linear_left_out_of_wrt_and_of_the_gradient_stays_frozen(jit, seed):
+  """Fine-tuning the head alone: ``wrt`` and the gradient's filter leave
+  the body out, so the body is never differentiated and its backward never
+  runs. The update keeps it bit for bit, as nnx.Linear + nnx.Optimizer
+  keep theirs, and trains the head as they do; the body is named as not
+  reached. fj.nnx.grad, which differentiates the body too, is refused.
+  """
+  wrt = nnx.All(nnx.Param, nnx.PathContains("head"))
+  diff = nnx.All(fj.nnx.TRAINABLE, nnx.PathContains("head"))
+  model = StoppedBody(nnx.Rngs(seed), OPT, stop=False)
+  ref = StoppedBody(nnx.Rngs(seed), stop=False)
+  optimizer = fj.nnx.Optimizer(model, OPT.to_optax(), wrt=wrt)
+  ref_optimizer = nnx.Optimizer(ref, OPTAX_OPT, wrt=wrt)
+  before = nnx.to_pure_dict(nnx.state(model.body))
+
+  def step(model, optimizer, x, y):
+    grads = nnx.grad(cross_entropy, argnums=nnx.DiffState(0, diff))(model, x, y)
+    optimizer.update(model, grads)
+
+  def ref_step(model, optimizer, x, y):
+    grads = nnx.grad(cross_entropy, argnums=nnx.DiffState(0, wrt))(model, x, y)
+    optimizer.update(model, grads)
+
+  if jit:
+    step, ref_step = nnx.jit(step), nnx.jit(ref_step)
+  for x, y in make_batches(seed, 3, (5, 6), 4):
+    step(model, optimizer, x, y)
+    ref_step(ref, ref_optimizer, x, y)
+  chex.assert_trees_all_equal(nnx.to_pure_dict(nnx.state(model.body)), before)
+  ours, theirs = kernels_and_biases(model), kernels_and_biases(ref)
+  for key in theirs:
+    assert_rel_close(ours[key], theirs[key], RTOL, str(key))
+  assert float(model.head.count[...]) == 3.0
+  assert optimizer.unreached_layers() == ["body"]
+  # fj.nnx.grad differentiates the body too: refused, saying how to leave
+  # it out.
+  widened = fj.nnx.grad(cross_entropy, argnums=nnx.DiffState(0, wrt))
+  with pytest.raises(ValueError, match=r"\['body'\].*nnx.All\(fj.nnx.TRAIN"):
+    optimizer.update(model, widened(model, x, y))
+
+
 def test_a_frozen_body_stepped_in_one_jit_is_refused_in_another(seed):
   """Gradients from one jit, an evaluation's forward, the update in another
   jit: the update cannot tell which computation's gradient it installs,
