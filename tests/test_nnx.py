@@ -1477,6 +1477,36 @@ def test_plain_gradients_give_nnx_linear_input_gradients(seed):
     assert np.all(np.isfinite(input_grad(mlp, x, y)))
 
 
+def test_a_differentiated_backward_raises(seed):
+  """A Hessian-vector product (jax.jvp of jax.grad) differentiates FORGE's
+  backward, whose kernel entry is the updated kernel: it raises, naming
+  the layer, instead of returning the derivative of the update. Under
+  fj.plain_gradients() it is nnx.Linear's."""
+  model, (x, y) = _mlp(seed)
+  fj.nnx.Optimizer(model, OPT.to_optax(), wrt=nnx.Param)  # names the layers
+  ref = MLP((6, 8, 4), nnx.Rngs(seed))
+
+  def hvp(model, diff):
+    graphdef, state, rest = nnx.split(model, diff, ...)
+    loss = lambda state: cross_entropy(nnx.merge(graphdef, state, rest), x, y)
+    ones = jax.tree.map(jnp.ones_like, state)
+    return jax.jvp(jax.grad(loss), (state,), (ones,))[1]
+
+  with pytest.raises(ValueError, match="'layers/1'.*backward pass is being"):
+    hvp(model, fj.nnx.TRAINABLE)
+  with fj.plain_gradients():
+    ours = hvp(model, fj.nnx.TRAINABLE)
+  theirs = hvp(ref, nnx.Param)
+  for i in (0, 1):
+    for name in ("kernel", "bias"):
+      assert_rel_close(
+        ours["layers"][i][name][...],
+        theirs["layers"][i][name][...],
+        1e-5,
+        f"layers/{i}/{name}",
+      )
+
+
 def test_scan_steps_as_nnx_scan_bit_for_bit(seed):
   """int8 states and stochastic rounding: fj.nnx.scan's in-place stacked
   steps (each layer by its index) are nnx.scan's sliced steps, bit for
