@@ -110,7 +110,8 @@ def plain_gradients():
 
   Differentiating through them then gives ordinary gradients: with respect
   to the inputs (adversarial examples, saliency maps, gradient penalties,
-  a GAN's generator loss through its discriminator) and, where asked, to
+  a GAN's generator loss through its discriminator), derivatives of
+  gradients (Hessian-vector products, ``jax.hessian``) and, where asked, to
   each kernel (its ``dW``, which a train step must not install: the install
   refuses it when traced beside it, and otherwise keeps such a layer as it
   was, as one the loss did not reach). ``fj.scan`` and ``fj.nnx.scan`` run
@@ -260,6 +261,13 @@ _DISPLAY_NAMES: dict = {}
 def name_layer(path: tuple, name: str):
   """Shows the layer keyed ``path`` as ``name`` in error messages."""
   _DISPLAY_NAMES[tuple(path)] = name
+
+
+def is_differentiated(value) -> bool:
+  """Whether ``value`` is being differentiated (a tracer of JAX's JVP or
+  linearization, which carries a tangent): a second use then sums two
+  updates, while inference may use a layer as often as it likes."""
+  return isinstance(value, jax_core.Tracer) and hasattr(value, "tangent")
 
 
 def layer_name(path: tuple) -> str:

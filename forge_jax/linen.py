@@ -137,13 +137,6 @@ def _applied_kernel(module: nn.Module):
   return node
 
 
-def is_differentiated(value) -> bool:
-  """Whether ``value`` is being differentiated (a tracer of JAX's JVP or
-  linearization, which carries a tangent): a second use then sums two
-  updates, while inference may use a layer as often as it likes."""
-  return isinstance(value, jax.core.Tracer) and hasattr(value, "tangent")
-
-
 def _warn_stacked(path, transform: str, layer: str):
   if transform == "map_variables":
     how = (
@@ -527,7 +520,7 @@ class _ForgeLinear(nn.Module):
     applied = _applied_kernel(self)
     if (
       set(_lifted_transforms(self.scope)) == {"map_variables"}
-      and is_differentiated(applied)
+      and layer_context.is_differentiated(applied)
       and applied is not kernel
       and not layer_context.is_discovering()
     ):
@@ -547,7 +540,7 @@ class _ForgeLinear(nn.Module):
     # this path tells two calls of one layer from two layers.
     applied = _applied_kernel(self)
     if (
-      is_differentiated(applied)
+      layer_context.is_differentiated(applied)
       and applied is not kernel
       and not layer_context.is_discovering()
       and layer_context.record_lifted_forward(path, applied)
@@ -576,7 +569,7 @@ class _ForgeLinear(nn.Module):
       previous is not None
       and previous is kernel
       and (
-        is_differentiated(kernel)
+        layer_context.is_differentiated(kernel)
         or (
           self.is_initializing()
           and not layer_context.in_lax_branch()

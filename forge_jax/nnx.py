@@ -546,9 +546,16 @@ def install(model, grads) -> dict[str, jax.Array]:
   return reached
 
 
-def _installed(model, grads) -> tuple[list, dict[str, jax.Array]]:
+def _installed(
+  model, grads, left_out: tuple = ()
+) -> tuple[list, dict[str, jax.Array]]:
   """What :func:`install` writes, as ``(layer, state, new values)`` triples,
-  and its ``reached``; raises before anything is written."""
+  and its ``reached``; raises before anything is written.
+
+  A layer of ``left_out`` (the paths an :class:`Optimizer`'s ``wrt``
+  leaves out) that ``grads`` holds nothing for was not differentiated,
+  so its backward never ran: it keeps its variables, as the frozen
+  ``nnx.Linear`` would, and counts as not reached."""
   layers = forge_layers(model)
   written = nnx.state(grads, OverwriteWithGradient)
   reached, writes = {}, []
@@ -564,6 +571,11 @@ def _installed(model, grads) -> tuple[list, dict[str, jax.Array]]:
       layer_grads = nnx.to_pure_dict(_at(written, path))
     except (KeyError, IndexError, TypeError):
       layer_grads = None
+    if not layer_grads and _name(path) in left_out:
+      reached[_name(path)] = jnp.zeros(
+        jnp.shape(_value(layer.intact)), jnp.float32
+      )
+      continue
     if not layer_grads:
       raise ValueError(
         f"grads has no gradients for the fj.nnx.Linear at {_name(path)!r}, "
@@ -817,7 +829,8 @@ class Optimizer(nnx.Optimizer):
   ``clip_by_global_norm``, another rule than the layers') are refused. A
   layer that ``wrt`` leaves out or ``tx`` freezes is refused at the
   ``update`` whose grads step it (its kernel would train in the backward
-  pass); with its output's gradient stopped it stays as it was.
+  pass); with its output's gradient stopped, or (left out by ``wrt``) not
+  differentiated at all, it stays as it was.
 
   Global-norm clipping is ``max_grad_norm`` (and ``clip``, as for
   ``fj.TrainState``), with the gradient from :meth:`value_and_grad`::
@@ -980,7 +993,7 @@ class Optimizer(nnx.Optimizer):
       )
     # Nothing is written until tx's step has run: grads it refuses leave
     # the model and this optimizer as they were.
-    writes, reached = _installed(model, grads)
+    writes, reached = _installed(model, grads, self._frozen_layers.by_wrt)
     updates = super().update(model, grads, **kwargs)
     _write(writes)
     if self.track_grad_norm:
@@ -1077,6 +1090,10 @@ def check_frozen_unreached(frozen: FrozenLayers, wrt, model, grads):
         stepped(frozen.by_wrt),
         f"wrt={wrt!r} leaves the layers {{paths}} out, as for frozen layers",
       )
+      + " Or leave them out of the gradient too (fj.nnx.grad "
+      "differentiates every FORGE layer): nnx.grad(loss_fn, argnums="
+      "nnx.DiffState(0, nnx.All(fj.nnx.TRAINABLE, <what wrt selects by "
+      "path>)))."
     )
   if stepped(frozen.by_tx):
     raise ValueError(frozen_message(stepped(frozen.by_tx)))

@@ -46,7 +46,6 @@ from forge_jax.linen import (
   FACTORS_COLLECTION,
   FORGE_COLLECTION,
   ForgeMemoryWarning,
-  is_differentiated,
 )
 from forge_jax.ops import fused_dense
 
@@ -258,7 +257,9 @@ def _check_in_axes(in_axes, num_args):
 def _stacks_differentiated(stacks) -> bool:
   """Whether FORGE's ``stacks`` are being differentiated: only then does
   running as ``nn.scan`` cost memory (a decode loop has no backward)."""
-  return any(is_differentiated(leaf) for leaf in jax.tree.leaves(stacks))
+  return any(
+    layer_context.is_differentiated(leaf) for leaf in jax.tree.leaves(stacks)
+  )
 
 
 def _split_forge(variables):

@@ -938,6 +938,48 @@ def test_optimizer_lets_a_stopped_linear_be_frozen(how, seed):
   chex.assert_trees_all_equal(nnx.to_pure_dict(nnx.state(reached)), before)
 
 
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_a_linear_left_out_of_wrt_and_of_the_gradient_stays_frozen(jit, seed):
+  """Fine-tuning the head alone: ``wrt`` and the gradient's filter leave
+  the body out, so the body is never differentiated and its backward never
+  runs. The update keeps it bit for bit, as nnx.Linear + nnx.Optimizer
+  keep theirs, and trains the head as they do; the body is named as not
+  reached. fj.nnx.grad, which differentiates the body too, is refused.
+  """
+  wrt = nnx.All(nnx.Param, nnx.PathContains("head"))
+  diff = nnx.All(fj.nnx.TRAINABLE, nnx.PathContains("head"))
+  model = StoppedBody(nnx.Rngs(seed), OPT, stop=False)
+  ref = StoppedBody(nnx.Rngs(seed), stop=False)
+  optimizer = fj.nnx.Optimizer(model, OPT.to_optax(), wrt=wrt)
+  ref_optimizer = nnx.Optimizer(ref, OPTAX_OPT, wrt=wrt)
+  before = nnx.to_pure_dict(nnx.state(model.body))
+
+  def step(model, optimizer, x, y):
+    grads = nnx.grad(cross_entropy, argnums=nnx.DiffState(0, diff))(model, x, y)
+    optimizer.update(model, grads)
+
+  def ref_step(model, optimizer, x, y):
+    grads = nnx.grad(cross_entropy, argnums=nnx.DiffState(0, wrt))(model, x, y)
+    optimizer.update(model, grads)
+
+  if jit:
+    step, ref_step = nnx.jit(step), nnx.jit(ref_step)
+  for x, y in make_batches(seed, 3, (5, 6), 4):
+    step(model, optimizer, x, y)
+    ref_step(ref, ref_optimizer, x, y)
+  chex.assert_trees_all_equal(nnx.to_pure_dict(nnx.state(model.body)), before)
+  ours, theirs = kernels_and_biases(model), kernels_and_biases(ref)
+  for key in theirs:
+    assert_rel_close(ours[key], theirs[key], RTOL, str(key))
+  assert float(model.head.count[...]) == 3.0
+  assert optimizer.unreached_layers() == ["body"]
+  # fj.nnx.grad differentiates the body too: refused, saying how to leave
+  # it out.
+  widened = fj.nnx.grad(cross_entropy, argnums=nnx.DiffState(0, wrt))
+  with pytest.raises(ValueError, match=r"\['body'\].*nnx.All\(fj.nnx.TRAIN"):
+    optimizer.update(model, widened(model, x, y))
+
+
 def test_a_frozen_body_stepped_in_one_jit_is_refused_in_another(seed):
   """Gradients from one jit, an evaluation's forward, the update in another
   jit: the update cannot tell which computation's gradient it installs,
@@ -1433,6 +1475,36 @@ def test_plain_gradients_give_nnx_linear_input_gradients(seed):
     input_grad(mlp, x, y)
   with fj.plain_gradients():
     assert np.all(np.isfinite(input_grad(mlp, x, y)))
+
+
+def test_a_differentiated_backward_raises(seed):
+  """A Hessian-vector product (jax.jvp of jax.grad) differentiates FORGE's
+  backward, whose kernel entry is the updated kernel: it raises, naming
+  the layer, instead of returning the derivative of the update. Under
+  fj.plain_gradients() it is nnx.Linear's."""
+  model, (x, y) = _mlp(seed)
+  fj.nnx.Optimizer(model, OPT.to_optax(), wrt=nnx.Param)  # names the layers
+  ref = MLP((6, 8, 4), nnx.Rngs(seed))
+
+  def hvp(model, diff):
+    graphdef, state, rest = nnx.split(model, diff, ...)
+    loss = lambda state: cross_entropy(nnx.merge(graphdef, state, rest), x, y)
+    ones = jax.tree.map(jnp.ones_like, state)
+    return jax.jvp(jax.grad(loss), (state,), (ones,))[1]
+
+  with pytest.raises(ValueError, match="'layers/1'.*backward pass is being"):
+    hvp(model, fj.nnx.TRAINABLE)
+  with fj.plain_gradients():
+    ours = hvp(model, fj.nnx.TRAINABLE)
+  theirs = hvp(ref, nnx.Param)
+  for i in (0, 1):
+    for name in ("kernel", "bias"):
+      assert_rel_close(
+        ours["layers"][i][name][...],
+        theirs["layers"][i][name][...],
+        1e-5,
+        f"layers/{i}/{name}",
+      )
 
 
 def test_scan_steps_as_nnx_scan_bit_for_bit(seed):

@@ -1100,10 +1100,30 @@ def _axis_offset(axes, local_size):
   return lax.axis_index(axes) * local_size
 
 
+def check_backward_not_differentiated(x, kernel, dy, path=None):
+  """Raise where the backward pass itself is being differentiated."""
+  if any(map(layer_context.is_differentiated, (x, kernel, dy))):
+    layer = (
+      "A ForgeDense layer"
+      if path is None
+      else f"The FORGE layer {layer_context.layer_name(path)!r}"
+    )
+    raise ValueError(
+      f"{layer}: its backward pass is being differentiated (jax.jvp or "
+      "jax.grad of a gradient: a Hessian-vector product, jax.hessian, a "
+      "meta-gradient through an inner training step). FORGE's backward "
+      "returns the layer's updated variables, not its gradient, so this "
+      "would differentiate the optimizer's update. Take such derivatives "
+      "inside `with fj.plain_gradients():`, where the layers differentiate "
+      "as nn.Dense and update nothing."
+    )
+
+
 def _forge_dense_bwd(spec, layout, defers, residuals, dy):
   x, variables, bias, layer_index, needs_dx = residuals
   if isinstance(dy, SymbolicZero):
     dy = jnp.zeros(dy.shape, dy.dtype)
+  check_backward_not_differentiated(x, variables.kernel, dy, spec.path)
   dy = check_unshared(variables.kernel, dy, spec.path)
   # The kernel as the forward read it: the same array twice is one kernel
   # used twice.
