@@ -98,7 +98,9 @@ def from_dense(
   Raises:
     ValueError: a leaf of the FORGE model has no counterpart in
       ``dense_variables``, or a shape differs, or ``dense_variables`` holds
-      leaves the FORGE model has no place for.
+      leaves the FORGE model has no place for, or lacks a whole collection
+      the FORGE model's init makes (a decode ``cache``: pass the flax
+      model's, as its init makes it).
   """
   rename = dense_path if rename is None else rename
   rngs = jax.random.key(0) if rngs is None else rngs
@@ -134,7 +136,7 @@ def from_dense(
 def to_dense(
   forge_variables,
   rename: Optional[Callable[[tuple], tuple]] = None,
-  embeddings: Iterable[tuple] = (),
+  embeddings: Iterable[tuple | str] = (),
 ):
   """The flax model's variables from a FORGE model's (inverse of
   :func:`from_dense` on the weights).
@@ -142,7 +144,9 @@ def to_dense(
   Every FORGE kernel goes to ``params/<path>/kernel``, or to
   ``params/<path>/embedding`` for a :class:`forge_jax.ForgeEmbed` (an
   auto-named ``ForgeEmbed_i``, or a module path in ``embeddings``: tuples
-  of names in the FORGE model, such as ``("embed",)``). Its optimizer state
+  of names in the FORGE model, such as ``("model", "embed")``, or strings,
+  ``"model/embed"``; ``embeddings=["embed"]`` and ``embeddings="embed"``
+  name the layer ``embed``). Its optimizer state
   and counters are dropped, and auto-named paths take flax's names
   (``rename``, default :func:`dense_path`). The arrays are the FORGE
   variables' own.
@@ -153,7 +157,12 @@ def to_dense(
       " (a TrainState's variables are its .params)"
     )
   rename = dense_path if rename is None else rename
-  embeddings = {tuple(path) for path in embeddings}
+  if isinstance(embeddings, str):
+    embeddings = (embeddings,)
+  embeddings = {
+    tuple(path.split("/")) if isinstance(path, str) else tuple(path)
+    for path in embeddings
+  }
   flat = traverse_util.flatten_dict(unfreeze(forge_variables))
   layers = {
     tuple(path)
@@ -211,7 +220,8 @@ def _fill(fresh, dense_variables, rename):
     if not sown(leaf)
   }
   flat = traverse_util.flatten_dict(unfreeze(fresh), keep_empty_nodes=True)
-  used, missing, out = set(), [], {}
+  collections = {key[0] for key in dense}
+  used, missing, absent, out = set(), [], set(), {}
   for key, leaf in flat.items():
     if sown(leaf):
       continue
@@ -231,10 +241,24 @@ def _fill(fresh, dense_variables, rename):
     if collection == FORGE_COLLECTION and embedding in dense:
       source = embedding  # an nn.Embed table for a fj.ForgeEmbed
     if source not in dense:
-      missing.append(f"{'/'.join(map(str, key))} (from {'/'.join(source)})")
+      if source[0] in collections or source[0] == "params":
+        missing.append(f"{'/'.join(map(str, key))} (from {'/'.join(source)})")
+      else:
+        absent.add(source[0])
       continue
     used.add(source)
     out[key] = _put(leaf, dense[source], key, source)
+  if absent:
+    # A whole collection (a decode cache, batch statistics): no path of a
+    # layer is wrong, the flax model's collection is not there.
+    raise ValueError(
+      f"dense_variables has no {', '.join(map(repr, sorted(absent)))} "
+      "collection, which the FORGE model's init makes: pass the flax "
+      "model's too (a decode cache as its init makes it: "
+      "{'params': params, 'cache': dense_model.init(...)['cache']}), or "
+      "convert the model without it (decode=False) and take it from the "
+      "FORGE model's init."
+    )
   unused = sorted("/".join(map(str, k)) for k in dense if k not in used)
   if missing or unused:
     raise ValueError(

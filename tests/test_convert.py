@@ -292,3 +292,54 @@ def test_auto_named_forge_embed_round_trips():
   forge_vars = fj.from_dense(dense_vars, Tiny(True), tokens)
   assert set(forge_vars[COLL]) == {"ForgeEmbed_0"}
   assert_same_bits(fj.to_dense(forge_vars), dense_vars, "round trip")
+
+
+@pytest.mark.parametrize(
+  "embeddings",
+  [[("embed",)], ["embed"], ("embed",), "embed"],
+  ids=["paths", "names", "tuple-of-names", "name"],
+)
+def test_to_dense_takes_embedding_names_as_strings(embeddings):
+  """A layer's name as a string (alone, or in a list or tuple) names the
+  layer, not the tuple of its letters."""
+
+  class Tiny(nn.Module):
+    @nn.compact
+    def __call__(self, tokens):
+      x = fj.ForgeEmbed(16, 4, optimizer=fj.adam(1e-3), name="embed")(tokens)
+      return fj.ForgeDense(3, optimizer=fj.adam(1e-3))(x)
+
+  variables = Tiny().init(jax.random.key(0), jnp.arange(4))
+  dense = fj.to_dense(variables, embeddings=embeddings)
+  assert set(dense["params"]["embed"]) == {"embedding"}
+  assert_bitwise_equal(
+    dense["params"]["embed"]["embedding"],
+    variables[COLL]["embed"]["kernel"],
+    "table",
+  )
+
+
+def test_a_decode_cache_missing_from_the_dense_variables_is_named():
+  """A decode model's ``cache`` collection, absent from a checkpoint of
+  parameters: named as a collection to pass, which then converts, and the
+  cached steps give the full sequence's outputs."""
+  opt = fj.adam(1e-3)
+  x = jax.random.normal(jax.random.key(0), (2, 4, 8))
+  dense = nn.MultiHeadDotProductAttention(num_heads=2, decode=True)
+  forge = fj.MultiHeadDotProductAttention(
+    num_heads=2, decode=True, optimizer=opt, implementation="xla"
+  )
+  dense_vars = dense.init(jax.random.key(1), x)
+  with pytest.raises(ValueError, match=r"no 'cache' collection.*decode=False"):
+    fj.from_dense({"params": dense_vars["params"]}, forge, x)
+  forge_vars = fj.from_dense(dense_vars, forge, x)
+  full = nn.MultiHeadDotProductAttention(num_heads=2).apply(
+    {"params": dense_vars["params"]}, x, mask=nn.make_causal_mask(x[..., 0])
+  )
+  cache = forge_vars["cache"]
+  for i in range(x.shape[1]):
+    y, updated = forge.apply(
+      {**forge_vars, "cache": cache}, x[:, i : i + 1], mutable=["cache"]
+    )
+    cache = updated["cache"]
+    np.testing.assert_allclose(y[:, 0], full[:, i], rtol=1e-5, atol=1e-6)
