@@ -96,6 +96,7 @@ def from_dense(
       passed in its place, say).
 
   Raises:
+    TypeError: ``dense_variables`` is not a dict (a ``TrainState``, say).
     ValueError: a leaf of the FORGE model has no counterpart in
       ``dense_variables``, or a shape differs, or ``dense_variables`` holds
       leaves the FORGE model has no place for, or lacks a whole collection
@@ -104,7 +105,13 @@ def from_dense(
   """
   rename = dense_path if rename is None else rename
   rngs = jax.random.key(0) if rngs is None else rngs
-  if isinstance(dense_variables, Mapping) and "params" not in dense_variables:
+  if not isinstance(dense_variables, Mapping):
+    raise TypeError(
+      "from_dense takes the flax model's variables dict, not "
+      f"{type(dense_variables).__name__} (a flax TrainState's are "
+      "{'params': state.params})"
+    )
+  if "params" not in dense_variables:
     raise ValueError(
       "dense_variables has no 'params' collection (its top level holds "
       f"{sorted(map(str, dense_variables))[:8]}): pass the flax model's "

@@ -15,7 +15,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
+from flax.training.train_state import TrainState
 
 import forge_jax as fj
 from examples.lm.llama import Llama, LlamaConfig
@@ -196,6 +198,12 @@ def test_mismatches_name_the_leaves():
   # The parameters alone, as many checkpoints hold them.
   with pytest.raises(ValueError, match="no 'params' collection"):
     fj.from_dense(dense_vars["params"], Model(fj.adam(1e-3)), x)
+  # The flax TrainState the weights were trained in.
+  state = TrainState.create(
+    apply_fn=Model().apply, params=dense_vars["params"], tx=optax.sgd(0.1)
+  )
+  with pytest.raises(TypeError, match=r"not TrainState.*state\.params"):
+    fj.from_dense(state, Model(fj.adam(1e-3)), x)
 
 
 def test_a_model_without_forge_layers_warns():
