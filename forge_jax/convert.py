@@ -190,7 +190,7 @@ def to_dense(
           path and _AUTO_EMBED.match(path[-1])
         )
         leaf_name = "embedding" if is_table else "kernel"
-        target = ("params",) + rename(tuple(path)) + (leaf_name,)
+        target = ("params",) + tuple(rename(tuple(path))) + (leaf_name,)
       elif name not in _LAYER_LEAVES:
         raise ValueError(
           f"{'/'.join(map(str, key))} is not a leaf of a FORGE layer "
@@ -199,7 +199,7 @@ def to_dense(
       else:
         continue
     else:
-      target = (collection,) + rename(tuple(path)) + (name,)
+      target = (collection,) + tuple(rename(tuple(path))) + (name,)
     if target in sources:
       joined = lambda k: "/".join(map(str, k))
       raise ValueError(

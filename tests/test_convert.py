@@ -351,3 +351,26 @@ def test_a_decode_cache_missing_from_the_dense_variables_is_named():
     )
     cache = updated["cache"]
     np.testing.assert_allclose(y[:, 0], full[:, i], rtol=1e-5, atol=1e-6)
+
+
+def test_rename_may_return_a_list_both_ways():
+  """A ``rename`` that returns a list of names (a comprehension) serves
+  from_dense and to_dense alike."""
+
+  class Head(nn.Module):
+    forge: bool
+
+    @nn.compact
+    def __call__(self, x):
+      if self.forge:
+        return fj.ForgeDense(4, optimizer=fj.adam(1e-3), name="forge_proj")(x)
+      return nn.Dense(4, name="proj")(x)
+
+  rename = lambda path: [name.replace("forge_", "") for name in path]
+  x = jnp.ones((2, 3))
+  dense_vars = Head(False).init(jax.random.key(0), x)
+  forge_vars = fj.from_dense(dense_vars, Head(True), x, rename=rename)
+  assert set(forge_vars[COLL]) == {"forge_proj"}
+  assert_same_bits(
+    fj.to_dense(forge_vars, rename=rename), dense_vars, "round trip"
+  )
