@@ -33,15 +33,17 @@ from forge_jax.ops.fused_dense import ForgeVariables
 #: FORGE's own (optimizer state, step count, flags).
 _LAYER_LEAVES = ForgeVariables._fields
 
-_AUTO_EMBED = re.compile(r"^ForgeEmbed_(\d+)$")
+_AUTO_EMBED = re.compile(r"^([A-Za-z]*?)ForgeEmbed_(\d+)$")
 #: Auto-names of FORGE's layers -> the names flax gives the layers they
 #: replace (``fj.scan`` names its class ``ForgeScan<Block>``, nn.scan
-#: ``Scan<Block>``).
+#: ``Scan<Block>``), also under flax's lifted transforms, which prefix the
+#: class name (``nn.vmap(fj.ForgeDense)`` is ``VmapForgeDense_0`` where
+#: ``nn.vmap(nn.Dense)`` is ``VmapDense_0``).
 _AUTO_NAMES = (
-  (re.compile(r"^ForgeDense_(\d+)$"), r"Dense_\1"),
-  (re.compile(r"^ForgeDenseGeneral_(\d+)$"), r"DenseGeneral_\1"),
-  (_AUTO_EMBED, r"Embed_\1"),
-  (re.compile(r"^ForgeScan(\w+_\d+)$"), r"Scan\1"),
+  (re.compile(r"^([A-Za-z]*?)ForgeDense_(\d+)$"), r"\1Dense_\2"),
+  (re.compile(r"^([A-Za-z]*?)ForgeDenseGeneral_(\d+)$"), r"\1DenseGeneral_\2"),
+  (_AUTO_EMBED, r"\1Embed_\2"),
+  (re.compile(r"^([A-Za-z]*?)ForgeScan(\w+_\d+)$"), r"\1Scan\2"),
 )
 
 
@@ -284,8 +286,9 @@ _SAME_PATH = (
   "each FORGE layer must replace the flax layer of the same path "
   "(auto-names ForgeDense_i, ForgeDenseGeneral_i, ForgeEmbed_i, "
   "ForgeScan<Block>_i stand for Dense_i, DenseGeneral_i, Embed_i, "
-  "Scan<Block>_i, and the flax layers kept beside them are numbered "
-  "among their own kind only); name the layers, or pass rename=."
+  "Scan<Block>_i, also behind a lifted transform's prefix: "
+  "VmapForgeDense_i for VmapDense_i; the flax layers kept beside them are "
+  "numbered among their own kind only); name the layers, or pass rename=."
 )
 
 

@@ -374,3 +374,41 @@ def test_rename_may_return_a_list_both_ways():
   assert_same_bits(
     fj.to_dense(forge_vars, rename=rename), dense_vars, "round trip"
   )
+
+
+@pytest.mark.filterwarnings("ignore::forge_jax.ForgeMemoryWarning")  # vmap's
+def test_auto_names_under_lifted_transforms_map_to_flax_s(seed):
+  """flax's lifted transforms prefix the class name: ``nn.vmap`` experts
+  (``VmapForgeDense_0`` for ``VmapDense_0``) and ``nn.remat`` layers
+  (``CheckpointForgeEmbed_0`` for ``CheckpointEmbed_0``) convert both ways,
+  bit for bit, with the same outputs."""
+  opt = fj.adam(1e-3)
+
+  class Experts(nn.Module):
+    forge: bool
+
+    @nn.compact
+    def __call__(self, tokens):
+      kw = dict(optimizer=opt, implementation="xla") if self.forge else {}
+      embed = fj.ForgeEmbed if self.forge else nn.Embed
+      x = nn.remat(embed)(16, 6, **kw)(tokens)
+      dense = fj.ForgeDense if self.forge else nn.Dense
+      vmapped = nn.vmap(
+        dense,
+        variable_axes={True: 0},
+        split_rngs={"params": True},
+        in_axes=0,
+      )
+      return vmapped(5, **kw)(x)
+
+  tokens = jax.random.randint(jax.random.key(seed), (3, 4), 0, 16)
+  dense_vars = Experts(False).init(jax.random.key(seed), tokens)
+  forge_vars = fj.from_dense(dense_vars, Experts(True), tokens)
+  assert set(forge_vars[COLL]) == {"CheckpointForgeEmbed_0", "VmapForgeDense_0"}
+  assert forge_vars[COLL]["VmapForgeDense_0"]["kernel"].shape == (3, 6, 5)
+  assert_same_bits(fj.to_dense(forge_vars), dense_vars, "round trip")
+  np.testing.assert_allclose(
+    Experts(True).apply(forge_vars, tokens),
+    Experts(False).apply(dense_vars, tokens),
+    rtol=1e-6,
+  )
