@@ -33,15 +33,17 @@ from forge_jax.ops.fused_dense import ForgeVariables
 #: FORGE's own (optimizer state, step count, flags).
 _LAYER_LEAVES = ForgeVariables._fields
 
-_AUTO_EMBED = re.compile(r"^ForgeEmbed_(\d+)$")
+_AUTO_EMBED = re.compile(r"^([A-Za-z]*?)ForgeEmbed_(\d+)$")
 #: Auto-names of FORGE's layers -> the names flax gives the layers they
 #: replace (``fj.scan`` names its class ``ForgeScan<Block>``, nn.scan
-#: ``Scan<Block>``).
+#: ``Scan<Block>``), also under flax's lifted transforms, which prefix the
+#: class name (``nn.vmap(fj.ForgeDense)`` is ``VmapForgeDense_0`` where
+#: ``nn.vmap(nn.Dense)`` is ``VmapDense_0``).
 _AUTO_NAMES = (
-  (re.compile(r"^ForgeDense_(\d+)$"), r"Dense_\1"),
-  (re.compile(r"^ForgeDenseGeneral_(\d+)$"), r"DenseGeneral_\1"),
-  (_AUTO_EMBED, r"Embed_\1"),
-  (re.compile(r"^ForgeScan(\w+_\d+)$"), r"Scan\1"),
+  (re.compile(r"^([A-Za-z]*?)ForgeDense_(\d+)$"), r"\1Dense_\2"),
+  (re.compile(r"^([A-Za-z]*?)ForgeDenseGeneral_(\d+)$"), r"\1DenseGeneral_\2"),
+  (_AUTO_EMBED, r"\1Embed_\2"),
+  (re.compile(r"^([A-Za-z]*?)ForgeScan(\w+_\d+)$"), r"\1Scan\2"),
 )
 
 
@@ -96,13 +98,22 @@ def from_dense(
       passed in its place, say).
 
   Raises:
+    TypeError: ``dense_variables`` is not a dict (a ``TrainState``, say).
     ValueError: a leaf of the FORGE model has no counterpart in
       ``dense_variables``, or a shape differs, or ``dense_variables`` holds
-      leaves the FORGE model has no place for.
+      leaves the FORGE model has no place for, or lacks a whole collection
+      the FORGE model's init makes (a decode ``cache``: pass the flax
+      model's, as its init makes it).
   """
   rename = dense_path if rename is None else rename
   rngs = jax.random.key(0) if rngs is None else rngs
-  if isinstance(dense_variables, Mapping) and "params" not in dense_variables:
+  if not isinstance(dense_variables, Mapping):
+    raise TypeError(
+      "from_dense takes the flax model's variables dict, not "
+      f"{type(dense_variables).__name__} (a flax TrainState's are "
+      "{'params': state.params})"
+    )
+  if "params" not in dense_variables:
     raise ValueError(
       "dense_variables has no 'params' collection (its top level holds "
       f"{sorted(map(str, dense_variables))[:8]}): pass the flax model's "
@@ -134,7 +145,7 @@ def from_dense(
 def to_dense(
   forge_variables,
   rename: Optional[Callable[[tuple], tuple]] = None,
-  embeddings: Iterable[tuple] = (),
+  embeddings: Iterable[tuple | str] = (),
 ):
   """The flax model's variables from a FORGE model's (inverse of
   :func:`from_dense` on the weights).
@@ -142,7 +153,9 @@ def to_dense(
   Every FORGE kernel goes to ``params/<path>/kernel``, or to
   ``params/<path>/embedding`` for a :class:`forge_jax.ForgeEmbed` (an
   auto-named ``ForgeEmbed_i``, or a module path in ``embeddings``: tuples
-  of names in the FORGE model, such as ``("embed",)``). Its optimizer state
+  of names in the FORGE model, such as ``("model", "embed")``, or strings,
+  ``"model/embed"``; ``embeddings=["embed"]`` and ``embeddings="embed"``
+  name the layer ``embed``). Its optimizer state
   and counters are dropped, and auto-named paths take flax's names
   (``rename``, default :func:`dense_path`). The arrays are the FORGE
   variables' own.
@@ -153,7 +166,12 @@ def to_dense(
       " (a TrainState's variables are its .params)"
     )
   rename = dense_path if rename is None else rename
-  embeddings = {tuple(path) for path in embeddings}
+  if isinstance(embeddings, str):
+    embeddings = (embeddings,)
+  embeddings = {
+    tuple(path.split("/")) if isinstance(path, str) else tuple(path)
+    for path in embeddings
+  }
   flat = traverse_util.flatten_dict(unfreeze(forge_variables))
   layers = {
     tuple(path)
@@ -174,7 +192,7 @@ def to_dense(
           path and _AUTO_EMBED.match(path[-1])
         )
         leaf_name = "embedding" if is_table else "kernel"
-        target = ("params",) + rename(tuple(path)) + (leaf_name,)
+        target = ("params",) + tuple(rename(tuple(path))) + (leaf_name,)
       elif name not in _LAYER_LEAVES:
         raise ValueError(
           f"{'/'.join(map(str, key))} is not a leaf of a FORGE layer "
@@ -183,7 +201,7 @@ def to_dense(
       else:
         continue
     else:
-      target = (collection,) + rename(tuple(path)) + (name,)
+      target = (collection,) + tuple(rename(tuple(path))) + (name,)
     if target in sources:
       joined = lambda k: "/".join(map(str, k))
       raise ValueError(
@@ -211,7 +229,8 @@ def _fill(fresh, dense_variables, rename):
     if not sown(leaf)
   }
   flat = traverse_util.flatten_dict(unfreeze(fresh), keep_empty_nodes=True)
-  used, missing, out = set(), [], {}
+  collections = {key[0] for key in dense}
+  used, missing, absent, out = set(), [], set(), {}
   for key, leaf in flat.items():
     if sown(leaf):
       continue
@@ -231,10 +250,24 @@ def _fill(fresh, dense_variables, rename):
     if collection == FORGE_COLLECTION and embedding in dense:
       source = embedding  # an nn.Embed table for a fj.ForgeEmbed
     if source not in dense:
-      missing.append(f"{'/'.join(map(str, key))} (from {'/'.join(source)})")
+      if source[0] in collections or source[0] == "params":
+        missing.append(f"{'/'.join(map(str, key))} (from {'/'.join(source)})")
+      else:
+        absent.add(source[0])
       continue
     used.add(source)
     out[key] = _put(leaf, dense[source], key, source)
+  if absent:
+    # A whole collection (a decode cache, batch statistics): no path of a
+    # layer is wrong, the flax model's collection is not there.
+    raise ValueError(
+      f"dense_variables has no {', '.join(map(repr, sorted(absent)))} "
+      "collection, which the FORGE model's init makes: pass the flax "
+      "model's too (a decode cache as its init makes it: "
+      "{'params': params, 'cache': dense_model.init(...)['cache']}), or "
+      "convert the model without it (decode=False) and take it from the "
+      "FORGE model's init."
+    )
   unused = sorted("/".join(map(str, k)) for k in dense if k not in used)
   if missing or unused:
     raise ValueError(
@@ -253,8 +286,9 @@ _SAME_PATH = (
   "each FORGE layer must replace the flax layer of the same path "
   "(auto-names ForgeDense_i, ForgeDenseGeneral_i, ForgeEmbed_i, "
   "ForgeScan<Block>_i stand for Dense_i, DenseGeneral_i, Embed_i, "
-  "Scan<Block>_i, and the flax layers kept beside them are numbered "
-  "among their own kind only); name the layers, or pass rename=."
+  "Scan<Block>_i, also behind a lifted transform's prefix: "
+  "VmapForgeDense_i for VmapDense_i; the flax layers kept beside them are "
+  "numbered among their own kind only); name the layers, or pass rename=."
 )
 
 

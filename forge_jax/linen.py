@@ -839,7 +839,7 @@ class ForgeDenseGeneral(_ForgeLinear):
     self._check_fields()
     features = _as_tuple(self.features)
     ndim = jnp.ndim(inputs)
-    axis = tuple(sorted(a % ndim for a in _as_tuple(self.axis)))
+    axis = self._contracted_axes(jnp.shape(inputs))
     free = tuple(d for d in range(ndim) if d not in axis)
     contracted = tuple(jnp.shape(inputs)[a] for a in axis)
     free_shape = tuple(jnp.shape(inputs)[d] for d in free)
@@ -916,6 +916,25 @@ class ForgeDenseGeneral(_ForgeLinear):
         "for this layer."
       )
     self._check_product()
+
+  def _contracted_axes(self, shape) -> tuple:
+    """``axis`` as sorted non-negative axes of an input of ``shape``;
+    refuses one out of its range (flax's product fails on it) and an axis
+    named twice."""
+    ndim = len(shape)
+    given = _as_tuple(self.axis)
+    if any(not -ndim <= a < ndim for a in given):
+      raise ValueError(
+        f"{self._where()}: axis={self.axis!r} is out of range for an input "
+        f"of shape {tuple(shape)} (axes -{ndim} to {ndim - 1})"
+      )
+    axis = tuple(sorted(a % ndim for a in given))
+    if len(set(axis)) != len(axis):
+      raise ValueError(
+        f"{self._where()}: axis={self.axis!r} names an axis of the input "
+        f"of shape {tuple(shape)} twice"
+      )
+    return axis
 
   def _names_resolver(self):
     """How input and output names resolve: like the kernel's box's."""

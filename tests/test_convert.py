@@ -15,7 +15,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
+from flax.training.train_state import TrainState
 
 import forge_jax as fj
 from examples.lm.llama import Llama, LlamaConfig
@@ -196,6 +198,12 @@ def test_mismatches_name_the_leaves():
   # The parameters alone, as many checkpoints hold them.
   with pytest.raises(ValueError, match="no 'params' collection"):
     fj.from_dense(dense_vars["params"], Model(fj.adam(1e-3)), x)
+  # The flax TrainState the weights were trained in.
+  state = TrainState.create(
+    apply_fn=Model().apply, params=dense_vars["params"], tx=optax.sgd(0.1)
+  )
+  with pytest.raises(TypeError, match=r"not TrainState.*state\.params"):
+    fj.from_dense(state, Model(fj.adam(1e-3)), x)
 
 
 def test_a_model_without_forge_layers_warns():
@@ -292,3 +300,115 @@ def test_auto_named_forge_embed_round_trips():
   forge_vars = fj.from_dense(dense_vars, Tiny(True), tokens)
   assert set(forge_vars[COLL]) == {"ForgeEmbed_0"}
   assert_same_bits(fj.to_dense(forge_vars), dense_vars, "round trip")
+
+
+@pytest.mark.parametrize(
+  "embeddings",
+  [[("embed",)], ["embed"], ("embed",), "embed"],
+  ids=["paths", "names", "tuple-of-names", "name"],
+)
+def test_to_dense_takes_embedding_names_as_strings(embeddings):
+  """A layer's name as a string (alone, or in a list or tuple) names the
+  layer, not the tuple of its letters."""
+
+  class Tiny(nn.Module):
+    @nn.compact
+    def __call__(self, tokens):
+      x = fj.ForgeEmbed(16, 4, optimizer=fj.adam(1e-3), name="embed")(tokens)
+      return fj.ForgeDense(3, optimizer=fj.adam(1e-3))(x)
+
+  variables = Tiny().init(jax.random.key(0), jnp.arange(4))
+  dense = fj.to_dense(variables, embeddings=embeddings)
+  assert set(dense["params"]["embed"]) == {"embedding"}
+  assert_bitwise_equal(
+    dense["params"]["embed"]["embedding"],
+    variables[COLL]["embed"]["kernel"],
+    "table",
+  )
+
+
+def test_a_decode_cache_missing_from_the_dense_variables_is_named():
+  """A decode model's ``cache`` collection, absent from a checkpoint of
+  parameters: named as a collection to pass, which then converts, and the
+  cached steps give the full sequence's outputs."""
+  opt = fj.adam(1e-3)
+  x = jax.random.normal(jax.random.key(0), (2, 4, 8))
+  dense = nn.MultiHeadDotProductAttention(num_heads=2, decode=True)
+  forge = fj.MultiHeadDotProductAttention(
+    num_heads=2, decode=True, optimizer=opt, implementation="xla"
+  )
+  dense_vars = dense.init(jax.random.key(1), x)
+  with pytest.raises(ValueError, match=r"no 'cache' collection.*decode=False"):
+    fj.from_dense({"params": dense_vars["params"]}, forge, x)
+  forge_vars = fj.from_dense(dense_vars, forge, x)
+  full = nn.MultiHeadDotProductAttention(num_heads=2).apply(
+    {"params": dense_vars["params"]}, x, mask=nn.make_causal_mask(x[..., 0])
+  )
+  cache = forge_vars["cache"]
+  for i in range(x.shape[1]):
+    y, updated = forge.apply(
+      {**forge_vars, "cache": cache}, x[:, i : i + 1], mutable=["cache"]
+    )
+    cache = updated["cache"]
+    np.testing.assert_allclose(y[:, 0], full[:, i], rtol=1e-5, atol=1e-6)
+
+
+def test_rename_may_return_a_list_both_ways():
+  """A ``rename`` that returns a list of names (a comprehension) serves
+  from_dense and to_dense alike."""
+
+  class Head(nn.Module):
+    forge: bool
+
+    @nn.compact
+    def __call__(self, x):
+      if self.forge:
+        return fj.ForgeDense(4, optimizer=fj.adam(1e-3), name="forge_proj")(x)
+      return nn.Dense(4, name="proj")(x)
+
+  rename = lambda path: [name.replace("forge_", "") for name in path]
+  x = jnp.ones((2, 3))
+  dense_vars = Head(False).init(jax.random.key(0), x)
+  forge_vars = fj.from_dense(dense_vars, Head(True), x, rename=rename)
+  assert set(forge_vars[COLL]) == {"forge_proj"}
+  assert_same_bits(
+    fj.to_dense(forge_vars, rename=rename), dense_vars, "round trip"
+  )
+
+
+@pytest.mark.filterwarnings("ignore::forge_jax.ForgeMemoryWarning")  # vmap's
+def test_auto_names_under_lifted_transforms_map_to_flax_s(seed):
+  """flax's lifted transforms prefix the class name: ``nn.vmap`` experts
+  (``VmapForgeDense_0`` for ``VmapDense_0``) and ``nn.remat`` layers
+  (``CheckpointForgeEmbed_0`` for ``CheckpointEmbed_0``) convert both ways,
+  bit for bit, with the same outputs."""
+  opt = fj.adam(1e-3)
+
+  class Experts(nn.Module):
+    forge: bool
+
+    @nn.compact
+    def __call__(self, tokens):
+      kw = dict(optimizer=opt, implementation="xla") if self.forge else {}
+      embed = fj.ForgeEmbed if self.forge else nn.Embed
+      x = nn.remat(embed)(16, 6, **kw)(tokens)
+      dense = fj.ForgeDense if self.forge else nn.Dense
+      vmapped = nn.vmap(
+        dense,
+        variable_axes={True: 0},
+        split_rngs={"params": True},
+        in_axes=0,
+      )
+      return vmapped(5, **kw)(x)
+
+  tokens = jax.random.randint(jax.random.key(seed), (3, 4), 0, 16)
+  dense_vars = Experts(False).init(jax.random.key(seed), tokens)
+  forge_vars = fj.from_dense(dense_vars, Experts(True), tokens)
+  assert set(forge_vars[COLL]) == {"CheckpointForgeEmbed_0", "VmapForgeDense_0"}
+  assert forge_vars[COLL]["VmapForgeDense_0"]["kernel"].shape == (3, 6, 5)
+  assert_same_bits(fj.to_dense(forge_vars), dense_vars, "round trip")
+  np.testing.assert_allclose(
+    Experts(True).apply(forge_vars, tokens),
+    Experts(False).apply(dense_vars, tokens),
+    rtol=1e-6,
+  )

@@ -598,6 +598,11 @@ def test_inner_dimension_sharded_is_refused():
     ("dot_general", lambda *a, **k: jax.lax.dot_general(*a, **k), "custom"),
     ("dot_general_cls", object, "custom dot_general_cls"),
     ("promote_dtype", lambda *a, dtype=None: a, "custom promote_dtype"),
+    # Out of range for the input [2, 3] (not wrapped around to axis 0 or
+    # 1, as `% ndim` would), and twice the same axis.
+    ("axis", 2, r"axis=2 .* input of shape \(2, 3\)"),
+    ("axis", -3, r"axis=-3 .* input of shape \(2, 3\)"),
+    ("axis", (-1, 1), r"axis=\(-1, 1\) .*twice"),
   ],
 )
 def test_refused_fields(field, value, match):
