@@ -75,6 +75,7 @@ over another axis that is hybrid sharding.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import dataclasses
 import math
@@ -1040,6 +1041,13 @@ def strip_boxes(variables):
 _INIT_FOR_EXPLICIT = contextvars.ContextVar("init_for_explicit", default=False)
 
 
+def _rules_in_context(rules):
+  """``nn.logical_axis_rules(rules)``, or the caller's rules for None."""
+  return (
+    contextlib.nullcontext() if rules is None else nn.logical_axis_rules(rules)
+  )
+
+
 def init_sharded(init_fn, mesh, *args, rules=None):
   """``init_fn(*args)`` (e.g. ``model.init``) jitted under ``mesh`` with every
   variable created directly in its sharding; returns unboxed arrays.
@@ -1051,6 +1059,11 @@ def init_sharded(init_fn, mesh, *args, rules=None):
   given the explicit mesh's shardings (no data moves). An unpartitioned
   layer, which the Auto copy alone would refuse, initializes there: it is
   checked against its input's type when applied on the explicit mesh.
+
+  ``rules``: a logical axis rules table for ``nn.with_logical_partitioning``
+  names, in effect while init runs; apply the model under the same
+  ``nn.logical_axis_rules`` (a partitioned layer whose logical names no
+  rules resolve under a mesh raises).
   """
   init_mesh = mesh
   if is_explicit(mesh):
@@ -1061,7 +1074,7 @@ def init_sharded(init_fn, mesh, *args, rules=None):
     )
   token = _INIT_FOR_EXPLICIT.set(init_mesh is not mesh)
   try:
-    with jax.set_mesh(init_mesh):
+    with jax.set_mesh(init_mesh), _rules_in_context(rules):
       abstract = jax.eval_shape(init_fn, *args)
       specs = partition_specs(abstract, rules)
       shardings = jax.tree.map(

@@ -706,6 +706,18 @@ def test_logical_partitioning_with_rules():
   assert new[COLL]["down"]["opt_state"].mu.sharding.is_equivalent_to(
     NamedSharding(mesh, P("model", None)), 2
   )
+  # init_sharded's rules are in effect while init runs; applied without
+  # any rules under the mesh, the names would resolve to nothing and the
+  # layer would gather its kernel and states whole: refused.
+  variables = parallel.init_sharded(
+    Net().init, mesh, jax.random.key(0), x, rules=rules
+  )
+  assert variables[COLL]["up"]["opt_state"].mu.sharding.is_equivalent_to(
+    NamedSharding(mesh, P(None, "model")), 2
+  )
+  with jax.set_mesh(mesh):
+    with pytest.raises(ValueError, match="no rules resolve them"):
+      jax.jit(jax.grad(loss))(variables)
 
 
 # ---------------------------------------------------------------------------
