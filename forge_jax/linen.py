@@ -632,7 +632,8 @@ class ForgeDense(_ForgeLinear):
     mesh: the device mesh for tensor / sequence parallelism; None: the
       ``mesh`` of the kernel's partitioning metadata, else the mesh set with
       ``jax.set_mesh``. Without any mesh the partitioning is inert (as for
-      ``nn.Dense``) and the layer runs as on one device.
+      ``nn.Dense``) and the layer runs as on one device; a mesh other than
+      ``jax.set_mesh``'s raises.
     input_partitioning: names of the input's dimensions (mesh axes, or
       logical names when the kernel uses ``nn.with_logical_partitioning``,
       resolved with the same rules: the box's, else those of

@@ -322,10 +322,19 @@ def layer_layout(
   axis that shards neither the kernel nor a declared input) advises, for a
   layer without ``input_partitioning``; ``{axis}`` names the axis.
   """
+  context = jax.sharding.get_abstract_mesh()
   if mesh is None:
-    mesh = jax.sharding.get_abstract_mesh()
+    mesh = context
     if mesh.empty:
       return None
+  elif not context.empty and mesh.abstract_mesh != context:
+    raise ValueError(
+      f"{where}: the layer's mesh {_mesh_sizes(mesh)} (its mesh field, or "
+      "its partitioning's) is not the mesh set with jax.set_mesh "
+      f"{_mesh_sizes(context)}: the layer runs per shard of its own mesh, "
+      "which JAX allows only under that mesh. Pass the same mesh, or leave "
+      "the layer's mesh None to use jax.set_mesh's."
+    )
   x_spec, y_spec = (
     None if names is None else resolve(tuple(names))
     for names in (input_names, output_names)

@@ -1420,6 +1420,26 @@ def test_layout_errors_are_clear():
   assert layout.gather == (1, ("model",)) and layout.y == ((), (), ("model",))
 
 
+@needs_devices
+def test_a_layer_mesh_other_than_set_mesh_is_refused_by_name():
+  """A layer whose mesh field is not jax.set_mesh's: refused naming the
+  layer and both meshes, not by shard_map's check deep in the op."""
+  init = nn.initializers.lecun_normal()
+  layer = fj.ForgeDense(
+    8,
+    optimizer=OPT,
+    mesh=parallel.make_mesh(2),
+    kernel_init=nn.with_partitioning(init, (None, "model")),
+  )
+  x = jnp.ones((2, 4))
+  variables = parallel.init_sharded(
+    layer.init, parallel.make_mesh(2), jax.random.key(0), x
+  )
+  with jax.set_mesh(parallel.make_mesh(4)):
+    with pytest.raises(ValueError, match="ForgeDense.*is not the mesh set"):
+      layer.apply(variables, x)
+
+
 def _boxed_by_flax(layer, mesh, x):
   """flax's sharded init: the variables keep their ``nn.Partitioned``
   boxes, which ``apply`` unboxes under a sharding constraint."""
