@@ -117,6 +117,9 @@ def make_mesh(
   """A ``(data, model)`` mesh with Auto axes over the first ``data * model``
   devices.
 
+  ``axis_names`` renames the two axes in that order: the first, of size
+  ``data``, and the second, of size ``model``, whatever their names.
+
   ``jax.make_mesh`` makes Explicit axes by default in recent JAX; Flax's
   partitioning metadata (``nn.with_partitioning``) and the Llama model here
   work with Auto axes (sharding constraints, XLA's propagation between
@@ -321,6 +324,8 @@ def layer_layout(
   ``undeclared_advice``: what the error for an undeclared input (a mesh
   axis that shards neither the kernel nor a declared input) advises, for a
   layer without ``input_partitioning``; ``{axis}`` names the axis.
+  ``refuse_undeclared_input`` False (init): an undeclared input is not
+  refused, and the declared output is not checked against it.
   """
   context = jax.sharding.get_abstract_mesh()
   if mesh is None:
@@ -341,6 +346,12 @@ def layer_layout(
   )
   if x_spec is None and is_explicit(mesh):
     x_spec = getattr(jax.typeof(inputs).sharding, "spec", None)
+  if input_names is None and not refuse_undeclared_input:
+    # Init, whose forward only shapes the variables, with the input's
+    # sharding unknown (Auto axes, init_sharded's Auto copy of an Explicit
+    # mesh) or that of the example input: the declared output, laid out
+    # from the input the layer is applied to, is not checked against it.
+    y_spec = None
   return plan_layout(
     mesh,
     jnp.ndim(inputs),

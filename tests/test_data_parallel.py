@@ -827,9 +827,18 @@ def test_kernel_gathered_without_data_parallelism_warns_once_and_is_exact():
 
 
 @needs_devices
-def test_fsdp_under_explicit_axes_from_the_input_types():
+@pytest.mark.parametrize(
+  "kernel_names,output_partitioning",
+  [(("data", None), None), ((None, "data"), ("data", None, None))],
+  ids=["gather-k", "gather-n"],
+)
+def test_fsdp_under_explicit_axes_from_the_input_types(
+  kernel_names, output_partitioning
+):
   """On an Explicit mesh the input's type says its batch is sharded over
-  'data', and the kernel's partitioning says it is too: FSDP, exact."""
+  'data', and the kernel's partitioning says it is too: FSDP, exact. A
+  declared output (FSDP over N) initializes with init_sharded, whose Auto
+  copy of the mesh does not know the input's sharding."""
   mesh = jax.make_mesh(
     (4,), ("data",), axis_types=(AxisType.Explicit,), devices=jax.devices()[:4]
   )
@@ -837,7 +846,8 @@ def test_fsdp_under_explicit_axes_from_the_input_types():
     16,
     optimizer=OPT,
     implementation="xla",
-    kernel_init=nn.with_partitioning(INIT, ("data", None)),
+    kernel_init=nn.with_partitioning(INIT, kernel_names),
+    output_partitioning=output_partitioning,
   )
   x = jax.random.normal(jax.random.key(1), (8, 4, 16))
   loss = lambda v, x: jnp.sum(net.apply(v, x) ** 2)
@@ -847,7 +857,7 @@ def test_fsdp_under_explicit_axes_from_the_input_types():
     got = jax.jit(jax.grad(loss))(variables, xs)
   want = jax.grad(loss)(parallel.strip_boxes(net.init(jax.random.key(0), x)), x)
   _assert_trees_close(_host(got[COLL]), _host(want[COLL]))
-  assert jax.typeof(got[COLL]["opt_state"].mu).sharding.spec == P("data", None)
+  assert jax.typeof(got[COLL]["opt_state"].mu).sharding.spec == P(*kernel_names)
 
 
 class _FsdpBlock(nn.Module):
