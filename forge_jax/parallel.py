@@ -548,6 +548,12 @@ def plan_layout(
         f"{_entry(want)}: it is {_entry(have)} after the layer, and only "
         f"the kernel's in_features axes {_entry(k_tp)} can be added to "
         "one token dimension (a reduce-scatter, sequence parallelism)"
+        + (
+          ""
+          if declared_x
+          else "; the input's partitioning is not declared, so its tokens "
+          "are taken as unsharded: declare input_partitioning"
+        )
       )
     if y[-1] != n_tp:
       raise ValueError(

@@ -1406,6 +1406,8 @@ def test_layout_errors_are_clear():
     )
   with pytest.raises(ValueError, match="not in the mesh"):
     parallel.plan_layout(mesh, 2, P(None, "tensor"))
+  with pytest.raises(ValueError, match="declare input_partitioning"):
+    parallel.plan_layout(mesh, 2, P("model", None), y_spec=("data", None))
   layout = parallel.plan_layout(
     mesh,
     3,
