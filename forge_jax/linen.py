@@ -456,6 +456,20 @@ class _ForgeLinear(nn.Module):
     mesh = (
       self.mesh if self.mesh is not None else getattr(kernel_meta, "mesh", None)
     )
+    if _unresolved_logical_names(kernel_meta) and (
+      mesh is not None or not jax.sharding.get_abstract_mesh().empty
+    ):
+      raise ValueError(
+        f"{self._where()}: its kernel is partitioned with the logical names "
+        f"{tuple(kernel_meta.names)} under a mesh, and no rules resolve them "
+        "(none in nn.with_logical_partitioning, no nn.logical_axis_rules "
+        "around apply). They would resolve to no mesh axis: the layer would "
+        "gather its kernel and optimizer state whole on every device and "
+        "return them replicated. Apply the model under the rules it was "
+        "initialized with (with nn.logical_axis_rules(rules): ...), or give "
+        "the box its rules (nn.with_logical_partitioning(init, names, "
+        "rules=rules))."
+      )
     return parallel.layer_layout(
       inputs,
       mesh,
@@ -618,10 +632,13 @@ class ForgeDense(_ForgeLinear):
     mesh: the device mesh for tensor / sequence parallelism; None: the
       ``mesh`` of the kernel's partitioning metadata, else the mesh set with
       ``jax.set_mesh``. Without any mesh the partitioning is inert (as for
-      ``nn.Dense``) and the layer runs as on one device.
+      ``nn.Dense``) and the layer runs as on one device; a mesh other than
+      ``jax.set_mesh``'s raises.
     input_partitioning: names of the input's dimensions (mesh axes, or
       logical names when the kernel uses ``nn.with_logical_partitioning``,
-      resolved with the same rules). None: tokens not sharded, features
+      resolved with the same rules: the box's, else those of
+      ``nn.logical_axis_rules``; under a mesh, logical names that no rules
+      resolve raise). None: tokens not sharded, features
       sharded like the kernel's in_features. Tokens sharded over the
       kernel's feature axis are all-gathered (sequence parallelism).
     output_partitioning: names of the output's dimensions. None: tokens as
@@ -957,6 +974,17 @@ def _kernel_view_shape(kernel_shape, in_rank: int) -> tuple:
 
 def _as_tuple(value) -> tuple:
   return tuple(value) if isinstance(value, Iterable) else (value,)
+
+
+def _unresolved_logical_names(box) -> bool:
+  """Whether ``box`` names logical axes that no rules resolve: none in the
+  box and none from ``nn.logical_axis_rules``."""
+  return (
+    isinstance(box, nn.LogicallyPartitioned)
+    and box.rules is None
+    and not nn.get_logical_axis_rules()
+    and any(name is not None for name in box.names)
+  )
 
 
 def partition_resolver(box):

@@ -75,6 +75,7 @@ over another axis that is hybrid sharding.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import dataclasses
 import math
@@ -115,6 +116,9 @@ def make_mesh(
 ) -> Mesh:
   """A ``(data, model)`` mesh with Auto axes over the first ``data * model``
   devices.
+
+  ``axis_names`` renames the two axes in that order: the first, of size
+  ``data``, and the second, of size ``model``, whatever their names.
 
   ``jax.make_mesh`` makes Explicit axes by default in recent JAX; Flax's
   partitioning metadata (``nn.with_partitioning``) and the Llama model here
@@ -320,17 +324,34 @@ def layer_layout(
   ``undeclared_advice``: what the error for an undeclared input (a mesh
   axis that shards neither the kernel nor a declared input) advises, for a
   layer without ``input_partitioning``; ``{axis}`` names the axis.
+  ``refuse_undeclared_input`` False (init): an undeclared input is not
+  refused, and the declared output is not checked against it.
   """
+  context = jax.sharding.get_abstract_mesh()
   if mesh is None:
-    mesh = jax.sharding.get_abstract_mesh()
+    mesh = context
     if mesh.empty:
       return None
+  elif not context.empty and mesh.abstract_mesh != context:
+    raise ValueError(
+      f"{where}: the layer's mesh {_mesh_sizes(mesh)} (its mesh field, or "
+      "its partitioning's) is not the mesh set with jax.set_mesh "
+      f"{_mesh_sizes(context)}: the layer runs per shard of its own mesh, "
+      "which JAX allows only under that mesh. Pass the same mesh, or leave "
+      "the layer's mesh None to use jax.set_mesh's."
+    )
   x_spec, y_spec = (
     None if names is None else resolve(tuple(names))
     for names in (input_names, output_names)
   )
   if x_spec is None and is_explicit(mesh):
     x_spec = getattr(jax.typeof(inputs).sharding, "spec", None)
+  if input_names is None and not refuse_undeclared_input:
+    # Init, whose forward only shapes the variables, with the input's
+    # sharding unknown (Auto axes, init_sharded's Auto copy of an Explicit
+    # mesh) or that of the example input: the declared output, laid out
+    # from the input the layer is applied to, is not checked against it.
+    y_spec = None
   return plan_layout(
     mesh,
     jnp.ndim(inputs),
@@ -527,6 +548,12 @@ def plan_layout(
         f"{_entry(want)}: it is {_entry(have)} after the layer, and only "
         f"the kernel's in_features axes {_entry(k_tp)} can be added to "
         "one token dimension (a reduce-scatter, sequence parallelism)"
+        + (
+          ""
+          if declared_x
+          else "; the input's partitioning is not declared, so its tokens "
+          "are taken as unsharded: declare input_partitioning"
+        )
       )
     if y[-1] != n_tp:
       raise ValueError(
@@ -1040,6 +1067,13 @@ def strip_boxes(variables):
 _INIT_FOR_EXPLICIT = contextvars.ContextVar("init_for_explicit", default=False)
 
 
+def _rules_in_context(rules):
+  """``nn.logical_axis_rules(rules)``, or the caller's rules for None."""
+  return (
+    contextlib.nullcontext() if rules is None else nn.logical_axis_rules(rules)
+  )
+
+
 def init_sharded(init_fn, mesh, *args, rules=None):
   """``init_fn(*args)`` (e.g. ``model.init``) jitted under ``mesh`` with every
   variable created directly in its sharding; returns unboxed arrays.
@@ -1051,6 +1085,11 @@ def init_sharded(init_fn, mesh, *args, rules=None):
   given the explicit mesh's shardings (no data moves). An unpartitioned
   layer, which the Auto copy alone would refuse, initializes there: it is
   checked against its input's type when applied on the explicit mesh.
+
+  ``rules``: a logical axis rules table for ``nn.with_logical_partitioning``
+  names, in effect while init runs; apply the model under the same
+  ``nn.logical_axis_rules`` (a partitioned layer whose logical names no
+  rules resolve under a mesh raises).
   """
   init_mesh = mesh
   if is_explicit(mesh):
@@ -1061,7 +1100,7 @@ def init_sharded(init_fn, mesh, *args, rules=None):
     )
   token = _INIT_FOR_EXPLICIT.set(init_mesh is not mesh)
   try:
-    with jax.set_mesh(init_mesh):
+    with jax.set_mesh(init_mesh), _rules_in_context(rules):
       abstract = jax.eval_shape(init_fn, *args)
       specs = partition_specs(abstract, rules)
       shardings = jax.tree.map(

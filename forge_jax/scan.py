@@ -150,6 +150,7 @@ def scan(
           "fj.scan: the outer backward hands its ForgeDense variables over "
           "as whole stacks"
         )
+      _check_layer_axis_unsharded(metadata_params, target.__name__)
       fields = {
         f.name: getattr(self, f.name)
         for f in dataclasses.fields(target)
@@ -251,6 +252,38 @@ def _check_in_axes(in_axes, num_args):
       "the carry: every argument must be nn.broadcast (the same value for "
       "every layer). Per-layer inputs are not supported: stack them in a "
       "variable collection, or use nn.scan."
+    )
+
+
+def _check_layer_axis_unsharded(metadata_params, name: str):
+  """Refuse stacks whose layer axis is sharded over a mesh axis.
+
+  Every layer reads and steps its entry of the whole stacks, laid out as
+  its kernel's partitioning says behind the layer axis: a layer axis
+  sharded over a mesh axis would all-gather every stack, optimizer states
+  included, in each layer's forward and backward. The partition name is
+  read as a mesh axis and through the ``nn.logical_axis_rules`` in effect.
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  layer_name = (metadata_params or {}).get(nn.PARTITION_NAME)
+  if mesh.empty or layer_name is None:
+    return
+  names = (layer_name,) if isinstance(layer_name, str) else tuple(layer_name)
+  if nn.get_logical_axis_rules():
+    resolved = nn.logical_to_mesh_axes((layer_name,))[0]
+    names += (resolved,) if isinstance(resolved, str) else tuple(resolved or ())
+  sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+  sharded = tuple(a for a in dict.fromkeys(names) if sizes.get(a, 1) > 1)
+  if sharded:
+    raise ValueError(
+      f"fj.scan({name}) with metadata_params={{nn.PARTITION_NAME: "
+      f"{layer_name!r}}} shards the stacks' layer axis over mesh axis "
+      f"{', '.join(map(repr, sharded))}: each layer reads and steps its "
+      "entry of the whole stacks, so every stack, optimizer states "
+      "included, would be all-gathered in each layer's forward and "
+      "backward. Leave the layer axis unsharded "
+      "(metadata_params={nn.PARTITION_NAME: None}, or a logical name the "
+      "rules map to None) and shard the layers' kernels instead."
     )
 
 

@@ -827,9 +827,18 @@ def test_kernel_gathered_without_data_parallelism_warns_once_and_is_exact():
 
 
 @needs_devices
-def test_fsdp_under_explicit_axes_from_the_input_types():
+@pytest.mark.parametrize(
+  "kernel_names,output_partitioning",
+  [(("data", None), None), ((None, "data"), ("data", None, None))],
+  ids=["gather-k", "gather-n"],
+)
+def test_fsdp_under_explicit_axes_from_the_input_types(
+  kernel_names, output_partitioning
+):
   """On an Explicit mesh the input's type says its batch is sharded over
-  'data', and the kernel's partitioning says it is too: FSDP, exact."""
+  'data', and the kernel's partitioning says it is too: FSDP, exact. A
+  declared output (FSDP over N) initializes with init_sharded, whose Auto
+  copy of the mesh does not know the input's sharding."""
   mesh = jax.make_mesh(
     (4,), ("data",), axis_types=(AxisType.Explicit,), devices=jax.devices()[:4]
   )
@@ -837,7 +846,8 @@ def test_fsdp_under_explicit_axes_from_the_input_types():
     16,
     optimizer=OPT,
     implementation="xla",
-    kernel_init=nn.with_partitioning(INIT, ("data", None)),
+    kernel_init=nn.with_partitioning(INIT, kernel_names),
+    output_partitioning=output_partitioning,
   )
   x = jax.random.normal(jax.random.key(1), (8, 4, 16))
   loss = lambda v, x: jnp.sum(net.apply(v, x) ** 2)
@@ -847,7 +857,7 @@ def test_fsdp_under_explicit_axes_from_the_input_types():
     got = jax.jit(jax.grad(loss))(variables, xs)
   want = jax.grad(loss)(parallel.strip_boxes(net.init(jax.random.key(0), x)), x)
   _assert_trees_close(_host(got[COLL]), _host(want[COLL]))
-  assert jax.typeof(got[COLL]["opt_state"].mu).sharding.spec == P("data", None)
+  assert jax.typeof(got[COLL]["opt_state"].mu).sharding.spec == P(*kernel_names)
 
 
 class _FsdpBlock(nn.Module):
@@ -861,9 +871,18 @@ class _FsdpBlock(nn.Module):
     if self.forge:
       sgd = fj.sgd(learning_rate=5e-2)
       part = lambda *names: nn.with_partitioning(INIT, names)
-      dense = fj.ForgeDense(16, optimizer=sgd, kernel_init=part("data", None))
+      tokens = ("data", None)
+      dense = fj.ForgeDense(
+        16,
+        optimizer=sgd,
+        kernel_init=part("data", None),
+        input_partitioning=tokens,
+      )
       general = fj.ForgeDenseGeneral(
-        (2, 8), optimizer=sgd, kernel_init=part("data", None, None)
+        (2, 8),
+        optimizer=sgd,
+        kernel_init=part("data", None, None),
+        input_partitioning=tokens,
       )
     else:
       dense = nn.Dense(16, kernel_init=INIT)
@@ -875,6 +894,7 @@ class _ScannedFsdp(nn.Module):
   """Two blocks under ``fj.scan`` (FORGE) or ``nn.scan`` (flax)."""
 
   forge: bool
+  layer_axis: object = None
 
   @nn.compact
   def __call__(self, x):
@@ -883,7 +903,7 @@ class _ScannedFsdp(nn.Module):
       variable_axes={True: 0} if self.forge else {"params": 0},
       split_rngs={"params": True},
       length=2,
-      metadata_params={nn.PARTITION_NAME: None},
+      metadata_params={nn.PARTITION_NAME: self.layer_axis},
     )
     return stack(self.forge, name="stack")(x)[0]
 
@@ -927,6 +947,24 @@ def test_scan_on_an_explicit_mesh_steps_every_layer():
     )
     with pytest.raises(ValueError, match="lay the stacks out"):
       jax.jit(step)(replicated, xs, ys)
+
+
+@needs_devices
+def test_scan_with_its_layer_axis_sharded_is_refused():
+  """fj.scan's layers read their entry of the whole stacks: stacks whose
+  layer axis is sharded over a mesh axis would be all-gathered, states
+  included, in every layer; refused naming the axis."""
+  devices = np.array(jax.devices()[:4]).reshape(2, 2)
+  mesh = jax.sharding.Mesh(
+    devices, ("layers", "data"), axis_types=(AxisType.Auto,) * 2
+  )
+  x = jax.random.normal(jax.random.key(1), (4, 16))
+  net = _ScannedFsdp(True, layer_axis="layers")
+  variables = parallel.init_sharded(net.init, mesh, jax.random.key(0), x)
+  with jax.set_mesh(mesh):
+    xs = jax.device_put(x, NamedSharding(mesh, P("data")))
+    with pytest.raises(ValueError, match="layer axis over mesh axis 'layers'"):
+      jax.jit(jax.grad(lambda v: jnp.sum(net.apply(v, xs) ** 2)))(variables)
 
 
 @needs_devices

@@ -706,6 +706,18 @@ def test_logical_partitioning_with_rules():
   assert new[COLL]["down"]["opt_state"].mu.sharding.is_equivalent_to(
     NamedSharding(mesh, P("model", None)), 2
   )
+  # init_sharded's rules are in effect while init runs; applied without
+  # any rules under the mesh, the names would resolve to nothing and the
+  # layer would gather its kernel and states whole: refused.
+  variables = parallel.init_sharded(
+    Net().init, mesh, jax.random.key(0), x, rules=rules
+  )
+  assert variables[COLL]["up"]["opt_state"].mu.sharding.is_equivalent_to(
+    NamedSharding(mesh, P(None, "model")), 2
+  )
+  with jax.set_mesh(mesh):
+    with pytest.raises(ValueError, match="no rules resolve them"):
+      jax.jit(jax.grad(loss))(variables)
 
 
 # ---------------------------------------------------------------------------
@@ -1394,6 +1406,8 @@ def test_layout_errors_are_clear():
     )
   with pytest.raises(ValueError, match="not in the mesh"):
     parallel.plan_layout(mesh, 2, P(None, "tensor"))
+  with pytest.raises(ValueError, match="declare input_partitioning"):
+    parallel.plan_layout(mesh, 2, P("model", None), y_spec=("data", None))
   layout = parallel.plan_layout(
     mesh,
     3,
@@ -1406,6 +1420,26 @@ def test_layout_errors_are_clear():
     mesh, 3, P(None, "model"), x_spec=(None, "model", None)
   )
   assert layout.gather == (1, ("model",)) and layout.y == ((), (), ("model",))
+
+
+@needs_devices
+def test_a_layer_mesh_other_than_set_mesh_is_refused_by_name():
+  """A layer whose mesh field is not jax.set_mesh's: refused naming the
+  layer and both meshes, not by shard_map's check deep in the op."""
+  init = nn.initializers.lecun_normal()
+  layer = fj.ForgeDense(
+    8,
+    optimizer=OPT,
+    mesh=parallel.make_mesh(2),
+    kernel_init=nn.with_partitioning(init, (None, "model")),
+  )
+  x = jnp.ones((2, 4))
+  variables = parallel.init_sharded(
+    layer.init, parallel.make_mesh(2), jax.random.key(0), x
+  )
+  with jax.set_mesh(parallel.make_mesh(4)):
+    with pytest.raises(ValueError, match="ForgeDense.*is not the mesh set"):
+      layer.apply(variables, x)
 
 
 def _boxed_by_flax(layer, mesh, x):
