@@ -1490,7 +1490,10 @@ def test_a_differentiated_backward_raises(seed):
     graphdef, state, rest = nnx.split(model, diff, ...)
     loss = lambda state: cross_entropy(nnx.merge(graphdef, state, rest), x, y)
     ones = jax.tree.map(jnp.ones_like, state)
-    return jax.jvp(jax.grad(loss), (state,), (ones,))[1]
+    # One program (eager, every op of the product compiles on its own).
+    return jax.jit(lambda s, t: jax.jvp(jax.grad(loss), (s,), (t,))[1])(
+      state, ones
+    )
 
   with pytest.raises(ValueError, match="'layers/1'.*backward pass is being"):
     hvp(model, fj.nnx.TRAINABLE)
