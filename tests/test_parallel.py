@@ -581,7 +581,13 @@ def test_forge_embed_under_an_unused_data_axis_advises_its_own_fields():
 
 
 @needs_devices
-@pytest.mark.parametrize("sp", [False, True], ids=["fsdp-tp", "fsdp-tp-sp"])
+# The sequence-parallel case gathers every projection's kernel over 'data'
+# as the other does, with the inputs sharded over 'model' too.
+@pytest.mark.parametrize(
+  "sp",
+  [pytest.param(False, marks=pytest.mark.slow), True],
+  ids=["fsdp-tp", "fsdp-tp-sp"],
+)
 def test_attention_with_input_partitioning_is_fsdp(sp):
   """fj.MultiHeadDotProductAttention with its kernels sharded over the data
   axis too and its inputs' partitioning declared: every projection gathers
