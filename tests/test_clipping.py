@@ -368,12 +368,10 @@ def test_clipping_a_model_that_is_one_layer(general, clip, seed):
   tx = opt.to_optax()
   opt_state = tx.init(ref_params)
   previous = None
+  ref_apply = lambda v, x: flat(ref.apply(v, x))
   for batch in batches:
     forge = step(forge, batch)
-    grads = jax.grad(_loss(lambda v, x: flat(ref.apply(v, x)), batch))(
-      ref_params
-    )
-    norm = optax.tree.norm(grads)
+    grads, norm = _gradient_and_norm(ref_apply, ref_params, batch)
     by = norm if clip == "exact" else previous
     if by is not None:
       grads = jax.tree.map(lambda g: g * jnp.minimum(1.0, max_norm / by), grads)
