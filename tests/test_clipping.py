@@ -106,13 +106,21 @@ def _loss(apply_fn, batch):
   return lambda variables: cross_entropy(apply_fn, variables, batch)
 
 
+# One program per model and shapes (eager, every op of the backward
+# compiles on its own).
+@functools.partial(jax.jit, static_argnums=0)
+def _gradient_and_norm(apply_fn, variables, batch):
+  grads = jax.grad(_loss(apply_fn, batch))(variables)
+  return grads, optax.tree.norm(grads)
+
+
 def _reference_norms(model, variables, tx, batches):
   """optax.global_norm of the nn.Dense model's gradient at every step."""
   state = FlaxTrainState.create(apply_fn=model.apply, params=variables, tx=tx)
   norms = []
   for batch in batches:
-    grads = jax.grad(_loss(model.apply, batch))(state.params)
-    norms.append(float(optax.tree.norm(grads)))
+    grads, norm = _gradient_and_norm(model.apply, state.params, batch)
+    norms.append(float(norm))
     state = state.apply_gradients(grads=grads)
   return norms
 
@@ -199,7 +207,7 @@ def _initial_norm(name, kwargs, shape, features, seed):
   model = MLP(features)
   batch = make_batches(seed + 1, 1, shape, features[-1])[0]
   variables = model.init(jax.random.key(seed), batch[0])
-  return float(optax.tree.norm(jax.grad(_loss(model.apply, batch))(variables)))
+  return float(_gradient_and_norm(model.apply, variables, batch)[1])
 
 
 @pytest.mark.parametrize("case,active", _table_rows())
@@ -360,12 +368,10 @@ def test_clipping_a_model_that_is_one_layer(general, clip, seed):
   tx = opt.to_optax()
   opt_state = tx.init(ref_params)
   previous = None
+  ref_apply = lambda v, x: flat(ref.apply(v, x))
   for batch in batches:
     forge = step(forge, batch)
-    grads = jax.grad(_loss(lambda v, x: flat(ref.apply(v, x)), batch))(
-      ref_params
-    )
-    norm = optax.tree.norm(grads)
+    grads, norm = _gradient_and_norm(ref_apply, ref_params, batch)
     by = norm if clip == "exact" else previous
     if by is not None:
       grads = jax.tree.map(lambda g: g * jnp.minimum(1.0, max_norm / by), grads)

@@ -463,6 +463,7 @@ def _layer_stacks(spec, key, layers, k, n):
   """Stacked variables whose layers have taken 0, 1, ... steps (distinct
   counts, non-zero states)."""
   per_layer = []
+  step_of = jax.jit(functools.partial(_stepped, spec))  # one program, not eager
   for layer in range(layers):
     kernel = jax.random.normal(jax.random.fold_in(key, layer), (k, n))
     variables = fj.init_variables(spec.optimizer, kernel.astype(spec.dtype))
@@ -470,7 +471,7 @@ def _layer_stacks(spec, key, layers, k, n):
       keys = jax.random.split(jax.random.fold_in(key, 100 * layer + step))
       x = jax.random.normal(keys[0], (TOKENS, k), spec.dtype)
       dy = jax.random.normal(keys[1], (TOKENS, n), spec.dtype)
-      _, variables = _stepped(spec, x, variables, dy)
+      _, variables = step_of(x, variables, dy)
     per_layer.append(variables)
   return jax.tree.map(lambda *leaves: jnp.stack(leaves), *per_layer)
 
