@@ -52,7 +52,11 @@ class TrainState(train_state.TrainState):
   The layers' optimizer states and step counts are variables too, in
   ``params``: a state created anew from ``state.params`` (another ``tx``)
   restarts ``tx``'s state, not theirs, and ``state.replace(params=...)``
-  with older variables takes their older states with them. To restart the
+  with older variables takes their older states with them. Replace
+  ``params`` before taking the gradient, not between it and
+  ``apply_gradients``: FORGE's gradient is the stepped variables of the
+  parameters it was taken of, installed in place of the replaced ones (as
+  is a gradient of another model's parameters). To restart the
   whole optimizer, initialize the model's variables anew and carry the
   weights over (``fj.to_dense`` / ``fj.from_dense`` give fresh states).
 
