@@ -52,7 +52,11 @@ class TrainState(train_state.TrainState):
   The layers' optimizer states and step counts are variables too, in
   ``params``: a state created anew from ``state.params`` (another ``tx``)
   restarts ``tx``'s state, not theirs, and ``state.replace(params=...)``
-  with older variables takes their older states with them. To restart the
+  with older variables takes their older states with them. Replace
+  ``params`` before taking the gradient, not between it and
+  ``apply_gradients``: FORGE's gradient is the stepped variables of the
+  parameters it was taken of, installed in place of the replaced ones (as
+  is a gradient of another model's parameters). To restart the
   whole optimizer, initialize the model's variables anew and carry the
   weights over (``fj.to_dense`` / ``fj.from_dense`` give fresh states).
 
@@ -283,7 +287,11 @@ def install_layer(old, written, backward_traced: bool):
   NaN: its next step turns it NaN, ``fj.wiped_layers`` names it). The
   count, not ``intact``: XLA already keeps a copy of each old count, which
   the step reads and overwrites.
+
+  Raises where ``written`` holds another dtype than ``old`` (grads cast to
+  bfloat16 by the caller): the new weights and state were rounded.
   """
+  check_dtypes(old, written)
   flags = written["intact"] > 0
   reached = flags.astype(jnp.float32)
   if not isinstance(flags, jax.core.Tracer):
@@ -314,6 +322,29 @@ def install_layer(old, written, backward_traced: bool):
     **written,
     "count": jnp.where(changed, jnp.nan, written["count"]),
   }, reached
+
+
+def check_dtypes(old, written):
+  """Raises where a layer's installed variables are not in the dtypes of
+  its variables: a cast of grads (to bfloat16, to save memory or
+  communication) rounded FORGE's new weights and optimizer state, where
+  optax's step keeps the weights in their own dtypes."""
+  cast = sorted(
+    {
+      f"{jnp.dtype(new.dtype).name} for {jnp.dtype(value.dtype).name}"
+      for new, value in zip(jax.tree.leaves(written), jax.tree.leaves(old))
+      if jnp.dtype(new.dtype) != jnp.dtype(value.dtype)
+    }
+  )
+  if cast:
+    raise TypeError(
+      f"The gradient installed for a FORGE layer holds {', '.join(cast)}: "
+      "FORGE's gradients are the layer's new weights and optimizer state, "
+      "and a cast of grads changes their dtypes (a narrower one rounds "
+      "them). Pass FORGE's collection to "
+      "apply_gradients in the dtypes its backward wrote (cast the other "
+      "gradients only)."
+    )
 
 
 #: What :func:`check_transformation` advises instead of clip_by_global_norm.

@@ -1115,6 +1115,33 @@ def test_kernel_cast_before_apply_raises_type_error(what, seed):
     jax.grad(lambda v: model.apply(v, x).sum())(tampered)
 
 
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_grads_cast_to_bfloat16_are_refused(jit, seed):
+  """FORGE's gradients are the new weights and state: grads cast to
+  bfloat16 by the caller would round them (eagerly they installed bfloat16
+  kernels, under jit rounded float32 ones), where optax keeps its float32
+  weights."""
+  x, _ = make_batch(seed, (4, 6), 4)
+  state = _state(Encoder(), seed, x)
+
+  def step(state):
+    grads = jax.grad(lambda v: (state.apply_fn(v, x) ** 2).sum())(state.params)
+    cast = jax.tree.map(lambda g: g.astype(jnp.bfloat16), grads)
+    return state.apply_gradients(grads=cast)
+
+  with pytest.raises(TypeError, match="bfloat16 for float32"):
+    (jax.jit(step) if jit else step)(state)
+
+
+def test_nnx_grads_cast_to_bfloat16_are_refused():
+  model = fj.nnx.Linear(6, 4, optimizer=OPT, rngs=nnx.Rngs(0))
+  optimizer = fj.nnx.Optimizer(model, OPT.to_optax(), wrt=nnx.Param)
+  grads = fj.nnx.grad(lambda m: (m(jnp.ones((4, 6))) ** 2).sum())(model)
+  cast = jax.tree.map(lambda g: g.astype(jnp.bfloat16), grads)
+  with pytest.raises(TypeError, match="bfloat16 for float32"):
+    optimizer.update(model, cast)
+
+
 def test_state_of_another_optimizer_raises_type_error(seed):
   variables, (x, _) = _init(MLP((8, 4), optimizer=fj.adam(1e-2)), seed)
   with pytest.raises(TypeError, match="another optimizer"):
