@@ -89,11 +89,6 @@ def _scheduled(name: str, value: ScalarOrSchedule, count: jax.Array):
   return jnp.reshape(scheduled, ())
 
 
-def _schedule_value(value: ScalarOrSchedule, count: jax.Array) -> jax.Array:
-  """The weight decay at ``count`` (:func:`_scheduled`)."""
-  return _scheduled("weight_decay", value, count)
-
-
 def _neg_learning_rate(learning_rate: ScalarOrSchedule, count: jax.Array):
   """optax.scale_by_learning_rate: the schedule sees the pre-increment count."""
   return -1 * _scheduled("learning_rate", learning_rate, count)
@@ -349,7 +344,7 @@ class Adam(ForgeOptimizer):
     count_inc = optax.safe_increment(count)
     return AdamScalars(
       neg_lr=_neg_learning_rate(self.learning_rate, count),
-      weight_decay=_schedule_value(self.weight_decay, count),
+      weight_decay=_scheduled("weight_decay", self.weight_decay, count),
       inv_bc1=_inverse_bias_correction(self.b1, count_inc),
       inv_bc2=_inverse_bias_correction(self.b2, count_inc),
       inv_bc1_next=_inverse_bias_correction(
@@ -572,7 +567,7 @@ class Lion(ForgeOptimizer):
     _validate_count_dtype(count)
     return LionScalars(
       neg_lr=_neg_learning_rate(self.learning_rate, count),
-      weight_decay=_schedule_value(self.weight_decay, count),
+      weight_decay=_scheduled("weight_decay", self.weight_decay, count),
     )
 
   kernel_reads_old_state: ClassVar[bool] = True
