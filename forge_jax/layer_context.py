@@ -802,6 +802,21 @@ def optimizers(path: tuple, kernel=None) -> tuple:
   return tuple(dict.fromkeys(record[0] for record in reversed(records)))
 
 
+def recorded_key(path: tuple, kernel=None) -> tuple:
+  """The key the events of the layer at ``path`` of FORGE's Linen
+  collection are recorded under: ``path``, but the key of the last
+  backward that read ``kernel`` where none at ``path`` did (an
+  ``fj.nnx.Linear`` wrapped by ``nnx.bridge.ToLinen`` records under its
+  own key, while another model's layer may have recorded at ``path``)."""
+  path = tuple(path)
+  if kernel is None or _backward_of(path, kernel) is not None:
+    return path
+  for key, records in _EVENTS.backward_records.items():
+    if any(record[0]() is kernel for record in records):
+      return key
+  return path
+
+
 def _backward_of(path: tuple, kernel) -> Optional[tuple]:
   """The record (kernel read, pass, optimizer, relaid) of the last backward
   of the ForgeDense at ``path`` that read ``kernel``; None where none did

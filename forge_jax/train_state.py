@@ -179,7 +179,7 @@ class TrainState(train_state.TrainState):
     if self.max_grad_norm is not None:
       check_clipped(
         [
-          ("/".join(path), path, _kernel(layer))
+          ("/".join(path), _recorded_key(path, layer), _kernel(layer))
           for path, layer in forge_layers(old or {})
         ],
         "take the gradient with state.value_and_grad(loss_fn), not "
@@ -241,7 +241,7 @@ def install(old, cotangents):
   layers = list(forge_layers(old))
   writes = [layer_at(cotangents, path) for path, _ in layers]
   traced = layer_context.take_backwards(
-    [path for path, _ in layers],
+    [_recorded_key(path, layer) for path, layer in layers],
     [_written(written, "count") for written in writes],
     [_kernel(layer) for _, layer in layers],
     [_written(written, "kernel") for written in writes],
@@ -259,6 +259,12 @@ def _written(written, name: str):
   """A layer's installed ``name`` entry (``count``, ``kernel``), unboxed,
   or None where it has none."""
   return meta.unbox(written.get(name) if isinstance(written, Mapping) else None)
+
+
+def _recorded_key(path: tuple, layer: Mapping) -> tuple:
+  """The :mod:`forge_jax.layer_context` key of the layer at ``path``
+  (:func:`forge_jax.layer_context.recorded_key`)."""
+  return layer_context.recorded_key(path, _kernel(layer))
 
 
 def _kernel(layer: Mapping):
@@ -579,15 +585,19 @@ def check_layer_optimizers(tx, collection, params=None, written=None):
   the gradient being installed (FORGE's collection), whose layers the loss
   did not reach may be frozen (their output's gradient stopped)."""
   kernels = {path: _kernel(layer) for path, layer in forge_layers(collection)}
+  keys = {
+    path: layer_context.recorded_key(path, kernel)
+    for path, kernel in kernels.items()
+  }
   candidates = {
-    path: layer_context.optimizers(path, kernel)
+    path: layer_context.optimizers(keys[path], kernel)
     for path, kernel in kernels.items()
   }
   layers = tuple((path, _followed(tx, c)) for path, c in candidates.items())
   ambiguous = {
     "/".join(map(str, p)) for p, c in candidates.items() if len(c) > 1
   }
-  weights = {path: layer_context.weight_name(path) for path, _ in layers}
+  weights = {path: layer_context.weight_name(keys[path]) for path, _ in layers}
   ranks = {path: np.ndim(kernel) for path, kernel in kernels.items()}
   try:
     by_kernels = probe_kernels(tx, layers, weights, params, ranks)
@@ -621,7 +631,7 @@ def _unreached(collection, written) -> set:
   for path, layer in forge_layers(collection):
     flags = layer_at(written, path)
     flags = flags.get("intact") if isinstance(flags, Mapping) else None
-    if unreached_layer(flags, path, _kernel(layer)):
+    if unreached_layer(flags, _recorded_key(path, layer), _kernel(layer)):
       names.add("/".join(map(str, path)))
   return names
 

@@ -967,9 +967,6 @@ class TwoLayers(nn.Module):
     return dense(3, "b")(jnp.tanh(dense(6, "a")(x)))
 
 
-MOMENTUM_OPT = fj.sgd(0.05, momentum=0.9)
-
-
 @pytest.mark.parametrize(
   "wrap",
   [jax.jit, pytest.param(jax.checkpoint, marks=pytest.mark.slow)],

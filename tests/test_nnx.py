@@ -2346,6 +2346,54 @@ def test_linears_bridged_into_linen_train_with_fj_train_state(seed):
     assert_rel_close(layer["kernel"], expected.params[name]["kernel"], RTOL)
 
 
+class _SgdLayersAB(nn.Module):
+  """Linen ForgeDense layers at the paths of :class:`_Bridged`'s, by SGD."""
+
+  @nn.compact
+  def __call__(self, x):
+    sgd = fj.sgd(0.05, momentum=0.9)
+    h = fj.ForgeDense(8, optimizer=sgd, name="a")(x)
+    return fj.ForgeDense(4, optimizer=sgd, name="b")(h)
+
+
+def _bridged_step(model, x, y, tx, **kwargs):
+  """The first jitted step of ``model`` with ``fj.TrainState(tx=tx)``."""
+  state = fj.TrainState.create(
+    apply_fn=model.apply,
+    params=model.init(jax.random.key(0), x),
+    tx=tx,
+    **kwargs,
+  )
+  loss = lambda v: jnp.mean((state.apply_fn(v, x) - y) ** 2)
+  return jax.jit(
+    lambda state: state.apply_gradients(grads=jax.grad(loss)(state.params))
+  )(state)
+
+
+def test_bridged_linears_are_checked_against_tx_whatever_shares_their_paths(
+  seed,
+):
+  """The install checks ``tx`` against the rule of the bridged
+  ``fj.nnx.Linear`` layers (recorded under their own keys, not their Linen
+  paths), also after another model's layers at those paths trained by
+  another rule in this process: ``tx`` of another rule is refused, the
+  layers' own rule trains."""
+  x, y = make_batch(seed, (4, 6), 4)
+  _bridged_step(_SgdLayersAB(), x, y, fj.sgd(0.05, momentum=0.9).to_optax())
+  state = _bridged_step(_Bridged(OPT), x, y, OPT.to_optax())
+  assert float(state.params[fj.FORGE_COLLECTION]["a"]["count"]) == 1
+  with pytest.raises(ValueError, match="tx is not the optimizer"):
+    _bridged_step(_Bridged(OPT), x, y, optax.adamw(2e-2, weight_decay=0.1))
+
+
+def test_bridged_linears_stepped_unclipped_are_refused(seed):
+  """With ``max_grad_norm``, a gradient of the bridged layers taken by
+  ``jax.grad`` (unclipped) is refused, as for Linen's layers."""
+  x, y = make_batch(seed, (4, 6), 4)
+  with pytest.raises(ValueError, match="state.value_and_grad"):
+    _bridged_step(_Bridged(OPT), x, y, OPT.to_optax(), max_grad_norm=1.0)
+
+
 def test_an_optimizer_refuses_a_linen_layer_bridged_into_nnx(seed):
   """``nnx.bridge.ToNNX(fj.ForgeDense)``: no NNX install writes a Linen
   layer's updates, so ``fj.nnx.Optimizer`` refuses it, naming it."""
