@@ -29,6 +29,7 @@ doubles a parameter.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -76,10 +77,29 @@ def optax_with_storage(
   tree. A weight-decay ``mask`` (adamw, lion) is resolved on the parameters
   as optax does; masked parameters take the rule without decay.
 
-  ``update`` needs ``params``.
+  ``update`` needs ``params``. Equal optimizers with the same ``mask``
+  object share one transformation, as for ``optimizer.to_optax()``:
+  ``fj.TrainState`` knows it as their rule without stepping a probe.
   """
   if not isinstance(optimizer, ForgeOptimizer):
     raise TypeError(not_elementwise_message(optimizer))
+  try:
+    return _shared(optimizer, id(getattr(optimizer, "mask", None)))
+  except TypeError:  # an unhashable field: a new transformation
+    return _with_storage(optimizer)
+
+
+@functools.lru_cache(maxsize=256)
+def _shared(optimizer: ForgeOptimizer, mask_id: int):
+  """:func:`_with_storage` of ``optimizer``; ``mask_id`` tells masks apart
+  (the cached optimizer holds its mask, so the id is not reused while
+  cached)."""
+  del mask_id
+  return _with_storage(optimizer)
+
+
+def _with_storage(optimizer: ForgeOptimizer) -> optax.GradientTransformation:
+  """A new :func:`optax_with_storage` transformation of ``optimizer``."""
   # One parameter's state treedef, the same for every parameter.
   state_def = jax.tree.structure(
     jax.eval_shape(optimizer.init, jax.ShapeDtypeStruct((1, 64), jnp.float32))

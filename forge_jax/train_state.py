@@ -476,7 +476,7 @@ def _same_rule(tx, optimizer) -> bool | None:
   ``fj.optax_with_storage(optimizer)`` does (None: ``tx`` cannot run on
   the probe, e.g. it labels parameters by name, or leaves it where it is:
   a freezing label that reaches the probe says nothing of the rule)."""
-  if tx is optimizer.to_optax():
+  if is_rule_form(tx, optimizer):
     return True
   try:
     # Eagerly, also while a train step traces: the probe is concrete.
@@ -491,6 +491,15 @@ def _same_rule(tx, optimizer) -> bool | None:
   except Exception:  # pylint: disable=broad-exception-caught
     return None
   return False
+
+
+def is_rule_form(tx, optimizer) -> bool:
+  """Whether ``tx`` is ``optimizer.to_optax()`` or
+  ``fj.optax_with_storage(optimizer)`` itself (each shared by equal
+  optimizers): it steps by ``optimizer``'s rule, without a probe."""
+  return tx is optimizer.to_optax() or (
+    tx is optax_storage.optax_with_storage(optimizer)
+  )
 
 
 #: The probe: a kernel-shaped parameter (made into an array where it steps,
@@ -569,6 +578,8 @@ def _steps_match(tx, reference) -> bool | None:
       updates.append(np.asarray(update["kernel"]))
     moved = moved or bool(updates[0].any())
     same = same and _same_steps(*updates)
+    if moved and not same:
+      return False
   return same if moved else None
 
 
@@ -965,6 +976,9 @@ def _probe_layers(
   if not owned:
     return LayerProbe((), ())
   rules = dict(layers)
+  owning = {rules[path] for path in owned}
+  if len(owning) == 1 and is_rule_form(tx, *owning):
+    return LayerProbe((), ())
   try:
     # Eagerly, also while a train step traces: the probe is concrete.
     with jax.ensure_compile_time_eval():

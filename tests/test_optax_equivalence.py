@@ -24,20 +24,28 @@ from forge_jax.ops.update import apply_update
 from fused_dense_test_base import BF16_STATE_RTOL, OPTAX_CASES
 
 
-def test_equal_optimizers_share_one_alias_unless_their_masks_differ():
+@pytest.mark.parametrize(
+  "form",
+  [lambda opt: opt.to_optax(), fj.optax_with_storage],
+  ids=["to_optax", "optax_with_storage"],
+)
+def test_equal_optimizers_share_one_alias_unless_their_masks_differ(form):
   """Optimizer equality leaves the decay mask out (the layers decay every
-  kernel): equal optimizers share one alias object only with the same mask
-  object, and a mask tree (unhashable) still gets its own alias."""
+  kernel): equal optimizers share one alias object (one
+  ``optax_with_storage`` transformation) only with the same mask object,
+  and a mask given as a tree masks as optax's does."""
   no_bias = lambda p: jax.tree.map(lambda a: a.ndim > 1, p)
-  assert fj.adamw(1e-2).to_optax() is fj.adamw(1e-2).to_optax()
+  assert form(fj.adamw(1e-2)) is form(fj.adamw(1e-2))
+  assert form(fj.adamw(1e-2)) is not form(fj.adamw(2e-2))
   masked = fj.adamw(1e-2, weight_decay=0.1, mask=no_bias)
-  assert masked.to_optax() is masked.to_optax()
+  assert form(masked) is form(masked)
   assert masked == fj.adamw(1e-2, weight_decay=0.1)
-  assert masked.to_optax() is not fj.adamw(1e-2, weight_decay=0.1).to_optax()
+  assert form(masked) is not form(fj.adamw(1e-2, weight_decay=0.1))
   tree = {"fc": {"kernel": True, "bias": False}}
   params = {"fc": {"kernel": jnp.ones((2, 3)), "bias": jnp.ones(3)}}
   zeros = jax.tree.map(jnp.zeros_like, params)
-  tx = fj.adamw(1e-2, weight_decay=0.1, mask=tree).to_optax()
+  tx = form(fj.adamw(1e-2, weight_decay=0.1, mask=tree))
+  assert tx is not form(fj.adamw(1e-2, weight_decay=0.1, mask=dict(tree)))
   updates, _ = tx.update(zeros, tx.init(params), params)
   assert float(jnp.abs(updates["fc"]["bias"]).max()) == 0.0
   assert float(jnp.abs(updates["fc"]["kernel"]).max()) > 0.0
