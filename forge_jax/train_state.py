@@ -561,26 +561,38 @@ def _same_steps(a, b) -> bool:
 def _steps_match(tx, reference) -> bool | None:
   """Whether ``tx`` steps the probe as ``reference`` does; None where
   ``tx`` never moves it."""
-  # A kernel-shaped parameter named like one: weight-decay masks by rank or
-  # by name treat it as they would a kernel.
-  params = {"kernel": jnp.asarray(_PROBE_KERNEL)}
-  states = [tx.init(params), reference.init(params)]
+  expected = _rule_probe_steps(reference)
   same, moved = True, False
-  steps = [(g, None) for g in _RULE_PROBE_GRADIENTS]
-  steps += [(_PROBE_GRADIENTS[0], count) for count in _PROBE_COUNTS]
-  for g, count in steps:
-    grads = {"kernel": jnp.asarray(g, jnp.float32)}
-    updates = []
-    for i, t in enumerate((tx, reference)):
-      if count is not None:
-        states[i] = _at_count(states[i], count)
-      update, states[i] = t.update(grads, states[i], params)
-      updates.append(np.asarray(update["kernel"]))
-    moved = moved or bool(updates[0].any())
-    same = same and _same_steps(*updates)
+  for update, want in zip(_rule_probe_updates(tx), expected):
+    moved = moved or bool(update.any())
+    same = same and _same_steps(update, want)
     if moved and not same:
       return False
   return same if moved else None
+
+
+@functools.lru_cache(maxsize=64)
+def _rule_probe_steps(reference) -> tuple:
+  """``reference``'s updates in the rule probe's steps (a transformation
+  shared by equal optimizers: computed once)."""
+  return tuple(_rule_probe_updates(reference))
+
+
+def _rule_probe_updates(tx):
+  """``tx``'s update of the probe kernel in each rule probe step, as each
+  is taken."""
+  # A kernel-shaped parameter named like one: weight-decay masks by rank or
+  # by name treat it as they would a kernel.
+  params = {"kernel": jnp.asarray(_PROBE_KERNEL)}
+  state = tx.init(params)
+  steps = [(g, None) for g in _RULE_PROBE_GRADIENTS]
+  steps += [(_PROBE_GRADIENTS[0], count) for count in _PROBE_COUNTS]
+  for g, count in steps:
+    if count is not None:
+      state = _at_count(state, count)
+    grads = {"kernel": jnp.asarray(g, jnp.float32)}
+    update, state = tx.update(grads, state, params)
+    yield np.asarray(update["kernel"])
 
 
 def check_layer_optimizers(tx, collection, params=None, written=None):
@@ -992,31 +1004,17 @@ def _judged_probe(tx, owned, rules, treedef, ranks) -> LayerProbe:
   path, ``rules`` its optimizer. Each rule's optax forms step the probe
   only as far as a verdict needs them."""
 
-  def steps(t):
-    """Per leaf: ``t``'s update in each probe step."""
-    probe = lambda values: jax.tree.unflatten(
-      treedef, [jnp.asarray(_probe_of_rank(values, r)) for r in ranks]
-    )
-    params = probe(_PROBE_KERNEL)
-    state, taken = t.init(params), [[] for _ in ranks]
-    for g in _PROBE_GRADIENTS:
-      updates, state = t.update(probe(g), state, params)
-      for i, step in enumerate(jax.tree.leaves(updates)):
-        taken[i].append(np.asarray(step))
-    return taken
-
-  @functools.cache
   def form_steps(opt, form: int):
     if form == 0:
-      return steps(opt.to_optax())
-    return steps(optax_storage.optax_with_storage(opt))
+      return _probe_steps(opt.to_optax(), treedef, ranks)
+    return _probe_steps(optax_storage.optax_with_storage(opt), treedef, ranks)
 
   def forms(opt):
     """The steps of ``opt``'s optax forms, each run when first asked for
     (none for None)."""
     return () if opt is None else (form_steps(opt, f) for f in (0, 1))
 
-  by_tx = steps(tx)
+  by_tx = _probe_steps(tx, treedef, ranks)
   optimizers = {rules[path] for path in owned}
   moves = lambda taken, leaves: any(
     np.asarray(step).any() for i in leaves for step in taken[i]
@@ -1060,6 +1058,23 @@ def _judged_probe(tx, owned, rules, treedef, ranks) -> LayerProbe:
     tuple(n for n, off in off_rule.items() if off),
     undecayed,
   )
+
+
+@functools.lru_cache(maxsize=256)
+def _probe_steps(tx, treedef, ranks) -> tuple:
+  """Per leaf of a tree of structure ``treedef`` whose leaves have
+  ``ranks`` dimensions: ``tx``'s update in each probe step (the layers'
+  rules' optax forms, shared by equal optimizers, are stepped once)."""
+  probe = lambda values: jax.tree.unflatten(
+    treedef, [jnp.asarray(_probe_of_rank(values, r)) for r in ranks]
+  )
+  params = probe(_PROBE_KERNEL)
+  state, taken = tx.init(params), [[] for _ in ranks]
+  for g in _PROBE_GRADIENTS:
+    updates, state = tx.update(probe(g), state, params)
+    for i, step in enumerate(jax.tree.leaves(updates)):
+      taken[i].append(np.asarray(step))
+  return tuple(tuple(steps) for steps in taken)
 
 
 def _undecayed(optimizer):
