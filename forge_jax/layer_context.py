@@ -811,7 +811,8 @@ def recorded_key(path: tuple, kernel=None) -> tuple:
   path = tuple(path)
   if kernel is None or _backward_of(path, kernel) is not None:
     return path
-  for key, records in _EVENTS.backward_records.items():
+  # The latest keys first: the backward that read ``kernel`` is recent.
+  for key, records in reversed(_EVENTS.backward_records.items()):
     if any(record[0]() is kernel for record in records):
       return key
   return path

@@ -476,7 +476,7 @@ def _same_rule(tx, optimizer) -> bool | None:
   ``fj.optax_with_storage(optimizer)`` does (None: ``tx`` cannot run on
   the probe, e.g. it labels parameters by name, or leaves it where it is:
   a freezing label that reaches the probe says nothing of the rule)."""
-  if is_rule_form(tx, optimizer):
+  if _is_rule_form(tx, optimizer):
     return True
   try:
     # Eagerly, also while a train step traces: the probe is concrete.
@@ -493,7 +493,7 @@ def _same_rule(tx, optimizer) -> bool | None:
   return False
 
 
-def is_rule_form(tx, optimizer) -> bool:
+def _is_rule_form(tx, optimizer) -> bool:
   """Whether ``tx`` is ``optimizer.to_optax()`` or
   ``fj.optax_with_storage(optimizer)`` itself (each shared by equal
   optimizers): it steps by ``optimizer``'s rule, without a probe."""
@@ -989,7 +989,7 @@ def _probe_layers(
     return LayerProbe((), ())
   rules = dict(layers)
   owning = {rules[path] for path in owned}
-  if len(owning) == 1 and is_rule_form(tx, *owning):
+  if len(owning) == 1 and _is_rule_form(tx, *owning):
     return LayerProbe((), ())
   try:
     # Eagerly, also while a train step traces: the probe is concrete.
