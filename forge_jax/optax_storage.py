@@ -29,7 +29,6 @@ doubles a parameter.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -38,7 +37,11 @@ import optax
 
 from forge_jax import quantization
 from forge_jax.ops.update import apply_update
-from forge_jax.optimizers import ForgeOptimizer, not_elementwise_message
+from forge_jax.optimizers import (
+  ForgeOptimizer,
+  not_elementwise_message,
+  shared_by_equal_optimizers,
+)
 
 
 class StoredOptaxState(NamedTuple):
@@ -83,19 +86,7 @@ def optax_with_storage(
   """
   if not isinstance(optimizer, ForgeOptimizer):
     raise TypeError(not_elementwise_message(optimizer))
-  try:
-    return _shared(optimizer, id(getattr(optimizer, "mask", None)))
-  except TypeError:  # an unhashable field: a new transformation
-    return _with_storage(optimizer)
-
-
-@functools.lru_cache(maxsize=256)
-def _shared(optimizer: ForgeOptimizer, mask_id: int):
-  """:func:`_with_storage` of ``optimizer``; ``mask_id`` tells masks apart
-  (the cached optimizer holds its mask, so the id is not reused while
-  cached)."""
-  del mask_id
-  return _with_storage(optimizer)
+  return shared_by_equal_optimizers(_with_storage, optimizer)
 
 
 def _with_storage(optimizer: ForgeOptimizer) -> optax.GradientTransformation:

@@ -265,22 +265,30 @@ class ForgeOptimizer(abc.ABC):
     Equal optimizers with the same ``mask`` object (which equality leaves
     out) share one alias object, which ``fj.TrainState`` then knows as
     their rule without stepping a probe through it again."""
-    try:
-      return _shared_optax_alias(self, id(getattr(self, "mask", None)))
-    except TypeError:  # an unhashable field: a new alias
-      return self.optax_alias()
+    return shared_by_equal_optimizers(type(self).optax_alias, self)
 
   @abc.abstractmethod
   def optax_alias(self) -> optax.GradientTransformation:
     """A new optax alias with the same arguments."""
 
 
+def shared_by_equal_optimizers(make: Callable, optimizer: ForgeOptimizer):
+  """``make(optimizer)``, one object for equal optimizers with the same
+  ``mask`` object (which equality leaves out); a new one where a field is
+  unhashable. ``fj.TrainState`` knows such a shared transformation as the
+  optimizer's rule by identity."""
+  try:
+    return _shared(make, optimizer, id(getattr(optimizer, "mask", None)))
+  except TypeError:  # an unhashable field
+    return make(optimizer)
+
+
 @functools.lru_cache(maxsize=256)
-def _shared_optax_alias(optimizer: ForgeOptimizer, mask_id: int):
-  """``optimizer``'s alias; ``mask_id`` tells masks apart (the cached
+def _shared(make: Callable, optimizer: ForgeOptimizer, mask_id: int):
+  """``make(optimizer)``; ``mask_id`` tells masks apart (the cached
   optimizer holds its mask, so the id is not reused while cached)."""
   del mask_id
-  return optimizer.optax_alias()
+  return make(optimizer)
 
 
 # ---------------------------------------------------------------------------
